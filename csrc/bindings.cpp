@@ -1,0 +1,162 @@
+// The one pybind11 translation unit: pippy_xla._C.
+#include <torch/extension.h>
+
+#include "engine.h"
+#include "schedule.h"
+#include "stash.h"
+
+namespace py = pybind11;
+using namespace pippy_xla;
+
+namespace {
+
+Op parse_op(const std::string& name) {
+  for (Op op : {Op::F, Op::B, Op::W, Op::SEND_F, Op::RECV_F, Op::SEND_B, Op::RECV_B})
+    if (name == op_name(op)) return op;
+  TORCH_CHECK(false, "unknown action '", name, "'; expected one of F B W SF RF SB RB");
+}
+
+using PyAction = std::tuple<std::string, int32_t, int32_t>;
+
+PyAction to_py(const Action& a) { return {op_name(a.op), a.stage, a.mb}; }
+
+std::vector<std::vector<PyAction>> actions_to_py(const Schedule& s) {
+  std::vector<std::vector<PyAction>> out;
+  for (const auto& rank : s.actions) {
+    out.emplace_back();
+    for (const auto& a : rank) out.back().push_back(to_py(a));
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "pippy_xla C++ core: schedules, stash, engine";
+
+  py::class_<Schedule>(m, "Schedule")
+      .def(py::init([](std::string name, int32_t num_ranks, int32_t num_microbatches,
+                       std::vector<int32_t> stage_rank,
+                       std::vector<std::vector<PyAction>> actions, bool backward,
+                       bool split_backward) {
+             Schedule s;
+             s.name = std::move(name);
+             s.num_ranks = num_ranks;
+             s.num_stages = static_cast<int32_t>(stage_rank.size());
+             s.num_microbatches = num_microbatches;
+             s.stage_rank = std::move(stage_rank);
+             s.backward = backward;
+             s.split_backward = split_backward;
+             for (const auto& rank : actions) {
+               s.actions.emplace_back();
+               for (const auto& [op, stage, mb] : rank)
+                 s.actions.back().push_back({parse_op(op), stage, mb});
+             }
+             return s;
+           }),
+           py::arg("name"), py::arg("num_ranks"), py::arg("num_microbatches"),
+           py::arg("stage_rank"), py::arg("actions"), py::arg("backward") = true,
+           py::arg("split_backward") = false)
+      .def_readonly("name", &Schedule::name)
+      .def_readonly("num_ranks", &Schedule::num_ranks)
+      .def_readonly("num_stages", &Schedule::num_stages)
+      .def_readonly("num_microbatches", &Schedule::num_microbatches)
+      .def_readonly("backward", &Schedule::backward)
+      .def_readonly("split_backward", &Schedule::split_backward)
+      .def_readonly("stage_rank", &Schedule::stage_rank)
+      .def_property_readonly("actions", &actions_to_py)
+      .def("table", &Schedule::table)
+      .def("stages_of", &Schedule::stages_of)
+      .def("validate", [](const Schedule& s) { validate(s); })
+      .def(
+          "simulate",
+          [](const Schedule& s, std::vector<double> forward, std::vector<double> backward,
+             std::vector<double> weight, double comm) {
+            SimResult r = simulate(s, Costs{std::move(forward), std::move(backward),
+                                            std::move(weight), comm});
+            py::list timeline;
+            for (const auto& t : r.timeline)
+              timeline.append(py::make_tuple(t.rank, op_name(t.action.op), t.action.stage,
+                                             t.action.mb, t.start, t.end));
+            py::dict d;
+            d["timeline"] = timeline;
+            d["makespan"] = r.makespan;
+            d["bubble"] = r.bubble;
+            d["peak_inflight"] = r.peak_inflight;
+            return d;
+          },
+          py::arg("forward") = std::vector<double>{}, py::arg("backward") = std::vector<double>{},
+          py::arg("weight") = std::vector<double>{}, py::arg("comm") = 0.0);
+
+  m.def("make_schedule", &make_schedule, py::arg("name"), py::arg("num_ranks"),
+        py::arg("num_microbatches"));
+  m.def("schedule_names", &schedule_names);
+
+  py::class_<Stash>(m, "Stash")
+      .def(py::init<>())
+      .def("push",
+           [](Stash& s, int64_t stage, int64_t mb, std::vector<at::Tensor> inputs,
+              std::vector<at::Tensor> outputs) {
+             s.push(stage, mb, StashSlot{std::move(inputs), std::move(outputs)});
+           })
+      .def("pop",
+           [](Stash& s, int64_t stage, int64_t mb) {
+             StashSlot slot = s.pop(stage, mb);
+             return py::make_tuple(slot.inputs, slot.outputs);
+           })
+      .def("peek",
+           [](const Stash& s, int64_t stage, int64_t mb) {
+             const StashSlot& slot = s.peek(stage, mb);
+             return py::make_tuple(slot.inputs, slot.outputs);
+           })
+      .def("contains", &Stash::contains)
+      .def("__len__", &Stash::size)
+      .def_property_readonly("live_bytes", &Stash::live_bytes)
+      .def_property_readonly("peak_bytes", &Stash::peak_bytes)
+      .def("reset_peak", &Stash::reset_peak)
+      .def("check_empty", &Stash::check_empty);
+
+  py::class_<Engine>(m, "Engine")
+      .def(py::init([](Schedule schedule, std::string group_name, int64_t timeout_ms,
+                       const std::string& device) {
+             return std::make_unique<Engine>(
+                 std::move(schedule),
+                 EngineOptions{std::move(group_name), timeout_ms, c10::Device(device)});
+           }),
+           py::arg("schedule"), py::arg("group_name"), py::arg("timeout_ms"),
+           py::arg("device") = "cpu")
+      .def(
+          "run",
+          [](Engine& e, int64_t signature, py::function forward) {
+            StageFn fn = [&forward](int64_t stage, int64_t mb, std::vector<at::Tensor> inputs) {
+              py::gil_scoped_acquire gil;
+              return forward(stage, mb, std::move(inputs)).cast<std::vector<at::Tensor>>();
+            };
+            py::gil_scoped_release nogil;
+            e.run(signature, fn);
+          },
+          py::arg("signature"), py::arg("forward"))
+      .def_property_readonly("rank", &Engine::rank)
+      .def_property_readonly("schedule", &Engine::schedule)
+      .def("knows", &Engine::knows)
+      .def("input_specs",
+           [](const Engine& e, int64_t signature, int64_t stage, int64_t mb) {
+             py::list out;
+             for (const auto& s : e.input_specs(signature, stage, mb))
+               out.append(py::make_tuple(s.shape, c10::toString(s.dtype), s.requires_grad));
+             return out;
+           })
+      .def("timings",
+           [](const Engine& e) {
+             py::list out;
+             for (const auto& t : e.timings())
+               out.append(py::make_tuple(op_name(t.action.op), t.action.stage, t.action.mb,
+                                         t.start_ns, t.end_ns));
+             return out;
+           })
+      .def_property_readonly("stash_live_bytes",
+                             [](const Engine& e) { return e.stash().live_bytes(); })
+      .def_property_readonly("stash_peak_bytes",
+                             [](const Engine& e) { return e.stash().peak_bytes(); })
+      .def("reset_stash_peak", [](Engine& e) { e.stash().reset_peak(); });
+}

@@ -1,0 +1,317 @@
+#include "engine.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/ones_like.h>
+#include <ATen/ops/zeros_like.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <sstream>
+
+namespace pippy_xla {
+
+namespace {
+
+constexpr int64_t kHeaderLen = 512;
+constexpr int64_t kMaxBoundaryTensors = 64;
+enum TagKind { kActivation = 0, kGradient = 1, kHeader = 2 };
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+TensorSpec spec_of(const at::Tensor& t) {
+  return TensorSpec{t.sizes().vec(), t.scalar_type(), t.requires_grad()};
+}
+
+std::string specs_str(const std::vector<TensorSpec>& specs) {
+  std::ostringstream os;
+  os << "[";
+  for (size_t i = 0; i < specs.size(); ++i) os << (i ? ", " : "") << specs[i].str();
+  os << "]";
+  return os.str();
+}
+
+at::Tensor encode_header(const std::vector<TensorSpec>& specs, const std::string& where) {
+  std::vector<int64_t> h{static_cast<int64_t>(specs.size())};
+  for (const auto& s : specs) {
+    h.push_back(static_cast<int64_t>(s.dtype));
+    h.push_back(s.requires_grad ? 1 : 0);
+    h.push_back(static_cast<int64_t>(s.shape.size()));
+    h.insert(h.end(), s.shape.begin(), s.shape.end());
+  }
+  TORCH_CHECK(static_cast<int64_t>(h.size()) <= kHeaderLen, where,
+              ": boundary specs too large for one header: ", specs_str(specs));
+  auto out = at::zeros({kHeaderLen}, at::TensorOptions().dtype(at::kLong));
+  std::copy(h.begin(), h.end(), out.data_ptr<int64_t>());
+  return out;
+}
+
+std::vector<TensorSpec> decode_header(const at::Tensor& header) {
+  const int64_t* h = header.data_ptr<int64_t>();
+  std::vector<TensorSpec> specs(static_cast<size_t>(h[0]));
+  int64_t i = 1;
+  for (auto& s : specs) {
+    s.dtype = static_cast<at::ScalarType>(h[i++]);
+    s.requires_grad = h[i++] != 0;
+    const int64_t nd = h[i++];
+    s.shape.assign(h + i, h + i + nd);
+    i += nd;
+  }
+  return specs;
+}
+
+}  // namespace
+
+std::string TensorSpec::str() const {
+  std::ostringstream os;
+  os << c10::toString(dtype) << c10::IntArrayRef(shape) << (requires_grad ? " requires_grad" : "");
+  return os.str();
+}
+
+Engine::Engine(Schedule schedule, EngineOptions options)
+    : schedule_(std::move(schedule)), options_(std::move(options)) {
+  validate(schedule_);
+  rank_ = group_rank(options_.group_name);
+  const int64_t size = group_size(options_.group_name);
+  TORCH_CHECK(size == schedule_.num_ranks, "schedule '", schedule_.name, "' is for ",
+              schedule_.num_ranks, " ranks but process group '", options_.group_name, "' has ",
+              size);
+  TORCH_CHECK(options_.timeout_ms > 0, "timeout must be positive, got ", options_.timeout_ms,
+              " ms");
+}
+
+std::vector<TensorSpec> Engine::input_specs(int64_t signature, int64_t stage, int64_t mb) const {
+  auto it = specs_.find(signature);
+  TORCH_CHECK(it != specs_.end(), "no specs recorded for signature ", signature);
+  auto jt = it->second.in.find({stage, mb});
+  return jt == it->second.in.end() ? std::vector<TensorSpec>{} : jt->second;
+}
+
+std::string Engine::where(const Action& a, const char* what) const {
+  return c10::str("[rank ", rank_, " stage ", a.stage, "] ", op_name(a.op), " microbatch ", a.mb,
+                  ": ", what);
+}
+
+int64_t Engine::tag(int kind, int64_t stage, int64_t mb, int64_t idx) const {
+  return ((stage * schedule_.num_microbatches + mb) * 3 + kind) * kMaxBoundaryTensors + idx;
+}
+
+std::vector<at::Tensor> Engine::wait_all(std::vector<Transfer>& ts) {
+  std::vector<at::Tensor> out;
+  out.reserve(ts.size());
+  for (auto& t : ts) out.push_back(t.wait(std::chrono::milliseconds(options_.timeout_ms)));
+  ts.clear();
+  return out;
+}
+
+void Engine::run(int64_t signature, const StageFn& forward) {
+  TORCH_CHECK(!broken_, "[rank ", rank_, "] the pipeline engine failed in an earlier step and ",
+              "its peers were left mid-step; restart the job");
+  StepState st;
+  st.discover = !specs_.count(signature);
+  SignatureSpecs fresh;
+  st.specs = st.discover ? &fresh : &specs_.at(signature);
+  timings_.clear();
+  timings_.reserve(schedule_.actions[rank_].size());
+  try {
+    for (const Action& a : schedule_.actions[rank_]) {
+      const int64_t t0 = now_ns();
+      switch (a.op) {
+        case Op::RECV_F: do_recv_f(st, a); break;
+        case Op::F: do_forward(st, a, forward); break;
+        case Op::SEND_F: do_send_f(st, a); break;
+        case Op::RECV_B: do_recv_b(st, a); break;
+        case Op::B: do_backward(st, a); break;
+        case Op::SEND_B: do_send_b(st, a); break;
+        case Op::W:
+          TORCH_CHECK(false, where(a, "split backward is not supported by this engine yet"));
+      }
+      timings_.push_back({a, t0, now_ns()});
+      while (!st.sends.empty() && st.sends.front().completed()) st.sends.pop_front();
+    }
+    for (auto& t : st.sends) t.wait(std::chrono::milliseconds(options_.timeout_ms));
+    st.sends.clear();
+    if (schedule_.backward) stash_.check_empty();
+  } catch (...) {
+    broken_ = true;
+    stash_.clear();
+    failed_.push_back(std::make_unique<StepState>(std::move(st)));
+    throw;
+  }
+  if (st.discover) specs_.emplace(signature, std::move(fresh));
+}
+
+void Engine::do_recv_f(StepState& st, const Action& a) {
+  const int64_t peer = schedule_.stage_rank[a.stage - 1];
+  if (st.discover) {
+    auto buf = at::empty({kHeaderLen}, at::TensorOptions().dtype(at::kLong));
+    st.headers.emplace(Slot{a.stage, a.mb},
+                       irecv(buf, peer, tag(kHeader, a.stage, a.mb, 0), options_.group_name,
+                             where(a, c10::str("receive of the boundary header from rank ", peer)
+                                          .c_str())));
+  } else {
+    post_activation_recvs(st, a);
+  }
+}
+
+void Engine::post_activation_recvs(StepState& st, const Action& a) {
+  const int64_t peer = schedule_.stage_rank[a.stage - 1];
+  const Slot slot{a.stage, a.mb};
+  auto& ts = st.recv_f[slot];
+  const auto& specs = st.specs->in.at(slot);
+  for (size_t i = 0; i < specs.size(); ++i) {
+    auto buf = at::empty(specs[i].shape,
+                         at::TensorOptions().dtype(specs[i].dtype).device(options_.device));
+    ts.push_back(irecv(buf, peer, tag(kActivation, a.stage, a.mb, i), options_.group_name,
+                       where(a, c10::str("receive of activation ", i, " from rank ", peer).c_str())));
+  }
+}
+
+void Engine::do_forward(StepState& st, const Action& a, const StageFn& forward) {
+  const Slot slot{a.stage, a.mb};
+  std::vector<at::Tensor> inputs;
+  if (a.stage > 0 && schedule_.stage_rank[a.stage - 1] != rank_) {
+    if (st.discover) {
+      auto it = st.headers.find(slot);
+      TORCH_CHECK(it != st.headers.end(), where(a, "no header receive was posted"));
+      auto specs = decode_header(it->second.wait(std::chrono::milliseconds(options_.timeout_ms)));
+      st.headers.erase(it);
+      st.specs->in[slot] = std::move(specs);
+      post_activation_recvs(st, a);
+    }
+    inputs = wait_all(st.recv_f[slot]);
+    st.recv_f.erase(slot);
+    const auto& specs = st.specs->in.at(slot);
+    for (size_t i = 0; i < inputs.size(); ++i)
+      if (specs[i].requires_grad) inputs[i].requires_grad_(true);
+  } else if (a.stage > 0) {
+    inputs = std::move(st.local_in.at(slot));
+    st.local_in.erase(slot);
+  }
+  std::vector<at::Tensor> outputs = forward(a.stage, a.mb, inputs);
+  const bool last = a.stage == schedule_.num_stages - 1;
+  if (!last) {
+    TORCH_CHECK(static_cast<int64_t>(outputs.size()) <= kMaxBoundaryTensors,
+                where(a, "too many boundary tensors"));
+    std::vector<TensorSpec> specs;
+    for (const auto& o : outputs) {
+      TORCH_CHECK(o.defined(), where(a, "stage returned an undefined tensor"));
+      specs.push_back(spec_of(o));
+    }
+    auto& known = st.specs->out[slot];
+    if (st.discover) {
+      known = specs;
+    } else {
+      TORCH_CHECK(known == specs,
+                  where(a, c10::str("stage outputs are ", specs_str(specs), " but stage ",
+                                    a.stage + 1, " expects ", specs_str(known),
+                                    " (agreed the first time this batch shape was seen); boundary "
+                                    "tensors must depend only on the batch's shapes")
+                               .c_str()));
+    }
+    if (schedule_.stage_rank[a.stage + 1] == rank_) {
+      auto& next = st.local_in[{a.stage + 1, a.mb}];
+      for (const auto& o : outputs) next.push_back(o.detach().requires_grad_(o.requires_grad()));
+      st.specs->in[{a.stage + 1, a.mb}] = specs;
+    }
+  }
+  if (schedule_.backward) stash_.push(a.stage, a.mb, StashSlot{inputs, outputs});
+  st.fwd_out[slot] = std::move(outputs);
+}
+
+void Engine::do_send_f(StepState& st, const Action& a) {
+  const Slot slot{a.stage, a.mb};
+  const int64_t peer = schedule_.stage_rank[a.stage + 1];
+  auto outputs = std::move(st.fwd_out.at(slot));
+  st.fwd_out.erase(slot);
+  if (st.discover) {
+    st.sends.push_back(isend(encode_header(st.specs->out.at(slot), where(a, "header")), peer,
+                             tag(kHeader, a.stage + 1, a.mb, 0), options_.group_name,
+                             where(a, c10::str("send of the boundary header to rank ", peer).c_str())));
+  }
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    st.sends.push_back(isend(outputs[i].detach().contiguous(), peer,
+                             tag(kActivation, a.stage + 1, a.mb, i), options_.group_name,
+                             where(a, c10::str("send of activation ", i, " to rank ", peer).c_str())));
+  }
+}
+
+void Engine::do_recv_b(StepState& st, const Action& a) {
+  const Slot slot{a.stage, a.mb};
+  const int64_t peer = schedule_.stage_rank[a.stage + 1];
+  auto& ts = st.recv_b[slot];
+  const auto& specs = st.specs->out.at(slot);
+  for (size_t i = 0; i < specs.size(); ++i) {
+    if (!specs[i].requires_grad) continue;
+    auto buf = at::empty(specs[i].shape,
+                         at::TensorOptions().dtype(specs[i].dtype).device(options_.device));
+    ts.push_back(irecv(buf, peer, tag(kGradient, a.stage, a.mb, i), options_.group_name,
+                       where(a, c10::str("receive of gradient ", i, " from rank ", peer).c_str())));
+  }
+}
+
+void Engine::do_backward(StepState& st, const Action& a) {
+  const Slot slot{a.stage, a.mb};
+  StashSlot saved = stash_.pop(a.stage, a.mb);
+  std::vector<at::Tensor> roots, grads;
+  if (a.stage == schedule_.num_stages - 1) {
+    for (const auto& o : saved.outputs) {
+      if (!o.requires_grad()) continue;
+      roots.push_back(o);
+      grads.push_back(at::ones_like(o));
+    }
+    TORCH_CHECK(!roots.empty(), where(a, "the last stage's outputs do not require grad; is the "
+                                         "loss detached, or did forward run under no_grad?"));
+  } else {
+    std::vector<at::Tensor> incoming;
+    if (schedule_.stage_rank[a.stage + 1] == rank_) {
+      incoming = std::move(st.local_grads.at(slot));
+      st.local_grads.erase(slot);
+    } else {
+      incoming = wait_all(st.recv_b.at(slot));
+      st.recv_b.erase(slot);
+    }
+    size_t j = 0;
+    for (const auto& o : saved.outputs) {
+      if (!o.requires_grad()) continue;
+      TORCH_CHECK(j < incoming.size(), where(a, "fewer gradients than outputs requiring grad"));
+      roots.push_back(o);
+      grads.push_back(incoming[j++]);
+    }
+  }
+  if (!roots.empty()) torch::autograd::backward(roots, grads);
+  std::vector<at::Tensor> input_grads;
+  for (const auto& in : saved.inputs) {
+    if (!in.requires_grad()) continue;
+    at::Tensor g = in.grad();
+    input_grads.push_back(g.defined() ? g : at::zeros_like(in));
+  }
+  if (a.stage == 0) return;
+  if (schedule_.stage_rank[a.stage - 1] == rank_) {
+    st.local_grads[{a.stage - 1, a.mb}] = std::move(input_grads);
+  } else {
+    st.grads_out[slot] = std::move(input_grads);
+  }
+}
+
+void Engine::do_send_b(StepState& st, const Action& a) {
+  const Slot slot{a.stage, a.mb};
+  const int64_t peer = schedule_.stage_rank[a.stage - 1];
+  auto grads = std::move(st.grads_out.at(slot));
+  st.grads_out.erase(slot);
+  // Gradient i goes to the i-th input that requires grad, which is output i' of the previous
+  // stage; the receiver numbers its gradient receives by output index, so map back.
+  const auto& specs = st.specs->in.at(slot);
+  size_t j = 0;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    if (!specs[i].requires_grad) continue;
+    st.sends.push_back(isend(grads.at(j++).contiguous(), peer, tag(kGradient, a.stage - 1, a.mb, i),
+                             options_.group_name,
+                             where(a, c10::str("send of gradient ", i, " to rank ", peer).c_str())));
+  }
+}
+
+}  // namespace pippy_xla

@@ -1,0 +1,105 @@
+// Executes one rank's action list (see schedule.h) every step.
+// [Note: boundary specs] Shapes, dtypes and requires_grad of the tensors that cross a stage
+// boundary are agreed once per batch signature: the first step with a new signature sends a small
+// int64 header before each microbatch's activations, and the receiver records it; later steps
+// post receives straight from the recorded specs, and a sender whose outputs differ from them fails
+// with an error instead of letting the transport see mismatched byte counts.
+#pragma once
+
+#include "ops/p2p.h"
+#include "schedule.h"
+#include "stash.h"
+
+#include <c10/core/Device.h>
+
+#include <chrono>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace pippy_xla {
+
+struct TensorSpec {
+  std::vector<int64_t> shape;
+  at::ScalarType dtype = at::kFloat;
+  bool requires_grad = false;
+  bool operator==(const TensorSpec& o) const {
+    return shape == o.shape && dtype == o.dtype && requires_grad == o.requires_grad;
+  }
+  std::string str() const;
+};
+
+// forward(stage, microbatch, inputs) -> outputs. On the last stage the outputs that require grad
+// are the backward roots (the microbatch loss).
+using StageFn = std::function<std::vector<at::Tensor>(int64_t, int64_t, std::vector<at::Tensor>)>;
+
+struct EngineOptions {
+  std::string group_name;
+  int64_t timeout_ms = 300000;
+  c10::Device device = c10::Device(c10::kCPU);
+};
+
+struct ActionTiming {
+  Action action;
+  int64_t start_ns;  // system clock, so ranks on one host share a time base
+  int64_t end_ns;
+};
+
+class Engine {
+ public:
+  Engine(Schedule schedule, EngineOptions options);
+
+  // Runs one step of the schedule. `signature` identifies the batch's shapes and dtypes and must
+  // be the same on every rank (the caller checks that). Throws on any error; the engine then
+  // refuses further steps, since peers are left mid-step.
+  void run(int64_t signature, const StageFn& forward);
+
+  const Schedule& schedule() const { return schedule_; }
+  int64_t rank() const { return rank_; }
+  const std::vector<ActionTiming>& timings() const { return timings_; }
+  const Stash& stash() const { return stash_; }
+  Stash& stash() { return stash_; }
+  bool knows(int64_t signature) const { return specs_.count(signature) > 0; }
+  // Specs of the tensors entering `stage` for `mb` under `signature` (for tests and tools).
+  std::vector<TensorSpec> input_specs(int64_t signature, int64_t stage, int64_t mb) const;
+
+ private:
+  using Slot = std::pair<int64_t, int64_t>;  // (stage, microbatch)
+  struct SignatureSpecs {
+    std::map<Slot, std::vector<TensorSpec>> in;   // tensors entering (stage, mb)
+    std::map<Slot, std::vector<TensorSpec>> out;  // tensors leaving (stage, mb) forward
+  };
+  struct StepState {
+    bool discover = false;
+    SignatureSpecs* specs = nullptr;
+    std::map<Slot, Transfer> headers;                    // discovery: posted header receives
+    std::map<Slot, std::vector<Transfer>> recv_f, recv_b;
+    std::map<Slot, std::vector<at::Tensor>> fwd_out, local_in, grads_out, local_grads;
+    std::deque<Transfer> sends;
+  };
+
+  void do_recv_f(StepState& st, const Action& a);
+  void post_activation_recvs(StepState& st, const Action& a);
+  void do_forward(StepState& st, const Action& a, const StageFn& forward);
+  void do_send_f(StepState& st, const Action& a);
+  void do_recv_b(StepState& st, const Action& a);
+  void do_backward(StepState& st, const Action& a);
+  void do_send_b(StepState& st, const Action& a);
+  std::vector<at::Tensor> wait_all(std::vector<Transfer>& ts);
+  std::string where(const Action& a, const char* what) const;
+  int64_t tag(int kind, int64_t stage, int64_t mb, int64_t idx) const;
+
+  Schedule schedule_;
+  EngineOptions options_;
+  int64_t rank_ = 0;
+  std::map<int64_t, SignatureSpecs> specs_;
+  Stash stash_;
+  std::vector<ActionTiming> timings_;
+  bool broken_ = false;
+  std::vector<std::unique_ptr<StepState>> failed_;  // transfers of failed steps stay alive: peers may still write
+};
+
+}  // namespace pippy_xla

@@ -1,0 +1,166 @@
+// The `pippy_xla` op namespace: functional, token-ordered send/recv over c10d.
+// See [Note: one send/recv implementation] in p2p.h.
+#include "p2p.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/scalar_tensor.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/library.h>
+
+#include <atomic>
+#include <mutex>
+#include <unordered_map>
+
+namespace pippy_xla {
+
+Transfer::Transfer(c10::intrusive_ptr<c10d::Work> work, at::Tensor tensor, std::string what)
+    : work_(std::move(work)), tensor_(std::move(tensor)), what_(std::move(what)) {}
+
+Transfer::~Transfer() = default;
+Transfer::Transfer(Transfer&&) noexcept = default;
+Transfer& Transfer::operator=(Transfer&&) noexcept = default;
+
+bool Transfer::completed() const { return !work_ || work_->isCompleted(); }
+
+at::Tensor Transfer::wait(std::chrono::milliseconds timeout) {
+  TORCH_CHECK(work_, what_, ": waited twice or never posted");
+  bool ok = false;
+  try {
+    ok = work_->wait(timeout);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, what_, " failed: ", e.what(),
+                " (the peer may have died or raised an error; see its log)");
+  }
+  TORCH_CHECK(ok, what_, " did not complete within ", timeout.count(),
+              " ms (the peer may be stuck or dead; raise `timeout` if it is just slow)");
+  work_.reset();
+  return tensor_;
+}
+
+namespace {
+
+c10::intrusive_ptr<c10d::ProcessGroup> group(const std::string& name) {
+  auto pg = c10d::resolve_process_group(name);
+  TORCH_CHECK(pg, "no process group registered under the name '", name, "'");
+  return pg;
+}
+
+void check_wire_tensor(const at::Tensor& t, const std::string& what) {
+  TORCH_CHECK(t.defined(), what, ": tensor is undefined");
+  TORCH_CHECK(t.layout() == at::kStrided && t.is_contiguous(), what,
+              ": only dense contiguous tensors can be transferred, got a tensor with strides ",
+              t.strides());
+}
+
+}  // namespace
+
+Transfer isend(const at::Tensor& tensor, int64_t peer, int64_t tag, const std::string& group_name,
+               std::string what) {
+  check_wire_tensor(tensor, what);
+  std::vector<at::Tensor> ts{tensor};
+  auto work = group(group_name)->send(ts, static_cast<int>(peer), static_cast<int>(tag));
+  return Transfer(std::move(work), tensor, std::move(what));
+}
+
+Transfer irecv(at::Tensor buffer, int64_t peer, int64_t tag, const std::string& group_name,
+               std::string what) {
+  check_wire_tensor(buffer, what);
+  std::vector<at::Tensor> ts{buffer};
+  auto work = group(group_name)->recv(ts, static_cast<int>(peer), static_cast<int>(tag));
+  return Transfer(std::move(work), std::move(buffer), std::move(what));
+}
+
+int64_t group_rank(const std::string& group_name) { return group(group_name)->getRank(); }
+int64_t group_size(const std::string& group_name) { return group(group_name)->getSize(); }
+
+namespace {
+
+// [Note: p2p tokens] An op-level transfer is identified by a token: a 0-d int64 CPU tensor holding
+// a key into this registry. Tokens order the ops (every op takes the previous token as `dep`), and
+// the registry owns the Transfer until a `wait_*` op consumes it.
+class TransferRegistry {
+ public:
+  static TransferRegistry& get() {
+    static TransferRegistry r;
+    return r;
+  }
+  at::Tensor add(Transfer t) {
+    const int64_t key = next_.fetch_add(1);
+    std::lock_guard<std::mutex> g(mu_);
+    live_.emplace(key, std::move(t));
+    return at::scalar_tensor(key, at::TensorOptions().dtype(at::kLong));
+  }
+  Transfer take(const at::Tensor& token) {
+    TORCH_CHECK(token.numel() == 1 && token.scalar_type() == at::kLong,
+                "pippy_xla: expected a transfer token (0-d int64 tensor), got ", token.sizes(), " ",
+                token.scalar_type());
+    const int64_t key = token.item<int64_t>();
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = live_.find(key);
+    TORCH_CHECK(it != live_.end(), "pippy_xla: token ", key,
+                " names no pending transfer (already waited, or never posted)");
+    Transfer t = std::move(it->second);
+    live_.erase(it);
+    return t;
+  }
+
+ private:
+  std::atomic<int64_t> next_{1};
+  std::mutex mu_;
+  std::unordered_map<int64_t, Transfer> live_;
+};
+
+std::string op_what(const char* op, int64_t peer, int64_t tag) {
+  return c10::str("pippy_xla::", op, " (peer ", peer, ", tag ", tag, ")");
+}
+
+at::Tensor send_kernel(const at::Tensor& x, const std::optional<at::Tensor>& /*dep*/, int64_t peer,
+                       int64_t tag, c10::string_view group_name) {
+  auto what = op_what("send", peer, tag);
+  return TransferRegistry::get().add(
+      isend(x.contiguous(), peer, tag, std::string(group_name), std::move(what)));
+}
+
+at::Tensor recv_kernel(const std::optional<at::Tensor>& /*dep*/, c10::SymIntArrayRef shape,
+                       at::ScalarType dtype, at::Device device, int64_t peer, int64_t tag,
+                       c10::string_view group_name) {
+  auto buffer = at::empty(C10_AS_INTARRAYREF_SLOW(shape), at::TensorOptions().dtype(dtype).device(device));
+  return TransferRegistry::get().add(
+      irecv(buffer, peer, tag, std::string(group_name), op_what("recv", peer, tag)));
+}
+
+at::Tensor wait_recv_kernel(const at::Tensor& token, c10::SymIntArrayRef shape,
+                            at::ScalarType dtype, int64_t timeout_ms) {
+  auto out = TransferRegistry::get().take(token).wait(std::chrono::milliseconds(timeout_ms));
+  TORCH_CHECK(out.sizes() == C10_AS_INTARRAYREF_SLOW(shape) && out.scalar_type() == dtype,
+              "pippy_xla::wait_recv: the token's buffer is ", out.sizes(), " ", out.scalar_type(),
+              " but the op was asked for ", shape, " ", dtype);
+  return out;
+}
+
+at::Tensor wait_send_kernel(const at::Tensor& token, int64_t timeout_ms) {
+  TransferRegistry::get().take(token).wait(std::chrono::milliseconds(timeout_ms));
+  return at::scalar_tensor(0, at::TensorOptions().dtype(at::kLong));
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pippy_xla, m) {
+  m.def("send(Tensor x, Tensor? dep, int peer, int tag, str group_name) -> Tensor");
+  m.def(
+      "recv(Tensor? dep, SymInt[] shape, ScalarType dtype, Device device, int peer, int tag, "
+      "str group_name) -> Tensor");
+  m.def("wait_recv(Tensor token, SymInt[] shape, ScalarType dtype, int timeout_ms) -> Tensor");
+  m.def("wait_send(Tensor token, int timeout_ms) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pippy_xla, CompositeExplicitAutograd, m) {
+  m.impl("send", send_kernel);
+  m.impl("recv", recv_kernel);
+  m.impl("wait_recv", wait_recv_kernel);
+  m.impl("wait_send", wait_send_kernel);
+}
+
+}  // namespace pippy_xla

@@ -1,0 +1,56 @@
+// Point-to-point transfers over a c10d process group, shared by the custom ops and the engine.
+// [Note: one send/recv implementation] The `pippy_xla::send/recv/wait_*` ops (p2p.cpp) and the
+// engine (engine.cpp) both go through `isend` / `irecv` below, so there is exactly one code path
+// that touches c10d.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace c10d {
+class Work;
+}  // namespace c10d
+
+namespace pippy_xla {
+
+// An in-flight transfer. Owns its c10d Work and keeps the tensor it reads from or writes into
+// alive until it completes (gloo and NCCL write into / read from the buffer asynchronously).
+class Transfer {
+ public:
+  Transfer() = default;
+  Transfer(c10::intrusive_ptr<c10d::Work> work, at::Tensor tensor, std::string what);
+  Transfer(Transfer&&) noexcept;
+  Transfer& operator=(Transfer&&) noexcept;
+  Transfer(const Transfer&) = delete;
+  Transfer& operator=(const Transfer&) = delete;
+  ~Transfer();
+
+  bool valid() const { return static_cast<bool>(work_); }
+  bool completed() const;
+  // Waits up to `timeout`; on failure throws a c10::Error that starts with `what` (which names
+  // rank, stage, microbatch and action). Returns the tensor (the received data for a receive).
+  at::Tensor wait(std::chrono::milliseconds timeout);
+  const at::Tensor& tensor() const { return tensor_; }
+  const std::string& what() const { return what_; }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> work_;
+  at::Tensor tensor_;
+  std::string what_;
+};
+
+// Posts an asynchronous send of one dense contiguous tensor to group-local rank `peer`.
+Transfer isend(const at::Tensor& tensor, int64_t peer, int64_t tag, const std::string& group_name,
+               std::string what);
+// Posts an asynchronous receive into `buffer` (dense, contiguous) from group-local rank `peer`.
+Transfer irecv(at::Tensor buffer, int64_t peer, int64_t tag, const std::string& group_name,
+               std::string what);
+
+int64_t group_rank(const std::string& group_name);
+int64_t group_size(const std::string& group_name);
+
+}  // namespace pippy_xla

@@ -1,0 +1,304 @@
+#include "schedule.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <map>
+#include <sstream>
+#include <tuple>
+
+namespace pippy_xla {
+
+const char* op_name(Op op) {
+  switch (op) {
+    case Op::F: return "F";
+    case Op::B: return "B";
+    case Op::W: return "W";
+    case Op::SEND_F: return "SF";
+    case Op::RECV_F: return "RF";
+    case Op::SEND_B: return "SB";
+    case Op::RECV_B: return "RB";
+  }
+  return "?";
+}
+
+std::string to_string(const Action& a) {
+  std::ostringstream os;
+  os << op_name(a.op) << a.stage << "." << a.mb;
+  return os.str();
+}
+
+std::vector<int32_t> Schedule::stages_of(int32_t rank) const {
+  std::vector<int32_t> out;
+  for (int32_t s = 0; s < num_stages; ++s)
+    if (stage_rank[s] == rank) out.push_back(s);
+  return out;
+}
+
+std::string Schedule::table() const {
+  std::ostringstream os;
+  for (int32_t r = 0; r < num_ranks; ++r) {
+    os << "rank " << r << ":";
+    for (const auto& a : actions[r]) os << " " << to_string(a);
+    os << "\n";
+  }
+  return os.str();
+}
+
+namespace {
+
+bool is_compute(Op op) { return op == Op::F || op == Op::B || op == Op::W; }
+
+// Turns per-rank compute orders into full action lists. Receives are posted one compute action
+// ahead of the computation that needs them (so the transfer overlaps that action), but a gradient
+// receive never before its own forward (its buffer's shape comes from that forward). Sends follow
+// the computation that produces their data.
+Schedule with_comms(Schedule s, const std::vector<std::vector<Action>>& compute) {
+  const int32_t last = s.num_stages - 1;
+  s.actions.assign(s.num_ranks, {});
+  for (int32_t r = 0; r < s.num_ranks; ++r) {
+    const auto& c = compute[r];
+    std::vector<std::vector<Action>> before(c.size());
+    std::map<std::pair<int32_t, int32_t>, size_t> f_index;
+    for (size_t i = 0; i < c.size(); ++i) {
+      const Action& a = c[i];
+      if (a.op == Op::F) f_index[{a.stage, a.mb}] = i;
+      size_t at = i == 0 ? 0 : i - 1;
+      if (a.op == Op::F && a.stage > 0 && s.stage_rank[a.stage - 1] != r) {
+        before[at].push_back({Op::RECV_F, a.stage, a.mb});
+      } else if (a.op == Op::B && a.stage < last && s.stage_rank[a.stage + 1] != r) {
+        at = std::max(at, f_index.at({a.stage, a.mb}) + 1);
+        before[at].push_back({Op::RECV_B, a.stage, a.mb});
+      }
+    }
+    auto& out = s.actions[r];
+    for (size_t i = 0; i < c.size(); ++i) {
+      const Action& a = c[i];
+      out.insert(out.end(), before[i].begin(), before[i].end());
+      out.push_back(a);
+      if (a.op == Op::F && a.stage < last && s.stage_rank[a.stage + 1] != r) {
+        out.push_back({Op::SEND_F, a.stage, a.mb});
+      } else if (a.op == Op::B && a.stage > 0 && s.stage_rank[a.stage - 1] != r) {
+        out.push_back({Op::SEND_B, a.stage, a.mb});
+      }
+    }
+  }
+  return s;
+}
+
+Schedule base(const std::string& name, int32_t ranks, int32_t mbs) {
+  TORCH_CHECK(ranks >= 1, "schedule '", name, "': need at least 1 rank, got ", ranks);
+  TORCH_CHECK(mbs >= 1, "schedule '", name, "': need at least 1 microbatch, got ", mbs);
+  Schedule s;
+  s.name = name;
+  s.num_ranks = ranks;
+  s.num_stages = ranks;
+  s.num_microbatches = mbs;
+  for (int32_t i = 0; i < ranks; ++i) s.stage_rank.push_back(i);
+  return s;
+}
+
+}  // namespace
+
+std::vector<std::string> schedule_names() { return {"1f1b", "gpipe", "forward"}; }
+
+Schedule make_schedule(const std::string& name, int32_t num_ranks, int32_t num_microbatches) {
+  Schedule s = base(name, num_ranks, num_microbatches);
+  const int32_t p = num_ranks, m = num_microbatches;
+  std::vector<std::vector<Action>> compute(p);
+  if (name == "1f1b") {
+    for (int32_t r = 0; r < p; ++r) {
+      const int32_t warmup = std::min(p - 1 - r, m);
+      auto& c = compute[r];
+      for (int32_t i = 0; i < warmup; ++i) c.push_back({Op::F, r, i});
+      for (int32_t i = 0; i < m - warmup; ++i) {
+        c.push_back({Op::F, r, warmup + i});
+        c.push_back({Op::B, r, i});
+      }
+      for (int32_t i = m - warmup; i < m; ++i) c.push_back({Op::B, r, i});
+    }
+  } else if (name == "gpipe" || name == "forward") {
+    s.backward = name == "gpipe";
+    for (int32_t r = 0; r < p; ++r) {
+      for (int32_t i = 0; i < m; ++i) compute[r].push_back({Op::F, r, i});
+      if (s.backward)
+        for (int32_t i = 0; i < m; ++i) compute[r].push_back({Op::B, r, i});
+    }
+  } else {
+    std::ostringstream os;
+    for (const auto& n : schedule_names()) os << " '" << n << "'";
+    TORCH_CHECK(false, "unknown schedule '", name, "'; known schedules:", os.str());
+  }
+  return with_comms(std::move(s), compute);
+}
+
+namespace {
+
+using Key = std::tuple<int, int32_t, int32_t>;  // (op, stage, mb)
+Key key(Op op, int32_t stage, int32_t mb) { return {static_cast<int>(op), stage, mb}; }
+
+void check_structure(const Schedule& s) {
+  TORCH_CHECK(s.num_ranks >= 1 && s.num_stages >= 1 && s.num_microbatches >= 1,
+              "schedule '", s.name, "': ranks, stages and microbatches must be >= 1");
+  TORCH_CHECK(static_cast<int32_t>(s.stage_rank.size()) == s.num_stages, "schedule '", s.name,
+              "': stage_rank has ", s.stage_rank.size(), " entries for ", s.num_stages, " stages");
+  TORCH_CHECK(static_cast<int32_t>(s.actions.size()) == s.num_ranks, "schedule '", s.name,
+              "': ", s.actions.size(), " action lists for ", s.num_ranks, " ranks");
+  TORCH_CHECK(!s.split_backward || s.backward, "schedule '", s.name,
+              "': split backward without backward");
+  const int32_t last = s.num_stages - 1;
+  // Expected count of each action, derived from the stage placement alone.
+  std::map<Key, int> expected;
+  for (int32_t st = 0; st < s.num_stages; ++st) {
+    const int32_t r = s.stage_rank[st];
+    TORCH_CHECK(r >= 0 && r < s.num_ranks, "schedule '", s.name, "': stage ", st,
+                " placed on rank ", r, " of ", s.num_ranks);
+    for (int32_t m = 0; m < s.num_microbatches; ++m) {
+      expected[key(Op::F, st, m)] = 1;
+      if (st < last && s.stage_rank[st + 1] != r) {
+        expected[key(Op::SEND_F, st, m)] = 1;
+        expected[key(Op::RECV_F, st + 1, m)] = 1;
+      }
+      if (!s.backward) continue;
+      expected[key(Op::B, st, m)] = 1;
+      if (s.split_backward) expected[key(Op::W, st, m)] = 1;
+      if (st > 0 && s.stage_rank[st - 1] != r) {
+        expected[key(Op::SEND_B, st, m)] = 1;
+        expected[key(Op::RECV_B, st - 1, m)] = 1;
+      }
+    }
+  }
+  std::map<Key, int> seen;
+  for (int32_t r = 0; r < s.num_ranks; ++r) {
+    std::map<Key, size_t> pos;
+    for (size_t i = 0; i < s.actions[r].size(); ++i) {
+      const Action& a = s.actions[r][i];
+      TORCH_CHECK(a.stage >= 0 && a.stage < s.num_stages && a.mb >= 0 &&
+                      a.mb < s.num_microbatches,
+                  "schedule '", s.name, "': rank ", r, " action ", to_string(a), " out of range");
+      TORCH_CHECK(s.stage_rank[a.stage] == r, "schedule '", s.name, "': rank ", r, " runs ",
+                  to_string(a), " but stage ", a.stage, " lives on rank ", s.stage_rank[a.stage]);
+      const Key k = key(a.op, a.stage, a.mb);
+      TORCH_CHECK(expected.count(k), "schedule '", s.name, "': rank ", r,
+                  " has an unexpected action ", to_string(a));
+      TORCH_CHECK(++seen[k] == 1, "schedule '", s.name, "': rank ", r, " repeats ", to_string(a));
+      pos[k] = i;
+    }
+    // Order constraints within the rank.
+    auto before = [&](Op a, Op b, int32_t st, int32_t m) {
+      auto ia = pos.find(key(a, st, m)), ib = pos.find(key(b, st, m));
+      if (ia == pos.end() || ib == pos.end()) return;
+      TORCH_CHECK(ia->second < ib->second, "schedule '", s.name, "': rank ", r, " runs ",
+                  to_string({b, st, m}), " before ", to_string({a, st, m}));
+    };
+    for (int32_t st : s.stages_of(r)) {
+      for (int32_t m = 0; m < s.num_microbatches; ++m) {
+        before(Op::RECV_F, Op::F, st, m);
+        before(Op::F, Op::SEND_F, st, m);
+        before(Op::F, Op::RECV_B, st, m);
+        before(Op::RECV_B, Op::B, st, m);
+        before(Op::F, Op::B, st, m);
+        before(Op::B, Op::SEND_B, st, m);
+        before(Op::B, Op::W, st, m);
+      }
+    }
+  }
+  for (const auto& kv : expected) {
+    if (!seen.count(kv.first)) {
+      const Action a{static_cast<Op>(std::get<0>(kv.first)), std::get<1>(kv.first),
+                     std::get<2>(kv.first)};
+      TORCH_CHECK(false, "schedule '", s.name, "': action ", to_string(a), " is missing on rank ",
+                  s.stage_rank[a.stage]);
+    }
+  }
+}
+
+}  // namespace
+
+SimResult simulate(const Schedule& s, const Costs& costs) {
+  check_structure(s);
+  const int32_t last = s.num_stages - 1;
+  auto cost_of = [&](const Action& a) -> double {
+    auto pick = [&](const std::vector<double>& v) {
+      return v.empty() ? 1.0 : v.at(std::min<size_t>(a.stage, v.size() - 1));
+    };
+    switch (a.op) {
+      case Op::F: return pick(costs.forward);
+      case Op::B: return pick(costs.backward);
+      case Op::W: return pick(costs.weight);
+      default: return 0.0;
+    }
+  };
+  std::map<Key, double> done;  // action -> end time
+  std::vector<size_t> pc(s.num_ranks, 0);
+  std::vector<double> clock(s.num_ranks, 0.0);
+  std::vector<int32_t> inflight(s.num_stages, 0);
+  SimResult res;
+  res.peak_inflight.assign(s.num_stages, 0);
+  double busy = 0.0;
+  auto end_of = [&](Op op, int32_t st, int32_t m, double* t) {
+    auto it = done.find(key(op, st, m));
+    if (it == done.end()) return false;
+    *t = it->second;
+    return true;
+  };
+  // Returns whether `a` can start, and the earliest time its inputs are there.
+  auto ready = [&](int32_t r, const Action& a, double* t) -> bool {
+    *t = 0.0;
+    switch (a.op) {
+      case Op::F:
+        if (a.stage == 0) return true;
+        if (s.stage_rank[a.stage - 1] == r) return end_of(Op::F, a.stage - 1, a.mb, t);
+        if (!end_of(Op::SEND_F, a.stage - 1, a.mb, t)) return false;
+        *t += costs.comm;
+        return true;
+      case Op::B:
+        if (!end_of(Op::F, a.stage, a.mb, t)) return false;
+        if (a.stage == last) return true;
+        if (s.stage_rank[a.stage + 1] == r) return end_of(Op::B, a.stage + 1, a.mb, t);
+        if (!end_of(Op::SEND_B, a.stage + 1, a.mb, t)) return false;
+        *t += costs.comm;
+        return true;
+      case Op::W: return end_of(Op::B, a.stage, a.mb, t);
+      case Op::SEND_F: return end_of(Op::F, a.stage, a.mb, t);
+      case Op::SEND_B: return end_of(Op::B, a.stage, a.mb, t);
+      case Op::RECV_F:
+      case Op::RECV_B: return true;
+    }
+    return false;
+  };
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (int32_t r = 0; r < s.num_ranks; ++r) {
+      while (pc[r] < s.actions[r].size()) {
+        const Action& a = s.actions[r][pc[r]];
+        double t = 0.0;
+        if (!ready(r, a, &t)) break;
+        const double start = std::max(clock[r], t);
+        const double end = start + cost_of(a);
+        clock[r] = end;
+        done[key(a.op, a.stage, a.mb)] = end;
+        res.timeline.push_back({a, r, start, end});
+        if (is_compute(a.op)) busy += end - start;
+        if (a.op == Op::F) {
+          res.peak_inflight[a.stage] = std::max(res.peak_inflight[a.stage], ++inflight[a.stage]);
+        }
+        if ((a.op == Op::B && !s.split_backward) || a.op == Op::W) --inflight[a.stage];
+        ++pc[r];
+        progress = true;
+      }
+    }
+  }
+  std::ostringstream blocked;
+  for (int32_t r = 0; r < s.num_ranks; ++r)
+    if (pc[r] < s.actions[r].size())
+      blocked << " rank " << r << " waits at " << to_string(s.actions[r][pc[r]]) << ";";
+  TORCH_CHECK(blocked.str().empty(), "schedule '", s.name, "' deadlocks:", blocked.str());
+  for (double c : clock) res.makespan = std::max(res.makespan, c);
+  res.bubble = res.makespan > 0 ? 1.0 - busy / (s.num_ranks * res.makespan) : 0.0;
+  return res;
+}
+
+void validate(const Schedule& s) { simulate(s, Costs{}); }
+
+}  // namespace pippy_xla

@@ -1,0 +1,74 @@
+// Pipeline schedules as data: one action IR shared by every schedule, a validator that proves an
+// action list dependency-complete and deadlock-free, and a simulator that turns per-action costs
+// into per-rank timelines.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace pippy_xla {
+
+// F: forward. B: backward (input and, unless the schedule splits backward, weight gradients).
+// W: weight gradients of a split backward. SEND_*/RECV_*: post an asynchronous transfer of the
+// activations (F) or gradients (B) of (stage, mb) to / from the neighbouring stage's rank; a
+// compute action waits for its receives, and sends are waited lazily.
+enum class Op : uint8_t { F, B, W, SEND_F, RECV_F, SEND_B, RECV_B };
+
+struct Action {
+  Op op;
+  int32_t stage;
+  int32_t mb;
+  bool operator==(const Action& o) const { return op == o.op && stage == o.stage && mb == o.mb; }
+};
+
+const char* op_name(Op op);
+std::string to_string(const Action& a);
+
+struct Schedule {
+  std::string name;
+  int32_t num_ranks = 0;
+  int32_t num_stages = 0;
+  int32_t num_microbatches = 0;
+  bool backward = true;         // false: forward only (evaluation)
+  bool split_backward = false;  // B computes input gradients only; W computes weight gradients
+  std::vector<int32_t> stage_rank;             // stage -> rank
+  std::vector<std::vector<Action>> actions;    // rank -> ordered actions
+
+  std::vector<int32_t> stages_of(int32_t rank) const;
+  // One line per rank, e.g. "rank 0: F0.0 SF0.0 F0.1 ..." (stage.microbatch).
+  std::string table() const;
+};
+
+// Names: "1f1b", "gpipe", "forward".
+std::vector<std::string> schedule_names();
+Schedule make_schedule(const std::string& name, int32_t num_ranks, int32_t num_microbatches);
+
+// Per-action costs for the simulator (any unit; the engine measures microseconds).
+struct Costs {
+  std::vector<double> forward;   // per stage
+  std::vector<double> backward;  // per stage (input + weight gradients unless split)
+  std::vector<double> weight;    // per stage (split backward only)
+  double comm = 0.0;             // latency from a send's post to the data being receivable
+};
+
+struct TimedAction {
+  Action action;
+  int32_t rank;
+  double start;
+  double end;
+};
+
+struct SimResult {
+  std::vector<TimedAction> timeline;  // in execution order
+  double makespan = 0.0;
+  double bubble = 0.0;  // 1 - busy compute time / (ranks * makespan)
+  std::vector<int32_t> peak_inflight;  // per stage: most forwards whose backward was pending
+};
+
+// Throws c10::Error naming the first problem: a missing, duplicated or misplaced action, a receive
+// without a send, or a deadlock (with the action each rank is blocked on).
+void validate(const Schedule& s);
+SimResult simulate(const Schedule& s, const Costs& costs);
+
+}  // namespace pippy_xla

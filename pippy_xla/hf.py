@@ -1,0 +1,182 @@
+"""HuggingFace transformers specifics for the partitioner, free of any model family.
+
+transformers 5.x has no fx tracer. The partitioner traces an HF model as a child of its own root
+module and relies on three facts kept here:
+
+- rotary-embedding modules are fx leaves (:func:`is_rotary_module`);
+- the module-level mask factories (``masking_utils.create_causal_mask`` and friends, imported into
+  each ``modeling_*`` module) are routed through leaf modules (:class:`MaskLeaf`) while tracing,
+  because they take a config object fx cannot record (:func:`patch_mask_functions`);
+- some inputs of those leaves are only read for their shape, dtype and device
+  (:data:`META_ONLY_MASK_KWARGS`, :func:`meta_only_rotary_arg`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "MASKS_ATTR",
+    "META_ONLY_MASK_KWARGS",
+    "MaskLeaf",
+    "find_configs",
+    "is_mask_function_name",
+    "is_rotary_module",
+    "make_mask_leaves",
+    "patch_mask_functions",
+]
+
+MASKS_ATTR = "pippy_masks"
+"""Attribute of the partitioner's root module holding the :class:`MaskLeaf` modules."""
+
+META_ONLY_MASK_KWARGS = ("inputs_embeds", "encoder_hidden_states")
+"""Keyword arguments of the mask factories that are read only for shape, dtype and device
+(``masking_utils`` documents ``inputs_embeds`` as "used only to infer the batch size, query length
+and dtype")."""
+
+
+def is_rotary_module(module: nn.Module) -> bool:
+    """Whether ``module`` is a rotary-embedding module (made an fx leaf).
+
+    Generic rule: a direct buffer named ``inv_freq`` or a class name ending in ``RotaryEmbedding``.
+    Rotary modules have data-dependent branches (dynamic / long RoPE) and an autocast context that
+    fx cannot capture; they read their first argument only for its dtype and device.
+    """
+    return "inv_freq" in module._buffers or type(module).__name__.endswith("RotaryEmbedding")
+
+
+def is_mask_function_name(name: str) -> bool:
+    """Whether a module global named ``name`` is a mask factory (``create_*mask*``)."""
+    return name.startswith("create_") and "mask" in name
+
+
+def _is_config(obj: Any) -> bool:
+    try:
+        from transformers import PretrainedConfig
+    except ImportError:  # pragma: no cover - transformers is optional for non-HF models
+        return False
+    return isinstance(obj, PretrainedConfig)
+
+
+class MaskLeaf(nn.Module):
+    """fx leaf calling one mask factory with a fixed config.
+
+    Only tensors, ``None`` and plain constants reach the graph; the config stays on the module.
+    At run time the leaf returns whatever the factory returns for the attention implementation in
+    the config: a boolean / additive float mask, or ``None`` when sdpa can use ``is_causal``
+    (no padding).
+    """
+
+    def __init__(self, fn: Callable[..., Any], config: Any) -> None:
+        super().__init__()
+        self.fn = fn
+        self.config = config
+
+    def forward(self, **kwargs: Any) -> Any:
+        return self.fn(config=self.config, **kwargs)
+
+    def extra_repr(self) -> str:
+        return f"fn={self.fn.__module__}.{self.fn.__qualname__}"
+
+
+def _modeling_modules(model: nn.Module) -> list[Any]:
+    """Python modules defining the classes of ``model``'s submodules, in ``named_modules`` order."""
+    names: list[str] = []
+    for _, mod in model.named_modules():
+        name = type(mod).__module__
+        if name not in names:
+            names.append(name)
+    return [sys.modules[n] for n in names if n in sys.modules]
+
+
+def _mask_functions(model: nn.Module) -> list[tuple[Any, str, Callable[..., Any]]]:
+    """``(python_module, global_name, function)`` for every mask factory global, sorted by name."""
+    found = []
+    for pymod in _modeling_modules(model):
+        for name in sorted(vars(pymod)):
+            obj = vars(pymod)[name]
+            if is_mask_function_name(name) and inspect.isfunction(obj):
+                found.append((pymod, name, obj))
+    return found
+
+
+def find_configs(model: nn.Module) -> list[Any]:
+    """Distinct HF config objects held by ``model``'s submodules, in ``named_modules`` order."""
+    configs: list[Any] = []
+    for _, mod in model.named_modules():
+        cfg = getattr(mod, "config", None)
+        if _is_config(cfg) and not any(cfg is c for c in configs):
+            configs.append(cfg)
+    return configs
+
+
+def make_mask_leaves(model: nn.Module) -> nn.ModuleDict:
+    """One :class:`MaskLeaf` per (mask factory, config); register it on the root before tracing.
+
+    Keys are the factory's name, suffixed with ``_<config index>`` when the model holds several
+    configs, so that leaf names (and the generated code) are deterministic.
+    """
+    configs = find_configs(model)
+    leaves = nn.ModuleDict()
+    for _, name, fn in _mask_functions(model):
+        for i, cfg in enumerate(configs):
+            key = name if len(configs) == 1 else f"{name}_{i}"
+            if key not in leaves:
+                leaves[key] = MaskLeaf(fn, cfg)
+    return leaves
+
+
+def _leaf_for(leaves: nn.ModuleDict, name: str, fn: Callable[..., Any], config: Any) -> MaskLeaf:
+    for leaf in leaves.values():
+        if leaf.fn is fn and leaf.config is config:
+            return leaf
+    raise ValueError(
+        f"{name} was called with a config object that no submodule of the model holds; the "
+        "partitioner only supports mask factories called with a submodule's config"
+    )
+
+
+def _make_shim(name: str, fn: Callable[..., Any], leaves: nn.ModuleDict) -> Callable[..., Any]:
+    sig = inspect.signature(fn)
+
+    def shim(*args: Any, **kwargs: Any) -> Any:
+        arguments = dict(sig.bind(*args, **kwargs).arguments)
+        config = arguments.pop("config", None)
+        leaf = _leaf_for(leaves, name, fn, config)
+        call: dict[str, Any] = {}
+        for key, value in arguments.items():
+            if value is None or isinstance(value, (torch.fx.Proxy, bool, int, float, str)):
+                call[key] = value
+            else:
+                raise ValueError(
+                    f"{name}() got {key}={type(value).__name__} while tracing; only tensors, "
+                    "None and plain constants can reach the graph (use_cache must be False and "
+                    "custom mask functions are not supported)"
+                )
+        return leaf(**call)
+
+    shim.__wrapped__ = fn  # type: ignore[attr-defined]
+    return shim
+
+
+@contextlib.contextmanager
+def patch_mask_functions(model: nn.Module, leaves: nn.ModuleDict) -> Iterator[None]:
+    """Route every ``create_*mask*`` global of the model's modeling modules through ``leaves``.
+
+    The globals are restored on exit, also on error.
+    """
+    saved = _mask_functions(model)
+    try:
+        for pymod, name, fn in saved:
+            setattr(pymod, name, _make_shim(name, fn, leaves))
+        yield
+    finally:
+        for pymod, name, fn in saved:
+            setattr(pymod, name, fn)

@@ -1,0 +1,542 @@
+"""Split a decoder-only model into one ``torch.fx.GraphModule`` per pipeline stage.
+
+The model is traced once with torch.fx, with the decoder layers, rotary embeddings and the mask
+factories as leaves (see :mod:`pippy_xla.hf`), and every node of the trace is assigned to stages:
+
+- layer ``k``'s call goes to the stage whose range holds ``k``;
+- any other node goes to the stage of the highest-index layer upstream of it (its "depth");
+- "prologue" nodes (no layer upstream) that depend only on the batch inputs are replicated onto
+  every stage that consumes them. See [Note: replicated prologue].
+
+"""
+
+from __future__ import annotations
+
+import inspect
+import keyword
+import logging
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from pippy_xla import hf
+
+__all__ = ["StageGraph", "find_layers", "partition"]
+
+logger = logging.getLogger(__name__)
+
+_ROOT_PREFIX = "model."
+
+_META_ATTRS = ("shape", "dtype", "device", "ndim", "is_cuda", "layout")
+_META_METHODS = ("size", "dim", "get_device")
+
+"""[Note: replicated prologue]
+
+Rotary tables, attention masks and position ids are computed once from the batch inputs and
+consumed by every decoder layer. Shipping them across stage boundaries would turn them into skip
+connections over every boundary (pytorch #184361), so each stage recomputes them from its own
+batch inputs instead. A prologue node is *replicable* when its value does not depend on parameter
+data. Some prologue nodes read a parameter-dependent value only for its metadata: the mask
+factories read ``inputs_embeds`` for shape/dtype/device, rotary modules read their first argument
+for dtype/device, and ``x.shape`` / ``x.size()`` / ``x.device`` read nothing else either. Such
+"meta-only" edges do not make the consumer parameter-dependent. When the producer behind a
+meta-only edge is an ``nn.Embedding`` call, stages > 0 replace it by a zero-memory stand-in
+``torch.full((), nan).expand(*ids.shape, dim)`` with the same shape, dtype and device, so those
+stages hold no embedding parameter; NaN makes any wrong use of its data visible. Any other
+parameter- or layer-dependent value a later stage needs is sent as a boundary tensor.
+"""
+
+
+@dataclass(kw_only=True, slots=True)
+class StageGraph:
+    """One pipeline stage: a graph over the original model's modules and its calling convention.
+
+    Call as ``stage.module(*[batch[n] for n in stage.batch_inputs], *boundary_inputs)``; the
+    result is always a tuple of tensors: ``num_boundary_outputs`` tensors for the next stage, or
+    ``(logits,)`` on the last stage.
+    """
+
+    index: int
+    """Stage number."""
+    module: fx.GraphModule
+    """The stage's graph; references the original model's submodules and parameters (no copies)."""
+    batch_inputs: list[str]
+    """Model keyword inputs this stage consumes (in ``input_names`` order); first placeholders."""
+    num_boundary_inputs: int
+    """Number of tensors received from stage ``index - 1`` (0 for stage 0); last placeholders."""
+    num_boundary_outputs: int
+    """Number of tensors returned for stage ``index + 1`` (0 for the last stage)."""
+    layers: list[int]
+    """Decoder-layer indices the stage runs."""
+    param_names: dict[str, str]
+    """Stage-module qualified name -> original model qualified name, for every parameter and
+    buffer of ``module`` (tied weights appear under every name the stage uses)."""
+    code: str
+    """``module.code``, for determinism checks."""
+
+
+def _outermost(model: nn.Module, layer_cls: type[nn.Module]) -> list[str]:
+    names: list[str] = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, layer_cls) and not any(name.startswith(n + ".") for n in names):
+            names.append(name)
+    return names
+
+
+def find_layers(model: nn.Module, layer_cls: type[nn.Module]) -> list[str]:
+    """Qualified names of the decoder layers (instances of ``layer_cls``) in forward order.
+
+    Order is registration order (``ModuleList`` index order); :func:`partition` checks it against
+    the traced call order. Nested instances are not counted twice.
+
+    Raises:
+        ValueError: ``model`` holds no instance of ``layer_cls``.
+    """
+    if not (isinstance(layer_cls, type) and issubclass(layer_cls, nn.Module)):
+        raise ValueError(f"layer_cls must be an nn.Module subclass, got {layer_cls!r}")
+    names = _outermost(model, layer_cls)
+    if not names:
+        in_lists: list[str] = []
+        for _, mod in model.named_modules():
+            if isinstance(mod, nn.ModuleList):
+                for child in mod:
+                    cls = type(child).__name__
+                    if cls not in in_lists:
+                        in_lists.append(cls)
+        no_split = list(getattr(model, "_no_split_modules", None) or [])
+        raise ValueError(
+            f"{type(model).__name__} contains no {layer_cls.__qualname__} module. Classes found "
+            f"in its ModuleLists: {in_lists}; model._no_split_modules: {no_split}. Pass the "
+            "decoder-layer class of this model as layer_cls."
+        )
+    return names
+
+
+def _check_ranges(layer_ranges: Sequence[tuple[int, int]], num_layers: int) -> None:
+    ranges = [tuple(r) for r in layer_ranges]
+    if not ranges:
+        raise ValueError("layer_ranges is empty; pass one (start, stop) range per stage")
+    if len(ranges) > num_layers:
+        raise ValueError(
+            f"{len(ranges)} stages requested but the model has only {num_layers} decoder layers; "
+            "use at most one stage per layer"
+        )
+    expected = 0
+    for s, r in enumerate(ranges):
+        if len(r) != 2 or not all(isinstance(x, int) for x in r):
+            raise ValueError(f"layer_ranges[{s}] must be a (start, stop) pair of ints, got {r!r}")
+        start, stop = r
+        if start != expected or stop <= start:
+            raise ValueError(
+                f"layer_ranges must be contiguous, non-empty, half-open ranges covering layers "
+                f"0..{num_layers} in order: expected layer_ranges[{s}] = ({expected}, stop > "
+                f"{expected}), found {r!r} (all ranges: {ranges})"
+            )
+        expected = stop
+    if expected != num_layers:
+        raise ValueError(
+            f"layer_ranges must cover all {num_layers} decoder layers, but they end at layer "
+            f"{expected} (ranges: {ranges}); make the last range end at {num_layers}"
+        )
+
+
+class _Root(nn.Module):
+    """Our own fx root: the HF forward's decorators then run as plain Python while tracing."""
+
+    def __init__(self, model: nn.Module, leaves: nn.ModuleDict) -> None:
+        super().__init__()
+        self.model = model
+        setattr(self, hf.MASKS_ATTR, leaves)
+
+    def _run(self, **inputs: Any) -> Any:
+        out = self.model(**inputs, use_cache=False, return_dict=True)
+        return out["logits"]
+
+
+def _root_forward(input_names: Sequence[str]) -> Any:
+    args = ", ".join(input_names)
+    kwargs = ", ".join(f"{n}={n}" for n in input_names)
+    namespace: dict[str, Any] = {}
+    exec(f"def forward(self, {args}):\n    return self._run({kwargs})\n", namespace)  # noqa: S102
+    return namespace["forward"]
+
+
+class _Proxy(fx.Proxy):
+    """A proxy whose ``ndim`` is concrete when known (batch inputs are 2-D token tensors).
+
+    GPT-2 branches on ``attention_mask.ndim < 4``.
+    """
+
+    @property
+    def ndim(self) -> Any:  # type: ignore[override]
+        if "pippy_ndim" in self.node.meta:
+            return self.node.meta["pippy_ndim"]
+        return fx.proxy.Attribute(self, "ndim")
+
+
+class _Tracer(fx.Tracer):
+    def __init__(self, layer_cls: type[nn.Module]) -> None:
+        super().__init__()
+        self.layer_cls = layer_cls
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return (
+            isinstance(m, (self.layer_cls, hf.MaskLeaf))
+            or hf.is_rotary_module(m)
+            or super().is_leaf_module(m, module_qualified_name)
+        )
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _Proxy(node, self)
+
+    def create_proxy(self, kind: str, target: Any, args: Any, kwargs: Any, *a: Any, **k: Any):
+        p = super().create_proxy(kind, target, args, kwargs, *a, **k)
+        if kind == "placeholder":
+            p.node.meta["pippy_ndim"] = 2
+        return p
+
+
+def _trace(root: _Root, model: nn.Module, layer_cls: type[nn.Module]) -> fx.Graph:
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with hf.patch_mask_functions(model, getattr(root, hf.MASKS_ATTR)):
+            return _Tracer(layer_cls).trace(root)
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+def _producers(node: fx.Node) -> list[tuple[fx.Node, bool]]:
+    """``(producer, meta_only)`` for every input edge of ``node``, in argument order."""
+    out: list[tuple[fx.Node, bool]] = []
+
+    def visit(value: Any, meta_only: bool) -> None:
+        fx.node.map_arg(value, lambda n: out.append((n, meta_only)))
+
+    meta_node = (
+        node.op == "call_function" and node.target is getattr and node.args[1] in _META_ATTRS
+    ) or (node.op == "call_method" and node.target in _META_METHODS)
+    if meta_node:
+        visit(node.args[0], True)
+        visit(node.args[1:], False)
+        visit(node.kwargs, False)
+        return out
+    if node.op == "call_module":
+        mod = node.graph.owning_module.get_submodule(node.target)
+        if isinstance(mod, hf.MaskLeaf):
+            for key, value in node.kwargs.items():
+                visit(value, key in hf.META_ONLY_MASK_KWARGS)
+            visit(node.args, False)
+            return out
+        if hf.is_rotary_module(mod) and node.args:
+            visit(node.args[0], True)
+            visit(node.args[1:], False)
+            visit(node.kwargs, False)
+            return out
+    visit(node.args, False)
+    visit(node.kwargs, False)
+    return out
+
+
+def _emit_embedding_stub(graph: fx.Graph, emb_node: fx.Node, emb: nn.Embedding, ids: fx.Node):
+    # See [Note: replicated prologue]
+    device = graph.call_function(getattr, (ids, "device"))
+    shape = graph.call_function(getattr, (ids, "shape"))
+    full = graph.call_function(
+        torch.full, ((), float("nan")), {"dtype": emb.weight.dtype, "device": device}
+    )
+    size = graph.call_function(operator.add, (shape, (emb.embedding_dim,)))
+    return graph.create_node("call_method", "expand", (full, size), name=f"{emb_node.name}_meta")
+
+
+def partition(
+    model: nn.Module,
+    layer_cls: type[nn.Module],
+    layer_ranges: list[tuple[int, int]],
+    input_names: Sequence[str] = ("input_ids", "attention_mask"),
+) -> list[StageGraph]:
+    """Trace ``model`` (an HF ``*ForCausalLM``) and split it into one graph per stage.
+
+    Works on ``meta``-device models: tracing reads no data. The trace uses ``use_cache=False``,
+    ``return_dict=True``, no labels, with the model in eval mode (modes restored afterwards); the
+    last stage returns ``(logits,)``.
+
+    Args:
+        model: the model; stage graphs reference its submodules, parameters and buffers.
+        layer_cls: the decoder-layer class (an fx leaf; see :func:`find_layers`).
+        layer_ranges: ``layer_ranges[s] = (start, stop)``, half-open, contiguous, covering all
+            layers.
+        input_names: model keyword inputs that the batch provides, each a 2-D ``[batch, seq]``
+            tensor.
+
+    Raises:
+        ValueError: bad ``layer_cls``, ``layer_ranges`` or ``input_names``, or a model the
+            partitioner cannot split.
+    """
+    layer_names = find_layers(model, layer_cls)
+    _check_ranges(layer_ranges, len(layer_names))
+    input_names = list(input_names)
+    for name in input_names:
+        if not name.isidentifier() or keyword.iskeyword(name) or input_names.count(name) > 1:
+            raise ValueError(f"input_names must be distinct identifiers, got {input_names}")
+    params = inspect.signature(model.forward).parameters
+    has_var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    unknown = [n for n in input_names if n not in params]
+    if unknown and not has_var_kw:
+        raise ValueError(
+            f"{type(model).__name__}.forward has no parameter(s) {unknown}; it accepts "
+            f"{list(params)}"
+        )
+
+    num_stages = len(layer_ranges)
+    stage_of_layer = [s for s, (a, b) in enumerate(layer_ranges) for _ in range(a, b)]
+    layer_index = {_ROOT_PREFIX + n: i for i, n in enumerate(layer_names)}
+
+    root_cls = type("PippyRoot", (_Root,), {"forward": _root_forward(input_names)})
+    root = root_cls(model, hf.make_mask_leaves(model))
+    graph = _trace(root, model, layer_cls)
+    graph.owning_module = root
+    nodes = list(graph.nodes)
+    output = nodes[-1]
+    if output.op != "output":
+        raise ValueError("traced graph does not end in an output node")
+
+    # Liveness: only nodes the logits depend on.
+    live: dict[fx.Node, None] = {output: None}
+    for n in reversed(nodes):
+        if n in live:
+            for p, _ in _producers(n):
+                live[p] = None
+    live_nodes = [n for n in nodes if n in live]
+
+    # Layer calls, in trace order.
+    called: list[int] = []
+    for n in live_nodes:
+        if n.op == "call_module" and n.target in layer_index:
+            called.append(layer_index[n.target])
+    if called != list(range(len(layer_names))):
+        raise ValueError(
+            f"decoder layers must each be called once in registration order; the trace calls "
+            f"layers {called} of {layer_names}"
+        )
+
+    # Classify nodes. home[n] = the one stage computing n; None for placeholders and replicable
+    # prologue nodes (computed wherever needed). See [Note: replicated prologue].
+    depth: dict[fx.Node, int] = {}
+    dp: dict[fx.Node, bool] = {}  # value depends on parameter data
+    replicable: dict[fx.Node, bool] = {}
+    metarep: dict[fx.Node, bool] = {}  # shape/dtype/device reproducible without parameters
+    home: dict[fx.Node, int | None] = {}
+    for n in live_nodes:
+        prods = _producers(n)
+        if n.op == "output":
+            home[n] = num_stages - 1
+            continue
+        mod = root.get_submodule(n.target) if n.op == "call_module" else None
+        if mod is not None and n.target in layer_index:
+            d = stage_of_layer[layer_index[n.target]]
+        else:
+            d = max((depth[p] for p, _ in prods), default=-1)
+        depth[n] = d
+        if d >= 0:
+            home[n] = d
+            continue
+        own_params = False
+        if n.op == "get_attr":
+            own_params = isinstance(_fetch(root, n.target), nn.Parameter)
+        elif mod is not None:
+            own_params = any(True for _ in mod.parameters())
+        dp[n] = own_params or any(dp[p] for p, meta in prods if not meta)
+        if isinstance(mod, nn.Embedding):
+            metarep[n] = (
+                len(n.args) == 1
+                and not n.kwargs
+                and isinstance(n.args[0], fx.Node)
+                and replicable[n.args[0]]
+            )
+        else:
+            metarep[n] = not own_params and all(
+                replicable[p] or metarep[p] for p, _ in prods
+            )
+        replicable[n] = not dp[n] and all(
+            replicable[p] or (meta and metarep[p]) for p, meta in prods
+        )
+        # A get_attr is a reference, not a computation: every stage using it holds its own.
+        home[n] = None if replicable[n] or n.op == "get_attr" else 0
+
+    # Boundaries: a value crosses s -> s+1 when computed on a stage <= s and used on one > s.
+    last_use: dict[fx.Node, int] = {}
+    for n in live_nodes:
+        if home.get(n) is None:
+            continue
+        for p, _ in _producers(n):
+            if home.get(p) is not None and home[n] > home[p]:
+                last_use[p] = max(last_use.get(p, -1), home[n])
+    boundaries: list[list[fx.Node]] = [
+        [v for v in live_nodes if v in last_use and home[v] <= s < last_use[v]]
+        for s in range(num_stages - 1)
+    ]
+
+    # See [Note: stage boundary values]
+    for s, values in enumerate(boundaries):
+        for v in values:
+            if _known_non_tensor(root, v):
+                users = [u.name for u in v.users if home.get(u) is not None and home[u] > s]
+                raise ValueError(
+                    f"{v.format_node()} is not a tensor but would cross the boundary between "
+                    f"stages {s} and {s + 1} (used by {users}); only tensors can be sent. Choose "
+                    "layer_ranges that keep its producer and users on one stage, or make the "
+                    "value recomputable from the batch inputs."
+                )
+
+    stages = []
+    for s in range(num_stages):
+        stages.append(
+            _build_stage(
+                s, root, live_nodes, home, replicable, metarep, boundaries, input_names,
+                layer_ranges[s], layer_index,
+            )
+        )
+    for st in stages:
+        logger.debug(
+            "stage %d: layers %s, batch inputs %s, %d boundary inputs, %d boundary outputs",
+            st.index, st.layers, st.batch_inputs, st.num_boundary_inputs, st.num_boundary_outputs,
+        )
+    return stages
+
+
+"""[Note: stage boundary values]
+
+Every boundary value is a tensor: stage outputs are sent with tensor point-to-point ops. Values
+that the trace proves are not tensors (shape/dtype/device queries and Python arithmetic on them,
+the ``(cos, sin)`` tuple of a rotary leaf) are rejected at partition time. Prologue values are
+normally replicated (see [Note: replicated prologue]), so in practice only layer outputs and
+values computed after a layer cross.
+"""
+
+
+def _value_kind(root: nn.Module, node: fx.Node) -> str:
+    """``"meta"`` (Python metadata), ``"tuple"`` (tuple of tensors) or ``"tensor"`` (or unknown)."""
+    if node.op == "call_function" and node.target is getattr:
+        return "meta" if node.args[1] in _META_ATTRS else "tensor"
+    if node.op == "call_method":
+        return "meta" if node.target in _META_METHODS else "tensor"
+    if node.op == "call_module":
+        return "tuple" if hf.is_rotary_module(root.get_submodule(node.target)) else "tensor"
+    if node.op == "call_function" and node.target is operator.getitem:
+        return "meta" if _value_kind(root, node.args[0]) == "meta" else "tensor"
+    if node.op == "call_function" and getattr(node.target, "__module__", None) in (
+        "_operator",
+        "builtins",
+    ):
+        inputs = node.all_input_nodes
+        if inputs and all(_value_kind(root, n) == "meta" for n in inputs):
+            return "meta"
+    return "tensor"
+
+
+def _known_non_tensor(root: nn.Module, node: fx.Node) -> bool:
+    return _value_kind(root, node) != "tensor"
+
+
+def _fetch(root: nn.Module, target: str) -> Any:
+    obj: Any = root
+    for atom in target.split("."):
+        obj = getattr(obj, atom)
+    return obj
+
+
+def _build_stage(
+    s: int,
+    root: nn.Module,
+    live_nodes: list[fx.Node],
+    home: dict[fx.Node, int | None],
+    replicable: dict[fx.Node, bool],
+    metarep: dict[fx.Node, bool],
+    boundaries: list[list[fx.Node]],
+    input_names: list[str],
+    layer_range: tuple[int, int],
+    layer_index: dict[str, int],
+) -> StageGraph:
+    num_stages = len(boundaries) + 1
+    received = boundaries[s - 1] if s > 0 else []
+    sent = boundaries[s] if s < num_stages - 1 else []
+    received_set = dict.fromkeys(received)
+
+    # What this stage computes: its homed nodes plus the replicated closure they need.
+    # "meta" nodes are recomputed from embedding stand-ins only for their shape/dtype/device.
+    # See [Note: replicated prologue].
+    local: dict[fx.Node, str] = {}  # node -> "compute" | "meta" | "stub" | "input"
+    stack = [n for n in live_nodes if home.get(n) == s]
+    for n in stack:
+        local[n] = "compute"
+    while stack:
+        n = stack.pop()
+        replicated = home.get(n) is None or local[n] == "meta"
+        for p, meta in _producers(n):
+            if p in local or p in received_set or home.get(p) == s:
+                continue
+            if p.op == "placeholder":
+                local[p] = "input"
+            elif home.get(p) is None:
+                local[p] = "compute"
+                stack.append(p)
+            elif s > 0 and replicated and (meta or local[n] == "meta") and metarep.get(p, False):
+                is_embedding = p.op == "call_module" and isinstance(
+                    root.get_submodule(p.target), nn.Embedding
+                )
+                local[p] = "stub" if is_embedding else "meta"
+                stack.append(p)
+            else:
+                raise AssertionError(f"stage {s}: {p.name} needed by {n.name} is not available")
+
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    placeholders = {n.target: n for n in live_nodes if n.op == "placeholder"}
+    batch_inputs = [
+        name
+        for name in input_names
+        if name in placeholders and local.get(placeholders[name]) == "input"
+    ]
+    for name in batch_inputs:
+        env[placeholders[name]] = graph.placeholder(name)
+    for v in received:
+        env[v] = graph.placeholder(v.name)
+    for n in live_nodes:
+        kind = local.get(n)
+        if kind in ("compute", "meta") and n.op != "output":
+            env[n] = graph.node_copy(n, lambda a: env[a])
+        elif kind == "stub":
+            env[n] = _emit_embedding_stub(graph, n, root.get_submodule(n.target), env[n.args[0]])
+    if s == num_stages - 1:
+        graph.output((fx.node.map_arg(live_nodes[-1].args[0], lambda a: env[a]),))
+    else:
+        graph.output(tuple(env[v] for v in sent))
+    graph.lint()
+
+    gm = fx.GraphModule(root, graph, class_name=f"Stage{s}")
+    param_names: dict[str, str] = {}
+    for name, _ in [
+        *gm.named_parameters(remove_duplicate=False),
+        *gm.named_buffers(remove_duplicate=False),
+    ]:
+        if not name.startswith(_ROOT_PREFIX):
+            raise AssertionError(f"stage {s} holds {name!r} outside the model")
+        param_names[name] = name[len(_ROOT_PREFIX) :]
+    start, stop = layer_range
+    return StageGraph(
+        index=s,
+        module=gm,
+        batch_inputs=batch_inputs,
+        num_boundary_inputs=len(received),
+        num_boundary_outputs=len(sent),
+        layers=list(range(start, stop)),
+        param_names=param_names,
+        code=gm.code,
+    )
+

@@ -1,0 +1,305 @@
+"""Single-process tests of the fx partitioner (``pippy_xla.partition``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+
+from pippy_xla import hf
+from pippy_xla.partition import find_layers, partition
+
+torch.set_num_threads(1)
+
+VOCAB = 256
+RANGES = {
+    1: [(0, 4)],
+    2: [(0, 2), (2, 4)],
+    4: [(0, 1), (1, 2), (2, 3), (3, 4)],
+}
+
+
+def llama(attn: str | None = None) -> tuple[nn.Module, type[nn.Module]]:
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    if attn is not None:
+        cfg._attn_implementation = attn
+    return LlamaForCausalLM(cfg), LlamaDecoderLayer
+
+
+def gpt2(attn: str | None = None) -> tuple[nn.Module, type[nn.Module]]:
+    cfg = GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=64,
+        n_layer=4,
+        n_head=4,
+        n_positions=128,
+        resid_pdrop=0,
+        embd_pdrop=0,
+        attn_pdrop=0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    if attn is not None:
+        cfg._attn_implementation = attn
+    return GPT2LMHeadModel(cfg), GPT2Block
+
+
+def qwen2(attn: str | None = None) -> tuple[nn.Module, type[nn.Module]]:
+    # Layers 2 and 3 use a 3-token sliding window: two masks (a dict keyed by layer type).
+    cfg = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_sliding_window=True,
+        sliding_window=3,
+        max_window_layers=2,
+    )
+    if attn is not None:
+        cfg._attn_implementation = attn
+    return Qwen2ForCausalLM(cfg), Qwen2DecoderLayer
+
+
+MODELS = {
+    "llama-sdpa": lambda: llama(),
+    "llama-eager": lambda: llama("eager"),
+    "gpt2-sdpa": lambda: gpt2(),
+    "gpt2-eager": lambda: gpt2("eager"),
+    "qwen2-sdpa": lambda: qwen2(),
+    "qwen2-eager": lambda: qwen2("eager"),
+}
+
+
+def build(name: str, seed: int = 0) -> tuple[nn.Module, type[nn.Module]]:
+    torch.manual_seed(seed)
+    model, layer_cls = MODELS[name]()
+    return model.train(), layer_cls
+
+
+def make_batch(padding: str) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, VOCAB, (3, 8), generator=g)
+    mask = torch.ones(3, 8, dtype=torch.long)
+    if padding == "left":
+        mask[1, :3] = 0
+        mask[2, :1] = 0
+    elif padding == "right":
+        mask[1, 5:] = 0
+        mask[2, 7:] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def run_pipeline(stages, batch) -> torch.Tensor:
+    out: tuple[torch.Tensor, ...] = ()
+    for stage in stages:
+        out = stage.module(*[batch[n] for n in stage.batch_inputs], *out)
+        assert isinstance(out, tuple) and all(isinstance(t, torch.Tensor) for t in out)
+        expected = 1 if stage is stages[-1] else stage.num_boundary_outputs
+        assert len(out) == expected
+    return out[0]
+
+
+def loss_of(logits: torch.Tensor) -> torch.Tensor:
+    return logits.float().square().mean() + logits.float().sin().sum()
+
+
+@pytest.mark.parametrize("padding", ["left", "right", "none"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_matches_unpipelined_forward_and_backward(name: str, padding: str) -> None:
+    model, layer_cls = build(name)
+    batch = make_batch(padding)
+    # Reference; the model stays in train mode (dropouts are 0), as the pipeline would run it.
+    ref = model(**batch, use_cache=False).logits
+    loss_of(ref).backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for num_stages, ranges in RANGES.items():
+        model.zero_grad(set_to_none=True)
+        stages = partition(model, layer_cls, ranges)
+        assert [s.index for s in stages] == list(range(num_stages))
+        assert sum((s.layers for s in stages), []) == [0, 1, 2, 3]
+        assert model.training, "partition must restore the training mode"
+        logits = run_pipeline(stages, batch)
+        # Same modules, same ops in the same order on the same inputs: bitwise equal.
+        diff = (logits - ref).abs().max()
+        assert torch.equal(logits, ref), f"{num_stages} stages: max diff {diff}"
+        loss_of(logits).backward()
+        for n, p in model.named_parameters():
+            assert p.grad is not None, f"{num_stages} stages: no gradient for {n}"
+            # Gradients are accumulated in a possibly different order (e.g. tied weights), so
+            # compare with a tolerance of a few float32 ulps of the gradient scale.
+            torch.testing.assert_close(p.grad, ref_grads[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("name", ["llama-sdpa", "llama-eager", "qwen2-sdpa"])
+def test_later_stages_replicate_prologue(name: str) -> None:
+    model, layer_cls = build(name)
+    stages = partition(model, layer_cls, RANGES[4])
+    embed = "model.embed_tokens.weight"
+    assert embed in stages[0].param_names.values()
+    assert stages[0].num_boundary_inputs == 0
+    assert stages[-1].num_boundary_outputs == 0
+    for stage in stages[1:]:
+        # Only the hidden states cross; masks, rotary tables and positions are recomputed.
+        assert stage.num_boundary_inputs == 1
+        assert stage.batch_inputs == ["input_ids", "attention_mask"]
+        assert embed not in stage.param_names.values()
+        called = [n.target for n in stage.module.graph.nodes if n.op == "call_module"]
+        assert "model.model.rotary_emb" in called
+        assert any(t.startswith(hf.MASKS_ATTR + ".create_") for t in called)
+        assert "model.model.embed_tokens" not in called
+    for stage in stages[:-1]:
+        assert stage.num_boundary_outputs == 1
+    if name.startswith("qwen2"):
+        # Layers 0-1 are full-attention, 2-3 sliding-window: each stage builds only its mask.
+        masks = [
+            [
+                n.target.removeprefix(hf.MASKS_ATTR + ".")
+                for n in stage.module.graph.nodes
+                if n.op == "call_module" and n.target.startswith(hf.MASKS_ATTR)
+            ]
+            for stage in stages
+        ]
+        full, sliding = ["create_causal_mask"], ["create_sliding_window_causal_mask"]
+        assert masks == [full, full, sliding, sliding]
+
+
+def test_stage_graphs_reference_original_parameters() -> None:
+    model, layer_cls = build("gpt2-sdpa")
+    originals = dict(model.named_parameters(remove_duplicate=False))
+    originals.update(model.named_buffers(remove_duplicate=False))
+    stages = partition(model, layer_cls, RANGES[2])
+    for stage in stages:
+        tensors = dict(stage.module.named_parameters(remove_duplicate=False))
+        tensors.update(stage.module.named_buffers(remove_duplicate=False))
+        assert list(tensors) == list(stage.param_names)
+        for stage_name, orig_name in stage.param_names.items():
+            assert tensors[stage_name] is originals[orig_name]
+    # Tied head: each stage names the module path it uses.
+    assert "transformer.wte.weight" in stages[0].param_names.values()
+    assert "lm_head.weight" in stages[1].param_names.values()
+    assert "transformer.wte.weight" not in stages[1].param_names.values()
+    assert stages[1].num_boundary_inputs == 1
+
+
+def test_deterministic_code_and_parameter_order() -> None:
+    model_a, layer_cls = build("qwen2-sdpa", seed=0)
+    model_b, _ = build("qwen2-sdpa", seed=1)
+    first = partition(model_a, layer_cls, RANGES[4])
+    again = partition(model_a, layer_cls, RANGES[4])
+    other = partition(model_b, layer_cls, RANGES[4])
+    for x, y, z in zip(first, again, other, strict=True):
+        assert x.code == y.code == z.code
+        assert list(x.param_names.items()) == list(y.param_names.items())
+        assert list(x.param_names.items()) == list(z.param_names.items())
+        assert [n for n, _ in x.module.named_parameters()] == [
+            n for n, _ in z.module.named_parameters()
+        ]
+
+
+@pytest.mark.parametrize("name", ["llama-sdpa", "gpt2-sdpa"])
+def test_meta_device_model(name: str) -> None:
+    model, layer_cls = build(name)
+    with torch.device("meta"):
+        meta_model, _ = MODELS[name]()
+    assert next(meta_model.parameters()).is_meta
+    real = partition(model, layer_cls, RANGES[2])
+    meta = partition(meta_model, layer_cls, RANGES[2])
+    for x, y in zip(real, meta, strict=True):
+        assert x.code == y.code
+        assert list(x.param_names.items()) == list(y.param_names.items())
+
+
+def test_mask_globals_restored() -> None:
+    import transformers.models.llama.modeling_llama as modeling_llama
+    from transformers import masking_utils
+
+    model, layer_cls = build("llama-sdpa")
+    partition(model, layer_cls, RANGES[2])
+    assert modeling_llama.create_causal_mask is masking_utils.create_causal_mask
+
+
+def test_find_layers() -> None:
+    model, layer_cls = build("gpt2-sdpa")
+    assert find_layers(model, layer_cls) == [f"transformer.h.{i}" for i in range(4)]
+    with pytest.raises(ValueError, match=r"no LlamaDecoderLayer.*GPT2Block.*_no_split_modules"):
+        find_layers(model, LlamaDecoderLayer)
+
+
+@pytest.mark.parametrize(
+    ("ranges", "match"),
+    [
+        ([(0, 1), (1, 2), (2, 3), (3, 4), (4, 4)], r"5 stages.*only 4 decoder layers"),
+        ([(0, 2), (3, 4)], r"expected layer_ranges\[1\] = \(2, stop > 2\), found \(3, 4\)"),
+        ([(0, 2), (2, 3)], r"cover all 4 decoder layers.*end at layer 3"),
+        ([(1, 4)], r"expected layer_ranges\[0\] = \(0"),
+        ([(0, 2), (2, 2), (2, 4)], r"found \(2, 2\)"),
+        ([], r"empty"),
+    ],
+)
+def test_bad_ranges(ranges, match: str) -> None:
+    model, layer_cls = build("llama-sdpa")
+    with pytest.raises(ValueError, match=match):
+        partition(model, layer_cls, ranges)
+
+
+def test_bad_layer_cls_and_inputs() -> None:
+    model, _ = build("llama-sdpa")
+    with pytest.raises(ValueError, match=r"no GPT2Block"):
+        partition(model, GPT2Block, RANGES[2])
+    with pytest.raises(ValueError, match=r"input_names"):
+        partition(model, LlamaDecoderLayer, RANGES[2], input_names=("input_ids", "input_ids"))
+
+
+class _ToyLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).tanh()
+
+
+class _ToyLM(nn.Module):
+    """Not an HF model: a Python int computed after layer 0 is used after layer 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.layers = nn.ModuleList([_ToyLayer(), _ToyLayer()])
+
+    def forward(self, input_ids, attention_mask, use_cache=None, return_dict=None):
+        h = self.layers[0](self.embed(input_ids))
+        width = h.shape[-1]
+        h = self.layers[1](h)
+        return {"logits": h * width}
+
+
+def test_non_tensor_boundary_is_rejected() -> None:
+    model = _ToyLM()
+    stages = partition(model, _ToyLayer, [(0, 2)])
+    batch = make_batch("none")
+    batch["input_ids"] = batch["input_ids"] % 16
+    assert torch.equal(run_pipeline(stages, batch), model(**batch)["logits"])
+    match = r"not a tensor but would cross the boundary between stages 0 and 1"
+    with pytest.raises(ValueError, match=match):
+        partition(model, _ToyLayer, [(0, 1), (1, 2)])
