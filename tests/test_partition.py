@@ -5,79 +5,20 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from transformers import (
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from models import VOCAB, gpt2, llama, qwen2
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 
 from pippy_xla import hf
 from pippy_xla.partition import find_layers, partition
 
 torch.set_num_threads(1)
 
-VOCAB = 256
 RANGES = {
     1: [(0, 4)],
     2: [(0, 2), (2, 4)],
     4: [(0, 1), (1, 2), (2, 3), (3, 4)],
 }
-
-
-def llama(attn: str | None = None) -> tuple[nn.Module, type[nn.Module]]:
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    if attn is not None:
-        cfg._attn_implementation = attn
-    return LlamaForCausalLM(cfg), LlamaDecoderLayer
-
-
-def gpt2(attn: str | None = None) -> tuple[nn.Module, type[nn.Module]]:
-    cfg = GPT2Config(
-        vocab_size=VOCAB,
-        n_embd=64,
-        n_layer=4,
-        n_head=4,
-        n_positions=128,
-        resid_pdrop=0,
-        embd_pdrop=0,
-        attn_pdrop=0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    if attn is not None:
-        cfg._attn_implementation = attn
-    return GPT2LMHeadModel(cfg), GPT2Block
-
-
-def qwen2(attn: str | None = None) -> tuple[nn.Module, type[nn.Module]]:
-    # Layers 2 and 3 use a 3-token sliding window: two masks (a dict keyed by layer type).
-    cfg = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        use_sliding_window=True,
-        sliding_window=3,
-        max_window_layers=2,
-    )
-    if attn is not None:
-        cfg._attn_implementation = attn
-    return Qwen2ForCausalLM(cfg), Qwen2DecoderLayer
 
 
 MODELS = {

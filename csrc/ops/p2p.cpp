@@ -132,7 +132,7 @@ at::Tensor recv_kernel(const std::optional<at::Tensor>& /*dep*/, c10::SymIntArra
 }
 
 at::Tensor wait_recv_kernel(const at::Tensor& token, c10::SymIntArrayRef shape,
-                            at::ScalarType dtype, int64_t timeout_ms) {
+                            at::ScalarType dtype, at::Device /*device*/, int64_t timeout_ms) {
   auto out = TransferRegistry::get().take(token).wait(std::chrono::milliseconds(timeout_ms));
   TORCH_CHECK(out.sizes() == C10_AS_INTARRAYREF_SLOW(shape) && out.scalar_type() == dtype,
               "pippy_xla::wait_recv: the token's buffer is ", out.sizes(), " ", out.scalar_type(),
@@ -152,7 +152,9 @@ TORCH_LIBRARY(pippy_xla, m) {
   m.def(
       "recv(Tensor? dep, SymInt[] shape, ScalarType dtype, Device device, int peer, int tag, "
       "str group_name) -> Tensor");
-  m.def("wait_recv(Tensor token, SymInt[] shape, ScalarType dtype, int timeout_ms) -> Tensor");
+  m.def(
+      "wait_recv(Tensor token, SymInt[] shape, ScalarType dtype, Device device, int timeout_ms) "
+      "-> Tensor");
   m.def("wait_send(Tensor token, int timeout_ms) -> Tensor");
 }
 

@@ -1,0 +1,485 @@
+"""``PipelineModel``: wrap an unmodified model and train it pipeline-parallel.
+
+Every rank of the process group traces and partitions the whole model (on whatever device it
+lives, ``meta`` included), keeps only its own stage, and hands that stage to the C++ engine
+(``pippy_xla._C.Engine``), which runs the schedule's actions every step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import zlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pippy_xla import _C
+from pippy_xla.ops import group_name_of
+from pippy_xla.partition import StageGraph, find_layers, partition
+
+__all__ = ["PipelineModel", "EvalOutput", "balanced_ranges"]
+
+logger = logging.getLogger(__name__)
+
+LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+_MAX_DIMS = 8
+
+
+@dataclass(kw_only=True, slots=True)
+class EvalOutput:
+    """What :meth:`PipelineModel.run_eval` returns."""
+
+    loss: torch.Tensor | None
+    """The batch's mean loss on every rank, if labels were given."""
+    logits: torch.Tensor | None
+    """The whole batch's logits on the last stage's rank, ``None`` elsewhere."""
+
+
+def balanced_ranges(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+    """Contiguous layer ranges whose sizes differ by at most one (earlier stages get more)."""
+    if num_stages > num_layers:
+        raise ValueError(
+            f"cannot split {num_layers} decoder layers into {num_stages} stages: every stage "
+            f"needs at least one layer; use at most {num_layers} ranks"
+        )
+    base, extra = divmod(num_layers, num_stages)
+    ranges, start = [], 0
+    for s in range(num_stages):
+        stop = start + base + (1 if s < extra else 0)
+        ranges.append((start, stop))
+        start = stop
+    return ranges
+
+
+def _hf_causal_lm_loss(model: nn.Module) -> LossFn:
+    loss_function = model.loss_function
+    vocab_size = model.config.vocab_size
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor, num_items: torch.Tensor):
+        return loss_function(
+            logits=logits, labels=labels, vocab_size=vocab_size, num_items_in_batch=num_items
+        )
+
+    return loss_fn
+
+
+def _causal_lm_num_items(labels: torch.Tensor) -> torch.Tensor:
+    # HF causal-LM losses shift labels left by one and ignore -100.
+    return (labels[..., 1:] != -100).sum()
+
+
+class PipelineModel:
+    """One rank's stage of a pipeline-parallel model.
+
+    Args:
+        model: the full model (an HF ``*ForCausalLM`` or any model the partitioner can split),
+            possibly on the ``meta`` device; the local stage's parameters are then materialized on
+            ``device`` and initialized as the model would initialize them.
+        layer_cls: the decoder-layer class; layers are the stage-cut points.
+        num_microbatches: microbatches per step; the batch size must be divisible by it.
+        schedule: ``"1f1b"`` or ``"gpipe"``.
+        group: the pipeline's process group (default: the world); one stage per rank.
+        layer_ranges: explicit ``(start, stop)`` layer range per stage (default: balanced).
+        input_names: the model keyword inputs a batch provides (besides ``labels``).
+        loss_fn: ``loss_fn(logits, labels, num_items) -> loss`` of one microbatch, summed over
+            its tokens and divided by ``num_items`` (the batch's count of valid tokens), so the
+            microbatch losses add up to the batch mean. Default: the HF model's own loss.
+        num_items_fn: counts the valid tokens of the whole batch's labels (default: causal-LM
+            labels other than -100 after the shift).
+        timeout: seconds any single wait on a peer may take before the step fails.
+        device: where the local stage lives (default: CPU).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        layer_cls: type[nn.Module],
+        num_microbatches: int,
+        schedule: str = "1f1b",
+        group: dist.ProcessGroup | None = None,
+        layer_ranges: Sequence[tuple[int, int]] | None = None,
+        input_names: Sequence[str] = ("input_ids", "attention_mask"),
+        loss_fn: LossFn | None = None,
+        num_items_fn: Callable[[torch.Tensor], torch.Tensor] = _causal_lm_num_items,
+        timeout: float = 300.0,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "PipelineModel needs torch.distributed: call dist.init_process_group('gloo') "
+                "first (torchrun sets the rendezvous)"
+            )
+        if not isinstance(num_microbatches, int) or num_microbatches < 1:
+            raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
+        if schedule not in ("1f1b", "gpipe"):
+            raise ValueError(f"schedule must be '1f1b' or 'gpipe', got {schedule!r}")
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive seconds, got {timeout}")
+        self.group = group or dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.num_stages = dist.get_world_size(self.group)
+        self.num_microbatches = num_microbatches
+        self.input_names = list(input_names)
+        self.device = torch.device(device)
+        self._num_items_fn = num_items_fn
+        self._timeout_ms = int(timeout * 1000)
+
+        num_layers = len(find_layers(model, layer_cls))
+        if layer_ranges is None:
+            layer_ranges = balanced_ranges(num_layers, self.num_stages)
+        elif len(layer_ranges) != self.num_stages:
+            raise ValueError(
+                f"layer_ranges has {len(layer_ranges)} stages but the process group has "
+                f"{self.num_stages} ranks (one stage per rank)"
+            )
+        self.layer_ranges = [tuple(r) for r in layer_ranges]
+        self.stages: list[StageGraph] = partition(
+            model, layer_cls, self.layer_ranges, self.input_names
+        )
+        self.stage = self.stages[self.rank]
+        self._check_ranks_agree(schedule)
+
+        if loss_fn is None:
+            if not hasattr(model, "loss_function") or not hasattr(model, "config"):
+                raise ValueError(
+                    f"{type(model).__name__} has no HF loss_function; pass loss_fn=..."
+                )
+            loss_fn = _hf_causal_lm_loss(model)
+        self._loss_fn = loss_fn
+        self._materialize(model)
+        self._ties = self._find_ties(model)
+
+        name = group_name_of(self.group)
+        self._train_engine = _C.Engine(
+            _C.make_schedule(schedule, self.num_stages, num_microbatches), name, self._timeout_ms
+        )
+        self._eval_engine = _C.Engine(
+            _C.make_schedule("forward", self.num_stages, num_microbatches),
+            name,
+            self._timeout_ms,
+        )
+        self._last_engine = self._train_engine
+        logger.info(
+            "[rank %d stage %d] layers %s, %d parameters",
+            self.rank,
+            self.rank,
+            self.stage.layers,
+            sum(p.numel() for _, p in self.named_parameters()),
+        )
+
+    # ----------------------------------------------------------------------------- building
+
+    @property
+    def module(self) -> torch.fx.GraphModule:
+        """The local stage's graph module."""
+        return self.stage.module
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.num_stages - 1
+
+    def _global_rank(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.group, group_rank)
+
+    def _check_ranks_agree(self, schedule: str) -> None:
+        """Build-time handshake: every rank must have built the same partition and settings."""
+        digest = hashlib.sha256()
+        for st in self.stages:
+            digest.update(st.code.encode())
+            digest.update(repr(sorted(st.param_names.items())).encode())
+        mine = (digest.hexdigest(), schedule, self.num_microbatches, self.input_names)
+        everyone: list = [None] * self.num_stages
+        dist.all_gather_object(everyone, mine, group=self.group)
+        for r, theirs in enumerate(everyone):
+            if theirs != mine:
+                raise RuntimeError(
+                    f"[rank {self.rank}] rank {r} built a different pipeline: (graph digest, "
+                    f"schedule, microbatches, inputs) = {theirs} here {mine}; every rank must "
+                    "wrap the same model with the same arguments"
+                )
+
+    def _materialize(self, model: nn.Module) -> None:
+        gm = self.stage.module
+        tensors = list(gm.parameters()) + list(gm.buffers())
+        if any(t.device.type == "meta" for t in tensors):
+            gm.to_empty(device=self.device)
+            init = getattr(model, "_init_weights", None)
+
+            def init_module(m: nn.Module) -> None:
+                if init is not None:
+                    init(m)
+                elif hasattr(m, "reset_parameters"):
+                    m.reset_parameters()
+
+            with torch.no_grad():
+                gm.apply(init_module)  # children before parents, as HF's own initialization
+        elif any(t.device != self.device for t in tensors):
+            gm.to(self.device)
+
+    def _find_ties(self, model: nn.Module) -> list[tuple[list[str], dist.ProcessGroup, list]]:
+        """Parameters shared by several stages (tied embeddings): their gradients are summed
+        over the owning ranks every step, and their values start equal (broadcast from the
+        first owner)."""
+        names_of: dict[int, list[str]] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            names_of.setdefault(id(p), []).append(name)
+        ties = []
+        for names in sorted(names_of.values(), key=lambda ns: ns[0]):
+            if len(names) < 2:
+                continue
+            owners = [st.index for st in self.stages if set(names) & set(st.param_names.values())]
+            if len(owners) < 2:
+                continue
+            # Every rank creates every tie group, in the same order (new_group is collective).
+            subgroup = dist.new_group([self._global_rank(r) for r in owners])
+            if self.rank not in owners:
+                continue
+            local = self._local_params_named(names)
+            src = self._global_rank(owners[0])
+            with torch.no_grad():
+                for p in local:
+                    dist.broadcast(p.data, src=src, group=subgroup)
+            ties.append((names, subgroup, local))
+        return ties
+
+    def _local_params_named(self, names: Sequence[str]) -> list[nn.Parameter]:
+        wanted = set(names)
+        out, seen = [], set()
+        for stage_name, p in self.stage.module.named_parameters(remove_duplicate=False):
+            if self.stage.param_names[stage_name] in wanted and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+        return out
+
+    # ----------------------------------------------------------------------------- parameters
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """The local stage's parameters under the original model's names."""
+        seen = set()
+        for stage_name, p in self.stage.module.named_parameters(remove_duplicate=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            yield self.stage.param_names[stage_name], p
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for _, p in self.named_parameters():
+            yield p
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The local stage's parameters and persistent buffers under the original names."""
+        return {
+            self.stage.param_names[k]: v
+            for k, v in self.stage.module.state_dict(keep_vars=False).items()
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        """Loads this stage's entries from a full model's state dict; other stages' keys are
+        ignored. A missing or mis-shaped key of this stage is an error naming it; with
+        ``strict``, so is a key that belongs to no stage of the model."""
+        known = {n for st in self.stages for n in st.param_names.values()}
+        if strict:
+            unknown = sorted(k for k in state_dict if k not in known)
+            if unknown:
+                raise KeyError(f"state_dict keys belong to no stage of this model: {unknown[:8]}")
+        aliases = {n: names for names, _, _ in self._ties for n in names}
+        own = self.stage.module.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for stage_name, target in own.items():
+                name = self.stage.param_names[stage_name]
+                candidates = [name] + [a for a in aliases.get(name, []) if a != name]
+                source = next((state_dict[c] for c in candidates if c in state_dict), None)
+                if source is None:
+                    raise KeyError(
+                        f"[rank {self.rank} stage {self.rank}] state_dict has no key '{name}'"
+                    )
+                if tuple(source.shape) != tuple(target.shape):
+                    raise ValueError(
+                        f"[rank {self.rank} stage {self.rank}] state_dict['{name}'] has shape "
+                        f"{tuple(source.shape)}, the model expects {tuple(target.shape)}"
+                    )
+                target.copy_(source)
+
+    def train(self, mode: bool = True) -> PipelineModel:
+        self.stage.module.train(mode)
+        return self
+
+    def eval(self) -> PipelineModel:
+        return self.train(False)
+
+    def stage_of_layer(self, layer: int) -> int:
+        """The stage that runs decoder layer ``layer``."""
+        for st in self.stages:
+            if layer in st.layers:
+                return st.index
+        raise IndexError(f"layer {layer} out of range: the model has {self.layer_ranges[-1][1]}")
+
+    def layers_of_stage(self, stage: int) -> list[int]:
+        return list(self.stages[stage].layers)
+
+    # ----------------------------------------------------------------------------- running
+
+    def _split_batch(self, batch: dict[str, torch.Tensor], need_labels: bool):
+        if need_labels and "labels" not in batch:
+            raise ValueError("run_train needs labels=...")
+        unknown = sorted(k for k in batch if k not in self.input_names and k != "labels")
+        if unknown:
+            raise ValueError(
+                f"unexpected batch inputs {unknown}; this pipeline takes {self.input_names} and "
+                "labels (set input_names=... when wrapping the model)"
+            )
+        batch = {k: v for k, v in batch.items() if v is not None}
+        first = self.input_names[0]
+        if first not in batch:
+            raise ValueError(f"the batch needs '{first}'")
+        if "attention_mask" in self.input_names and "attention_mask" not in batch:
+            batch["attention_mask"] = torch.ones_like(batch[first])
+        missing = [n for n in self.input_names if n not in batch]
+        if missing:
+            raise ValueError(f"the batch lacks {missing}")
+        for k, v in batch.items():
+            if not isinstance(v, torch.Tensor):
+                raise TypeError(f"batch['{k}'] must be a tensor, got {type(v).__name__}")
+        size = batch[first].shape[0]
+        for k, v in batch.items():
+            if v.dim() == 0 or v.shape[0] != size:
+                raise ValueError(
+                    f"batch['{k}'] has shape {tuple(v.shape)}; every input needs batch size "
+                    f"{size} (that of '{first}') in dim 0"
+                )
+        m = self.num_microbatches
+        if size % m != 0:
+            raise ValueError(
+                f"batch size {size} is not divisible by num_microbatches={m}; use a batch size "
+                f"that is a multiple of {m}"
+            )
+        self._agree_on_signature(batch)
+        return batch, {k: v.to(self.device).chunk(m) for k, v in batch.items()}
+
+    def _agree_on_signature(self, batch: dict[str, torch.Tensor]) -> None:
+        """Per-step handshake: every rank must see the same batch shapes and dtypes, or the
+        boundary transfers would disagree. One tiny all_gather, before any point-to-point."""
+        names = sorted(batch)
+        rows = []
+        for k in names:
+            v = batch[k]
+            if v.dim() > _MAX_DIMS:
+                raise ValueError(f"batch['{k}'] has {v.dim()} dims; at most {_MAX_DIMS}")
+            dims = list(v.shape) + [-1] * (_MAX_DIMS - v.dim())
+            rows.append([zlib.crc32(k.encode()), _dtype_code(v.dtype), v.dim(), *dims])
+        mine = torch.tensor(rows, dtype=torch.long).flatten()
+        width = torch.tensor([mine.numel()], dtype=torch.long)
+        widths = [torch.empty_like(width) for _ in range(self.num_stages)]
+        dist.all_gather(widths, width, group=self.group)
+        everyone = [torch.empty(int(w), dtype=torch.long) for w in widths]
+        if len({int(w) for w in widths}) == 1:
+            dist.all_gather(everyone, mine, group=self.group)
+        else:
+            everyone = [None] * self.num_stages
+        describe = {k: (tuple(batch[k].shape), batch[k].dtype) for k in names}
+        for r, theirs in enumerate(everyone):
+            if theirs is None or not torch.equal(theirs, mine):
+                raise ValueError(
+                    f"[rank {self.rank}] rank {r} got a batch with other inputs, shapes or "
+                    f"dtypes than this rank's {describe}; every rank must get the same batch "
+                    "shapes (the whole batch goes to every rank)"
+                )
+        self._signature = int.from_bytes(
+            hashlib.blake2b(mine.numpy().tobytes(), digest_size=8).digest(), "little", signed=True
+        )
+
+    def _stage_forward(self, mbs, labels, num_items, losses: dict, logits: dict | None):
+        """The callable the engine runs for each forward action. The last stage applies the loss
+        (when there are labels) and records the detached microbatch losses (and, for
+        evaluation, the logits) into ``losses`` / ``logits``."""
+        st = self.stage
+        last = self.num_stages - 1
+
+        def forward(stage: int, mb: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+            out = st.module(*[mbs[n][mb] for n in st.batch_inputs], *inputs)
+            if stage != last:
+                return list(out)
+            if logits is not None:
+                logits[mb] = out[0]
+            if labels is None:
+                return []
+            loss = self._loss_fn(out[0], labels[mb], num_items)
+            losses[mb] = loss.detach()
+            return [loss]
+
+        return forward
+
+    def _reduce_loss(self, losses: dict[int, torch.Tensor]) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.is_last:
+            total = torch.stack([losses[mb].float() for mb in sorted(losses)]).sum()
+        dist.broadcast(total, src=self._global_rank(self.num_stages - 1), group=self.group)
+        return total
+
+    def run_train(self, **batch: torch.Tensor) -> torch.Tensor:
+        """Runs forward and backward over the batch, microbatch by microbatch.
+
+        Accumulates gradients into the local stage's parameters (call ``optimizer.step()`` and
+        ``zero_grad()`` as usual) and returns the batch's mean loss on every rank, reduced as the
+        unwrapped model reduces it.
+        """
+        if not torch.is_grad_enabled():
+            raise RuntimeError("run_train was called under torch.no_grad(); use run_eval instead")
+        batch, mbs = self._split_batch(batch, need_labels=True)
+        labels = mbs["labels"]
+        num_items = self._num_items_fn(batch["labels"]).to(self.device)
+        losses: dict[int, torch.Tensor] = {}
+        forward = self._stage_forward(mbs, labels, num_items, losses, None)
+        self._train_engine.run(self._signature, forward)
+        self._last_engine = self._train_engine
+        for _names, subgroup, params in self._ties:
+            for p in params:
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=subgroup)
+        return self._reduce_loss(losses)
+
+    @torch.no_grad()
+    def run_eval(self, **batch: torch.Tensor) -> EvalOutput:
+        """Forward only. Returns the batch's logits on the last stage and, given labels, its
+        mean loss on every rank."""
+        batch, mbs = self._split_batch(batch, need_labels=False)
+        labels = mbs.get("labels")
+        num_items = None
+        if labels is not None:
+            num_items = self._num_items_fn(batch["labels"]).to(self.device)
+        losses: dict[int, torch.Tensor] = {}
+        logits: dict[int, torch.Tensor] = {}
+        forward = self._stage_forward(mbs, labels, num_items, losses, logits)
+        self._eval_engine.run(self._signature, forward)
+        self._last_engine = self._eval_engine
+        all_logits = torch.cat([logits[mb] for mb in sorted(logits)]) if self.is_last else None
+        loss = self._reduce_loss(losses) if labels is not None else None
+        return EvalOutput(loss=loss, logits=all_logits)
+
+    # ----------------------------------------------------------------------------- introspection
+
+    def timings(self) -> list[tuple[str, int, int, int, int]]:
+        """The last step's actions on this rank: ``(op, stage, microbatch, start_ns, end_ns)``."""
+        return self._last_engine.timings()
+
+    @property
+    def stash_peak_bytes(self) -> int:
+        """Most bytes the activation stash held at once since the last ``reset_stash_peak``."""
+        return self._train_engine.stash_peak_bytes
+
+    @property
+    def stash_live_bytes(self) -> int:
+        return self._train_engine.stash_live_bytes
+
+    def reset_stash_peak(self) -> None:
+        self._train_engine.reset_stash_peak()
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    return zlib.crc32(str(dtype).encode())

@@ -1,0 +1,135 @@
+"""The one spawn helper for multi-rank tests.
+
+``run_ranks(world_size, fn, *args)`` starts ``world_size`` fresh processes, gives each a gloo
+process group with a short timeout, runs ``fn(rank, world_size, *args)`` in each and returns the
+ranks' return values. A rank that raises, dies or outlives ``timeout`` fails the test with every
+rank's traceback, and all ranks are killed: a bug fails fast instead of hanging CI.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+# Long enough for a slow CI machine to finish one collective, short enough to fail fast.
+PG_TIMEOUT_S = 60.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, results, pg_timeout):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=pg_timeout),
+        )
+        out = fn(rank, world_size, *args)
+        results.put((rank, "ok", out))
+    except BaseException:  # noqa: BLE001  (reported to the parent)
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def run_ranks(
+    world_size: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    timeout: float = 240.0,
+    pg_timeout: float = PG_TIMEOUT_S,
+    may_exit: tuple[int, ...] = (),
+) -> list[Any]:
+    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; returns their results.
+
+    Ranks listed in ``may_exit`` may end their process without reporting (tests of dead
+    peers); their result is ``None``.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, pg_timeout))
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outs: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outs) < world_size:
+            try:
+                rank, status, value = results.get(timeout=0.5)
+                outs[rank] = (status, value)
+                if status == "error":
+                    # Give peers a moment to report their side of the failure, then stop.
+                    end = time.monotonic() + 10
+                    while len(outs) < world_size and time.monotonic() < end:
+                        try:
+                            r2, s2, v2 = results.get(timeout=0.5)
+                            outs[r2] = (s2, v2)
+                        except queue.Empty:
+                            pass
+                    break
+            except queue.Empty:
+                pass
+            for r, p in enumerate(procs):
+                if r not in outs and not p.is_alive() and p.exitcode is not None:
+                    # Drain what it may have put just before exiting.
+                    try:
+                        while True:
+                            rank, status, value = results.get(timeout=0.2)
+                            outs[rank] = (status, value)
+                    except queue.Empty:
+                        pass
+                    if r not in outs:
+                        outs[r] = ("exited", p.exitcode)
+            if time.monotonic() > deadline:
+                break
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=10)
+    problems = []
+    for r in range(world_size):
+        status, value = outs.get(r, ("timeout", None))
+        if status == "ok" or (status == "exited" and r in may_exit):
+            continue
+        if status == "error":
+            problems.append(f"--- rank {r} raised:\n{value}")
+        elif status == "exited":
+            problems.append(f"--- rank {r} exited with code {value} without reporting")
+        else:
+            problems.append(f"--- rank {r} did not finish within {timeout:.0f} s (killed)")
+    if problems:
+        raise AssertionError("multi-rank test failed:\n" + "\n".join(problems))
+    return [outs[r][1] if outs[r][0] == "ok" else None for r in range(world_size)]

@@ -1,0 +1,88 @@
+"""Tiny HF causal LMs for tests: random weights, dropouts 0, built offline from configs."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+
+VOCAB = 256
+
+
+def llama(attn: str | None = None, layers: int = 4) -> tuple[nn.Module, type[nn.Module]]:
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    if attn is not None:
+        cfg._attn_implementation = attn
+    return LlamaForCausalLM(cfg), LlamaDecoderLayer
+
+
+def gpt2(attn: str | None = None, layers: int = 4) -> tuple[nn.Module, type[nn.Module]]:
+    # bos/eos inside the tiny vocabulary (the defaults, 50256, make the config warn).
+    cfg = GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=64,
+        n_layer=layers,
+        n_head=4,
+        n_positions=128,
+        resid_pdrop=0,
+        embd_pdrop=0,
+        attn_pdrop=0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    if attn is not None:
+        cfg._attn_implementation = attn
+    return GPT2LMHeadModel(cfg), GPT2Block
+
+
+def qwen2(attn: str | None = None, layers: int = 4) -> tuple[nn.Module, type[nn.Module]]:
+    # The upper half of the layers use a 3-token sliding window: two masks (a dict keyed by
+    # layer type).
+    cfg = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_sliding_window=True,
+        sliding_window=3,
+        max_window_layers=layers // 2,
+    )
+    if attn is not None:
+        cfg._attn_implementation = attn
+    return Qwen2ForCausalLM(cfg), Qwen2DecoderLayer
+
+
+MODELS = {"llama": llama, "gpt2": gpt2, "qwen2": qwen2}
+
+
+def make_batch(seed: int, batch: int = 8, seq: int = 16, pad: bool = True) -> dict:
+    """Random token ids; with ``pad``, some sequences are right-padded (attention_mask 0) and
+    their padding labels are -100."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    if pad:
+        for i in range(0, batch, 3):
+            keep = int(torch.randint(seq // 2, seq, (1,), generator=g))
+            mask[i, keep:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
