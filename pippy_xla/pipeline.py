@@ -152,8 +152,9 @@ class PipelineModel:
                 )
             loss_fn = _hf_causal_lm_loss(model)
         self._loss_fn = loss_fn
+        tied_names = _tied_names(model)  # before materializing replaces meta parameters
         self._materialize(model)
-        self._ties = self._find_ties(model)
+        self._ties = self._tie(tied_names)
 
         name = group_name_of(self.group)
         self._train_engine = _C.Engine(
@@ -222,17 +223,12 @@ class PipelineModel:
         elif any(t.device != self.device for t in tensors):
             gm.to(self.device)
 
-    def _find_ties(self, model: nn.Module) -> list[tuple[list[str], dist.ProcessGroup, list]]:
+    def _tie(self, tied_names: list[list[str]]) -> list[tuple[list[str], dist.ProcessGroup, list]]:
         """Parameters shared by several stages (tied embeddings): their gradients are summed
         over the owning ranks every step, and their values start equal (broadcast from the
         first owner)."""
-        names_of: dict[int, list[str]] = {}
-        for name, p in model.named_parameters(remove_duplicate=False):
-            names_of.setdefault(id(p), []).append(name)
         ties = []
-        for names in sorted(names_of.values(), key=lambda ns: ns[0]):
-            if len(names) < 2:
-                continue
+        for names in tied_names:
             owners = [st.index for st in self.stages if set(names) & set(st.param_names.values())]
             if len(owners) < 2:
                 continue
@@ -479,6 +475,14 @@ class PipelineModel:
 
     def reset_stash_peak(self) -> None:
         self._train_engine.reset_stash_peak()
+
+
+def _tied_names(model: nn.Module) -> list[list[str]]:
+    """Groups of names under which one parameter appears more than once, sorted."""
+    names_of: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+    return sorted(names for names in names_of.values() if len(names) > 1)
 
 
 def _dtype_code(dtype: torch.dtype) -> int:
