@@ -218,10 +218,13 @@ void check_structure(const Schedule& s) {
 SimResult simulate(const Schedule& s, const Costs& costs) {
   check_structure(s);
   const int32_t last = s.num_stages - 1;
+  for (const auto* v : {&costs.forward, &costs.backward, &costs.weight}) {
+    TORCH_CHECK(v->empty() || static_cast<int32_t>(v->size()) == s.num_stages,
+                "simulate: per-stage costs need one entry per stage (", s.num_stages, "), got ",
+                v->size(), "; pass an empty list for unit costs");
+  }
   auto cost_of = [&](const Action& a) -> double {
-    auto pick = [&](const std::vector<double>& v) {
-      return v.empty() ? 1.0 : v.at(std::min<size_t>(a.stage, v.size() - 1));
-    };
+    auto pick = [&](const std::vector<double>& v) { return v.empty() ? 1.0 : v[a.stage]; };
     switch (a.op) {
       case Op::F: return pick(costs.forward);
       case Op::B: return pick(costs.backward);
@@ -280,7 +283,7 @@ SimResult simulate(const Schedule& s, const Costs& costs) {
         done[key(a.op, a.stage, a.mb)] = end;
         res.timeline.push_back({a, r, start, end});
         if (is_compute(a.op)) busy += end - start;
-        if (a.op == Op::F) {
+        if (a.op == Op::F && s.backward) {
           res.peak_inflight[a.stage] = std::max(res.peak_inflight[a.stage], ++inflight[a.stage]);
         }
         if ((a.op == Op::B && !s.split_backward) || a.op == Op::W) --inflight[a.stage];
@@ -294,6 +297,8 @@ SimResult simulate(const Schedule& s, const Costs& costs) {
     if (pc[r] < s.actions[r].size())
       blocked << " rank " << r << " waits at " << to_string(s.actions[r][pc[r]]) << ";";
   TORCH_CHECK(blocked.str().empty(), "schedule '", s.name, "' deadlocks:", blocked.str());
+  std::stable_sort(res.timeline.begin(), res.timeline.end(),
+                   [](const TimedAction& x, const TimedAction& y) { return x.start < y.start; });
   for (double c : clock) res.makespan = std::max(res.makespan, c);
   res.bubble = res.makespan > 0 ? 1.0 - busy / (s.num_ranks * res.makespan) : 0.0;
   return res;

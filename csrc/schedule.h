@@ -44,7 +44,8 @@ struct Schedule {
 std::vector<std::string> schedule_names();
 Schedule make_schedule(const std::string& name, int32_t num_ranks, int32_t num_microbatches);
 
-// Per-action costs for the simulator (any unit; the engine measures microseconds).
+// Per-action costs for the simulator (any unit; the engine measures microseconds). Each
+// per-stage list is empty (unit costs) or has one entry per stage.
 struct Costs {
   std::vector<double> forward;   // per stage
   std::vector<double> backward;  // per stage (input + weight gradients unless split)
@@ -60,10 +61,11 @@ struct TimedAction {
 };
 
 struct SimResult {
-  std::vector<TimedAction> timeline;  // in execution order
+  std::vector<TimedAction> timeline;  // sorted by start time (stable: rank order on ties)
   double makespan = 0.0;
   double bubble = 0.0;  // 1 - busy compute time / (ranks * makespan)
   std::vector<int32_t> peak_inflight;  // per stage: most forwards whose backward was pending
+                                       // (all zero for a forward-only schedule)
 };
 
 // Throws c10::Error naming the first problem: a missing, duplicated or misplaced action, a receive

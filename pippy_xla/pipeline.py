@@ -166,6 +166,7 @@ class PipelineModel:
             self._timeout_ms,
         )
         self._last_engine = self._train_engine
+        self._failed: BaseException | None = None
         logger.info(
             "[rank %d stage %d] layers %s, %d parameters",
             self.rank,
@@ -321,7 +322,22 @@ class PipelineModel:
 
     # ----------------------------------------------------------------------------- running
 
+    def _run_engine(self, engine, forward) -> None:
+        if self._failed is not None:
+            raise RuntimeError(
+                f"[rank {self.rank}] the pipeline engine failed in an earlier step and its peers "
+                f"were left mid-step ({self._failed}); restart the job"
+            )
+        try:
+            engine.run(self._signature, forward)
+        except BaseException as e:
+            self._failed = e
+            raise
+        self._last_engine = engine
+
     def _split_batch(self, batch: dict[str, torch.Tensor], need_labels: bool):
+        if self._failed is not None:
+            self._run_engine(None, None)  # raises
         if need_labels and "labels" not in batch:
             raise ValueError("run_train needs labels=...")
         unknown = sorted(k for k in batch if k not in self.input_names and k != "labels")
@@ -432,8 +448,7 @@ class PipelineModel:
         num_items = self._num_items_fn(batch["labels"]).to(self.device)
         losses: dict[int, torch.Tensor] = {}
         forward = self._stage_forward(mbs, labels, num_items, losses, None)
-        self._train_engine.run(self._signature, forward)
-        self._last_engine = self._train_engine
+        self._run_engine(self._train_engine, forward)
         for _names, subgroup, params in self._ties:
             for p in params:
                 if p.grad is not None:
@@ -452,8 +467,7 @@ class PipelineModel:
         losses: dict[int, torch.Tensor] = {}
         logits: dict[int, torch.Tensor] = {}
         forward = self._stage_forward(mbs, labels, num_items, losses, logits)
-        self._eval_engine.run(self._signature, forward)
-        self._last_engine = self._eval_engine
+        self._run_engine(self._eval_engine, forward)
         all_logits = torch.cat([logits[mb] for mb in sorted(logits)]) if self.is_last else None
         loss = self._reduce_loss(losses) if labels is not None else None
         return EvalOutput(loss=loss, logits=all_logits)

@@ -27,14 +27,18 @@ bool Transfer::completed() const { return !work_ || work_->isCompleted(); }
 at::Tensor Transfer::wait(std::chrono::milliseconds timeout) {
   TORCH_CHECK(work_, what_, ": waited twice or never posted");
   bool ok = false;
+  std::string error;
   try {
     ok = work_->wait(timeout);
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, what_, " failed: ", e.what(),
-                " (the peer may have died or raised an error; see its log)");
+    error = e.what();
   }
-  TORCH_CHECK(ok, what_, " did not complete within ", timeout.count(),
+  // Backends report a timeout either by returning false or by throwing (gloo: "Timed out").
+  const bool timed_out = (error.empty() && !ok) || error.find("Timed out") != std::string::npos;
+  TORCH_CHECK(!timed_out, what_, " did not complete within ", timeout.count(),
               " ms (the peer may be stuck or dead; raise `timeout` if it is just slow)");
+  TORCH_CHECK(error.empty(), what_, " failed: ", error,
+              " (the peer may have died or raised an error; see its log)");
   work_.reset();
   return tensor_;
 }

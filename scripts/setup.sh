@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Installs everything pippy_xla needs on a fresh machine and builds the extension in place.
+# torch 2.13.0 is the CPU build (never ask pip for an unpinned torch: that pulls a CUDA build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python -m pip install -q --disable-pip-version-check torch==2.13.0
+python -m pip install -q --disable-pip-version-check "transformers==5.23.0" pytest ninja tqdm matplotlib
+MAX_JOBS="${MAX_JOBS:-2}" python -m pip install -q --disable-pip-version-check --no-build-isolation -e .

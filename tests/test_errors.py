@@ -1,0 +1,130 @@
+"""Bad input gets a clear error before any communication; failing peers give clear errors fast."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from _dist import run_ranks
+from models import gpt2, llama, make_batch
+from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+import pippy_xla as px
+
+
+def _bad_input(rank, world):
+    torch.manual_seed(0)
+    model, layer_cls = llama()
+    with pytest.raises(ValueError, match=r"no GPT2Block"):
+        px.PipelineModel(model, layer_cls=GPT2Block, num_microbatches=2)
+    small, small_cls = llama(layers=1)
+    with pytest.raises(ValueError, match=r"1 decoder layers into 2 stages"):
+        px.PipelineModel(small, layer_cls=small_cls, num_microbatches=2)
+    with pytest.raises(ValueError, match=r"layer_ranges has 3 stages but the process group has 2"):
+        px.PipelineModel(
+            model, layer_cls=layer_cls, num_microbatches=2, layer_ranges=[(0, 1), (1, 2), (2, 4)]
+        )
+    with pytest.raises(ValueError, match=r"num_microbatches must be a positive int"):
+        px.PipelineModel(model, layer_cls=layer_cls, num_microbatches=0)
+    with pytest.raises(ValueError, match=r"schedule must be"):
+        px.PipelineModel(model, layer_cls=layer_cls, num_microbatches=2, schedule="zigzag")
+
+    pipe = px.PipelineModel(model, layer_cls=layer_cls, num_microbatches=4, timeout=30)
+    batch = make_batch(seed=0, batch=6)
+    with pytest.raises(ValueError, match=r"batch size 6 is not divisible by num_microbatches=4"):
+        pipe.run_train(**batch)
+    batch = make_batch(seed=0)
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"under torch.no_grad"):
+        pipe.run_train(**batch)
+    with pytest.raises(ValueError, match=r"needs labels"):
+        pipe.run_train(input_ids=batch["input_ids"])
+    with pytest.raises(ValueError, match=r"unexpected batch inputs \['pixel_values'\]"):
+        pipe.run_train(**batch, pixel_values=batch["input_ids"])
+    with pytest.raises(ValueError, match=r"attention_mask'\] has shape \(4, 16\)"):
+        pipe.run_train(**{**batch, "attention_mask": batch["attention_mask"][:4]})
+    # Rank 1 gets shorter sequences than rank 0: every rank refuses before any transfer.
+    seq = 16 if rank == 0 else 12
+    skewed = make_batch(seed=0, seq=seq)
+    with pytest.raises(ValueError, match=r"rank \d got a batch with other inputs, shapes or dtypes"):
+        pipe.run_train(**skewed)
+    skewed = make_batch(seed=0)
+    if rank == 1:
+        skewed["input_ids"] = skewed["input_ids"].int()
+    with pytest.raises(ValueError, match=r"rank \d got a batch with other inputs"):
+        pipe.run_train(**skewed)
+    # The pipeline still works after refused batches.
+    loss = pipe.run_train(**make_batch(seed=0))
+    return float(loss)
+
+
+def test_bad_input_is_refused_before_communication():
+    out = run_ranks(2, _bad_input)
+    assert out[0] == out[1] and out[0] > 0
+
+
+def _shape_changes(rank, world):
+    torch.manual_seed(0)
+    model, layer_cls = gpt2()
+    pipe = px.PipelineModel(model, layer_cls=layer_cls, num_microbatches=2, timeout=5)
+    batch = make_batch(seed=0)
+    pipe.run_train(**batch)
+    if rank == 0:
+        # Stage 0 starts producing another shape for the same batch shape.
+        gm = pipe.module
+        original = gm.forward
+        gm.forward = lambda *a: tuple(t[:, :-1].contiguous() for t in original(*a))
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        pipe.run_train(**batch)
+    elapsed = time.monotonic() - start
+    msg = str(info.value)
+    if rank == 0:
+        assert "[rank 0 stage 0] F microbatch 0" in msg
+        assert "expects [Float[4, 16, 64] requires_grad]" in msg, msg
+    else:
+        assert "[rank 1 stage 1]" in msg and "from rank 0" in msg, msg
+    # A failed engine refuses further steps instead of running with peers mid-step.
+    with pytest.raises(RuntimeError, match="failed in an earlier step"):
+        pipe.run_train(**batch)
+    return elapsed
+
+
+def test_stage_output_mismatch_is_an_error_not_a_transport_abort():
+    elapsed = run_ranks(2, _shape_changes, pg_timeout=20)
+    assert elapsed[1] < 20  # within the pipeline timeout (5 s) plus slack, not the PG's
+
+
+def _peer_dies(rank, world, how):
+    torch.manual_seed(0)
+    model, layer_cls = llama()
+    pipe = px.PipelineModel(model, layer_cls=layer_cls, num_microbatches=4, timeout=3)
+    batch = make_batch(seed=0)
+    pipe.run_train(**batch)
+    if rank == 1:
+        gm = pipe.module
+        original = gm.forward
+
+        def forward(*a):
+            if how == "dies":
+                os._exit(0)
+            time.sleep(30)  # never sends
+            return original(*a)
+
+        gm.forward = forward
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        pipe.run_train(**batch)
+    return str(info.value), time.monotonic() - start
+
+
+@pytest.mark.parametrize("how", ["dies", "hangs"])
+def test_dead_or_silent_peer_fails_fast_with_a_clear_error(how):
+    out = run_ranks(2, _peer_dies, how, may_exit=(1,), pg_timeout=20, timeout=120)
+    msg, elapsed = out[0]
+    assert msg.startswith("[rank 0 stage 0]"), msg
+    assert "rank 1" in msg, msg
+    if how == "hangs":
+        assert "did not complete within 3000 ms" in msg, msg
+    assert elapsed < 15, elapsed

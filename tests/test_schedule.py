@@ -1,0 +1,360 @@
+"""Single-process tests of the schedule IR (``pippy_xla._C``): generated tables, the validator and
+the simulator."""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+
+import pytest
+
+from pippy_xla import _C
+
+# Expected tables, checked by hand against the generator's rules: 1F1B rank r runs
+# min(p-1-r, m) warm-up forwards, then alternates F/B, then cools down with the remaining Bs;
+# GPipe runs every F, then every B. A receive is posted one compute action ahead of the compute
+# that needs it, a gradient receive (RB) never before its own forward; a send follows the compute
+# that produced its data.
+EXPECTED = {
+    ("1f1b", 2, 3): """\
+rank 0: F0.0 SF0.0 RB0.0 F0.1 SF0.1 B0.0 RB0.1 F0.2 SF0.2 RB0.2 B0.1 B0.2
+rank 1: RF1.0 F1.0 RF1.1 B1.0 SB1.0 F1.1 RF1.2 B1.1 SB1.1 F1.2 B1.2 SB1.2
+""",
+    ("1f1b", 4, 1): """\
+rank 0: F0.0 SF0.0 RB0.0 B0.0
+rank 1: RF1.0 F1.0 SF1.0 RB1.0 B1.0 SB1.0
+rank 2: RF2.0 F2.0 SF2.0 RB2.0 B2.0 SB2.0
+rank 3: RF3.0 F3.0 B3.0 SB3.0
+""",
+    ("1f1b", 4, 6): """\
+rank 0: F0.0 SF0.0 F0.1 SF0.1 F0.2 SF0.2 RB0.0 F0.3 SF0.3 B0.0 RB0.1 F0.4 SF0.4 B0.1 RB0.2 \
+F0.5 SF0.5 RB0.3 B0.2 RB0.4 B0.3 RB0.5 B0.4 B0.5
+rank 1: RF1.0 RF1.1 F1.0 SF1.0 RF1.2 F1.1 SF1.1 RB1.0 F1.2 SF1.2 RF1.3 B1.0 SB1.0 RB1.1 F1.3 \
+SF1.3 RF1.4 B1.1 SB1.1 RB1.2 F1.4 SF1.4 RF1.5 B1.2 SB1.2 RB1.3 F1.5 SF1.5 RB1.4 B1.3 SB1.3 \
+RB1.5 B1.4 SB1.4 B1.5 SB1.5
+rank 2: RF2.0 RF2.1 F2.0 SF2.0 RB2.0 F2.1 SF2.1 RF2.2 B2.0 SB2.0 RB2.1 F2.2 SF2.2 RF2.3 B2.1 \
+SB2.1 RB2.2 F2.3 SF2.3 RF2.4 B2.2 SB2.2 RB2.3 F2.4 SF2.4 RF2.5 B2.3 SB2.3 RB2.4 F2.5 SF2.5 \
+RB2.5 B2.4 SB2.4 B2.5 SB2.5
+rank 3: RF3.0 F3.0 RF3.1 B3.0 SB3.0 F3.1 RF3.2 B3.1 SB3.1 F3.2 RF3.3 B3.2 SB3.2 F3.3 RF3.4 \
+B3.3 SB3.3 F3.4 RF3.5 B3.4 SB3.4 F3.5 B3.5 SB3.5
+""",
+    ("gpipe", 2, 3): """\
+rank 0: F0.0 SF0.0 F0.1 SF0.1 RB0.0 F0.2 SF0.2 RB0.1 B0.0 RB0.2 B0.1 B0.2
+rank 1: RF1.0 RF1.1 F1.0 RF1.2 F1.1 F1.2 B1.0 SB1.0 B1.1 SB1.1 B1.2 SB1.2
+""",
+    ("gpipe", 4, 1): """\
+rank 0: F0.0 SF0.0 RB0.0 B0.0
+rank 1: RF1.0 F1.0 SF1.0 RB1.0 B1.0 SB1.0
+rank 2: RF2.0 F2.0 SF2.0 RB2.0 B2.0 SB2.0
+rank 3: RF3.0 F3.0 B3.0 SB3.0
+""",
+    ("gpipe", 4, 6): """\
+rank 0: F0.0 SF0.0 F0.1 SF0.1 F0.2 SF0.2 F0.3 SF0.3 F0.4 SF0.4 RB0.0 F0.5 SF0.5 RB0.1 B0.0 \
+RB0.2 B0.1 RB0.3 B0.2 RB0.4 B0.3 RB0.5 B0.4 B0.5
+rank 1: RF1.0 RF1.1 F1.0 SF1.0 RF1.2 F1.1 SF1.1 RF1.3 F1.2 SF1.2 RF1.4 F1.3 SF1.3 RF1.5 F1.4 \
+SF1.4 RB1.0 F1.5 SF1.5 RB1.1 B1.0 SB1.0 RB1.2 B1.1 SB1.1 RB1.3 B1.2 SB1.2 RB1.4 B1.3 SB1.3 \
+RB1.5 B1.4 SB1.4 B1.5 SB1.5
+rank 2: RF2.0 RF2.1 F2.0 SF2.0 RF2.2 F2.1 SF2.1 RF2.3 F2.2 SF2.2 RF2.4 F2.3 SF2.3 RF2.5 F2.4 \
+SF2.4 RB2.0 F2.5 SF2.5 RB2.1 B2.0 SB2.0 RB2.2 B2.1 SB2.1 RB2.3 B2.2 SB2.2 RB2.4 B2.3 SB2.3 \
+RB2.5 B2.4 SB2.4 B2.5 SB2.5
+rank 3: RF3.0 RF3.1 F3.0 RF3.2 F3.1 RF3.3 F3.2 RF3.4 F3.3 RF3.5 F3.4 F3.5 B3.0 SB3.0 B3.1 \
+SB3.1 B3.2 SB3.2 B3.3 SB3.3 B3.4 SB3.4 B3.5 SB3.5
+""",
+}
+
+_TOKEN = re.compile(r"(SF|RF|SB|RB|F|B|W)(\d+)\.(\d+)")
+
+
+def parse(table: str) -> list[list[tuple[str, int, int]]]:
+    """The inverse of ``Schedule.table()``: one action list per ``rank r:`` line."""
+    ranks = []
+    for r, line in enumerate(table.strip().splitlines()):
+        head, _, body = line.partition(":")
+        assert head == f"rank {r}", line
+        actions = []
+        for tok in body.split():
+            match = _TOKEN.fullmatch(tok)
+            assert match, tok
+            actions.append((match[1], int(match[2]), int(match[3])))
+        ranks.append(actions)
+    return ranks
+
+
+def from_table(
+    table: str, num_microbatches: int, stage_rank: list[int] | None = None
+) -> _C.Schedule:
+    actions = parse(table)
+    if stage_rank is None:
+        stage_rank = list(range(len(actions)))
+    return _C.Schedule("hand", len(actions), num_microbatches, stage_rank, actions)
+
+
+# --- schedules are data ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,ranks,mbs", sorted(EXPECTED))
+def test_table(name: str, ranks: int, mbs: int) -> None:
+    s = _C.make_schedule(name, ranks, mbs)
+    assert s.table() == EXPECTED[name, ranks, mbs]
+    assert (s.name, s.num_ranks, s.num_stages, s.num_microbatches) == (name, ranks, ranks, mbs)
+    assert s.stage_rank == list(range(ranks))
+    assert s.actions == parse(EXPECTED[name, ranks, mbs])
+
+
+def test_forward_table() -> None:
+    s = _C.make_schedule("forward", 3, 2)
+    assert not s.backward
+    assert s.table() == (
+        "rank 0: F0.0 SF0.0 F0.1 SF0.1\n"
+        "rank 1: RF1.0 RF1.1 F1.0 SF1.0 F1.1 SF1.1\n"
+        "rank 2: RF2.0 RF2.1 F2.0 F2.1\n"
+    )
+
+
+def test_schedule_names() -> None:
+    assert _C.schedule_names() == ["1f1b", "gpipe", "forward"]
+
+
+@pytest.mark.parametrize("name", _C.schedule_names())
+def test_generated_schedules_validate(name: str) -> None:
+    for ranks in range(1, 6):
+        for mbs in range(1, 10):
+            s = _C.make_schedule(name, ranks, mbs)
+            s.validate()
+            # A schedule rebuilt from its python action lists is the same schedule.
+            again = _C.Schedule(name, ranks, mbs, s.stage_rank, s.actions, backward=s.backward)
+            assert again.table() == s.table()
+            again.validate()
+
+
+def test_make_schedule_rejects_bad_arguments() -> None:
+    with pytest.raises(RuntimeError, match="unknown schedule 'zb'; known schedules: '1f1b'"):
+        _C.make_schedule("zb", 2, 2)
+    with pytest.raises(RuntimeError, match="need at least 1 rank, got 0"):
+        _C.make_schedule("1f1b", 0, 2)
+    with pytest.raises(RuntimeError, match="need at least 1 microbatch, got 0"):
+        _C.make_schedule("gpipe", 2, 0)
+    with pytest.raises(RuntimeError, match="unknown action 'X'"):
+        _C.Schedule("hand", 1, 1, [0], [[("X", 0, 0)]])
+
+
+# --- the validator -----------------------------------------------------------------------------
+# TORCH_CHECK failures (c10::Error) reach python as RuntimeError.
+
+# A correct two-rank, one-microbatch schedule the broken ones below are variations of.
+GOOD_2X1 = """\
+rank 0: F0.0 SF0.0 RB0.0 B0.0
+rank 1: RF1.0 F1.0 B1.0 SB1.0
+"""
+
+
+def test_good_hand_schedule_validates() -> None:
+    from_table(GOOD_2X1, 1).validate()
+    assert from_table(GOOD_2X1, 1).table() == _C.make_schedule("1f1b", 2, 1).table()
+
+
+@pytest.mark.parametrize(
+    "table,mbs,stage_rank,message",
+    [
+        pytest.param(
+            "rank 0: F0.0 F0.1 B0.0\n",
+            2,
+            None,
+            r"action B0\.1 is missing on rank 0",
+            id="missing-B",
+        ),
+        pytest.param(
+            "rank 0: F0.0 F0.0 B0.0\n", 1, None, r"rank 0 repeats F0\.0", id="duplicated-F"
+        ),
+        pytest.param(
+            "rank 0: SF0.0 RB0.0 B0.0\nrank 1: F0.0 RF1.0 F1.0 B1.0 SB1.0\n",
+            1,
+            None,
+            r"rank 1 runs F0\.0 but stage 0 lives on rank 0",
+            id="wrong-rank",
+        ),
+        pytest.param(
+            "rank 0: F0.0 SF0.0 RB0.0 B0.0\nrank 1: F1.0 RF1.0 B1.0 SB1.0\n",
+            1,
+            None,
+            r"rank 1 runs F1\.0 before RF1\.0",
+            id="RF-after-F",
+        ),
+        pytest.param(
+            "rank 0: RB0.0 F0.0 SF0.0 B0.0\nrank 1: RF1.0 F1.0 B1.0 SB1.0\n",
+            1,
+            None,
+            r"rank 0 runs RB0\.0 before F0\.0",
+            id="RB-before-its-F",
+        ),
+        pytest.param(
+            "rank 0: F0.0 SF0.0 RB0.0 B0.0\nrank 1: RF1.0 F1.0 SB1.0 B1.0\n",
+            1,
+            None,
+            r"rank 1 runs SB1\.0 before B1\.0",
+            id="SB-before-B",
+        ),
+        pytest.param(
+            # Rank 0 never sends the activation rank 1 receives.
+            "rank 0: F0.0 RB0.0 B0.0\nrank 1: RF1.0 F1.0 B1.0 SB1.0\n",
+            1,
+            None,
+            r"action SF0\.0 is missing on rank 0",
+            id="receive-without-send",
+        ),
+        pytest.param(
+            # Both stages on rank 0: there is no transfer, so no receive can match a send.
+            "rank 0: F0.0 RF1.0 F1.0 B1.0 B0.0\n",
+            1,
+            [0, 0],
+            r"rank 0 has an unexpected action RF1\.0",
+            id="receive-without-sender",
+        ),
+        pytest.param(
+            "rank 0: F0.0 SF0.0 RB0.0 B0.0 F0.0\nrank 1: RF1.0 F1.0 B1.0 SB1.0\n",
+            1,
+            None,
+            r"rank 0 repeats F0\.0",
+            id="F-after-own-B",
+        ),
+        pytest.param(
+            "rank 0: F0.0 SF0.0 RB0.0 B0.0 F0.1 SF0.1 RB0.1 B0.1\nrank 1: RF1.0 F1.0 B1.0 SB1.0\n",
+            1,
+            None,
+            r"rank 0 action F0\.1 out of range",
+            id="microbatch-out-of-range",
+        ),
+    ],
+)
+def test_validator_rejects(
+    table: str, mbs: int, stage_rank: list[int] | None, message: str
+) -> None:
+    with pytest.raises(RuntimeError, match=message):
+        from_table(table, mbs, stage_rank).validate()
+
+
+def test_validator_finds_deadlock() -> None:
+    # Rank 0 waits for mb 1's gradient before it sends mb 1's activation; rank 1 cannot run
+    # F1.1 (and so never B1.1) without that activation. Every action is present and each rank's
+    # own order is legal, so only the simulation can find this.
+    s = from_table(
+        "rank 0: F0.0 SF0.0 F0.1 RB0.0 RB0.1 B0.1 SF0.1 B0.0\n"
+        "rank 1: RF1.0 RF1.1 F1.0 B1.0 SB1.0 F1.1 B1.1 SB1.1\n",
+        2,
+    )
+    with pytest.raises(
+        RuntimeError, match=r"deadlocks: rank 0 waits at B0\.1; rank 1 waits at F1\.1;"
+    ):
+        s.validate()
+    with pytest.raises(RuntimeError, match="deadlocks"):
+        s.simulate(forward=[1.0, 1.0], backward=[1.0, 1.0])
+
+
+def test_validator_checks_structure() -> None:
+    with pytest.raises(RuntimeError, match=r"1 action lists for 2 ranks"):
+        _C.Schedule("hand", 2, 1, [0, 1], [[("F", 0, 0)]]).validate()
+    with pytest.raises(RuntimeError, match=r"stage 1 placed on rank 2 of 2"):
+        _C.Schedule("hand", 2, 1, [0, 2], [[], []]).validate()
+    with pytest.raises(RuntimeError, match=r"split backward without backward"):
+        _C.Schedule(
+            "hand", 1, 1, [0], [[("F", 0, 0)]], backward=False, split_backward=True
+        ).validate()
+
+
+def test_validator_accepts_split_backward() -> None:
+    s = from_table("rank 0: F0.0 SF0.0 RB0.0 B0.0 W0.0\nrank 1: RF1.0 F1.0 B1.0 SB1.0 W1.0\n", 1)
+    s = _C.Schedule("hand", 2, 1, [0, 1], s.actions, split_backward=True)
+    s.validate()
+    with pytest.raises(RuntimeError, match=r"rank 0 runs W0\.0 before B0\.0"):
+        _C.Schedule(
+            "hand",
+            1,
+            1,
+            [0],
+            [[("F", 0, 0), ("W", 0, 0), ("B", 0, 0)]],
+            split_backward=True,
+        ).validate()
+
+
+# --- the simulator -----------------------------------------------------------------------------
+
+PM = [(1, 1), (1, 4), (2, 1), (2, 3), (3, 8), (4, 1), (4, 2), (4, 6), (5, 9)]
+
+
+def unit_costs(name: str, p: int, m: int) -> dict:
+    return _C.make_schedule(name, p, m).simulate(forward=[1.0] * p, backward=[1.0] * p, comm=0.0)
+
+
+def exact_bubble(res: dict, p: int) -> Fraction:
+    """1 - busy / (ranks * makespan) in exact arithmetic (unit costs make every time an integer)."""
+    busy = sum(
+        Fraction(end) - Fraction(start)
+        for _, op, _, _, start, end in res["timeline"]
+        if op in ("F", "B", "W")
+    )
+    return 1 - busy / (p * Fraction(res["makespan"]))
+
+
+@pytest.mark.parametrize("p,m", PM)
+def test_1f1b_bubble(p: int, m: int) -> None:
+    res = unit_costs("1f1b", p, m)
+    assert res["makespan"] == 2 * (m + p - 1)
+    assert exact_bubble(res, p) == Fraction(p - 1, m + p - 1)
+    # The reported bubble is the same quantity in doubles: 1 - busy / (p * makespan) rounds, so
+    # it can differ from (p-1)/(m+p-1) in the last bit (e.g. p=4, m=6).
+    assert res["bubble"] == pytest.approx((p - 1) / (m + p - 1), rel=0, abs=1e-12)
+
+
+@pytest.mark.parametrize("p,m", PM)
+def test_gpipe_makespan_equals_1f1b(p: int, m: int) -> None:
+    gpipe, one_f_one_b = unit_costs("gpipe", p, m), unit_costs("1f1b", p, m)
+    assert gpipe["makespan"] == one_f_one_b["makespan"]
+    assert gpipe["bubble"] == one_f_one_b["bubble"]
+
+
+@pytest.mark.parametrize("p,m", PM)
+def test_peak_inflight(p: int, m: int) -> None:
+    assert unit_costs("1f1b", p, m)["peak_inflight"] == [min(p - s, m) for s in range(p)]
+    assert unit_costs("gpipe", p, m)["peak_inflight"] == [m] * p
+
+
+@pytest.mark.parametrize("p,m", PM)
+def test_forward_only_makespan(p: int, m: int) -> None:
+    res = unit_costs("forward", p, m)
+    assert res["makespan"] == m + p - 1
+    assert exact_bubble(res, p) == Fraction(p - 1, m + p - 1)
+
+
+def test_timeline() -> None:
+    s = _C.make_schedule("1f1b", 2, 3)
+    res = s.simulate(forward=[1.0, 2.0], backward=[3.0, 4.0], comm=0.5)
+    timeline = res["timeline"]
+    # Every action runs exactly once, on its own rank, in its rank's program order.
+    for r, actions in enumerate(s.actions):
+        assert [(op, st, mb) for rank, op, st, mb, _, _ in timeline if rank == r] == actions
+    done = {(op, st, mb): end for _, op, st, mb, _, end in timeline}
+    start = {(op, st, mb): begin for _, op, st, mb, begin, _ in timeline}
+    for mb in range(3):
+        # Costs are per stage; transfers take `comm` from the send to the receiving compute.
+        assert done["F", 0, mb] - start["F", 0, mb] == 1.0
+        assert done["F", 1, mb] - start["F", 1, mb] == 2.0
+        assert done["B", 0, mb] - start["B", 0, mb] == 3.0
+        assert done["B", 1, mb] - start["B", 1, mb] == 4.0
+        assert start["F", 1, mb] >= done["SF", 0, mb] + 0.5
+        assert start["B", 0, mb] >= done["SB", 1, mb] + 0.5
+    assert res["makespan"] == max(end for *_, end in timeline)
+    # Hand-computed critical path: F0.0 [0,1], F1.0 [1.5,3.5], B1.0 [3.5,7.5], F1.1 [7.5,9.5],
+    # B1.1 [9.5,13.5], F1.2 [13.5,15.5], B1.2 [15.5,19.5], B0.2 [20,23].
+    assert res["makespan"] == 23.0
+
+
+def test_simulator_rejects_cost_lists_of_the_wrong_length() -> None:
+    with pytest.raises(RuntimeError, match=r"one entry per stage \(4\), got 2"):
+        _C.make_schedule("1f1b", 4, 2).simulate(forward=[1.0, 5.0])
+
+
+def test_forward_only_keeps_nothing_in_flight_and_timeline_is_time_ordered() -> None:
+    sim = _C.make_schedule("forward", 2, 3).simulate()
+    assert sim["peak_inflight"] == [0, 0]
+    starts = [t[4] for t in _C.make_schedule("1f1b", 3, 4).simulate()["timeline"]]
+    assert starts == sorted(starts)
