@@ -186,3 +186,27 @@ def test_meta_model_loads_reference_state_dict_and_trains_equal(family):
     ref, _ = _build(family)
     # Together the ranks' state dicts cover the full model's state dict.
     assert set(ref.state_dict()) <= set(out[0]) | set(out[1])
+
+
+def _two_pipelines(rank, world):
+    # Data parallelism composes: 4 ranks form two independent 2-stage pipelines over subgroups.
+    import torch.distributed as dist
+
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    group = groups[rank // 2]
+    model, layer_cls = _build("gpt2")
+    ref = copy.deepcopy(model)
+    pipe = px.PipelineModel(model, layer_cls=layer_cls, num_microbatches=2, group=group, timeout=60)
+    batch = make_batch(seed=rank // 2)  # each pipeline gets its own data
+    loss = pipe.run_train(**batch)
+    ref_loss = ref(**batch, use_cache=False).loss
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), **LOSS_TOL)
+    _check_grads(pipe, ref, f"subgroup rank {rank}")
+    return pipe.rank, float(loss)
+
+
+def test_pipeline_on_a_subgroup():
+    out = run_ranks(4, _two_pipelines)
+    assert [r for r, _ in out] == [0, 1, 0, 1]
+    assert out[0][1] == out[1][1] and out[2][1] == out[3][1] and out[0][1] != out[2][1]
