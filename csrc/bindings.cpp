@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 
 #include "engine.h"
+#include "planner.h"
 #include "schedule.h"
 #include "stash.h"
 
@@ -158,5 +159,87 @@ PYBIND11_MODULE(_C, m) {
                              [](const Engine& e) { return e.stash().live_bytes(); })
       .def_property_readonly("stash_peak_bytes",
                              [](const Engine& e) { return e.stash().peak_bytes(); })
-      .def("reset_stash_peak", [](Engine& e) { e.stash().reset_peak(); });
+      .def("reset_stash_peak", [](Engine& e) { e.stash().reset_peak(); })
+      .def("stash_contains",
+           [](const Engine& e, int64_t stage, int64_t mb) { return e.stash().contains(stage, mb); })
+      .def("stash_peek", [](const Engine& e, int64_t stage, int64_t mb) {
+        const StashSlot& slot = e.stash().peek(stage, mb);
+        return py::make_tuple(slot.inputs, slot.outputs);
+      });
+
+  // ---- planner ----
+  // See [Note: planner cost model] in planner.h. Layers: (fwd, bwd, saved, saved_ckpt,
+  // static_bytes); extras per stage: (fwd, bwd, saved, static_bytes).
+  {
+    using PyLayer = std::tuple<double, double, int64_t, int64_t, int64_t>;
+    using PyExtra = std::tuple<double, double, int64_t, int64_t>;
+    auto make_problem = [](const std::vector<PyLayer>& layers, const std::vector<PyExtra>& extras,
+                           std::vector<int64_t> inflight, std::vector<int64_t> memory_limit,
+                           bool allow_checkpoint) {
+      PlanProblem p;
+      for (const auto& [f, b, sv, sc, st] : layers) p.layers.push_back({f, b, sv, sc, st});
+      for (const auto& [f, b, sv, st] : extras) p.extras.push_back({f, b, sv, st});
+      p.inflight = std::move(inflight);
+      p.memory_limit = std::move(memory_limit);
+      p.allow_checkpoint = allow_checkpoint;
+      return p;
+    };
+    auto stages_to_py = [](const std::vector<StageEval>& stages) {
+      py::list out;
+      for (const auto& e : stages) {
+        py::dict d;
+        d["range"] = py::make_tuple(e.start, e.stop);
+        d["checkpoint"] = e.checkpoint;
+        d["forward"] = e.forward;
+        d["backward"] = e.backward;
+        d["time"] = e.time;
+        d["activation_bytes"] = e.activation_bytes;
+        d["static_bytes"] = e.static_bytes;
+        d["memory"] = e.memory;
+        out.append(d);
+      }
+      return out;
+    };
+    m.def(
+        "solve_plan",
+        [make_problem, stages_to_py](const std::vector<PyLayer>& layers,
+                                     const std::vector<PyExtra>& extras,
+                                     std::vector<int64_t> inflight,
+                                     std::vector<int64_t> memory_limit, bool allow_checkpoint) {
+          PlanProblem p = make_problem(layers, extras, std::move(inflight),
+                                       std::move(memory_limit), allow_checkpoint);
+          PlanResult r;
+          {
+            py::gil_scoped_release nogil;
+            r = solve_plan(p);
+          }
+          py::dict d;
+          d["feasible"] = r.feasible;
+          d["stages"] = stages_to_py(r.stages);
+          d["bottleneck"] = r.bottleneck;
+          d["total_time"] = r.total_time;
+          d["min_memory_limit"] = r.min_memory_limit;
+          return d;
+        },
+        py::arg("layers"), py::arg("extras"), py::arg("inflight"), py::arg("memory_limit"),
+        py::arg("allow_checkpoint") = true,
+        "Exact planner: contiguous layer ranges and checkpointed layers per stage minimizing "
+        "the bottleneck stage time under per-stage memory limits (see csrc/planner.h).");
+    m.def(
+        "evaluate_plan",
+        [make_problem, stages_to_py](const std::vector<PyLayer>& layers,
+                                     const std::vector<PyExtra>& extras,
+                                     std::vector<int64_t> inflight,
+                                     std::vector<int64_t> memory_limit,
+                                     const std::vector<std::pair<int32_t, int32_t>>& ranges,
+                                     const std::vector<std::vector<int32_t>>& checkpoint) {
+          PlanProblem p = make_problem(layers, extras, std::move(inflight),
+                                       std::move(memory_limit), true);
+          return stages_to_py(evaluate_plan(p, ranges, checkpoint));
+        },
+        py::arg("layers"), py::arg("extras"), py::arg("inflight"), py::arg("memory_limit"),
+        py::arg("ranges"), py::arg("checkpoint"),
+        "The planner's cost model applied to a given plan.");
+  }
+  // ---- end planner ----
 }

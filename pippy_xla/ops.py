@@ -1,10 +1,19 @@
 """Python side of the ``pippy_xla`` point-to-point ops: typed wrappers and fake kernels.
 
-The schemas and kernels live in ``csrc/ops/p2p.cpp``. A transfer is posted by ``send`` / ``recv``,
-which return a token (a 0-d int64 tensor, see [Note: p2p tokens] in the C++ source), and completed
-by ``wait_send`` / ``wait_recv``. Each op takes the previous op's token as ``dep`` so that the
-order of communication is data flow that no graph pass can reorder; all four are marked
-side-effecting so that dead-code elimination never drops them.
+The schemas and kernels live in ``csrc/ops/p2p.cpp``; the engine uses the same C++ transfer code
+(see [Note: one send/recv implementation] there). Two families:
+
+- asynchronous: ``send`` / ``recv`` post a transfer and return a token (a 0-d int64 tensor, see
+  [Note: p2p tokens]); ``wait_send`` / ``wait_recv`` complete it. Each op takes the previous
+  op's token as ``dep``, so the order of communication is data flow that no pass can reorder.
+- blocking and differentiable: ``send_wait(x)`` returns a 0-d float "sink" whose backward
+  receives ``x``'s gradient from the destination; ``recv_wait(anchor)`` returns the received
+  tensor, and its backward sends the gradient back to the source. Pass a tensor that requires
+  grad as ``anchor`` to make the received tensor part of the autograd graph; the sink of a
+  ``send_wait`` serves as the next op's anchor to order them.
+
+All ops are marked side-effecting, so that dead-code elimination never drops them, and have fake
+kernels, so that ``torch.compile(fullgraph=True)``, ``make_fx`` and ``torch.export`` capture them.
 """
 
 from __future__ import annotations
@@ -17,11 +26,27 @@ from torch.fx.node import has_side_effect
 
 import pippy_xla._C  # noqa: F401  (registers the ops)
 
-__all__ = ["send", "recv", "wait_send", "wait_recv", "group_name_of"]
+__all__ = [
+    "group_name_of",
+    "recv",
+    "recv_wait",
+    "send",
+    "send_wait",
+    "wait_recv",
+    "wait_send",
+]
 
 _ops = torch.ops.pippy_xla
+OPS = (
+    _ops.send.default,
+    _ops.recv.default,
+    _ops.wait_send.default,
+    _ops.wait_recv.default,
+    _ops.send_wait.default,
+    _ops.recv_wait.default,
+)
 
-for _op in (_ops.send.default, _ops.recv.default, _ops.wait_send.default, _ops.wait_recv.default):
+for _op in OPS:
     has_side_effect(_op)
 
 
@@ -47,6 +72,52 @@ def _wait_send_fake(token, timeout_ms):
 @torch.library.register_fake("pippy_xla::wait_recv")
 def _wait_recv_fake(token, shape, dtype, device, timeout_ms):
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+@torch.library.register_fake("pippy_xla::send_wait")
+def _send_wait_fake(x, peer, tag, group_name, timeout_ms):
+    return x.new_empty((), dtype=torch.float32)
+
+
+@torch.library.register_fake("pippy_xla::recv_wait")
+def _recv_wait_fake(anchor, shape, dtype, device, peer, tag, group_name, timeout_ms):
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _send_wait_setup(ctx, inputs, output):
+    x, ctx.peer, ctx.tag, ctx.group_name, ctx.timeout_ms = inputs
+    ctx.shape, ctx.dtype, ctx.device = list(x.shape), x.dtype, x.device
+
+
+def _send_wait_backward(ctx, grad_sink):
+    # The gradient of a send is a receive from the destination (same tag, other direction).
+    grad = _ops.recv_wait(
+        None, ctx.shape, ctx.dtype, ctx.device, ctx.peer, ctx.tag, ctx.group_name, ctx.timeout_ms
+    )
+    return grad, None, None, None, None
+
+
+def _recv_wait_setup(ctx, inputs, output):
+    anchor, _, _, _, ctx.peer, ctx.tag, ctx.group_name, ctx.timeout_ms = inputs
+    ctx.anchor_meta = None if anchor is None else (anchor.shape, anchor.dtype, anchor.device)
+
+
+def _recv_wait_backward(ctx, grad):
+    # The gradient of a receive is a send back to the source.
+    _ops.send_wait(grad.contiguous(), ctx.peer, ctx.tag, ctx.group_name, ctx.timeout_ms)
+    anchor_grad = None
+    if ctx.anchor_meta is not None:
+        shape, dtype, device = ctx.anchor_meta
+        anchor_grad = torch.zeros(shape, dtype=dtype, device=device)
+    return anchor_grad, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd(
+    "pippy_xla::send_wait", _send_wait_backward, setup_context=_send_wait_setup
+)
+torch.library.register_autograd(
+    "pippy_xla::recv_wait", _recv_wait_backward, setup_context=_recv_wait_setup
+)
 
 
 def group_name_of(group: dist.ProcessGroup | None) -> str:
@@ -88,3 +159,26 @@ def wait_recv(
 ) -> torch.Tensor:
     """Waits for the receive behind ``token``; returns the received tensor."""
     return _ops.wait_recv(token, list(shape), dtype, torch.device(device), timeout_ms)
+
+
+def send_wait(x: torch.Tensor, peer: int, tag: int, group_name: str, timeout_ms: int = 300_000):
+    """Sends ``x`` to ``peer`` and waits; returns a 0-d float sink whose gradient flows back
+    as a receive of ``x``'s gradient from ``peer``."""
+    return _ops.send_wait(x, peer, tag, group_name, timeout_ms)
+
+
+def recv_wait(
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    peer: int,
+    tag: int,
+    group_name: str,
+    device: torch.device | str = "cpu",
+    anchor: torch.Tensor | None = None,
+    timeout_ms: int = 300_000,
+) -> torch.Tensor:
+    """Receives a tensor from ``peer`` and waits. With an ``anchor`` that requires grad, the
+    result requires grad and its gradient is sent back to ``peer`` in backward."""
+    return _ops.recv_wait(
+        anchor, list(shape), dtype, torch.device(device), peer, tag, group_name, timeout_ms
+    )

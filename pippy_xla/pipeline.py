@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pippy_xla import _C
+from pippy_xla import _C, ops
 from pippy_xla.ops import group_name_of
 from pippy_xla.partition import StageGraph, find_layers, partition
+from pippy_xla.planner import Plan
 
 __all__ = ["PipelineModel", "EvalOutput", "balanced_ranges"]
 
@@ -28,6 +29,8 @@ logger = logging.getLogger(__name__)
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 _MAX_DIMS = 8
+# Tags of tied-weight transfers: above every engine tag (see Engine::tag in csrc/engine.cpp).
+_TIE_TAG = 1 << 30
 
 
 @dataclass(kw_only=True, slots=True)
@@ -85,6 +88,9 @@ class PipelineModel:
         schedule: ``"1f1b"`` or ``"gpipe"``.
         group: the pipeline's process group (default: the world); one stage per rank.
         layer_ranges: explicit ``(start, stop)`` layer range per stage (default: balanced).
+        plan: a :class:`~pippy_xla.planner.Plan` (from :func:`pippy_xla.plan`): its layer
+            ranges, and its checkpointed layers run under activation checkpointing. Exclusive
+            with ``layer_ranges``.
         input_names: the model keyword inputs a batch provides (besides ``labels``).
         loss_fn: ``loss_fn(logits, labels, num_items) -> loss`` of one microbatch, summed over
             its tokens and divided by ``num_items`` (the batch's count of valid tokens), so the
@@ -93,6 +99,11 @@ class PipelineModel:
             labels other than -100 after the shift).
         timeout: seconds any single wait on a peer may take before the step fails.
         device: where the local stage lives (default: CPU).
+        compile: compile the local stage with ``torch.compile`` (inductor by default). The
+            stage graph is stable (see [Note: stable stage graphs]), so steps after the first
+            reuse the compiled code; a recompilation is logged with its cause and recorded in
+            :attr:`recompiles`.
+        compile_options: keyword arguments for ``torch.compile``.
     """
 
     def __init__(
@@ -104,11 +115,14 @@ class PipelineModel:
         schedule: str = "1f1b",
         group: dist.ProcessGroup | None = None,
         layer_ranges: Sequence[tuple[int, int]] | None = None,
+        plan: Plan | None = None,
         input_names: Sequence[str] = ("input_ids", "attention_mask"),
         loss_fn: LossFn | None = None,
         num_items_fn: Callable[[torch.Tensor], torch.Tensor] = _causal_lm_num_items,
         timeout: float = 300.0,
         device: torch.device | str = "cpu",
+        compile: bool = False,
+        compile_options: dict | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError(
@@ -131,6 +145,19 @@ class PipelineModel:
         self._timeout_ms = int(timeout * 1000)
 
         num_layers = len(find_layers(model, layer_cls))
+        # ---- planner: plan=... (issue 4) ----
+        checkpoint_layers: list[int] = []
+        if plan is not None:
+            if layer_ranges is not None:
+                raise ValueError("pass either plan=... or layer_ranges=..., not both")
+            if plan.num_stages != self.num_stages:
+                raise ValueError(
+                    f"the plan has {plan.num_stages} stages but the process group has "
+                    f"{self.num_stages} ranks (one stage per rank); plan for {self.num_stages}"
+                )
+            layer_ranges = plan.layer_ranges
+            checkpoint_layers = plan.checkpoint_layers
+        # ---- end planner ----
         if layer_ranges is None:
             layer_ranges = balanced_ranges(num_layers, self.num_stages)
         elif len(layer_ranges) != self.num_stages:
@@ -140,7 +167,11 @@ class PipelineModel:
             )
         self.layer_ranges = [tuple(r) for r in layer_ranges]
         self.stages: list[StageGraph] = partition(
-            model, layer_cls, self.layer_ranges, self.input_names
+            model,
+            layer_cls,
+            self.layer_ranges,
+            self.input_names,
+            checkpoint_layers=checkpoint_layers,
         )
         self.stage = self.stages[self.rank]
         self._check_ranks_agree(schedule)
@@ -154,6 +185,7 @@ class PipelineModel:
         self._loss_fn = loss_fn
         tied_names = _tied_names(model)  # before materializing replaces meta parameters
         self._materialize(model)
+        self._tied_names = tied_names
         self._ties = self._tie(tied_names)
 
         name = group_name_of(self.group)
@@ -167,6 +199,12 @@ class PipelineModel:
         )
         self._last_engine = self._train_engine
         self._failed: BaseException | None = None
+        self._compiled = None
+        self.recompiles: list[str] = []
+        """Explanations of the recompilations seen after each mode's first step."""
+        if compile:
+            self._compiled = torch.compile(self.stage.module, **(compile_options or {}))
+            self._compile_watch = _RecompileWatch()
         logger.info(
             "[rank %d stage %d] layers %s, %d parameters",
             self.rank,
@@ -224,26 +262,43 @@ class PipelineModel:
         elif any(t.device != self.device for t in tensors):
             gm.to(self.device)
 
-    def _tie(self, tied_names: list[list[str]]) -> list[tuple[list[str], dist.ProcessGroup, list]]:
-        """Parameters shared by several stages (tied embeddings): their gradients are summed
-        over the owning ranks every step, and their values start equal (broadcast from the
-        first owner)."""
+    def _tie(self, tied_names: list[list[str]]) -> list[tuple[list[int], list[nn.Parameter]]]:
+        """Parameters shared by several stages (tied embeddings): their values start equal (the
+        first owner's) and their gradients are summed over the owners every step."""
         ties = []
         for names in tied_names:
             owners = [st.index for st in self.stages if set(names) & set(st.param_names.values())]
-            if len(owners) < 2:
+            if len(owners) < 2 or self.rank not in owners:
                 continue
-            # Every rank creates every tie group, in the same order (new_group is collective).
-            subgroup = dist.new_group([self._global_rank(r) for r in owners])
-            if self.rank not in owners:
-                continue
-            local = self._local_params_named(names)
-            src = self._global_rank(owners[0])
-            with torch.no_grad():
-                for p in local:
-                    dist.broadcast(p.data, src=src, group=subgroup)
-            ties.append((names, subgroup, local))
+            ties.append((owners, self._local_params_named(names)))
+        for i, (owners, params) in enumerate(ties):
+            self._combine_among(owners, [p.data for p in params], _TIE_TAG + 2 * i, add=False)
         return ties
+
+    def _combine_among(self, owners: list[int], tensors: list[torch.Tensor], tag: int, add: bool):
+        """Makes ``tensors`` equal on all ``owners`` (stage ranks of this pipeline): the first
+        owner's values, or with ``add`` their sum, added in owner order so every owner gets the
+        same bits. Point-to-point over the pipeline group, through the ``pippy_xla`` ops."""
+        name, first = group_name_of(self.group), owners[0]
+        timeout = self._timeout_ms
+        with torch.no_grad():
+            for t in tensors:
+                if self.rank == first:
+                    if add:
+                        for r in owners[1:]:
+                            t += ops.recv_wait(
+                                t.shape, t.dtype, r, tag, name, t.device, None, timeout
+                            )
+                    for r in owners[1:]:
+                        ops.send_wait(t.contiguous(), r, tag + 1, name, timeout)
+                else:
+                    if add:
+                        ops.send_wait(t.contiguous(), first, tag, name, timeout)
+                    t.copy_(
+                        ops.recv_wait(
+                            t.shape, t.dtype, first, tag + 1, name, t.device, None, timeout
+                        )
+                    )
 
     def _local_params_named(self, names: Sequence[str]) -> list[nn.Parameter]:
         wanted = set(names)
@@ -285,7 +340,7 @@ class PipelineModel:
             unknown = sorted(k for k in state_dict if k not in known)
             if unknown:
                 raise KeyError(f"state_dict keys belong to no stage of this model: {unknown[:8]}")
-        aliases = {n: names for names, _, _ in self._ties for n in names}
+        aliases = {n: names for names in self._tied_names for n in names}
         own = self.stage.module.state_dict(keep_vars=True)
         with torch.no_grad():
             for stage_name, target in own.items():
@@ -334,6 +389,13 @@ class PipelineModel:
             self._failed = e
             raise
         self._last_engine = engine
+        if self._compiled is not None:
+            mode = "train" if engine is self._train_engine else "eval"
+            why = self._compile_watch.step_done(mode)
+            if why:
+                msg = f"[rank {self.rank} stage {self.rank}] stage recompiled: {why}"
+                logger.warning("%s", msg)
+                self.recompiles.append(msg)
 
     def _split_batch(self, batch: dict[str, torch.Tensor], need_labels: bool):
         if self._failed is not None:
@@ -412,9 +474,13 @@ class PipelineModel:
         evaluation, the logits) into ``losses`` / ``logits``."""
         st = self.stage
         last = self.num_stages - 1
+        module = self._compiled or st.module
 
         def forward(stage: int, mb: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-            out = st.module(*[mbs[n][mb] for n in st.batch_inputs], *inputs)
+            args = [*[mbs[n][mb] for n in st.batch_inputs], *inputs]
+            if self._compiled is not None:
+                self._compile_watch.see(args)
+            out = module(*args)
             if stage != last:
                 return list(out)
             if logits is not None:
@@ -449,10 +515,9 @@ class PipelineModel:
         losses: dict[int, torch.Tensor] = {}
         forward = self._stage_forward(mbs, labels, num_items, losses, None)
         self._run_engine(self._train_engine, forward)
-        for _names, subgroup, params in self._ties:
-            for p in params:
-                if p.grad is not None:
-                    dist.all_reduce(p.grad, group=subgroup)
+        for i, (owners, params) in enumerate(self._ties):
+            grads = [p.grad for p in params if p.grad is not None]
+            self._combine_among(owners, grads, _TIE_TAG + 2 * i, add=True)
         return self._reduce_loss(losses)
 
     @torch.no_grad()
@@ -489,6 +554,58 @@ class PipelineModel:
 
     def reset_stash_peak(self) -> None:
         self._train_engine.reset_stash_peak()
+
+
+class _RecompileWatch:
+    """Notices recompilations of a compiled stage after the first step of each mode and says
+    why: dynamo's guard failures plus which stage input changed shape, dtype or grad mode."""
+
+    def __init__(self) -> None:
+        self._graphs: dict[str, int] = {}
+        self._first_args: dict[str, list[str]] = {}
+        self._step_args: list[str] | None = None
+        self._changes: list[str] = []
+
+    @staticmethod
+    def _graph_count() -> int:
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
+
+    def see(self, args: list) -> None:
+        described = [
+            f"{str(a.dtype).removeprefix('torch.')}{list(a.shape)}"
+            + (" requires_grad" if a.requires_grad else "")
+            if isinstance(a, torch.Tensor)
+            else repr(a)
+            for a in args
+        ]
+        if self._step_args is None:
+            self._step_args = described
+
+    def step_done(self, mode: str) -> str | None:
+        args, self._step_args = self._step_args, None
+        count = self._graph_count()
+        if mode not in self._graphs:
+            self._graphs[mode] = count
+            self._first_args[mode] = args or []
+            return None
+        if count == self._graphs[mode]:
+            return None
+        self._graphs[mode] = count
+        first = self._first_args[mode]
+        changed = [
+            f"input {i}: {a} -> {b}" for i, (a, b) in enumerate(zip(first, args or [])) if a != b
+        ]
+        from torch._dynamo.utils import guard_failures
+
+        reasons = [r for rs in guard_failures.values() for r in rs][-3:]
+        parts = []
+        if changed:
+            parts.append("stage inputs changed since the first step (" + "; ".join(changed) + ")")
+        if reasons:
+            parts.append("guard failures: " + " | ".join(str(r) for r in reasons))
+        return "; ".join(parts) or "dynamo compiled a new graph (no guard failure recorded)"
 
 
 def _tied_names(model: nn.Module) -> list[list[str]]:

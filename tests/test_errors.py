@@ -47,7 +47,9 @@ def _bad_input(rank, world):
     # Rank 1 gets shorter sequences than rank 0: every rank refuses before any transfer.
     seq = 16 if rank == 0 else 12
     skewed = make_batch(seed=0, seq=seq)
-    with pytest.raises(ValueError, match=r"rank \d got a batch with other inputs, shapes or dtypes"):
+    with pytest.raises(
+        ValueError, match=r"rank \d got a batch with other inputs, shapes or dtypes"
+    ):
         pipe.run_train(**skewed)
     skewed = make_batch(seed=0)
     if rank == 1:

@@ -4,6 +4,7 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/scalar_tensor.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -149,6 +150,24 @@ at::Tensor wait_send_kernel(const at::Tensor& token, int64_t timeout_ms) {
   return at::scalar_tensor(0, at::TensorOptions().dtype(at::kLong));
 }
 
+// Blocking, differentiable transfers (autograd formulas in pippy_xla/ops.py): the gradient of a
+// send is a receive from the destination, and of a receive a send back to the source.
+at::Tensor send_wait_kernel(const at::Tensor& x, int64_t peer, int64_t tag,
+                            c10::string_view group_name, int64_t timeout_ms) {
+  isend(x.contiguous(), peer, tag, std::string(group_name), op_what("send_wait", peer, tag))
+      .wait(std::chrono::milliseconds(timeout_ms));
+  return at::zeros({}, x.options().dtype(at::kFloat));
+}
+
+at::Tensor recv_wait_kernel(const std::optional<at::Tensor>& /*anchor*/, c10::SymIntArrayRef shape,
+                            at::ScalarType dtype, at::Device device, int64_t peer, int64_t tag,
+                            c10::string_view group_name, int64_t timeout_ms) {
+  auto buffer =
+      at::empty(C10_AS_INTARRAYREF_SLOW(shape), at::TensorOptions().dtype(dtype).device(device));
+  return irecv(buffer, peer, tag, std::string(group_name), op_what("recv_wait", peer, tag))
+      .wait(std::chrono::milliseconds(timeout_ms));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pippy_xla, m) {
@@ -160,6 +179,10 @@ TORCH_LIBRARY(pippy_xla, m) {
       "wait_recv(Tensor token, SymInt[] shape, ScalarType dtype, Device device, int timeout_ms) "
       "-> Tensor");
   m.def("wait_send(Tensor token, int timeout_ms) -> Tensor");
+  m.def("send_wait(Tensor x, int peer, int tag, str group_name, int timeout_ms) -> Tensor");
+  m.def(
+      "recv_wait(Tensor? anchor, SymInt[] shape, ScalarType dtype, Device device, int peer, "
+      "int tag, str group_name, int timeout_ms) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pippy_xla, CompositeExplicitAutograd, m) {
@@ -167,6 +190,8 @@ TORCH_LIBRARY_IMPL(pippy_xla, CompositeExplicitAutograd, m) {
   m.impl("recv", recv_kernel);
   m.impl("wait_recv", wait_recv_kernel);
   m.impl("wait_send", wait_send_kernel);
+  m.impl("send_wait", send_wait_kernel);
+  m.impl("recv_wait", recv_wait_kernel);
 }
 
 }  // namespace pippy_xla

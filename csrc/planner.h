@@ -1,0 +1,94 @@
+// Exact planner: contiguous layer ranges per stage and a set of checkpointed layers per stage,
+// minimizing the bottleneck stage time under per-device memory limits.
+//
+// [Note: planner cost model]
+// Stage s runs layers [start, stop) plus its extras (prologue on the first stage, epilogue on the
+// last). A checkpointed layer recomputes its forward during backward. For a set C of checkpointed
+// layers:
+//   forward_s  = extra.fwd + sum_i fwd_i
+//   backward_s = extra.bwd + sum_i bwd_i + sum_{i in C} fwd_i
+//   time_s     = forward_s + backward_s
+//   memory_s   = inflight_s * (extra.saved + sum_{i not in C} saved_i + sum_{i in C} saved_ckpt_i)
+//                + extra.static_bytes + sum_i static_i
+// where inflight_s is the number of microbatches whose activations stage s holds at once under
+// the schedule (1F1B: min(stages - s, microbatches); GPipe: microbatches). The objective is the
+// bottleneck max_s time_s (with uniform per-stage work the 1F1B / GPipe step time is
+// (microbatches + stages - 1) * bottleneck); ties are broken by the smallest total time.
+//
+// [Note: planner exactness]
+// For a fixed range the stage's memory and time depend on C only through the pair
+// (recompute time, activation bytes), and both are to be minimized: a point dominated in both can
+// never be better. The solver therefore keeps, per range, the exact Pareto frontier of these
+// pairs over all subsets of the range (built layer by layer: frontier(i, j+1) is the pruned union
+// of frontier(i, j) with and without layer j checkpointed). No greedy rule is involved, so it is
+// exact for heterogeneous layers too (choosing C is a knapsack; greedy by bytes-per-second is not
+// exact). With identical layers a frontier has at most (stop - start + 1) points. The best C for a
+// stage is then the fastest frontier point that fits the stage's memory limit; the stages are
+// independent given their ranges, so the minimax DP
+//   D[s][j] = min_{i<j} max(D[s-1][i], cost(s, i, j))
+// over (stage, layer prefix) is exact, and a second DP minimizing the sum of stage times subject
+// to cost <= D[S-1][L] breaks ties exactly. The smallest feasible memory limit is found by the
+// same minimax DP on memory excess (memory_s - limit_s with everything that helps checkpointed),
+// in exact integer arithmetic.
+#pragma once
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+namespace pippy_xla {
+
+struct LayerCost {
+  double fwd = 0.0;            // forward time
+  double bwd = 0.0;            // backward time (without recomputation)
+  int64_t saved = 0;           // bytes saved for backward per microbatch, not checkpointed
+  int64_t saved_ckpt = 0;      // bytes saved for backward per microbatch, checkpointed
+  int64_t static_bytes = 0;    // parameters + gradients + optimizer state
+};
+
+struct StageExtra {
+  double fwd = 0.0;
+  double bwd = 0.0;
+  int64_t saved = 0;         // per microbatch
+  int64_t static_bytes = 0;
+};
+
+struct PlanProblem {
+  std::vector<LayerCost> layers;
+  std::vector<StageExtra> extras;      // per stage
+  std::vector<int64_t> inflight;       // per stage
+  std::vector<int64_t> memory_limit;   // per stage (device)
+  bool allow_checkpoint = true;
+};
+
+struct StageEval {
+  int32_t start = 0;
+  int32_t stop = 0;
+  std::vector<int32_t> checkpoint;  // global layer indices
+  double forward = 0.0;
+  double backward = 0.0;
+  double time = 0.0;
+  int64_t activation_bytes = 0;  // inflight * per-microbatch saved bytes
+  int64_t static_bytes = 0;
+  int64_t memory = 0;
+};
+
+struct PlanResult {
+  bool feasible = false;
+  std::vector<StageEval> stages;  // empty when infeasible
+  double bottleneck = 0.0;
+  double total_time = 0.0;
+  // Smallest limits that admit a plan: memory_limit[s] + delta with the smallest such delta (one
+  // shift for every device; with equal limits this is the smallest common limit).
+  std::vector<int64_t> min_memory_limit;
+};
+
+// Throws c10::Error on malformed input (sizes, negative values, more stages than layers).
+PlanResult solve_plan(const PlanProblem& problem);
+
+// The cost model applied to a given plan (ranges and checkpointed global layer indices).
+std::vector<StageEval> evaluate_plan(const PlanProblem& problem,
+                                     const std::vector<std::pair<int32_t, int32_t>>& ranges,
+                                     const std::vector<std::vector<int32_t>>& checkpoint);
+
+}  // namespace pippy_xla
