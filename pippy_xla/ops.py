@@ -91,8 +91,11 @@ def _send_wait_setup(ctx, inputs, output):
 
 def _send_wait_backward(ctx, grad_sink):
     # The gradient of a send is a receive from the destination (same tag, other direction).
+    # The incoming gradient is its anchor, so that no partitioner can hoist the receive into the
+    # forward graph (it would block forward on the peer's backward).
     grad = _ops.recv_wait(
-        None, ctx.shape, ctx.dtype, ctx.device, ctx.peer, ctx.tag, ctx.group_name, ctx.timeout_ms
+        grad_sink, ctx.shape, ctx.dtype, ctx.device, ctx.peer, ctx.tag, ctx.group_name,
+        ctx.timeout_ms,
     )
     return grad, None, None, None, None
 
@@ -103,12 +106,13 @@ def _recv_wait_setup(ctx, inputs, output):
 
 
 def _recv_wait_backward(ctx, grad):
-    # The gradient of a receive is a send back to the source.
-    _ops.send_wait(grad.contiguous(), ctx.peer, ctx.tag, ctx.group_name, ctx.timeout_ms)
+    # The gradient of a receive is a send back to the source. The anchor's (zero) gradient is
+    # computed from the send's sink, so that no graph pass can drop the send as unused.
+    sink = _ops.send_wait(grad.contiguous(), ctx.peer, ctx.tag, ctx.group_name, ctx.timeout_ms)
     anchor_grad = None
     if ctx.anchor_meta is not None:
         shape, dtype, device = ctx.anchor_meta
-        anchor_grad = torch.zeros(shape, dtype=dtype, device=device)
+        anchor_grad = sink.to(device=device, dtype=dtype).expand(shape).clone()
     return anchor_grad, None, None, None, None, None, None, None
 
 

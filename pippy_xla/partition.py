@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import fx, nn
 
 from pippy_xla import hf
@@ -243,6 +244,44 @@ def _producers(node: fx.Node) -> list[tuple[fx.Node, bool]]:
     return out
 
 
+"""[Note: checkpointed layers]
+
+``partition(..., checkpoint_layers=[k, ...])`` (the planner's choice, see :mod:`pippy_xla.planner`)
+rewrites the ``call_module`` node of each listed decoder layer into
+``torch.utils.checkpoint.checkpoint(<get_attr of the layer>, *args, use_reentrant=False,
+**kwargs)``. The ``get_attr`` references the same submodule, so parameter names and order are
+unchanged, and node names are kept, so the stage code stays a pure function of (model, partition
+spec). Non-reentrant checkpointing keeps the positional tensor inputs (the hidden states) and
+recomputes the layer's forward during backward; it works with inputs that do not require grad
+and under the engine's C++ backward (its hooks take the GIL themselves).
+"""
+
+
+def _check_checkpoint_layers(checkpoint_layers: Sequence[int], num_layers: int) -> frozenset[int]:
+    layers = list(checkpoint_layers)
+    for k in layers:
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k < num_layers:
+            raise ValueError(
+                f"checkpoint_layers must hold decoder-layer indices in [0, {num_layers}), "
+                f"found {k!r} (all: {layers})"
+            )
+    return frozenset(layers)
+
+
+def _emit_checkpoint(graph: fx.Graph, node: fx.Node, arg_transform: Any) -> fx.Node:
+    # See [Note: checkpointed layers]
+    layer = graph.create_node("get_attr", node.target, name=f"{node.name}_module")
+    args = fx.node.map_arg(node.args, arg_transform)
+    kwargs = fx.node.map_arg(node.kwargs, arg_transform)
+    return graph.create_node(
+        "call_function",
+        torch.utils.checkpoint.checkpoint,
+        (layer, *args),
+        {**kwargs, "use_reentrant": False},
+        name=node.name,
+    )
+
+
 def _emit_embedding_stub(graph: fx.Graph, emb_node: fx.Node, emb: nn.Embedding, ids: fx.Node):
     # See [Note: replicated prologue]
     device = graph.call_function(getattr, (ids, "device"))
@@ -259,6 +298,7 @@ def partition(
     layer_cls: type[nn.Module],
     layer_ranges: list[tuple[int, int]],
     input_names: Sequence[str] = ("input_ids", "attention_mask"),
+    checkpoint_layers: Sequence[int] = (),
 ) -> list[StageGraph]:
     """Trace ``model`` (an HF ``*ForCausalLM``) and split it into one graph per stage.
 
@@ -273,6 +313,8 @@ def partition(
             layers.
         input_names: model keyword inputs that the batch provides, each a 2-D ``[batch, seq]``
             tensor.
+        checkpoint_layers: decoder-layer indices to run under non-reentrant activation
+            checkpointing. See [Note: checkpointed layers].
 
     Raises:
         ValueError: bad ``layer_cls``, ``layer_ranges`` or ``input_names``, or a model the
@@ -280,6 +322,7 @@ def partition(
     """
     layer_names = find_layers(model, layer_cls)
     _check_ranges(layer_ranges, len(layer_names))
+    checkpoint_set = _check_checkpoint_layers(checkpoint_layers, len(layer_names))
     input_names = list(input_names)
     for name in input_names:
         if not name.isidentifier() or keyword.iskeyword(name) or input_names.count(name) > 1:
@@ -360,9 +403,7 @@ def partition(
                 and replicable[n.args[0]]
             )
         else:
-            metarep[n] = not own_params and all(
-                replicable[p] or metarep[p] for p, _ in prods
-            )
+            metarep[n] = not own_params and all(replicable[p] or metarep[p] for p, _ in prods)
         replicable[n] = not dp[n] and all(
             replicable[p] or (meta and metarep[p]) for p, meta in prods
         )
@@ -398,14 +439,27 @@ def partition(
     for s in range(num_stages):
         stages.append(
             _build_stage(
-                s, root, live_nodes, home, replicable, metarep, boundaries, input_names,
-                layer_ranges[s], layer_index,
+                s,
+                root,
+                live_nodes,
+                home,
+                replicable,
+                metarep,
+                boundaries,
+                input_names,
+                layer_ranges[s],
+                layer_index,
+                checkpoint_set,
             )
         )
     for st in stages:
         logger.debug(
             "stage %d: layers %s, batch inputs %s, %d boundary inputs, %d boundary outputs",
-            st.index, st.layers, st.batch_inputs, st.num_boundary_inputs, st.num_boundary_outputs,
+            st.index,
+            st.layers,
+            st.batch_inputs,
+            st.num_boundary_inputs,
+            st.num_boundary_outputs,
         )
     return stages
 
@@ -462,6 +516,7 @@ def _build_stage(
     input_names: list[str],
     layer_range: tuple[int, int],
     layer_index: dict[str, int],
+    checkpoint_set: frozenset[int] = frozenset(),
 ) -> StageGraph:
     num_stages = len(boundaries) + 1
     received = boundaries[s - 1] if s > 0 else []
@@ -509,7 +564,9 @@ def _build_stage(
         env[v] = graph.placeholder(v.name)
     for n in live_nodes:
         kind = local.get(n)
-        if kind in ("compute", "meta") and n.op != "output":
+        if kind == "compute" and layer_index.get(n.target) in checkpoint_set:
+            env[n] = _emit_checkpoint(graph, n, lambda a: env[a])
+        elif kind in ("compute", "meta") and n.op != "output":
             env[n] = graph.node_copy(n, lambda a: env[a])
         elif kind == "stub":
             env[n] = _emit_embedding_stub(graph, n, root.get_submodule(n.target), env[n.args[0]])
@@ -539,4 +596,3 @@ def _build_stage(
         param_names=param_names,
         code=gm.code,
     )
-

@@ -1,0 +1,118 @@
+"""The ``pippy-xla`` command line.
+
+``pippy-xla plan --model llama --layers 8 --hidden 64 --stages 4 --microbatches 8
+--memory-limit 20MiB`` builds the model (random weights, on CPU), profiles it and prints the plan
+table with predicted memory and time per stage. ``--config path.json`` takes an HF config file
+instead of ``--model`` and its size flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+_FAMILIES = ("llama", "gpt2", "qwen2")
+
+
+def _build_model(args: argparse.Namespace):
+    import torch
+    import transformers
+
+    if args.config:
+        with open(args.config) as f:
+            cfg_dict = json.load(f)
+        model_type = cfg_dict.pop("model_type", None)
+        if model_type is None:
+            raise SystemExit(f"{args.config} has no 'model_type'")
+        cfg = transformers.AutoConfig.for_model(model_type, **cfg_dict)
+    else:
+        common = dict(vocab_size=args.vocab)
+        if args.model == "gpt2":
+            cfg = transformers.GPT2Config(
+                n_embd=args.hidden, n_layer=args.layers, n_head=args.heads,
+                n_positions=max(args.seq_len, 128), resid_pdrop=0, embd_pdrop=0, attn_pdrop=0,
+                bos_token_id=0, eos_token_id=0, **common,
+            )
+        else:
+            cls = transformers.LlamaConfig if args.model == "llama" else transformers.Qwen2Config
+            cfg = cls(
+                hidden_size=args.hidden, intermediate_size=args.intermediate or 2 * args.hidden,
+                num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                num_key_value_heads=args.kv_heads or args.heads, **common,
+            )
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype)
+    names = list(getattr(model, "_no_split_modules", None) or [])
+    layer_cls = next((type(m) for m in model.modules() if type(m).__name__ in names), None)
+    if layer_cls is None:
+        raise SystemExit(f"cannot find the decoder-layer class of {type(model).__name__}")
+    return model, layer_cls
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import pippy_xla as px
+    from pippy_xla.planner import PlanInfeasibleError
+
+    model, layer_cls = _build_model(args)
+    batch = args.batch_size or args.microbatches
+    limit = args.memory_limit.split(",") if "," in args.memory_limit else args.memory_limit
+    try:
+        plan = px.plan(
+            model, layer_cls=layer_cls, num_stages=args.stages,
+            num_microbatches=args.microbatches, batch_size=batch, seq_len=args.seq_len,
+            memory_limit=limit, schedule=args.schedule,
+            allow_checkpoint=not args.no_checkpoint, repeats=args.repeats,
+        )
+    except PlanInfeasibleError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{type(model).__name__}, {len(px.find_layers(model, layer_cls))} layers, batch "
+          f"{batch} x {args.seq_len}, {args.dtype}")
+    print(plan.table())
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(plan.to_json())
+        print(f"plan saved to {args.json} (load with pippy_xla.Plan.from_json)")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pippy-xla", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="layers and checkpointed layers per stage under a memory limit")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", choices=_FAMILIES, default="llama")
+    src.add_argument("--config", help="an HF config.json (with model_type)")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--intermediate", type=int, default=None, help="default: 2 x hidden")
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=None, help="default: heads")
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--stages", type=int, required=True)
+    p.add_argument("--microbatches", type=int, required=True)
+    p.add_argument("--batch-size", type=int, default=None, help="default: one row per microbatch")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--memory-limit", required=True,
+                   help="bytes per device, e.g. 20MiB; comma-separated for one per stage")
+    p.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
+    p.add_argument("--no-checkpoint", action="store_true", help="plan layer ranges only")
+    p.add_argument("--repeats", type=int, default=5, help="profiler timing runs")
+    p.add_argument("--json", help="also save the plan as JSON to this path")
+    p.set_defaults(func=_plan)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
