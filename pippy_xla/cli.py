@@ -33,16 +33,26 @@ def _build_model(args: argparse.Namespace):
         common = dict(vocab_size=args.vocab)
         if args.model == "gpt2":
             cfg = transformers.GPT2Config(
-                n_embd=args.hidden, n_layer=args.layers, n_head=args.heads,
-                n_positions=max(args.seq_len, 128), resid_pdrop=0, embd_pdrop=0, attn_pdrop=0,
-                bos_token_id=0, eos_token_id=0, **common,
+                n_embd=args.hidden,
+                n_layer=args.layers,
+                n_head=args.heads,
+                n_positions=max(args.seq_len, 128),
+                resid_pdrop=0,
+                embd_pdrop=0,
+                attn_pdrop=0,
+                bos_token_id=0,
+                eos_token_id=0,
+                **common,
             )
         else:
             cls = transformers.LlamaConfig if args.model == "llama" else transformers.Qwen2Config
             cfg = cls(
-                hidden_size=args.hidden, intermediate_size=args.intermediate or 2 * args.hidden,
-                num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                num_key_value_heads=args.kv_heads or args.heads, **common,
+                hidden_size=args.hidden,
+                intermediate_size=args.intermediate or 2 * args.hidden,
+                num_hidden_layers=args.layers,
+                num_attention_heads=args.heads,
+                num_key_value_heads=args.kv_heads or args.heads,
+                **common,
             )
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
@@ -63,16 +73,24 @@ def _plan(args: argparse.Namespace) -> int:
     limit = args.memory_limit.split(",") if "," in args.memory_limit else args.memory_limit
     try:
         plan = px.plan(
-            model, layer_cls=layer_cls, num_stages=args.stages,
-            num_microbatches=args.microbatches, batch_size=batch, seq_len=args.seq_len,
-            memory_limit=limit, schedule=args.schedule,
-            allow_checkpoint=not args.no_checkpoint, repeats=args.repeats,
+            model,
+            layer_cls=layer_cls,
+            num_stages=args.stages,
+            num_microbatches=args.microbatches,
+            batch_size=batch,
+            seq_len=args.seq_len,
+            memory_limit=limit,
+            schedule=args.schedule,
+            allow_checkpoint=not args.no_checkpoint,
+            repeats=args.repeats,
         )
     except PlanInfeasibleError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"{type(model).__name__}, {len(px.find_layers(model, layer_cls))} layers, batch "
-          f"{batch} x {args.seq_len}, {args.dtype}")
+    print(
+        f"{type(model).__name__}, {len(px.find_layers(model, layer_cls))} layers, batch "
+        f"{batch} x {args.seq_len}, {args.dtype}"
+    )
     print(plan.table())
     if args.json:
         with open(args.json, "w") as f:
@@ -99,8 +117,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=int, required=True)
     p.add_argument("--batch-size", type=int, default=None, help="default: one row per microbatch")
     p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--memory-limit", required=True,
-                   help="bytes per device, e.g. 20MiB; comma-separated for one per stage")
+    p.add_argument(
+        "--memory-limit",
+        required=True,
+        help="bytes per device, e.g. 20MiB; comma-separated for one per stage",
+    )
     p.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
     p.add_argument("--no-checkpoint", action="store_true", help="plan layer ranges only")
     p.add_argument("--repeats", type=int, default=5, help="profiler timing runs")

@@ -474,7 +474,7 @@ class PipelineModel:
         evaluation, the logits) into ``losses`` / ``logits``."""
         st = self.stage
         last = self.num_stages - 1
-        module = self._compiled or st.module
+        module = st.module if self._compiled is None else self._compiled
 
         def forward(stage: int, mb: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
             args = [*[mbs[n][mb] for n in st.batch_inputs], *inputs]

@@ -486,7 +486,6 @@ def profile_model(
             x = args[0] if args else None
             if isinstance(x, torch.Tensor) and x.requires_grad:
                 x.register_hook(lambda grad: state["t"].__setitem__(("bin", k), now()))
-            return None
 
         def post(mod, args, kwargs, out):
             state["t"][("f1", k)] = now()
@@ -494,7 +493,6 @@ def profile_model(
             y = _first_tensor(out)
             if y.requires_grad:
                 y.register_hook(lambda grad: state["t"].__setitem__(("bout", k), now()))
-            return None
 
         return pre, post
 
@@ -652,7 +650,7 @@ _UNITS = {
 }
 
 
-def parse_bytes(value: int | float | str) -> int:
+def parse_bytes(value: float | str) -> int:
     """``20MiB``, ``1.5 GB``, ``4096`` -> bytes."""
     if isinstance(value, (int, float)):
         return int(value)

@@ -307,11 +307,13 @@ def test_plan_applied_on_two_ranks():
     prof = profile_model(model, layer_cls, microbatch_size=2, seq_len=16, repeats=1)
     m = 4
     plain = evaluate(prof, layer_ranges=[(0, 2), (2, 4)], num_microbatches=m)
-    every = evaluate(prof, layer_ranges=[(0, 2), (2, 4)], checkpoint_layers=range(4),
-                     num_microbatches=m)
+    every = evaluate(
+        prof, layer_ranges=[(0, 2), (2, 4)], checkpoint_layers=range(4), num_microbatches=m
+    )
     # Between "every layer checkpointed" and "none" (static bytes dominate the tiny model).
-    limit = (max(st.memory_bytes for st in plain.stages)
-             + max(st.memory_bytes for st in every.stages)) // 2
+    limit = (
+        max(st.memory_bytes for st in plain.stages) + max(st.memory_bytes for st in every.stages)
+    ) // 2
     plan = px.plan(
         model,
         layer_cls=layer_cls,
@@ -351,3 +353,59 @@ def test_plan_validation():
             memory_limit="1KiB",
             repeats=1,
         )
+
+
+def test_cli_plan(capsys, tmp_path):
+    from pippy_xla.cli import main
+
+    out_json = tmp_path / "plan.json"
+    rc = main(
+        [
+            "plan",
+            "--model",
+            "llama",
+            "--layers",
+            "4",
+            "--hidden",
+            "64",
+            "--stages",
+            "2",
+            "--microbatches",
+            "2",
+            "--seq-len",
+            "16",
+            "--memory-limit",
+            "64MiB",
+            "--repeats",
+            "1",
+            "--json",
+            str(out_json),
+        ]
+    )
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "stage" in text and "memory" in text and "simulated step" in text
+    assert px.Plan.from_json(out_json.read_text()).num_stages == 2
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "gpt2",
+                "--layers",
+                "2",
+                "--stages",
+                "2",
+                "--microbatches",
+                "2",
+                "--seq-len",
+                "16",
+                "--memory-limit",
+                "1KiB",
+                "--repeats",
+                "1",
+            ]
+        )
+        == 2
+    )
+    assert "smallest memory limit" in capsys.readouterr().err
