@@ -1,0 +1,45 @@
+"""Shared helpers of the benchmarks: the tests' spawn helper and result files."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(ROOT / "tests"))
+
+from _dist import run_ranks  # noqa: E402
+
+__all__ = ["RESULTS", "ROOT", "machine", "run_ranks", "save", "summarize"]
+
+
+def machine() -> dict:
+    import os
+
+    import torch
+
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads_per_rank": 1,
+    }
+
+
+def summarize(samples: list[float]) -> dict:
+    """Median and spread (min, max, interquartile range) of repeated measurements."""
+    s = sorted(samples)
+    q = statistics.quantiles(s, n=4) if len(s) >= 2 else [s[0]] * 3
+    return {"median": statistics.median(s), "min": s[0], "max": s[-1], "iqr": q[2] - q[0], "n": len(s)}
+
+
+def save(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({"machine": machine(), **payload}, indent=2) + "\n")
+    return path
