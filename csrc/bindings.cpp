@@ -90,7 +90,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("weight") = std::vector<double>{}, py::arg("comm") = 0.0);
 
   m.def("make_schedule", &make_schedule, py::arg("name"), py::arg("num_ranks"),
-        py::arg("num_microbatches"));
+        py::arg("num_microbatches"), py::arg("chunks") = 1);
   m.def("schedule_names", &schedule_names);
 
   py::class_<Stash>(m, "Stash")

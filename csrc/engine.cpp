@@ -127,8 +127,7 @@ void Engine::run(int64_t signature, const StageFn& forward) {
         case Op::RECV_B: do_recv_b(st, a); break;
         case Op::B: do_backward(st, a); break;
         case Op::SEND_B: do_send_b(st, a); break;
-        case Op::W:
-          TORCH_CHECK(false, where(a, "split backward is not supported by this engine yet"));
+        case Op::W: do_weight(st, a); break;
       }
       timings_.push_back({a, t0, now_ns()});
       while (!st.sends.empty() && st.sends.front().completed()) st.sends.pop_front();
@@ -256,7 +255,10 @@ void Engine::do_recv_b(StepState& st, const Action& a) {
 
 void Engine::do_backward(StepState& st, const Action& a) {
   const Slot slot{a.stage, a.mb};
-  StashSlot saved = stash_.pop(a.stage, a.mb);
+  // With a split backward the slot stays stashed until W: the graph is still needed.
+  StashSlot popped;
+  if (!schedule_.split_backward) popped = stash_.pop(a.stage, a.mb);
+  const StashSlot& saved = schedule_.split_backward ? stash_.peek(a.stage, a.mb) : popped;
   std::vector<at::Tensor> roots, grads;
   if (a.stage == schedule_.num_stages - 1) {
     for (const auto& o : saved.outputs) {
@@ -283,19 +285,41 @@ void Engine::do_backward(StepState& st, const Action& a) {
       grads.push_back(incoming[j++]);
     }
   }
-  if (!roots.empty()) torch::autograd::backward(roots, grads);
+  std::vector<at::Tensor> leaves;
+  for (const auto& in : saved.inputs)
+    if (in.requires_grad()) leaves.push_back(in);
   std::vector<at::Tensor> input_grads;
-  for (const auto& in : saved.inputs) {
-    if (!in.requires_grad()) continue;
-    at::Tensor g = in.grad();
-    input_grads.push_back(g.defined() ? g : at::zeros_like(in));
+  if (schedule_.split_backward) {
+    // Input gradients only: autograd skips the weight-gradient work (needs_input_grad is false
+    // for it); W later runs the rest from the retained graph.
+    if (!leaves.empty() && !roots.empty()) {
+      input_grads = torch::autograd::grad(roots, leaves, grads, /*retain_graph=*/true,
+                                          /*create_graph=*/false, /*allow_unused=*/true);
+    }
+    st.weight_roots[slot] = {std::move(roots), std::move(grads)};
+  } else {
+    if (!roots.empty()) torch::autograd::backward(roots, grads);
+    for (const auto& in : leaves) input_grads.push_back(in.grad());
   }
+  for (size_t i = 0; i < input_grads.size(); ++i)
+    if (!input_grads[i].defined()) input_grads[i] = at::zeros_like(leaves[i]);
   if (a.stage == 0) return;
   if (schedule_.stage_rank[a.stage - 1] == rank_) {
     st.local_grads[{a.stage - 1, a.mb}] = std::move(input_grads);
   } else {
     st.grads_out[slot] = std::move(input_grads);
   }
+}
+
+void Engine::do_weight(StepState& st, const Action& a) {
+  const Slot slot{a.stage, a.mb};
+  auto it = st.weight_roots.find(slot);
+  TORCH_CHECK(it != st.weight_roots.end(), where(a, "W before its B"));
+  auto [roots, grads] = std::move(it->second);
+  st.weight_roots.erase(it);
+  // Weight gradients from the graph B retained (no forward is re-run); frees the graph.
+  if (!roots.empty()) torch::autograd::backward(roots, grads);
+  stash_.pop(a.stage, a.mb);
 }
 
 void Engine::do_send_b(StepState& st, const Action& a) {

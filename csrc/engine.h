@@ -79,6 +79,8 @@ class Engine {
     std::map<Slot, std::vector<Transfer>> recv_f, recv_b;
     std::map<Slot, std::vector<at::Tensor>> fwd_out, local_in, grads_out, local_grads;
     std::deque<Transfer> sends;
+    // Split backward: what W still has to backpropagate, per (stage, mb): roots and their grads.
+    std::map<Slot, std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>>> weight_roots;
   };
 
   void do_recv_f(StepState& st, const Action& a);
@@ -88,6 +90,7 @@ class Engine {
   void do_recv_b(StepState& st, const Action& a);
   void do_backward(StepState& st, const Action& a);
   void do_send_b(StepState& st, const Action& a);
+  void do_weight(StepState& st, const Action& a);
   std::vector<at::Tensor> wait_all(std::vector<Transfer>& ts);
   std::string where(const Action& a, const char* what) const;
   int64_t tag(int kind, int64_t stage, int64_t mb, int64_t idx) const;

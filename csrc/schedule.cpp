@@ -86,25 +86,76 @@ Schedule with_comms(Schedule s, const std::vector<std::vector<Action>>& compute)
   return s;
 }
 
-Schedule base(const std::string& name, int32_t ranks, int32_t mbs) {
+Schedule base(const std::string& name, int32_t ranks, int32_t mbs, int32_t chunks) {
   TORCH_CHECK(ranks >= 1, "schedule '", name, "': need at least 1 rank, got ", ranks);
   TORCH_CHECK(mbs >= 1, "schedule '", name, "': need at least 1 microbatch, got ", mbs);
+  TORCH_CHECK(chunks >= 1, "schedule '", name, "': need at least 1 chunk per rank, got ", chunks);
   Schedule s;
   s.name = name;
   s.num_ranks = ranks;
-  s.num_stages = ranks;
+  s.num_stages = ranks * chunks;
   s.num_microbatches = mbs;
-  for (int32_t i = 0; i < ranks; ++i) s.stage_rank.push_back(i);
+  // Stage s lives on rank s % ranks: chunk c of rank r is stage c * ranks + r (a loop).
+  for (int32_t i = 0; i < s.num_stages; ++i) s.stage_rank.push_back(i % ranks);
   return s;
+}
+
+// Zero-bubble ZB-H1 by list scheduling at unit costs (F = B = W): each free rank runs, in this
+// priority, the oldest backward (input gradients) whose gradient is there, else the next forward
+// whose input is there while fewer than `ranks - r` microbatches await their backward (1F1B's
+// bound) and at most `ranks` hold a graph (await W), else the oldest pending weight-gradient step.
+// Weight steps fill the time a rank would otherwise wait: for up to 4 ranks the bubble drops from
+// 1F1B's (p-1)(F+B+W) to ZB-H1's (p-1)(F+B-W), a third (more ranks: about 0.4), with every rank
+// holding at most p+1 microbatches' graphs (1F1B: p - r).
+std::vector<std::vector<Action>> zero_bubble_h1(int32_t p, int32_t m) {
+  std::vector<std::vector<Action>> order(p);
+  // Time at which F / B of (stage, mb) finished; -1 while not run.
+  std::vector<int32_t> f_end(p * m, -1), b_end(p * m, -1);
+  std::vector<int32_t> next_f(p, 0), next_b(p, 0), next_w(p, 0);
+  auto done_by = [](int32_t end, int32_t t) { return end >= 0 && end <= t; };
+  int32_t remaining = 3 * p * m;
+  for (int32_t t = 0; remaining > 0; ++t) {
+    TORCH_CHECK(t <= 3 * p * m + 2 * p, "zero-bubble generator made no progress");
+    for (int32_t r = 0; r < p; ++r) {
+      const int32_t b = next_b[r], f = next_f[r];
+      const bool b_ready = b < f && done_by(f_end[r * m + b], t) &&
+                           (r == p - 1 || done_by(b_end[(r + 1) * m + b], t));
+      const bool f_ready = f < m && f - next_b[r] < p - r && f - next_w[r] < p + 1 &&
+                           (r == 0 || done_by(f_end[(r - 1) * m + f], t));
+      if (b_ready) {
+        order[r].push_back({Op::B, r, b});
+        b_end[r * m + b] = t + 1;
+        ++next_b[r];
+      } else if (f_ready) {
+        order[r].push_back({Op::F, r, f});
+        f_end[r * m + f] = t + 1;
+        ++next_f[r];
+      } else if (next_w[r] < next_b[r]) {
+        order[r].push_back({Op::W, r, next_w[r]++});
+      } else {
+        continue;
+      }
+      --remaining;
+    }
+  }
+  return order;
 }
 
 }  // namespace
 
-std::vector<std::string> schedule_names() { return {"1f1b", "gpipe", "forward"}; }
+std::vector<std::string> schedule_names() {
+  return {"1f1b", "gpipe", "interleaved", "zbh1", "forward"};
+}
 
-Schedule make_schedule(const std::string& name, int32_t num_ranks, int32_t num_microbatches) {
-  Schedule s = base(name, num_ranks, num_microbatches);
-  const int32_t p = num_ranks, m = num_microbatches;
+Schedule make_schedule(const std::string& name, int32_t num_ranks, int32_t num_microbatches,
+                       int32_t chunks) {
+  const bool multi = name == "interleaved" || name == "forward";
+  TORCH_CHECK(multi || chunks == 1, "schedule '", name, "' runs one stage per rank, so chunks ",
+              "must be 1, got ", chunks, "; use 'interleaved' for several stages per rank");
+  TORCH_CHECK(name != "interleaved" || chunks >= 2, "schedule 'interleaved' needs chunks >= 2 ",
+              "(stages per rank), got ", chunks);
+  Schedule s = base(name, num_ranks, num_microbatches, chunks);
+  const int32_t p = num_ranks, m = num_microbatches, v = chunks;
   std::vector<std::vector<Action>> compute(p);
   if (name == "1f1b") {
     for (int32_t r = 0; r < p; ++r) {
@@ -117,13 +168,39 @@ Schedule make_schedule(const std::string& name, int32_t num_ranks, int32_t num_m
       }
       for (int32_t i = m - warmup; i < m; ++i) c.push_back({Op::B, r, i});
     }
-  } else if (name == "gpipe" || name == "forward") {
-    s.backward = name == "gpipe";
+  } else if (name == "gpipe") {
     for (int32_t r = 0; r < p; ++r) {
       for (int32_t i = 0; i < m; ++i) compute[r].push_back({Op::F, r, i});
-      if (s.backward)
-        for (int32_t i = 0; i < m; ++i) compute[r].push_back({Op::B, r, i});
+      for (int32_t i = 0; i < m; ++i) compute[r].push_back({Op::B, r, i});
     }
+  } else if (name == "forward") {
+    s.backward = false;
+    for (int32_t r = 0; r < p; ++r)
+      for (int32_t c = 0; c < v; ++c)
+        for (int32_t i = 0; i < m; ++i) compute[r].push_back({Op::F, c * p + r, i});
+  } else if (name == "interleaved") {
+    // Megatron's interleaved 1F1B: microbatches advance in groups of `p` through the chunks;
+    // rank r warms up with (p - r - 1) * 2 + (v - 1) * p forwards, then alternates F and B.
+    TORCH_CHECK(m % p == 0, "schedule 'interleaved' needs num_microbatches divisible by the ",
+                "number of ranks (", p, "), got ", m);
+    const int32_t total = m * v;
+    auto unit = [&](Op op, int32_t r, int32_t k) {
+      const int32_t chunk = (k / p) % v, mb = (k / (p * v)) * p + k % p;
+      return Action{op, (op == Op::F ? chunk : v - 1 - chunk) * p + r, mb};
+    };
+    for (int32_t r = 0; r < p; ++r) {
+      const int32_t warmup = std::min(total, (p - r - 1) * 2 + (v - 1) * p);
+      auto& c = compute[r];
+      for (int32_t k = 0; k < warmup; ++k) c.push_back(unit(Op::F, r, k));
+      for (int32_t k = 0; k < total - warmup; ++k) {
+        c.push_back(unit(Op::F, r, warmup + k));
+        c.push_back(unit(Op::B, r, k));
+      }
+      for (int32_t k = total - warmup; k < total; ++k) c.push_back(unit(Op::B, r, k));
+    }
+  } else if (name == "zbh1") {
+    s.split_backward = true;
+    compute = zero_bubble_h1(p, m);
   } else {
     std::ostringstream os;
     for (const auto& n : schedule_names()) os << " '" << n << "'";

@@ -40,9 +40,12 @@ struct Schedule {
   std::string table() const;
 };
 
-// Names: "1f1b", "gpipe", "forward".
+// Names: "1f1b", "gpipe", "interleaved" (interleaved 1F1B, `chunks` >= 2 stages per rank, stage s
+// on rank s % ranks), "zbh1" (zero-bubble ZB-H1: split backward, weight steps fill the bubble)
+// and "forward" (evaluation; any `chunks`).
 std::vector<std::string> schedule_names();
-Schedule make_schedule(const std::string& name, int32_t num_ranks, int32_t num_microbatches);
+Schedule make_schedule(const std::string& name, int32_t num_ranks, int32_t num_microbatches,
+                       int32_t chunks = 1);
 
 // Per-action costs for the simulator (any unit; the engine measures microseconds). Each
 // per-stage list is empty (unit costs) or has one entry per stage.

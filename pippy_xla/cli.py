@@ -127,7 +127,56 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5, help="profiler timing runs")
     p.add_argument("--json", help="also save the plan as JSON to this path")
     p.set_defaults(func=_plan)
+
+    p = sub.add_parser("simulate", help="predicted timeline of a schedule, without a model")
+    p.add_argument("--schedule", default="1f1b", help="one of: " + ", ".join(_schedules()))
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--chunks", type=int, default=None, help="stages per rank (interleaved: 2)")
+    p.add_argument("--forward", type=float, default=1.0, help="cost of F, per stage")
+    p.add_argument("--backward", type=float, default=2.0, help="cost of a full backward")
+    p.add_argument(
+        "--weight", type=float, default=None, help="split backward: W cost (default: half of B)"
+    )
+    p.add_argument("--comm", type=float, default=0.0, help="transfer latency")
+    p.add_argument("--png", default="timeline.png", help="where to draw the Gantt chart")
+    p.add_argument("--trace", default=None, help="also write a Chrome/Perfetto trace JSON")
+    p.set_defaults(func=_simulate)
     return parser
+
+
+def _schedules() -> list[str]:
+    from pippy_xla import _C
+
+    return list(_C.schedule_names())
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from pippy_xla import _C, viz
+
+    chunks = args.chunks or (2 if args.schedule == "interleaved" else 1)
+    sched = _C.make_schedule(args.schedule, args.ranks, args.microbatches, chunks)
+    n = sched.num_stages
+    weight = args.backward / 2 if args.weight is None else args.weight
+    # A split backward's B is the input-gradient part: the full backward minus W.
+    backward = args.backward - weight if sched.split_backward else args.backward
+    sim = sched.simulate(
+        forward=[args.forward] * n,
+        backward=[backward] * n,
+        weight=[weight] * n if sched.split_backward else [],
+        comm=args.comm,
+    )
+    print(
+        f"{args.schedule}: {args.ranks} ranks x {chunks} chunks, {args.microbatches} "
+        f"microbatches: step {sim['makespan']:g}, bubble {sim['bubble']:.1%}, "
+        f"peak in-flight microbatches per stage {sim['peak_inflight']}"
+    )
+    events = viz.simulated_events(sim)
+    title = f"{args.schedule} (simulated), {args.ranks} ranks, {args.microbatches} microbatches"
+    print(f"timeline drawn to {viz.draw_timeline(events, args.png, title=title, unit='units')}")
+    if args.trace:
+        print(f"trace written to {viz.write_chrome_trace(events, args.trace)}")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -85,8 +85,12 @@ class PipelineModel:
             ``device`` and initialized as the model would initialize them.
         layer_cls: the decoder-layer class; layers are the stage-cut points.
         num_microbatches: microbatches per step; the batch size must be divisible by it.
-        schedule: ``"1f1b"`` or ``"gpipe"``.
-        group: the pipeline's process group (default: the world); one stage per rank.
+        schedule: ``"1f1b"``, ``"gpipe"``, ``"interleaved"`` (interleaved 1F1B: ``chunks``
+            stages per rank, stage ``s`` on rank ``s % ranks``) or ``"zbh1"`` (zero-bubble ZB-H1:
+            backward split into input- and weight-gradient steps; the weight steps fill the
+            bubble).
+        chunks: stages per rank for ``"interleaved"`` (default 2); 1 for the others.
+        group: the pipeline's process group (default: the world).
         layer_ranges: explicit ``(start, stop)`` layer range per stage (default: balanced).
         plan: a :class:`~pippy_xla.planner.Plan` (from :func:`pippy_xla.plan`): its layer
             ranges, and its checkpointed layers run under activation checkpointing. Exclusive
@@ -113,6 +117,7 @@ class PipelineModel:
         layer_cls: type[nn.Module],
         num_microbatches: int,
         schedule: str = "1f1b",
+        chunks: int | None = None,
         group: dist.ProcessGroup | None = None,
         layer_ranges: Sequence[tuple[int, int]] | None = None,
         plan: Plan | None = None,
@@ -131,14 +136,19 @@ class PipelineModel:
             )
         if not isinstance(num_microbatches, int) or num_microbatches < 1:
             raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
-        if schedule not in ("1f1b", "gpipe"):
-            raise ValueError(f"schedule must be '1f1b' or 'gpipe', got {schedule!r}")
+        trainable = [n for n in _C.schedule_names() if n != "forward"]
+        if schedule not in trainable:
+            raise ValueError(f"schedule must be one of {trainable}, got {schedule!r}")
+        if chunks is None:
+            chunks = 2 if schedule == "interleaved" else 1
         if timeout <= 0:
             raise ValueError(f"timeout must be positive seconds, got {timeout}")
         self.group = group or dist.group.WORLD
         self.rank = dist.get_rank(self.group)
-        self.num_stages = dist.get_world_size(self.group)
+        self.num_ranks = dist.get_world_size(self.group)
+        self.num_stages = self.num_ranks * chunks
         self.num_microbatches = num_microbatches
+        self.schedule = schedule
         self.input_names = list(input_names)
         self.device = torch.device(device)
         self._num_items_fn = num_items_fn
@@ -152,18 +162,29 @@ class PipelineModel:
                 raise ValueError("pass either plan=... or layer_ranges=..., not both")
             if plan.num_stages != self.num_stages:
                 raise ValueError(
-                    f"the plan has {plan.num_stages} stages but the process group has "
-                    f"{self.num_stages} ranks (one stage per rank); plan for {self.num_stages}"
+                    f"the plan has {plan.num_stages} stages but this pipeline has "
+                    f"{self.num_stages} ({self.num_ranks} ranks x {chunks} chunks); plan for "
+                    f"{self.num_stages}"
                 )
             layer_ranges = plan.layer_ranges
             checkpoint_layers = plan.checkpoint_layers
         # ---- end planner ----
+        if schedule == "interleaved" and num_layers % self.num_stages:
+            raise ValueError(
+                f"schedule 'interleaved' with {chunks} chunks on {self.num_ranks} ranks needs the "
+                f"{num_layers} decoder layers to divide into {self.num_stages} equal stages; "
+                "choose chunks so that ranks x chunks divides the layer count"
+            )
+        try:
+            train_schedule = _C.make_schedule(schedule, self.num_ranks, num_microbatches, chunks)
+        except RuntimeError as e:
+            raise ValueError(str(e)) from None
         if layer_ranges is None:
             layer_ranges = balanced_ranges(num_layers, self.num_stages)
         elif len(layer_ranges) != self.num_stages:
             raise ValueError(
                 f"layer_ranges has {len(layer_ranges)} stages but the process group has "
-                f"{self.num_stages} ranks (one stage per rank)"
+                f"{self.num_ranks} ranks x {chunks} chunks = {self.num_stages} stages"
             )
         self.layer_ranges = [tuple(r) for r in layer_ranges]
         self.stages: list[StageGraph] = partition(
@@ -173,7 +194,7 @@ class PipelineModel:
             self.input_names,
             checkpoint_layers=checkpoint_layers,
         )
-        self.stage = self.stages[self.rank]
+        self.local_stages = [st for st in self.stages if st.index % self.num_ranks == self.rank]
         self._check_ranks_agree(schedule)
 
         if loss_fn is None:
@@ -189,40 +210,51 @@ class PipelineModel:
         self._ties = self._tie(tied_names)
 
         name = group_name_of(self.group)
-        self._train_engine = _C.Engine(
-            _C.make_schedule(schedule, self.num_stages, num_microbatches), name, self._timeout_ms
-        )
+        self._train_engine = _C.Engine(train_schedule, name, self._timeout_ms)
         self._eval_engine = _C.Engine(
-            _C.make_schedule("forward", self.num_stages, num_microbatches),
+            _C.make_schedule("forward", self.num_ranks, num_microbatches, chunks),
             name,
             self._timeout_ms,
         )
         self._last_engine = self._train_engine
         self._failed: BaseException | None = None
-        self._compiled = None
+        self._compiled: dict[int, Callable] | None = None
         self.recompiles: list[str] = []
         """Explanations of the recompilations seen after each mode's first step."""
         if compile:
-            self._compiled = torch.compile(self.stage.module, **(compile_options or {}))
+            self._compiled = {
+                st.index: torch.compile(st.module, **(compile_options or {}))
+                for st in self.local_stages
+            }
             self._compile_watch = _RecompileWatch()
         logger.info(
-            "[rank %d stage %d] layers %s, %d parameters",
+            "[rank %d] stages %s, layers %s, %d parameters",
             self.rank,
-            self.rank,
-            self.stage.layers,
+            [st.index for st in self.local_stages],
+            [st.layers for st in self.local_stages],
             sum(p.numel() for _, p in self.named_parameters()),
         )
 
     # ----------------------------------------------------------------------------- building
 
     @property
+    def stage(self) -> StageGraph:
+        """The first (with one chunk per rank: the only) stage of this rank."""
+        return self.local_stages[0]
+
+    @property
     def module(self) -> torch.fx.GraphModule:
-        """The local stage's graph module."""
+        """The graph module of :attr:`stage`."""
         return self.stage.module
 
     @property
     def is_last(self) -> bool:
-        return self.rank == self.num_stages - 1
+        """Whether this rank runs the last stage (and so holds the logits)."""
+        return self.rank == self.last_rank
+
+    @property
+    def last_rank(self) -> int:
+        return (self.num_stages - 1) % self.num_ranks
 
     def _global_rank(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank)
@@ -234,7 +266,7 @@ class PipelineModel:
             digest.update(st.code.encode())
             digest.update(repr(sorted(st.param_names.items())).encode())
         mine = (digest.hexdigest(), schedule, self.num_microbatches, self.input_names)
-        everyone: list = [None] * self.num_stages
+        everyone: list = [None] * self.num_ranks
         dist.all_gather_object(everyone, mine, group=self.group)
         for r, theirs in enumerate(everyone):
             if theirs != mine:
@@ -245,29 +277,31 @@ class PipelineModel:
                 )
 
     def _materialize(self, model: nn.Module) -> None:
-        gm = self.stage.module
-        tensors = list(gm.parameters()) + list(gm.buffers())
-        if any(t.device.type == "meta" for t in tensors):
-            gm.to_empty(device=self.device)
-            init = getattr(model, "_init_weights", None)
+        init = getattr(model, "_init_weights", None)
 
-            def init_module(m: nn.Module) -> None:
-                if init is not None:
-                    init(m)
-                elif hasattr(m, "reset_parameters"):
-                    m.reset_parameters()
+        def init_module(m: nn.Module) -> None:
+            if init is not None:
+                init(m)
+            elif hasattr(m, "reset_parameters"):
+                m.reset_parameters()
 
-            with torch.no_grad():
-                gm.apply(init_module)  # children before parents, as HF's own initialization
-        elif any(t.device != self.device for t in tensors):
-            gm.to(self.device)
+        for st in self.local_stages:
+            gm = st.module
+            tensors = list(gm.parameters()) + list(gm.buffers())
+            if any(t.device.type == "meta" for t in tensors):
+                gm.to_empty(device=self.device)
+                with torch.no_grad():
+                    gm.apply(init_module)  # children before parents, as HF's own initialization
+            elif any(t.device != self.device for t in tensors):
+                gm.to(self.device)
 
     def _tie(self, tied_names: list[list[str]]) -> list[tuple[list[int], list[nn.Parameter]]]:
         """Parameters shared by several stages (tied embeddings): their values start equal (the
         first owner's) and their gradients are summed over the owners every step."""
         ties = []
         for names in tied_names:
-            owners = [st.index for st in self.stages if set(names) & set(st.param_names.values())]
+            stages = [st.index for st in self.stages if set(names) & set(st.param_names.values())]
+            owners = sorted({s % self.num_ranks for s in stages})
             if len(owners) < 2 or self.rank not in owners:
                 continue
             ties.append((owners, self._local_params_named(names)))
@@ -276,7 +310,7 @@ class PipelineModel:
         return ties
 
     def _combine_among(self, owners: list[int], tensors: list[torch.Tensor], tag: int, add: bool):
-        """Makes ``tensors`` equal on all ``owners`` (stage ranks of this pipeline): the first
+        """Makes ``tensors`` equal on all ``owners`` (ranks of this pipeline's group): the first
         owner's values, or with ``add`` their sum, added in owner order so every owner gets the
         same bits. Point-to-point over the pipeline group, through the ``pippy_xla`` ops."""
         name, first = group_name_of(self.group), owners[0]
@@ -302,23 +336,19 @@ class PipelineModel:
 
     def _local_params_named(self, names: Sequence[str]) -> list[nn.Parameter]:
         wanted = set(names)
-        out, seen = [], set()
-        for stage_name, p in self.stage.module.named_parameters(remove_duplicate=False):
-            if self.stage.param_names[stage_name] in wanted and id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-        return out
+        return [p for name, p in self.named_parameters() if name in wanted]
 
     # ----------------------------------------------------------------------------- parameters
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """The local stage's parameters under the original model's names."""
+        """The local stages' parameters under the original model's names (each once)."""
         seen = set()
-        for stage_name, p in self.stage.module.named_parameters(remove_duplicate=False):
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            yield self.stage.param_names[stage_name], p
+        for st in self.local_stages:
+            for stage_name, p in st.module.named_parameters(remove_duplicate=False):
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                yield st.param_names[stage_name], p
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for _, p in self.named_parameters():
@@ -327,8 +357,9 @@ class PipelineModel:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The local stage's parameters and persistent buffers under the original names."""
         return {
-            self.stage.param_names[k]: v
-            for k, v in self.stage.module.state_dict(keep_vars=False).items()
+            st.param_names[k]: v
+            for st in self.local_stages
+            for k, v in st.module.state_dict(keep_vars=False).items()
         }
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
@@ -341,25 +372,29 @@ class PipelineModel:
             if unknown:
                 raise KeyError(f"state_dict keys belong to no stage of this model: {unknown[:8]}")
         aliases = {n: names for names in self._tied_names for n in names}
-        own = self.stage.module.state_dict(keep_vars=True)
+        own = {
+            st.param_names[k]: v
+            for st in self.local_stages
+            for k, v in st.module.state_dict(keep_vars=True).items()
+        }
         with torch.no_grad():
-            for stage_name, target in own.items():
-                name = self.stage.param_names[stage_name]
+            for name, target in own.items():
                 candidates = [name] + [a for a in aliases.get(name, []) if a != name]
                 source = next((state_dict[c] for c in candidates if c in state_dict), None)
                 if source is None:
                     raise KeyError(
-                        f"[rank {self.rank} stage {self.rank}] state_dict has no key '{name}'"
+                        f"[rank {self.rank}] state_dict has no key '{name}'"
                     )
                 if tuple(source.shape) != tuple(target.shape):
                     raise ValueError(
-                        f"[rank {self.rank} stage {self.rank}] state_dict['{name}'] has shape "
+                        f"[rank {self.rank}] state_dict['{name}'] has shape "
                         f"{tuple(source.shape)}, the model expects {tuple(target.shape)}"
                     )
                 target.copy_(source)
 
     def train(self, mode: bool = True) -> PipelineModel:
-        self.stage.module.train(mode)
+        for st in self.local_stages:
+            st.module.train(mode)
         return self
 
     def eval(self) -> PipelineModel:
@@ -393,7 +428,7 @@ class PipelineModel:
             mode = "train" if engine is self._train_engine else "eval"
             why = self._compile_watch.step_done(mode)
             if why:
-                msg = f"[rank {self.rank} stage {self.rank}] stage recompiled: {why}"
+                msg = f"[rank {self.rank}] stage recompiled: {why}"
                 logger.warning("%s", msg)
                 self.recompiles.append(msg)
 
@@ -449,13 +484,13 @@ class PipelineModel:
             rows.append([zlib.crc32(k.encode()), _dtype_code(v.dtype), v.dim(), *dims])
         mine = torch.tensor(rows, dtype=torch.long).flatten()
         width = torch.tensor([mine.numel()], dtype=torch.long)
-        widths = [torch.empty_like(width) for _ in range(self.num_stages)]
+        widths = [torch.empty_like(width) for _ in range(self.num_ranks)]
         dist.all_gather(widths, width, group=self.group)
         everyone = [torch.empty(int(w), dtype=torch.long) for w in widths]
         if len({int(w) for w in widths}) == 1:
             dist.all_gather(everyone, mine, group=self.group)
         else:
-            everyone = [None] * self.num_stages
+            everyone = [None] * self.num_ranks
         describe = {k: (tuple(batch[k].shape), batch[k].dtype) for k in names}
         for r, theirs in enumerate(everyone):
             if theirs is None or not torch.equal(theirs, mine):
@@ -472,15 +507,15 @@ class PipelineModel:
         """The callable the engine runs for each forward action. The last stage applies the loss
         (when there are labels) and records the detached microbatch losses (and, for
         evaluation, the logits) into ``losses`` / ``logits``."""
-        st = self.stage
         last = self.num_stages - 1
-        module = st.module if self._compiled is None else self._compiled
+        modules = self._compiled or {st.index: st.module for st in self.local_stages}
 
         def forward(stage: int, mb: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+            st = self.stages[stage]
             args = [*[mbs[n][mb] for n in st.batch_inputs], *inputs]
             if self._compiled is not None:
-                self._compile_watch.see(args)
-            out = module(*args)
+                self._compile_watch.see(stage, args)
+            out = modules[stage](*args)
             if stage != last:
                 return list(out)
             if logits is not None:
@@ -497,7 +532,7 @@ class PipelineModel:
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.is_last:
             total = torch.stack([losses[mb].float() for mb in sorted(losses)]).sum()
-        dist.broadcast(total, src=self._global_rank(self.num_stages - 1), group=self.group)
+        dist.broadcast(total, src=self._global_rank(self.last_rank), group=self.group)
         return total
 
     def run_train(self, **batch: torch.Tensor) -> torch.Tensor:
@@ -543,6 +578,25 @@ class PipelineModel:
         """The last step's actions on this rank: ``(op, stage, microbatch, start_ns, end_ns)``."""
         return self._last_engine.timings()
 
+    def timeline(self, json_path: str | None = None, png_path: str | None = None) -> list:
+        """Gathers the last step's measured actions of every rank (a collective: call it on all
+        ranks) and, on the pipeline's first rank, writes a Chrome/Perfetto trace (``json_path``)
+        and a Gantt chart (``png_path``). Returns the merged events
+        ``(rank, op, stage, microbatch, start_s, end_s)`` on every rank."""
+        from pippy_xla import viz
+
+        mine = [(self.rank, op, s, mb, t0 / 1e9, t1 / 1e9) for op, s, mb, t0, t1 in self.timings()]
+        everyone: list = [None] * self.num_ranks
+        dist.all_gather_object(everyone, mine, group=self.group)
+        events = sorted((e for rank_events in everyone for e in rank_events), key=lambda e: e[4])
+        if self.rank == 0:
+            title = f"{self.schedule}: {self.num_ranks} ranks, {self.num_microbatches} microbatches"
+            if json_path:
+                viz.write_chrome_trace(events, json_path)
+            if png_path:
+                viz.draw_timeline(events, png_path, title=title)
+        return events
+
     @property
     def stash_peak_bytes(self) -> int:
         """Most bytes the activation stash held at once since the last ``reset_stash_peak``."""
@@ -562,8 +616,8 @@ class _RecompileWatch:
 
     def __init__(self) -> None:
         self._graphs: dict[str, int] = {}
-        self._first_args: dict[str, list[str]] = {}
-        self._step_args: list[str] | None = None
+        self._first_args: dict[str, dict[int, list[str]]] = {}
+        self._step_args: dict[int, list[str]] = {}
         self._changes: list[str] = []
 
     @staticmethod
@@ -572,7 +626,7 @@ class _RecompileWatch:
 
         return int(counters["stats"]["unique_graphs"])
 
-    def see(self, args: list) -> None:
+    def see(self, stage: int, args: list) -> None:
         described = [
             f"{str(a.dtype).removeprefix('torch.')}{list(a.shape)}"
             + (" requires_grad" if a.requires_grad else "")
@@ -580,22 +634,24 @@ class _RecompileWatch:
             else repr(a)
             for a in args
         ]
-        if self._step_args is None:
-            self._step_args = described
+        self._step_args.setdefault(stage, described)
 
     def step_done(self, mode: str) -> str | None:
-        args, self._step_args = self._step_args, None
+        args, self._step_args = self._step_args, {}
         count = self._graph_count()
         if mode not in self._graphs:
             self._graphs[mode] = count
-            self._first_args[mode] = args or []
+            self._first_args[mode] = args
             return None
         if count == self._graphs[mode]:
             return None
         self._graphs[mode] = count
         first = self._first_args[mode]
         changed = [
-            f"input {i}: {a} -> {b}" for i, (a, b) in enumerate(zip(first, args or [])) if a != b
+            f"stage {s} input {i}: {a} -> {b}"
+            for s in sorted(args)
+            for i, (a, b) in enumerate(zip(first.get(s, []), args[s]))
+            if a != b
         ]
         from torch._dynamo.utils import guard_failures
 

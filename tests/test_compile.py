@@ -48,7 +48,7 @@ def _compiled_training(rank, world):
     pipe.run_train(**make_batch(seed=0, seq=12))
     assert len(pipe.recompiles) == 1
     why = pipe.recompiles[0]
-    assert f"[rank {rank} stage {rank}] stage recompiled" in why
+    assert f"[rank {rank}] stage recompiled" in why
     assert "16" in why and "12" in why, why  # the input whose shape changed
     return graphs
 

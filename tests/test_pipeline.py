@@ -13,11 +13,13 @@ import pippy_xla as px
 
 # Tolerances (fp32): the pipeline sums per-microbatch losses and gradients that the reference
 # computes over the whole batch at once, so results differ by float rounding only (~1e-7
-# relative). AdamW divides by sqrt(v), which turns those differences in near-zero gradients into
-# slightly larger parameter differences, hence the looser bound after optimizer steps.
-LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
-GRAD_TOL = dict(rtol=1e-5, atol=1e-6)
-PARAM_TOL = dict(rtol=1e-5, atol=1e-5)
+# relative): losses and gradients are compared at rtol 1e-5, atol 1e-6. AdamW normalizes each
+# element's update by sqrt(v): an element whose gradient is ~1e-8 (within rounding of zero) can
+# move by a sizeable fraction of lr = 1e-3 in either run, so parameters after optimizer steps are
+# compared at atol 1e-4 (a tenth of one step); every other element agrees to ~1e-7.
+LOSS_TOL = {"rtol": 1e-5, "atol": 1e-6}
+GRAD_TOL = {"rtol": 1e-5, "atol": 1e-6}
+PARAM_TOL = {"rtol": 1e-5, "atol": 1e-4}
 
 
 def _build(family, seed=0, **kw):
@@ -31,17 +33,19 @@ def _check_grads(pipe, ref, where):
     for name, p in pipe.named_parameters():
         ref_p = ref.get_parameter(name)
         assert p.grad is not None, f"{where}: {name} got no gradient"
-        torch.testing.assert_close(p.grad, ref_p.grad, **GRAD_TOL, msg=f"{where}: grad {name}")
+        torch.testing.assert_close(
+            p.grad, ref_p.grad, **GRAD_TOL, msg=lambda m, name=name: f"{where}: grad {name}\n{m}"
+        )
         n += 1
     assert n > 0
 
 
-def _train_equal(rank, world, family, schedule, mb_counts, steps=3):
+def _train_equal(rank, world, family, schedule, mb_counts, steps=3, layers=4):
     """Per step: loss and every local gradient equal the reference's; after AdamW steps the
     parameters still match. Returns what each rank checked, for the parent to assert on."""
     checked = []
     for mbs in mb_counts:
-        model, layer_cls = _build(family)
+        model, layer_cls = _build(family, layers=layers)
         ref = copy.deepcopy(model)
         pipe = px.PipelineModel(
             model, layer_cls=layer_cls, num_microbatches=mbs, schedule=schedule, timeout=60
@@ -63,7 +67,10 @@ def _train_equal(rank, world, family, schedule, mb_counts, steps=3):
             ref_opt.zero_grad()
             for name, p in pipe.named_parameters():
                 torch.testing.assert_close(
-                    p, ref.get_parameter(name), **PARAM_TOL, msg=f"{where}: param {name}"
+                    p,
+                    ref.get_parameter(name),
+                    **PARAM_TOL,
+                    msg=lambda m, name=name: f"{where}: param {name}\n{m}",
                 )
         checked.append((mbs, sorted(n for n, _ in pipe.named_parameters())))
     return checked
@@ -83,6 +90,18 @@ def test_two_ranks_match_single_process(family):
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_four_ranks_match_single_process(family):
     run_ranks(4, _train_equal, family, "1f1b", [1, 2, 4, 8], 2)
+
+
+def _schedules_equal(rank, world, schedule):
+    # Both families in one process group (one spawn); 8 layers so 4 ranks x 2 chunks fit.
+    for family in ("llama", "gpt2"):
+        _train_equal(rank, world, family, schedule, [world, 2 * world], 2, 8)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("schedule", ["interleaved", "zbh1"])
+def test_interleaved_and_zero_bubble_match_single_process(schedule, world):
+    run_ranks(world, _schedules_equal, schedule)
 
 
 def test_gpipe_and_third_family():

@@ -112,17 +112,28 @@ def test_forward_table() -> None:
 
 
 def test_schedule_names() -> None:
-    assert _C.schedule_names() == ["1f1b", "gpipe", "forward"]
+    assert _C.schedule_names() == ["1f1b", "gpipe", "interleaved", "zbh1", "forward"]
 
 
 @pytest.mark.parametrize("name", _C.schedule_names())
 def test_generated_schedules_validate(name: str) -> None:
+    chunks = 2 if name == "interleaved" else 1
     for ranks in range(1, 6):
         for mbs in range(1, 10):
-            s = _C.make_schedule(name, ranks, mbs)
+            if name == "interleaved" and mbs % ranks:
+                continue
+            s = _C.make_schedule(name, ranks, mbs, chunks)
             s.validate()
             # A schedule rebuilt from its python action lists is the same schedule.
-            again = _C.Schedule(name, ranks, mbs, s.stage_rank, s.actions, backward=s.backward)
+            again = _C.Schedule(
+                name,
+                ranks,
+                mbs,
+                s.stage_rank,
+                s.actions,
+                backward=s.backward,
+                split_backward=s.split_backward,
+            )
             assert again.table() == s.table()
             again.validate()
 
@@ -358,3 +369,47 @@ def test_forward_only_keeps_nothing_in_flight_and_timeline_is_time_ordered() -> 
     assert sim["peak_inflight"] == [0, 0]
     starts = [t[4] for t in _C.make_schedule("1f1b", 3, 4).simulate()["timeline"]]
     assert starts == sorted(starts)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 12])
+def test_zero_bubble_h1_bubble_is_a_third_of_1f1b(p: int, m: int) -> None:
+    zb = _C.make_schedule("zbh1", p, m)
+    assert zb.split_backward
+    res = zb.simulate(forward=[1.0] * p, backward=[1.0] * p, weight=[1.0] * p)
+    ref = _C.make_schedule("1f1b", p, m).simulate(forward=[1.0] * p, backward=[2.0] * p)
+    work = 3 * m  # F + B + W per microbatch at unit costs
+    # Textbook (ZB paper, Table 2): 1F1B's bubble (p-1)(F+B+W), ZB-H1's (p-1)(F+B-W).
+    assert ref["makespan"] - work == 3 * (p - 1)
+    if m >= p:
+        assert res["makespan"] - work == p - 1
+    else:  # too few microbatches to fill the pipeline: still no worse than 1F1B
+        assert res["makespan"] <= ref["makespan"]
+    # Microbatches waiting for their W keep their graph: at most p + 1 per rank.
+    assert all(peak <= min(p + 1, m) for peak in res["peak_inflight"])
+
+
+def test_zero_bubble_h1_on_more_ranks_stays_near_a_third() -> None:
+    for p in (5, 6, 8):
+        for m in (p, 2 * p, 3 * p):
+            zb = _C.make_schedule("zbh1", p, m).simulate([1.0] * p, [1.0] * p, [1.0] * p)
+            assert zb["makespan"] - 3 * m <= (p - 1) + 2
+
+
+@pytest.mark.parametrize(("p", "m", "v"), [(2, 2, 2), (2, 4, 2), (4, 4, 2), (4, 8, 2), (2, 6, 3)])
+def test_interleaved_divides_the_bubble_by_chunks(p: int, m: int, v: int) -> None:
+    s = _C.make_schedule("interleaved", p, m, v)
+    assert s.num_stages == p * v and list(s.stage_rank) == [i % p for i in range(p * v)]
+    s.validate()
+    res = s.simulate()  # unit costs per stage: one rank does v units per microbatch and pass
+    ref = _C.make_schedule("1f1b", p, m).simulate(forward=[float(v)] * p, backward=[float(v)] * p)
+    assert res["makespan"] - 2 * m * v <= (ref["makespan"] - 2 * m * v) / v + 1e-9
+
+
+def test_schedule_argument_errors() -> None:
+    with pytest.raises(RuntimeError, match="divisible by the number of ranks"):
+        _C.make_schedule("interleaved", 4, 6, 2)
+    with pytest.raises(RuntimeError, match="needs chunks >= 2"):
+        _C.make_schedule("interleaved", 2, 4, 1)
+    with pytest.raises(RuntimeError, match="chunks must be 1"):
+        _C.make_schedule("1f1b", 2, 4, 2)

@@ -1,0 +1,849 @@
+"""pippy_xla side by side with torch.distributed.pipelining (and a single process).
+
+    python benchmarks/compare.py [--steps 8] [--warmup 2] [--regimes compute,overhead]
+
+For every schedule both libraries have (pippy_xla's ``_C.schedule_names()`` read at run time,
+minus ``"forward"``, kept if ``PipelineModel(schedule=...)`` accepts it and
+``TORCH_SCHEDULES`` names torch's counterpart), the same Llama and the same batch run through
+(a) one process, (b) ``pippy_xla.PipelineModel`` and (c) ``torch.distributed.pipelining``, on 2
+CPU ranks with one thread each (``tests/_dist.py`` sets ``torch.set_num_threads(1)``). Two
+regimes: ``compute`` (a step of about a second) and ``overhead`` (tiny layers, 32 microbatches of
+batch 1, so per-action runtime cost dominates).
+
+Same computation in both libraries:
+
+- The stage modules are the SAME fx GraphModules: every run partitions a ``copy.deepcopy`` of one
+  seeded model with ``PipelineModel`` and torch's ``PipelineStage`` wraps ``pipe.stage.module``
+  (of its own deepcopy) in ``_TorchStage``, a thin adapter. torch pipelining passes only the
+  previous stage's outputs positionally, so the batch inputs a stage needs (``input_ids``,
+  ``attention_mask``: its replicated prologue recomputes masks, positions and rotary tables from
+  them) are passed as ``step(**kwargs)``, which torch chunks per microbatch and hands to every
+  stage. The adapter calls ``module(*[kwargs[n] for n in batch_inputs], *boundary)``, exactly the
+  call pippy_xla's forward callback makes.
+- Same loss: the HF model's ``loss_function`` with ``num_items_in_batch`` = valid-token count of
+  the whole batch, so microbatch losses sum to the batch mean. torch's schedule divides gradients
+  by the microbatch count when ``scale_grads=True`` (``perform_reduce_grad``); our microbatch
+  losses are already scaled, so ``scale_grads=False`` and the reported loss is the sum of the
+  per-microbatch ``losses``, broadcast from the last rank (pippy_xla's ``run_train`` returns the
+  loss on every rank; the torch step does the same broadcast so both steps deliver the same).
+- Same microbatches (``chunk`` along dim 0), same AdamW, same initial weights.
+- A timed step is ``run_train`` / ``schedule.step`` + ``optimizer.step()`` + ``zero_grad()``;
+  ranks meet at a barrier before each step (not timed); the step time is the slower rank's.
+
+Before any time is reported the losses of every step are compared: pippy_xla against torch
+(``LIB_RTOL``) and both against the single process (``REF_RTOL``); a mismatch is printed and the
+script exits with status 1.
+
+Reported per run (``benchmarks/results/compare.json``, ``compare.png``):
+
+- ``step_s``: median, min, max, IQR of the step time over ``--steps`` steps after ``--warmup``.
+- ``vs_torch``: torch's median step time / this run's (throughput ratio; > 1 is faster).
+- ``speedup_vs_single``: single-process median step time (whole batch, one thread) / this run's.
+- ``efficiency``: ``ideal / measured median step``, where ``ideal`` is the makespan of the same
+  schedule simulated by ``_C.Schedule.simulate`` with zero communication cost and per-stage F and
+  B costs equal to the library's own measured mean F and B durations on that stage (last timed
+  step). 100% means the runtime adds nothing to the schedule's compute and inherent bubble.
+  pippy_xla's F/B durations are its engine's ``timings()`` actions ``F`` / ``B``; torch's are
+  ``forward_one_chunk`` (+ the loss on the last stage) and ``backward_one_chunk``, timed by
+  wrapping those methods of the stage instance. ``busy_ratio`` is the plainer ``max over ranks of
+  (sum of F + B) / measured step`` (includes the schedule's bubble: at most m / (m + p - 1)).
+- Memory, peak per rank, in one extra untimed step:
+  ``stash_peak_bytes``: tensors the runtime itself keeps between a microbatch's forward and its
+  backward: pippy_xla's stash (stage inputs and outputs, ``pipe.stash_peak_bytes``) and torch's
+  ``fwd_cache`` (stage outputs and flattened inputs, summed after every forward), unique storages.
+  ``saved_peak_bytes``: bytes autograd keeps for backward (``saved_tensors_hooks`` around the
+  stage module's forward, unique storages, parameters excluded, released when autograd frees
+  them) - the same instrument for both libraries.
+- ``per_action_us``: the time between engine actions: mean F / B duration minus the stage
+  module's own forward (measured with forward hooks in the analysis step), and, for pippy_xla,
+  the mean duration of the communication actions and of the gaps between consecutive actions.
+
+Targets (reported, never asserted): throughput >= 1.05x torch compute-bound, >= 1.5x
+overhead-bound; efficiency >= 95%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from _common import RESULTS, machine, run_ranks, save, summarize
+
+# pippy_xla schedule name -> torch.distributed.pipelining class name. Interleaved and
+# zero-bubble names are listed so their rows appear as soon as pippy_xla grows them.
+TORCH_SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved": "ScheduleInterleaved1F1B",
+    "zbh1": "ScheduleInterleavedZeroBubble",
+}
+# Different microbatch accumulation (a sum of microbatch losses vs one batch mean) moves the loss
+# by float32 rounding, amplified a little by AdamW over the steps; 1e-4 relative is far below
+# what a wrong mask, microbatch or scaling would give (percent level).
+REF_RTOL = 1e-4
+# Same modules, same microbatches, same accumulation order: the libraries should agree to
+# rounding of the final loss sum.
+LIB_RTOL = 1e-5
+
+REGIMES = {
+    # About a second per pipelined step with one thread per rank on this machine.
+    "compute": dict(
+        model=dict(
+            vocab_size=2048,
+            hidden_size=256,
+            intermediate_size=1024,
+            num_hidden_layers=8,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        ),
+        batch=8,
+        seq=256,
+        microbatches=8,
+    ),
+    # Tiny layers, many microbatches: the runtime's per-action cost dominates.
+    "overhead": dict(
+        model=dict(
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        ),
+        batch=32,
+        seq=16,
+        microbatches=32,
+    ),
+}
+
+
+# ------------------------------------------------------------------------------ shared helpers
+
+
+def _build(regime: dict):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**regime["model"], use_cache=False))
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, regime["model"]["vocab_size"], (regime["batch"], regime["seq"]), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, -3:] = 0  # a little padding, so the valid-token count matters
+    labels = ids.masked_fill(mask == 0, -100)
+    return model, {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _storage_key(t):
+    return t.untyped_storage().data_ptr()
+
+
+def _unique_bytes(tensors) -> int:
+    import torch
+
+    seen, n = set(), 0
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            k = _storage_key(t)
+            if k not in seen:
+                seen.add(k)
+                n += t.untyped_storage().nbytes()
+    return n
+
+
+class _SavedBytes:
+    """Live bytes of tensors autograd saved for backward (unique storages, parameters
+    excluded) and their peak. Packed tensors are wrapped in handles whose ``__del__`` runs
+    when autograd frees them."""
+
+    def __init__(self, modules) -> None:
+        import torch
+
+        self.exclude = {_storage_key(p) for mod in modules for p in mod.parameters()}
+        self.exclude |= {_storage_key(b) for mod in modules for b in mod.buffers()}
+        self.refs: dict[int, list[int]] = {}
+        self.live = 0
+        self.peak = 0
+        self._ctx = None
+        self._torch = torch
+
+    class _Handle:
+        __slots__ = ("owner", "t", "key")
+
+        def __init__(self, owner, t, key):
+            self.owner, self.t, self.key = owner, t, key
+
+        def __del__(self):
+            r = self.owner.refs[self.key]
+            r[0] -= 1
+            if r[0] == 0:
+                self.owner.live -= r[1]
+                del self.owner.refs[self.key]
+
+    def _pack(self, t):
+        try:
+            key = _storage_key(t)
+        except Exception:  # noqa: BLE001  (tensors without storage)
+            return t
+        if key in self.exclude or key == 0:
+            return t
+        r = self.refs.get(key)
+        if r is None:
+            r = self.refs[key] = [0, t.untyped_storage().nbytes()]
+            self.live += r[1]
+            self.peak = max(self.peak, self.live)
+        r[0] += 1
+        return _SavedBytes._Handle(self, t, key)
+
+    @staticmethod
+    def _unpack(h):
+        return h.t if isinstance(h, _SavedBytes._Handle) else h
+
+    def attach(self, module):
+        def pre(mod, args, kwargs=None):
+            self._ctx = self._torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._ctx.__enter__()
+
+        def post(mod, args, out):
+            self._ctx.__exit__(None, None, None)
+            self._ctx = None
+
+        return [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+
+
+class _ModuleClock:
+    """Total and count of a module's forward time (forward hooks), for the overhead analysis."""
+
+    def __init__(self) -> None:
+        self.total_ns = 0
+        self.count = 0
+        self._t0 = 0
+
+    def attach(self, module):
+        def pre(mod, args):
+            self._t0 = time.perf_counter_ns()
+
+        def post(mod, args, out):
+            self.total_ns += time.perf_counter_ns() - self._t0
+            self.count += 1
+
+        return [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+
+
+def _local_stages(pipe) -> list:
+    """This rank's stage graphs (several with interleaved schedules)."""
+    return list(getattr(pipe, "local_stages", None) or [pipe.stage])
+
+
+def _make_schedule(name, num_ranks, m, chunks):
+    from pippy_xla import _C
+
+    if chunks == 1:
+        return _C.make_schedule(name, num_ranks, m)
+    return _C.make_schedule(name, num_ranks, m, chunks)
+
+
+def _simulated_ideal(schedule_name, num_ranks, m, chunks, costs) -> float | None:
+    """Makespan of the schedule with the given per-stage F, B, W costs and free communication."""
+    try:
+        s = _make_schedule(schedule_name, num_ranks, m, chunks)
+        r = s.simulate(forward=costs["F"], backward=costs["B"], weight=costs["W"], comm=0.0)
+        return float(r["makespan"])
+    except Exception:  # noqa: BLE001  (a schedule the simulator cannot cost)
+        return None
+
+
+# ------------------------------------------------------------------------------ single process
+
+
+def _single(rank, world, regime, steps, warmup):
+    import torch
+
+    model, batch = _build(regime)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses, times = [], []
+    for _ in range(warmup + steps):
+        t0 = time.perf_counter()
+        out = model(**batch, use_cache=False)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+        losses.append(float(out.loss.detach()))
+    return {"losses": losses, "step_times": times[warmup:]}
+
+
+# ------------------------------------------------------------------------------ pippy_xla
+
+
+def _attach_all(modules, *instruments):
+    return [h for mod in modules for ins in instruments for h in ins.attach(mod)]
+
+
+def _pippy(rank, world, regime, schedule, steps, warmup):
+    import torch
+    import torch.distributed as dist
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    import pippy_xla as px
+
+    base, batch = _build(regime)
+    m = regime["microbatches"]
+    try:
+        pipe = px.PipelineModel(
+            copy.deepcopy(base), layer_cls=LlamaDecoderLayer, num_microbatches=m, schedule=schedule
+        )
+    except ValueError as e:
+        if "schedule" in str(e):
+            return {"skipped": f"PipelineModel refuses schedule={schedule!r}: {e}"}
+        raise
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
+    losses, times = [], []
+    for _ in range(warmup + steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = pipe.run_train(**batch)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+    timings = pipe.timings()
+
+    # Untimed analysis steps: (1) the stage modules' own forward time next to the engine's F
+    # actions of the same step; (2) stash and autograd-saved peaks.
+    modules = [st.module for st in _local_stages(pipe)]
+    clock = _ModuleClock()
+    handles = _attach_all(modules, clock)
+    dist.barrier()
+    pipe.run_train(**batch)
+    opt.zero_grad(set_to_none=True)
+    for h in handles:
+        h.remove()
+    clock_timings = pipe.timings()
+    saved = _SavedBytes(modules)
+    handles = _attach_all(modules, saved)
+    pipe.reset_stash_peak()
+    dist.barrier()
+    pipe.run_train(**batch)
+    opt.zero_grad(set_to_none=True)
+    for h in handles:
+        h.remove()
+    return {
+        "losses": losses,
+        "step_times": times[warmup:],
+        "timings": [list(t) for t in timings],
+        "clock_step_f_us": statistics.fmean(
+            [(e - s) / 1e3 for op, _, _, s, e in clock_timings if op == "F"]
+        ),
+        "num_stages": len(pipe.stages),
+        "stash_peak_bytes": int(pipe.stash_peak_bytes),
+        "saved_peak_bytes": int(saved.peak),
+        "module_forward_us": clock.total_ns / max(clock.count, 1) / 1e3,
+    }
+
+
+# ------------------------------------------------------------------------------ torch pipelining
+
+
+def _torch_stage_module(gm, batch_inputs, is_last):
+    from torch import nn
+
+    class _TorchStage(nn.Module):
+        """torch pipelining's view of a pippy_xla stage graph: boundary tensors positional,
+        batch inputs as keyword arguments, a bare tensor (the logits) from the last stage."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.gm = gm
+
+        def forward(self, *boundary, **batch):
+            out = self.gm(*[batch[n] for n in batch_inputs], *boundary)
+            return out[0] if is_last else out
+
+    return _TorchStage()
+
+
+def _torch(rank, world, regime, schedule, steps, warmup):
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.pipelining as tpp
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    import pippy_xla as px
+
+    base, batch = _build(regime)
+    m = regime["microbatches"]
+    # The partition (and nothing else) of a PipelineModel: its stage graphs are what torch runs.
+    try:
+        pipe = px.PipelineModel(
+            copy.deepcopy(base), layer_cls=LlamaDecoderLayer, num_microbatches=m, schedule=schedule
+        )
+    except ValueError as e:
+        if "schedule" in str(e):
+            return {"skipped": f"PipelineModel refuses schedule={schedule!r}: {e}"}
+        raise
+    num_stages = len(pipe.stages)
+    local = _local_stages(pipe)
+    loss_function, vocab = base.loss_function, base.config.vocab_size
+    num_items = (batch["labels"][..., 1:] != -100).sum()
+
+    # Per-action clocks: wrap each stage instance's methods (and the loss) with timers.
+    clocks: dict[tuple[str, int], list[int]] = {}
+    def timed(kind, index, fn):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter_ns()
+            try:
+                return fn(*a, **k)
+            finally:
+                clocks.setdefault((kind, index), []).append(time.perf_counter_ns() - t0)
+
+        return wrapper
+
+    def loss_fn(logits, labels):
+        return loss_function(
+            logits=logits, labels=labels, vocab_size=vocab, num_items_in_batch=num_items
+        )
+
+    # Timed as "L": added to the last stage's F, as pippy_xla's F includes the loss.
+    timed_loss = timed("L", num_stages - 1, loss_fn)
+
+    track_cache = [False]
+    fwd_cache_peak = [0]
+    stages, modules = [], []
+    for st in local:
+        module = _torch_stage_module(st.module, st.batch_inputs, st.index == num_stages - 1)
+        stage = tpp.PipelineStage(module, st.index, num_stages, torch.device("cpu"))
+
+        def forward_and_measure(*a, _fwd=stage.forward_one_chunk, **k):
+            out = _fwd(*a, **k)
+            if track_cache[0]:
+                ts = [
+                    t for s in stages for out_t, ins in s.fwd_cache.values() for t in (*out_t, *ins)
+                ]
+                fwd_cache_peak[0] = max(fwd_cache_peak[0], _unique_bytes(ts))
+            return out
+
+        stage.forward_one_chunk = timed("F", st.index, forward_and_measure)
+        stage.backward_one_chunk = timed("B", st.index, stage.backward_one_chunk)
+        stage.backward_weight_one_chunk = timed("W", st.index, stage.backward_weight_one_chunk)
+        stages.append(stage)
+        modules.append(module)
+
+    cls = getattr(tpp, TORCH_SCHEDULES[schedule])
+    if issubclass(cls, PipelineScheduleMulti):
+        sched = cls(stages, m, loss_fn=timed_loss, scale_grads=False)
+    else:
+        sched = cls(stages[0], m, loss_fn=timed_loss, scale_grads=False)
+    params = [p for mod in modules for p in mod.parameters()]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    kwargs = {n: batch[n] for n in pipe.input_names}
+    holds_last = any(st.index == num_stages - 1 for st in local)
+    last_rank = (num_stages - 1) % world
+
+    def step():
+        mb_losses: list = []
+        sched.step(
+            target=batch["labels"] if holds_last else None,
+            losses=mb_losses if holds_last else None,
+            return_outputs=False,
+            **kwargs,
+        )
+        total = torch.zeros((), dtype=torch.float32)
+        if holds_last:
+            total = torch.stack([x.detach().float() for x in mb_losses]).sum()
+        dist.broadcast(total, src=last_rank)
+        return total
+
+    losses, times = [], []
+    for _ in range(warmup + steps):
+        clocks.clear()
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = step()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+    action_us = {f"{k}{i}": [x / 1e3 for x in v] for (k, i), v in clocks.items()}
+
+    gms = [st.module for st in local]
+    clock = _ModuleClock()
+    handles = _attach_all(gms, clock)
+    clocks.clear()
+    dist.barrier()
+    step()
+    opt.zero_grad(set_to_none=True)
+    for h in handles:
+        h.remove()
+    clock_f = [x / 1e3 for (k, _), v in clocks.items() if k == "F" for x in v]
+    saved = _SavedBytes(gms)
+    handles = _attach_all(gms, saved)
+    track_cache[0] = True
+    dist.barrier()
+    step()
+    opt.zero_grad(set_to_none=True)
+    for h in handles:
+        h.remove()
+    return {
+        "losses": losses,
+        "step_times": times[warmup:],
+        "action_us": action_us,
+        "clock_step_f_us": statistics.fmean(clock_f),
+        "num_stages": num_stages,
+        "stash_peak_bytes": int(fwd_cache_peak[0]),
+        "saved_peak_bytes": int(saved.peak),
+        "module_forward_us": clock.total_ns / max(clock.count, 1) / 1e3,
+    }
+
+
+# ------------------------------------------------------------------------------ analysis
+
+
+def _pippy_actions(ranks):
+    """Per rank: per-(op, stage) mean durations (us), communication actions and gaps."""
+    out = []
+    for r in ranks:
+        tl = sorted(r["timings"], key=lambda t: t[3])
+        by_key: dict[str, list[float]] = {}
+        by_op: dict[str, list[float]] = {}
+        for op, stage, _, s, e in tl:
+            by_key.setdefault(f"{op}{stage}", []).append((e - s) / 1e3)
+            by_op.setdefault(op, []).append((e - s) / 1e3)
+        gaps = [(tl[i + 1][3] - tl[i][4]) / 1e3 for i in range(len(tl) - 1)]
+        span = (tl[-1][4] - tl[0][3]) / 1e3 if tl else 0.0
+        out.append(
+            {
+                "action_us": by_key,
+                "mean_us": {op: statistics.fmean(v) for op, v in by_op.items()},
+                "count": {op: len(v) for op, v in by_op.items()},
+                "total_us": {op: sum(v) for op, v in by_op.items()},
+                "gap_mean_us": statistics.fmean(gaps) if gaps else 0.0,
+                "gap_total_us": sum(gaps),
+                "engine_span_us": span,
+            }
+        )
+    return out
+
+
+def _split_key(key: str) -> tuple[str, int]:
+    """``"RF3"`` -> ``("RF", 3)``."""
+    op = key.rstrip("0123456789")
+    return op, int(key[len(op) :])
+
+
+def _stage_costs(per_rank_action_us: list[dict], num_stages: int) -> dict[str, list[float]]:
+    """Mean F / B / W seconds per stage from ``{"F3": [us, ...], ...}`` of every rank."""
+    costs = {k: [0.0] * num_stages for k in ("F", "B", "W")}
+    for acts in per_rank_action_us:
+        for key, v in acts.items():
+            op, stage = _split_key(key)
+            if op in costs and v:
+                costs[op][stage] += statistics.fmean(v) / 1e6
+            elif op == "L" and v:  # torch: the loss, outside forward_one_chunk
+                costs["F"][stage] += statistics.fmean(v) / 1e6
+    if not any(costs["W"]):
+        costs["W"] = []
+    return costs
+
+
+def _step_series(ranks):
+    return [max(ts) for ts in zip(*(r["step_times"] for r in ranks), strict=True)]
+
+
+def _summarize_run(lib, schedule, regime, ranks, single_median):
+    step = summarize(_step_series(ranks))
+    m = regime["microbatches"]
+    p = len(ranks)
+    num_stages = ranks[0]["num_stages"]
+    row = {
+        "library": lib,
+        "schedule": schedule,
+        "step_s": step,
+        "losses": ranks[0]["losses"],
+        "stash_peak_bytes": [r["stash_peak_bytes"] for r in ranks],
+        "saved_peak_bytes": [r["saved_peak_bytes"] for r in ranks],
+        "module_forward_us": [r["module_forward_us"] for r in ranks],
+        "speedup_vs_single": single_median / step["median"],
+    }
+    if lib == "pippy_xla":
+        engine = _pippy_actions(ranks)
+        per_rank = [a["action_us"] for a in engine]
+        row["actions"] = engine
+    else:
+        per_rank = [r["action_us"] for r in ranks]
+    costs = _stage_costs(per_rank, num_stages)
+    busy = [
+        sum(sum(v) for k, v in acts.items() if _split_key(k)[0] in ("F", "B", "W", "L")) / 1e6 for acts in per_rank
+    ]
+    row["per_action_us"] = []
+    for r, acts in zip(ranks, per_rank, strict=True):
+        f = [x for k, v in acts.items() if _split_key(k)[0] == "F" for x in v]
+        b = [x for k, v in acts.items() if _split_key(k)[0] == "B" for x in v]
+        entry = {
+            "F": statistics.fmean(f) if f else None,
+            "B": statistics.fmean(b) if b else None,
+            # Same (untimed) step: F action minus the stage module's own forward.
+            "F_minus_module_forward": r["clock_step_f_us"] - r["module_forward_us"],
+        }
+        row["per_action_us"].append(entry)
+    if lib == "pippy_xla":
+        for entry, a in zip(row["per_action_us"], engine, strict=True):
+            entry["comm_actions"] = {
+                op: a["mean_us"][op] for op in ("RF", "SF", "RB", "SB") if op in a["mean_us"]
+            }
+            entry["gap_between_actions"] = a["gap_mean_us"]
+    chunks = num_stages // p
+    ideal = _simulated_ideal(schedule, p, m, chunks, costs)
+    row["stage_costs_s"] = costs
+    row["stage_busy_s"] = busy
+    row["ideal_s"] = ideal
+    row["efficiency"] = ideal / step["median"] if ideal else None
+    row["busy_ratio"] = max(busy) / step["median"]
+    return row
+
+
+def _check_losses(name, rows, single_losses) -> list[str]:
+    problems = []
+    for row in rows:
+        for i, (a, ref) in enumerate(zip(row["losses"], single_losses, strict=True)):
+            if abs(a - ref) > REF_RTOL * abs(ref):
+                problems.append(
+                    f"{name}/{row['schedule']}/{row['library']}: step {i} loss {a:.7f} vs single "
+                    f"process {ref:.7f} (rel {abs(a - ref) / abs(ref):.2e} > {REF_RTOL})"
+                )
+    by_sched: dict[str, dict] = {}
+    for row in rows:
+        by_sched.setdefault(row["schedule"], {})[row["library"]] = row
+    for sched, libs in by_sched.items():
+        if len(libs) < 2:
+            continue
+        pairs = zip(libs["pippy_xla"]["losses"], libs["torch"]["losses"], strict=True)
+        for i, (a, b) in enumerate(pairs):
+            if abs(a - b) > LIB_RTOL * abs(b):
+                problems.append(
+                    f"{name}/{sched}: step {i} pippy_xla loss {a:.7f} vs torch {b:.7f} "
+                    f"(rel {abs(a - b) / abs(b):.2e} > {LIB_RTOL})"
+                )
+    return problems
+
+
+
+# ------------------------------------------------------------------------------ output
+
+
+def _fmt_bytes(n) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def _table(results) -> str:
+    lines = [
+        "| regime | schedule | library | step s (median, min-max) | vs torch | vs 1 process "
+        "| efficiency | busy / step | stash peak (rank 0, 1) | autograd saved peak (rank 0, 1) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, reg in results.items():
+        s = reg["single"]["step_s"]
+        lines.append(
+            f"| {name} | - | single process | {s['median']:.4f} ({s['min']:.4f}-{s['max']:.4f}) "
+            "| | 1.00x | | | | |"
+        )
+        for row in reg["rows"]:
+            st = row["step_s"]
+            eff = f"{row['efficiency'] * 100:.1f}%" if row["efficiency"] else "n/a"
+            vs = f"{row['vs_torch']:.2f}x" if row.get("vs_torch") else "-"
+            lines.append(
+                f"| {name} | {row['schedule']} | {row['library']} | {st['median']:.4f} "
+                f"({st['min']:.4f}-{st['max']:.4f}) | {vs} | {row['speedup_vs_single']:.2f}x "
+                f"| {eff} | {row['busy_ratio'] * 100:.1f}% "
+                f"| {', '.join(_fmt_bytes(b) for b in row['stash_peak_bytes'])} "
+                f"| {', '.join(_fmt_bytes(b) for b in row['saved_peak_bytes'])} |"
+            )
+    return "\n".join(lines)
+
+
+def _chart(results, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results) * 2, figsize=(7.5 * len(results), 4.2))
+    for k, (name, reg) in enumerate(results.items()):
+        ax, ax2 = axes[2 * k], axes[2 * k + 1]
+        scheds = sorted({r["schedule"] for r in reg["rows"]})
+        libs = ["pippy_xla", "torch"]
+        colors = {"pippy_xla": "tab:blue", "torch": "tab:orange"}
+        width = 0.38
+        for j, lib in enumerate(libs):
+            xs, meds, lo, hi, effs = [], [], [], [], []
+            for i, s in enumerate(scheds):
+                row = next((r for r in reg["rows"] if r["schedule"] == s and r["library"] == lib), None)
+                if row is None:
+                    continue
+                st = row["step_s"]
+                xs.append(i + (j - 0.5) * width)
+                meds.append(st["median"])
+                lo.append(st["median"] - st["min"])
+                hi.append(st["max"] - st["median"])
+                effs.append((row["efficiency"] or 0) * 100)
+            ax.bar(xs, meds, width, yerr=[lo, hi], capsize=3, label=lib, color=colors[lib])
+            ax2.bar(xs, effs, width, label=lib, color=colors[lib])
+        single = reg["single"]["step_s"]["median"]
+        ax.axhline(single, color="gray", ls="--", lw=1, label="single process")
+        ax.axhline(single / 2, color="gray", ls=":", lw=1, label="single / 2")
+        ax.set_xticks(range(len(scheds)), scheds, fontsize=8)
+        ax.set_ylabel("step time, s (median, min-max)")
+        ax.set_title(f"{name}: step time")
+        ax.legend(fontsize=7)
+        ax2.axhline(95, color="gray", ls=":", lw=1)
+        ax2.set_xticks(range(len(scheds)), scheds, fontsize=8)
+        ax2.set_ylim(0, 105)
+        ax2.set_ylabel("efficiency % (simulated ideal / step)")
+        ax2.set_title(f"{name}: pipeline efficiency")
+    fig.suptitle("pippy_xla vs torch.distributed.pipelining, 2 CPU ranks x 1 thread", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _load() -> dict:
+    out = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    return {"uptime": out, "loadavg": list(os.getloadavg())}
+
+
+def _profile(rank, world, regime, lib, schedule, steps, warmup):
+    """cProfile of one library's timed steps on the last rank; returns the top of the report."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch.distributed.pipelining  # noqa: F401  (imports outside the profile)
+    import transformers.models.llama.modeling_llama  # noqa: F401
+
+    import pippy_xla  # noqa: F401
+
+    _build(regime)
+    fn = _pippy if lib == "pippy_xla" else _torch
+    prof = cProfile.Profile()
+    if rank == world - 1:
+        prof.enable()
+    fn(rank, world, regime, schedule, steps, warmup)
+    prof.disable()
+    if rank != world - 1:
+        return None
+    out = io.StringIO()
+    st = pstats.Stats(prof, stream=out)
+    st.sort_stats("tottime").print_stats(25)
+    st.sort_stats("cumulative").print_stats(35)
+    return out.getvalue()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--regimes", default="compute,overhead")
+    p.add_argument("--schedules", default="", help="comma list; default: every shared schedule")
+    p.add_argument(
+        "--profile",
+        default="",
+        help="LIB:SCHEDULE:REGIME, e.g. pippy_xla:1f1b:overhead: cProfile the last rank and write "
+        "benchmarks/results/compare_profile_LIB.txt instead of comparing",
+    )
+    args = p.parse_args()
+    if args.profile:
+        lib, sched, regime = args.profile.split(":")
+        report = run_ranks(2, _profile, REGIMES[regime], lib, sched, args.steps, args.warmup,
+                           timeout=1800)[-1]
+        path = RESULTS / f"compare_profile_{lib}.txt"
+        path.write_text(report)
+        print(report[:6000])
+        print(f"saved {path}")
+        return
+
+    from pippy_xla import _C
+
+    names = [n for n in _C.schedule_names() if n != "forward"]
+    if args.schedules:
+        names = [n for n in names if n in args.schedules.split(",")]
+    no_torch = [n for n in names if n not in TORCH_SCHEDULES]
+    names = [n for n in names if n in TORCH_SCHEDULES]
+    load_before = _load()
+    print(f"schedules: {names} (no torch counterpart: {no_torch}); {load_before['uptime']}")
+
+    results, problems, failures = {}, [], []
+    for name in args.regimes.split(","):
+        regime = REGIMES[name]
+        t0 = time.perf_counter()
+        single = run_ranks(1, _single, regime, args.steps, args.warmup, timeout=1800)[0]
+        single_step = summarize(single["step_times"])
+        rows = []
+        for sched in names:
+            for lib, fn in (("pippy_xla", _pippy), ("torch", _torch)):
+                try:
+                    ranks = run_ranks(2, fn, regime, sched, args.steps, args.warmup, timeout=1800)
+                except AssertionError as e:
+                    if lib == "pippy_xla":
+                        raise
+                    # torch cannot run this schedule on these stages: say so, keep pippy's row.
+                    failures.append(f"{name}/{sched}/torch failed: {str(e)[-1500:]}")
+                    print(failures[-1])
+                    break
+                if any("skipped" in r for r in ranks):
+                    print(f"{name}/{sched}/{lib}: {ranks[0]['skipped']}")
+                    rows = [r for r in rows if r["schedule"] != sched]
+                    break
+                rows.append(_summarize_run(lib, sched, regime, ranks, single_step["median"]))
+                print(f"{name}/{sched}/{lib}: median {rows[-1]['step_s']['median']:.4f} s")
+        for row in rows:
+            ref = next(
+                (r for r in rows if r["schedule"] == row["schedule"] and r["library"] == "torch"),
+                None,
+            )
+            row["vs_torch"] = ref["step_s"]["median"] / row["step_s"]["median"] if ref else None
+        problems += _check_losses(name, rows, single["losses"])
+        results[name] = {
+            "config": regime,
+            "single": {"step_s": single_step, "losses": single["losses"]},
+            "rows": rows,
+            "wall_s": time.perf_counter() - t0,
+        }
+
+    if problems:
+        print("LOSSES DISAGREE - no times reported:")
+        for pr in problems:
+            print("  " + pr)
+        sys.exit(1)
+    print("losses agree (pippy_xla vs torch rtol %g, vs single process rtol %g)" % (LIB_RTOL, REF_RTOL))
+    table = _table(results)
+    print(table)
+    for name, reg in results.items():
+        for row in reg["rows"]:
+            print(f"{name}/{row['schedule']}/{row['library']} per-action us (rank 0, 1): "
+                  f"{row['per_action_us']}")
+    payload = {
+        "command": "python benchmarks/compare.py " + " ".join(sys.argv[1:]),
+        "config": vars(args),
+        "load_before": load_before,
+        "load_after": _load(),
+        "loss_tolerance": {"vs_single_rtol": REF_RTOL, "pippy_vs_torch_rtol": LIB_RTOL},
+        "schedules": names,
+        "schedules_without_torch_counterpart": no_torch,
+        "torch_failures": failures,
+        "results": results,
+        "table_markdown": table,
+    }
+    path = save("compare", payload)
+    _chart(results, RESULTS / "compare.png")
+    print(f"saved {path} and {RESULTS / 'compare.png'}")
+    print(f"machine: {machine()}")
+
+
+if __name__ == "__main__":
+    main()
