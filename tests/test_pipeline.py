@@ -14,12 +14,14 @@ import pippy_xla as px
 # Tolerances (fp32): the pipeline sums per-microbatch losses and gradients that the reference
 # computes over the whole batch at once, so results differ by float rounding only (~1e-7
 # relative): losses and gradients are compared at rtol 1e-5, atol 1e-6. AdamW normalizes each
-# element's update by sqrt(v): an element whose gradient is ~1e-8 (within rounding of zero) can
-# move by a sizeable fraction of lr = 1e-3 in either run, so parameters after optimizer steps are
-# compared at atol 1e-4 (a tenth of one step); every other element agrees to ~1e-7.
+# element's update by sqrt(v) + eps: for an element whose gradient nearly cancels (|g| ~ 1e-8),
+# a rounding-level difference in g moves the update by a sizeable fraction of lr. The tests use
+# eps = 1e-6 (ADAM) so that such elements stay in Adam's linear regime, and compare parameters
+# after optimizer steps at atol 2e-5 (2% of one step of lr = 1e-3).
 LOSS_TOL = {"rtol": 1e-5, "atol": 1e-6}
 GRAD_TOL = {"rtol": 1e-5, "atol": 1e-6}
-PARAM_TOL = {"rtol": 1e-5, "atol": 1e-4}
+PARAM_TOL = {"rtol": 1e-5, "atol": 2e-5}
+ADAM = {"lr": 1e-3, "eps": 1e-6}
 
 
 def _build(family, seed=0, **kw):
@@ -50,8 +52,8 @@ def _train_equal(rank, world, family, schedule, mb_counts, steps=3, layers=4):
         pipe = px.PipelineModel(
             model, layer_cls=layer_cls, num_microbatches=mbs, schedule=schedule, timeout=60
         )
-        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
-        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+        opt = torch.optim.AdamW(pipe.parameters(), **ADAM)
+        ref_opt = torch.optim.AdamW(ref.parameters(), **ADAM)
         for step in range(steps):
             batch = make_batch(seed=step)
             loss = pipe.run_train(**batch)
@@ -115,8 +117,8 @@ def _bf16(rank, world):
     model = model.to(torch.bfloat16)
     ref = copy.deepcopy(model)
     pipe = px.PipelineModel(model, layer_cls=layer_cls, num_microbatches=4, timeout=60)
-    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(pipe.parameters(), **ADAM)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **ADAM)
     losses = []
     for step in range(3):
         batch = make_batch(seed=step)
