@@ -14,7 +14,30 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from _dist import run_ranks  # noqa: E402
 
-__all__ = ["RESULTS", "ROOT", "machine", "run_ranks", "save", "summarize"]
+__all__ = ["RESULTS", "ROOT", "llama_and_batch", "machine", "run_ranks", "save", "summarize"]
+
+
+def llama_and_batch(layers: int, hidden: int, batch: int, seq: int, vocab: int = 512):
+    """A seeded random Llama (heads of 32 dims, 2 KV heads) and a random token batch."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 32,
+        num_key_value_heads=2,
+    )
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    return LlamaForCausalLM(cfg), {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "labels": ids,
+    }
 
 
 def machine() -> dict:
@@ -35,7 +58,13 @@ def summarize(samples: list[float]) -> dict:
     """Median and spread (min, max, interquartile range) of repeated measurements."""
     s = sorted(samples)
     q = statistics.quantiles(s, n=4) if len(s) >= 2 else [s[0]] * 3
-    return {"median": statistics.median(s), "min": s[0], "max": s[-1], "iqr": q[2] - q[0], "n": len(s)}
+    return {
+        "median": statistics.median(s),
+        "min": s[0],
+        "max": s[-1],
+        "iqr": q[2] - q[0],
+        "n": len(s),
+    }
 
 
 def save(name: str, payload: dict) -> Path:

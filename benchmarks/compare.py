@@ -132,7 +132,9 @@ def _build(regime: dict):
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**regime["model"], use_cache=False))
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, regime["model"]["vocab_size"], (regime["batch"], regime["seq"]), generator=g)
+    ids = torch.randint(
+        0, regime["model"]["vocab_size"], (regime["batch"], regime["seq"]), generator=g
+    )
     mask = torch.ones_like(ids)
     mask[0, -3:] = 0  # a little padding, so the valid-token count matters
     labels = ids.masked_fill(mask == 0, -100)
@@ -395,6 +397,7 @@ def _torch(rank, world, regime, schedule, steps, warmup):
 
     # Per-action clocks: wrap each stage instance's methods (and the loss) with timers.
     clocks: dict[tuple[str, int], list[int]] = {}
+
     def timed(kind, index, fn):
         def wrapper(*a, **k):
             t0 = time.perf_counter_ns()
@@ -579,7 +582,8 @@ def _summarize_run(lib, schedule, regime, ranks, single_median):
         per_rank = [r["action_us"] for r in ranks]
     costs = _stage_costs(per_rank, num_stages)
     busy = [
-        sum(sum(v) for k, v in acts.items() if _split_key(k)[0] in ("F", "B", "W", "L")) / 1e6 for acts in per_rank
+        sum(sum(v) for k, v in acts.items() if _split_key(k)[0] in ("F", "B", "W", "L")) / 1e6
+        for acts in per_rank
     ]
     row["per_action_us"] = []
     for r, acts in zip(ranks, per_rank, strict=True):
@@ -633,7 +637,6 @@ def _check_losses(name, rows, single_losses) -> list[str]:
     return problems
 
 
-
 # ------------------------------------------------------------------------------ output
 
 
@@ -683,7 +686,9 @@ def _chart(results, path) -> None:
         for j, lib in enumerate(libs):
             xs, meds, lo, hi, effs = [], [], [], [], []
             for i, s in enumerate(scheds):
-                row = next((r for r in reg["rows"] if r["schedule"] == s and r["library"] == lib), None)
+                row = next(
+                    (r for r in reg["rows"] if r["schedule"] == s and r["library"] == lib), None
+                )
                 if row is None:
                     continue
                 st = row["step_s"]
@@ -759,8 +764,9 @@ def main() -> None:
     args = p.parse_args()
     if args.profile:
         lib, sched, regime = args.profile.split(":")
-        report = run_ranks(2, _profile, REGIMES[regime], lib, sched, args.steps, args.warmup,
-                           timeout=1800)[-1]
+        report = run_ranks(
+            2, _profile, REGIMES[regime], lib, sched, args.steps, args.warmup, timeout=1800
+        )[-1]
         path = RESULTS / f"compare_profile_{lib}.txt"
         path.write_text(report)
         print(report[:6000])
@@ -820,13 +826,18 @@ def main() -> None:
         for pr in problems:
             print("  " + pr)
         sys.exit(1)
-    print("losses agree (pippy_xla vs torch rtol %g, vs single process rtol %g)" % (LIB_RTOL, REF_RTOL))
+    print(
+        "losses agree (pippy_xla vs torch rtol %g, vs single process rtol %g)"
+        % (LIB_RTOL, REF_RTOL)
+    )
     table = _table(results)
     print(table)
     for name, reg in results.items():
         for row in reg["rows"]:
-            print(f"{name}/{row['schedule']}/{row['library']} per-action us (rank 0, 1): "
-                  f"{row['per_action_us']}")
+            print(
+                f"{name}/{row['schedule']}/{row['library']} per-action us (rank 0, 1): "
+                f"{row['per_action_us']}"
+            )
     payload = {
         "command": "python benchmarks/compare.py " + " ".join(sys.argv[1:]),
         "config": vars(args),

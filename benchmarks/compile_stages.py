@@ -14,32 +14,17 @@ from __future__ import annotations
 import argparse
 import time
 
-from _common import run_ranks, save, summarize
+from _common import llama_and_batch, run_ranks, save, summarize
 
 
 def _bench(rank, world, compile, steps, warmup):
-    import torch
     from torch._dynamo.utils import counters
-    from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     import pippy_xla as px
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    pipe = px.PipelineModel(
-        LlamaForCausalLM(cfg), layer_cls=LlamaDecoderLayer, num_microbatches=4, compile=compile
-    )
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 512, (8, 128), generator=g)
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    model, batch = llama_and_batch(layers=4, hidden=128, batch=8, seq=128)
+    pipe = px.PipelineModel(model, layer_cls=LlamaDecoderLayer, num_microbatches=4, compile=compile)
     step_times, busy = [], []
     first = None
     graphs_after_first = None
@@ -52,9 +37,7 @@ def _bench(rank, world, compile, steps, warmup):
             graphs_after_first = int(counters["stats"]["unique_graphs"])
         if step >= warmup:
             step_times.append(elapsed)
-            busy.append(
-                sum(e - s for op, _, _, s, e in pipe.timings() if op in ("F", "B")) / 1e9
-            )
+            busy.append(sum(e - s for op, _, _, s, e in pipe.timings() if op in ("F", "B")) / 1e9)
         for p in pipe.parameters():
             p.grad = None
     recompiles = int(counters["stats"]["unique_graphs"]) - graphs_after_first
@@ -76,16 +59,22 @@ def main() -> None:
     results = {}
     for mode, compile in (("eager", False), ("compiled", True)):
         results[mode] = run_ranks(2, _bench, compile, args.steps, args.warmup, timeout=1800)
-    print(f"{'mode':<9} {'rank':>4} {'first step s':>12} {'step s (median)':>16} "
-          f"{'stage busy s':>13} {'recompiles':>10}")
+    print(
+        f"{'mode':<9} {'rank':>4} {'first step s':>12} {'step s (median)':>16} "
+        f"{'stage busy s':>13} {'recompiles':>10}"
+    )
     for mode, ranks in results.items():
         for r in ranks:
-            print(f"{mode:<9} {r['rank']:>4} {r['first_step_s']:>12.3f} "
-                  f"{r['step_s']['median']:>16.4f} {r['stage_busy_s']['median']:>13.4f} "
-                  f"{r['recompiles_after_first_step']:>10}")
+            print(
+                f"{mode:<9} {r['rank']:>4} {r['first_step_s']:>12.3f} "
+                f"{r['step_s']['median']:>16.4f} {r['stage_busy_s']['median']:>13.4f} "
+                f"{r['recompiles_after_first_step']:>10}"
+            )
     for e, c in zip(results["eager"], results["compiled"], strict=True):
-        print(f"rank {e['rank']}: compiled/eager step time "
-              f"{c['step_s']['median'] / e['step_s']['median']:.3f}")
+        print(
+            f"rank {e['rank']}: compiled/eager step time "
+            f"{c['step_s']['median'] / e['step_s']['median']:.3f}"
+        )
     path = save("compile_stages", {"config": vars(args), "results": results})
     print(f"saved {path}")
 

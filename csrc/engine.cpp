@@ -120,6 +120,7 @@ void Engine::run(int64_t signature, const StageFn& forward) {
   try {
     for (const Action& a : schedule_.actions[rank_]) {
       const int64_t t0 = now_ns();
+      compute_start_ns_ = 0;
       switch (a.op) {
         case Op::RECV_F: do_recv_f(st, a); break;
         case Op::F: do_forward(st, a, forward); break;
@@ -129,7 +130,9 @@ void Engine::run(int64_t signature, const StageFn& forward) {
         case Op::SEND_B: do_send_b(st, a); break;
         case Op::W: do_weight(st, a); break;
       }
-      timings_.push_back({a, t0, now_ns()});
+      // F and B record their start after their receives completed: waiting is idle time (a
+      // gap in the timeline), not part of the action's cost.
+      timings_.push_back({a, compute_start_ns_ ? compute_start_ns_ : t0, now_ns()});
       while (!st.sends.empty() && st.sends.front().completed()) st.sends.pop_front();
     }
     for (auto& t : st.sends) t.wait(std::chrono::milliseconds(options_.timeout_ms));
@@ -191,6 +194,7 @@ void Engine::do_forward(StepState& st, const Action& a, const StageFn& forward) 
     inputs = std::move(st.local_in.at(slot));
     st.local_in.erase(slot);
   }
+  compute_start_ns_ = now_ns();
   std::vector<at::Tensor> outputs = forward(a.stage, a.mb, inputs);
   const bool last = a.stage == schedule_.num_stages - 1;
   if (!last) {
@@ -285,6 +289,7 @@ void Engine::do_backward(StepState& st, const Action& a) {
       grads.push_back(incoming[j++]);
     }
   }
+  compute_start_ns_ = now_ns();
   std::vector<at::Tensor> leaves;
   for (const auto& in : saved.inputs)
     if (in.requires_grad()) leaves.push_back(in);

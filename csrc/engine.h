@@ -44,7 +44,8 @@ struct EngineOptions {
 
 struct ActionTiming {
   Action action;
-  int64_t start_ns;  // system clock, so ranks on one host share a time base
+  int64_t start_ns;  // system clock, so ranks on one host share a time base; for F and B, the
+                     // moment their received inputs were there (waiting is not counted)
   int64_t end_ns;
 };
 
@@ -101,6 +102,7 @@ class Engine {
   std::map<int64_t, SignatureSpecs> specs_;
   Stash stash_;
   std::vector<ActionTiming> timings_;
+  int64_t compute_start_ns_ = 0;  // set by F / B once their inputs are there
   bool broken_ = false;
   std::vector<std::unique_ptr<StepState>> failed_;  // transfers of failed steps stay alive: peers may still write
 };
