@@ -39,14 +39,17 @@ Reported per run (``benchmarks/results/compare.json``, ``compare.png``):
 - ``step_s``: median, min, max, IQR of the step time over ``--steps`` steps after ``--warmup``.
 - ``vs_torch``: torch's median step time / this run's (throughput ratio; > 1 is faster).
 - ``speedup_vs_single``: single-process median step time (whole batch, one thread) / this run's.
-- ``efficiency``: ``ideal / measured median step``, where ``ideal`` is the makespan of the same
-  schedule simulated by ``_C.Schedule.simulate`` with zero communication cost and per-stage F and
-  B costs equal to the library's own measured mean F and B durations on that stage (last timed
-  step). 100% means the runtime adds nothing to the schedule's compute and inherent bubble.
+- ``efficiency``: ``ideal / measured step``, both of the last timed step, where ``ideal`` is the
+  makespan of the same schedule simulated by ``_C.Schedule.simulate`` with zero communication
+  cost and per-stage F and B costs equal to the library's own measured mean F and B durations on
+  that stage in that step. 100% means the runtime adds nothing to the schedule's compute and
+  inherent bubble.
   pippy_xla's F/B durations are its engine's ``timings()`` actions ``F`` / ``B``; torch's are
   ``forward_one_chunk`` (+ the loss on the last stage) and ``backward_one_chunk``, timed by
-  wrapping those methods of the stage instance. ``busy_ratio`` is the plainer ``max over ranks of
-  (sum of F + B) / measured step`` (includes the schedule's bubble: at most m / (m + p - 1)).
+  wrapping those methods of the stage instance (pippy_xla's engine starts an F or B's clock once
+  its receives are complete, so waiting is not counted as compute). ``busy_ratio`` is the plainer
+  ``max over ranks of (sum of F + B) / measured step`` (last timed step; it includes the
+  schedule's bubble, so it is at most m / (m + p - 1)).
 - Memory, peak per rank, in one extra untimed step:
   ``stash_peak_bytes``: tensors the runtime itself keeps between a microbatch's forward and its
   backward: pippy_xla's stash (stage inputs and outputs, ``pipe.stash_peak_bytes``) and torch's
@@ -606,9 +609,12 @@ def _summarize_run(lib, schedule, regime, ranks, single_median):
     ideal = _simulated_ideal(schedule, p, m, chunks, costs)
     row["stage_costs_s"] = costs
     row["stage_busy_s"] = busy
+    # The per-action costs are those of the last timed step, so compare them with that step.
+    last_step = _step_series(ranks)[-1]
     row["ideal_s"] = ideal
-    row["efficiency"] = ideal / step["median"] if ideal else None
-    row["busy_ratio"] = max(busy) / step["median"]
+    row["last_step_s"] = last_step
+    row["efficiency"] = ideal / last_step if ideal else None
+    row["busy_ratio"] = max(busy) / last_step
     return row
 
 

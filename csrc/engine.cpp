@@ -82,6 +82,11 @@ Engine::Engine(Schedule schedule, EngineOptions options)
               size);
   TORCH_CHECK(options_.timeout_ms > 0, "timeout must be positive, got ", options_.timeout_ms,
               " ms");
+  // Tags at and above 2^30 belong to transfers outside the engine (tied weights, pipeline.py).
+  TORCH_CHECK(tag(kHeader, schedule_.num_stages - 1, schedule_.num_microbatches - 1,
+                  kMaxBoundaryTensors - 1) < (int64_t{1} << 30),
+              "schedule '", schedule_.name, "': ", schedule_.num_stages, " stages x ",
+              schedule_.num_microbatches, " microbatches need more transfer tags than the engine has");
 }
 
 std::vector<TensorSpec> Engine::input_specs(int64_t signature, int64_t stage, int64_t mb) const {

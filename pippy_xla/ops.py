@@ -94,7 +94,13 @@ def _send_wait_backward(ctx, grad_sink):
     # The incoming gradient is its anchor, so that no partitioner can hoist the receive into the
     # forward graph (it would block forward on the peer's backward).
     grad = _ops.recv_wait(
-        grad_sink, ctx.shape, ctx.dtype, ctx.device, ctx.peer, ctx.tag, ctx.group_name,
+        grad_sink,
+        ctx.shape,
+        ctx.dtype,
+        ctx.device,
+        ctx.peer,
+        ctx.tag,
+        ctx.group_name,
         ctx.timeout_ms,
     )
     return grad, None, None, None, None

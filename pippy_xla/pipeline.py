@@ -382,9 +382,7 @@ class PipelineModel:
                 candidates = [name] + [a for a in aliases.get(name, []) if a != name]
                 source = next((state_dict[c] for c in candidates if c in state_dict), None)
                 if source is None:
-                    raise KeyError(
-                        f"[rank {self.rank}] state_dict has no key '{name}'"
-                    )
+                    raise KeyError(f"[rank {self.rank}] state_dict has no key '{name}'")
                 if tuple(source.shape) != tuple(target.shape):
                     raise ValueError(
                         f"[rank {self.rank}] state_dict['{name}'] has shape "

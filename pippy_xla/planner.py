@@ -106,8 +106,8 @@ class PlanProblem:
 
     def _args(self) -> tuple:
         layers = [
-            (l.fwd, l.bwd, int(l.saved_bytes), int(l.saved_bytes_ckpt), int(l.static_bytes))
-            for l in self.layers
+            (ly.fwd, ly.bwd, int(ly.saved_bytes), int(ly.saved_bytes_ckpt), int(ly.static_bytes))
+            for ly in self.layers
         ]
         extras = [(e.fwd, e.bwd, int(e.saved_bytes), int(e.static_bytes)) for e in self.extras]
         return layers, extras, [int(x) for x in self.inflight], [int(x) for x in self.memory_limit]

@@ -83,9 +83,8 @@ def draw_timeline(
     ops_seen = sorted({e[1] for e in events}, key=list(_COLORS).index)
     ax.legend(
         handles=[Patch(color=_COLORS[o], label=o) for o in ops_seen],
-        loc="upper center",
-        bbox_to_anchor=(0.5, -0.25),
-        ncol=len(ops_seen),
+        loc="center left",
+        bbox_to_anchor=(1.0, 0.5),
         fontsize=8,
     )
     fig.tight_layout()

@@ -64,8 +64,13 @@ def test_opcheck_every_op(fake_group):
     assert P.wait_send(token, 1000).shape == ()
     torch.library.opcheck(
         P.wait_recv.default,
-        (P.recv(None, [3, 4], torch.float32, torch.device("cpu"), 1, 0, g), [3, 4],
-         torch.float32, torch.device("cpu"), 1000),
+        (
+            P.recv(None, [3, 4], torch.float32, torch.device("cpu"), 1, 0, g),
+            [3, 4],
+            torch.float32,
+            torch.device("cpu"),
+            1000,
+        ),
         test_utils=("test_schema",),
     )
 

@@ -165,6 +165,29 @@ def test_run_eval_matches_single_process():
     assert out[0] == out[1]
 
 
+def _timeline(rank, world, out_dir):
+    model, layer_cls = _build("llama")
+    pipe = px.PipelineModel(model, layer_cls=layer_cls, num_microbatches=4, schedule="zbh1")
+    pipe.run_train(**make_batch(seed=0))
+    events = pipe.timeline(f"{out_dir}/trace.json", f"{out_dir}/timeline.png")
+    return events
+
+
+def test_timeline_merges_ranks_into_trace_and_chart(tmp_path):
+    import json
+
+    events = run_ranks(2, _timeline, str(tmp_path))
+    assert events[0] == events[1]  # every rank gets the merged timeline
+    ops = {(e[0], e[1]) for e in events[0]}
+    for rank in (0, 1):
+        assert {(rank, "F"), (rank, "B"), (rank, "W")} <= ops
+    assert all(e[5] >= e[4] for e in events[0])
+    trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    spans = [t for t in trace if t["ph"] == "X"]
+    assert len(spans) == len(events[0]) and {t["pid"] for t in spans} == {0, 1}
+    assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def _meta_load(rank, world, family):
     ref, layer_cls = _build(family)
     with torch.device("meta"):

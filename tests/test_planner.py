@@ -153,13 +153,13 @@ def test_solver_matches_brute_force():
             lay = problem.layers[st["range"][0] : st["range"][1]]
             ck = set(st["checkpoint"])
             act = problem.extras[s].saved_bytes + sum(
-                l.saved_bytes_ckpt if st["range"][0] + i in ck else l.saved_bytes
-                for i, l in enumerate(lay)
+                ly.saved_bytes_ckpt if st["range"][0] + i in ck else ly.saved_bytes
+                for i, ly in enumerate(lay)
             )
             mem = (
                 problem.inflight[s] * act
                 + problem.extras[s].static_bytes
-                + sum(l.static_bytes for l in lay)
+                + sum(ly.static_bytes for ly in lay)
             )
             assert mem == st["memory"]
     assert feasible > 50

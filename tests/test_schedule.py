@@ -413,3 +413,15 @@ def test_schedule_argument_errors() -> None:
         _C.make_schedule("interleaved", 2, 4, 1)
     with pytest.raises(RuntimeError, match="chunks must be 1"):
         _C.make_schedule("1f1b", 2, 4, 2)
+
+
+def test_cli_simulate_prints_prediction_and_draws(tmp_path, capsys) -> None:
+    from pippy_xla import cli
+
+    png, trace = tmp_path / "t.png", tmp_path / "t.json"
+    argv = ["simulate", "--schedule", "zbh1", "--ranks", "4", "--microbatches", "8"]
+    assert cli.main([*argv, "--png", str(png), "--trace", str(trace)]) == 0
+    out = capsys.readouterr().out
+    # F = 1, B + W = 2 (split in halves): 24 units of work per rank plus a bubble of 3.
+    assert "zbh1: 4 ranks x 1 chunks, 8 microbatches: step 27, bubble 11.1%" in out
+    assert png.read_bytes()[:4] == b"\x89PNG" and trace.stat().st_size > 0
