@@ -290,9 +290,9 @@ def _attach_all(modules, *instruments):
     return [h for mod in modules for ins in instruments for h in ins.attach(mod)]
 
 
-def _pippy(rank, world, regime, schedule, steps, warmup):
-    import torch
-    import torch.distributed as dist
+def _pipeline(regime, schedule):
+    """The regime's model and batch, and a PipelineModel over a copy of the model (or a
+    ``{"skipped": reason}`` row if pippy_xla refuses the schedule)."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     import pippy_xla as px
@@ -304,9 +304,19 @@ def _pippy(rank, world, regime, schedule, steps, warmup):
             copy.deepcopy(base), layer_cls=LlamaDecoderLayer, num_microbatches=m, schedule=schedule
         )
     except ValueError as e:
-        if "schedule" in str(e):
-            return {"skipped": f"PipelineModel refuses schedule={schedule!r}: {e}"}
-        raise
+        if "schedule" not in str(e):
+            raise
+        pipe = {"skipped": f"PipelineModel refuses schedule={schedule!r}: {e}"}
+    return base, batch, m, pipe
+
+
+def _pippy(rank, world, regime, schedule, steps, warmup):
+    import torch
+    import torch.distributed as dist
+
+    base, batch, m, pipe = _pipeline(regime, schedule)
+    if isinstance(pipe, dict):
+        return pipe
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
     losses, times = [], []
     for _ in range(warmup + steps):
@@ -378,21 +388,11 @@ def _torch(rank, world, regime, schedule, steps, warmup):
     import torch.distributed as dist
     import torch.distributed.pipelining as tpp
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    import pippy_xla as px
-
-    base, batch = _build(regime)
-    m = regime["microbatches"]
     # The partition (and nothing else) of a PipelineModel: its stage graphs are what torch runs.
-    try:
-        pipe = px.PipelineModel(
-            copy.deepcopy(base), layer_cls=LlamaDecoderLayer, num_microbatches=m, schedule=schedule
-        )
-    except ValueError as e:
-        if "schedule" in str(e):
-            return {"skipped": f"PipelineModel refuses schedule={schedule!r}: {e}"}
-        raise
+    base, batch, m, pipe = _pipeline(regime, schedule)
+    if isinstance(pipe, dict):
+        return pipe
     num_stages = len(pipe.stages)
     local = _local_stages(pipe)
     loss_function, vocab = base.loss_function, base.config.vocab_size
