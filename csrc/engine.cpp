@@ -6,8 +6,14 @@
 #include <ATen/ops/zeros_like.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <sstream>
+#include <unordered_map>
+#include <unordered_set>
 
 namespace pippy_xla {
 
@@ -62,6 +68,72 @@ std::vector<TensorSpec> decode_header(const at::Tensor& header) {
     i += nd;
   }
   return specs;
+}
+
+using torch::autograd::Edge;
+using torch::autograd::Node;
+using torch::autograd::variable_list;
+
+// Records the gradients flowing into a node the first time it runs.
+struct CaptureGrads : torch::autograd::FunctionPreHook {
+  explicit CaptureGrads(std::shared_ptr<variable_list> out) : out_(std::move(out)) {}
+  variable_list operator()(const variable_list& grads) override {
+    if (out_->empty()) *out_ = grads;
+    return grads;
+  }
+  std::shared_ptr<variable_list> out_;
+};
+
+// Nodes of the graph below `roots` from which one of `leaves` (accumulators of the stage inputs)
+// can be reached: the nodes an input-gradient backward runs.
+std::unordered_set<Node*> input_closure(const std::vector<Node*>& roots,
+                                        const std::unordered_set<Node*>& leaves) {
+  std::unordered_map<Node*, int> state;  // 1: on stack, 2: done
+  std::unordered_set<Node*> reach;
+  std::vector<std::pair<Node*, size_t>> stack;
+  for (Node* r : roots) {
+    if (!r || state.count(r)) continue;
+    stack.emplace_back(r, 0);
+    state[r] = 1;
+    while (!stack.empty()) {
+      auto& [node, next] = stack.back();
+      const auto& edges = node->next_edges();
+      if (next < edges.size()) {
+        Node* child = edges[next++].function.get();
+        if (child && !state.count(child)) {
+          state[child] = 1;
+          stack.emplace_back(child, 0);
+        }
+        continue;
+      }
+      bool hit = leaves.count(node) > 0;
+      for (const auto& e : edges)
+        if (e.function && (reach.count(e.function.get()) || leaves.count(e.function.get())))
+          hit = true;
+      if (hit) reach.insert(node);
+      state[node] = 2;
+      stack.pop_back();
+    }
+  }
+  return reach;
+}
+
+// Parameter accumulators reachable from `start` without entering the input closure.
+void weight_outputs(Node* start, const std::unordered_set<Node*>& closure,
+                    const std::unordered_set<Node*>& leaves, std::unordered_set<Node*>& seen,
+                    torch::autograd::edge_list& outputs, std::vector<at::Tensor>& params) {
+  std::vector<Node*> todo{start};
+  while (!todo.empty()) {
+    Node* n = todo.back();
+    todo.pop_back();
+    if (!n || closure.count(n) || leaves.count(n) || !seen.insert(n).second) continue;
+    if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(n)) {
+      outputs.emplace_back(c10::intrusive_ptr<Node>::reclaim_copy(n), 0);
+      params.push_back(acc->variable);
+      continue;
+    }
+    for (const auto& e : n->next_edges()) todo.push_back(e.function.get());
+  }
 }
 
 }  // namespace
@@ -300,13 +372,25 @@ void Engine::do_backward(StepState& st, const Action& a) {
     if (in.requires_grad()) leaves.push_back(in);
   std::vector<at::Tensor> input_grads;
   if (schedule_.split_backward) {
-    // Input gradients only: autograd skips the weight-gradient work (needs_input_grad is false
-    // for it); W later runs the rest from the retained graph.
+    WeightWork work;
     if (!leaves.empty() && !roots.empty()) {
+      prepare_weight_work(roots, grads, leaves, work);
+      // Input gradients only: autograd runs just the nodes on paths to the stage inputs and
+      // skips their weight-gradient outputs; the frontier hooks record what W needs.
       input_grads = torch::autograd::grad(roots, leaves, grads, /*retain_graph=*/true,
                                           /*create_graph=*/false, /*allow_unused=*/true);
+      for (auto& f : work.frontier) {
+        auto& hooks = f.node->pre_hooks();
+        hooks.erase(std::remove_if(hooks.begin(), hooks.end(),
+                                   [&](const auto& h) { return h.get() == f.hook; }),
+                    hooks.end());
+        f.hook = nullptr;
+      }
+    } else {
+      work.roots = std::move(roots);  // no input gradients: W is the whole backward
+      work.grads = std::move(grads);
     }
-    st.weight_roots[slot] = {std::move(roots), std::move(grads)};
+    st.weight_work[slot] = std::move(work);
   } else {
     if (!roots.empty()) torch::autograd::backward(roots, grads);
     for (const auto& in : leaves) input_grads.push_back(in.grad());
@@ -321,14 +405,84 @@ void Engine::do_backward(StepState& st, const Action& a) {
   }
 }
 
+void Engine::prepare_weight_work(const std::vector<at::Tensor>& roots,
+                                 const std::vector<at::Tensor>& grads,
+                                 const std::vector<at::Tensor>& leaves, WeightWork& work) {
+  // [Note: split backward] B computes input gradients only. The nodes it runs form the "input
+  // closure"; a node of it whose other inputs lead to parameters (a matmul whose weight gradient
+  // B skipped) is a frontier node. B records the gradients flowing into each frontier node, and
+  // W re-runs just those nodes, asking autograd only for the parameters behind their weight
+  // branches: W does the weight-gradient work and nothing of B's again.
+  std::unordered_set<Node*> leaf_nodes;
+  for (const auto& l : leaves)
+    leaf_nodes.insert(torch::autograd::impl::gradient_edge(l).function.get());
+  std::vector<Node*> root_nodes;
+  for (const auto& r : roots) root_nodes.push_back(torch::autograd::impl::gradient_edge(r).function.get());
+  const auto closure = input_closure(root_nodes, leaf_nodes);
+  std::unordered_set<Node*> seen;
+  auto add = [&](Node* n, std::shared_ptr<variable_list> captured) {
+    WeightWork::Frontier f;
+    for (const auto& e : n->next_edges()) {
+      Node* child = e.function.get();
+      if (child && !closure.count(child) && !leaf_nodes.count(child))
+        weight_outputs(child, closure, leaf_nodes, seen, f.outputs, f.params);
+    }
+    if (f.outputs.empty()) return;
+    f.node = c10::intrusive_ptr<Node>::reclaim_copy(n);
+    f.grads = std::move(captured);
+    work.frontier.push_back(std::move(f));
+  };
+  for (Node* n : closure) {
+    auto captured = std::make_shared<variable_list>();
+    const size_t before = work.frontier.size();
+    add(n, captured);
+    if (work.frontier.size() > before) {
+      auto hook = std::make_unique<CaptureGrads>(captured);
+      work.frontier.back().hook = hook.get();
+      n->add_pre_hook(std::move(hook));
+    }
+  }
+  // Roots outside the closure (outputs that do not depend on the inputs) start W themselves.
+  for (size_t i = 0; i < roots.size(); ++i) {
+    Node* n = root_nodes[i];
+    if (!n || closure.count(n)) continue;
+    auto edge = torch::autograd::impl::gradient_edge(roots[i]);
+    auto captured = std::make_shared<variable_list>(n->num_inputs());
+    (*captured)[edge.input_nr] = grads[i];
+    add(n, captured);
+  }
+}
+
 void Engine::do_weight(StepState& st, const Action& a) {
   const Slot slot{a.stage, a.mb};
-  auto it = st.weight_roots.find(slot);
-  TORCH_CHECK(it != st.weight_roots.end(), where(a, "W before its B"));
-  auto [roots, grads] = std::move(it->second);
-  st.weight_roots.erase(it);
-  // Weight gradients from the graph B retained (no forward is re-run); frees the graph.
-  if (!roots.empty()) torch::autograd::backward(roots, grads);
+  auto it = st.weight_work.find(slot);
+  TORCH_CHECK(it != st.weight_work.end(), where(a, "W before its B"));
+  WeightWork work = std::move(it->second);
+  st.weight_work.erase(it);
+  // Weight gradients from the graph B retained (no forward is re-run). See [Note: split backward].
+  if (!work.roots.empty()) torch::autograd::backward(work.roots, work.grads);
+  auto& engine = torch::autograd::Engine::get_default_engine();
+  for (auto& f : work.frontier) {
+    torch::autograd::edge_list edges;
+    variable_list values;
+    for (size_t i = 0; i < f.grads->size(); ++i) {
+      if (!(*f.grads)[i].defined()) continue;
+      edges.emplace_back(f.node, static_cast<uint32_t>(i));
+      values.push_back((*f.grads)[i]);
+    }
+    if (edges.empty()) continue;
+    auto out = engine.execute(edges, values, /*keep_graph=*/true, /*create_graph=*/false,
+                              /*accumulate_grad=*/false, f.outputs);
+    for (size_t j = 0; j < out.size(); ++j) {
+      if (!out[j].defined()) continue;
+      at::Tensor& g = f.params[j].mutable_grad();
+      if (g.defined()) {
+        g.add_(out[j]);
+      } else {
+        g = out[j].clone();
+      }
+    }
+  }
   stash_.pop(a.stage, a.mb);
 }
 

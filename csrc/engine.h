@@ -11,6 +11,7 @@
 #include "stash.h"
 
 #include <c10/core/Device.h>
+#include <torch/csrc/autograd/edge.h>
 
 #include <chrono>
 #include <deque>
@@ -73,6 +74,18 @@ class Engine {
     std::map<Slot, std::vector<TensorSpec>> in;   // tensors entering (stage, mb)
     std::map<Slot, std::vector<TensorSpec>> out;  // tensors leaving (stage, mb) forward
   };
+  // What a split backward's W step runs (see [Note: split backward] in engine.cpp).
+  struct WeightWork {
+    struct Frontier {
+      c10::intrusive_ptr<torch::autograd::Node> node;
+      std::shared_ptr<std::vector<at::Tensor>> grads;  // gradients into `node`, recorded in B
+      std::vector<torch::autograd::Edge> outputs;      // accumulators of its parameters
+      std::vector<at::Tensor> params;                  // the parameters, in `outputs` order
+      void* hook = nullptr;                            // the recording pre-hook, while in B
+    };
+    std::vector<Frontier> frontier;
+    std::vector<at::Tensor> roots, grads;  // no stage inputs need gradients: a full backward
+  };
   struct StepState {
     bool discover = false;
     SignatureSpecs* specs = nullptr;
@@ -80,8 +93,8 @@ class Engine {
     std::map<Slot, std::vector<Transfer>> recv_f, recv_b;
     std::map<Slot, std::vector<at::Tensor>> fwd_out, local_in, grads_out, local_grads;
     std::deque<Transfer> sends;
-    // Split backward: what W still has to backpropagate, per (stage, mb): roots and their grads.
-    std::map<Slot, std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>>> weight_roots;
+    // Split backward: what W still has to do, per (stage, mb).
+    std::map<Slot, WeightWork> weight_work;
   };
 
   void do_recv_f(StepState& st, const Action& a);
@@ -92,6 +105,9 @@ class Engine {
   void do_backward(StepState& st, const Action& a);
   void do_send_b(StepState& st, const Action& a);
   void do_weight(StepState& st, const Action& a);
+  void prepare_weight_work(const std::vector<at::Tensor>& roots,
+                           const std::vector<at::Tensor>& grads,
+                           const std::vector<at::Tensor>& leaves, WeightWork& work);
   std::vector<at::Tensor> wait_all(std::vector<Transfer>& ts);
   std::string where(const Action& a, const char* what) const;
   int64_t tag(int kind, int64_t stage, int64_t mb, int64_t idx) const;
