@@ -833,8 +833,7 @@ def main() -> None:
             print("  " + pr)
         sys.exit(1)
     print(
-        "losses agree (pippy_xla vs torch rtol %g, vs single process rtol %g)"
-        % (LIB_RTOL, REF_RTOL)
+        f"losses agree (pippy_xla vs torch rtol {LIB_RTOL:g}, vs single process rtol {REF_RTOL:g})"
     )
     table = _table(results)
     print(table)

@@ -117,7 +117,7 @@ def explain_difference(a: StageGraph | Fingerprint, b: StageGraph | Fingerprint)
                 "dtype before wrapping it"
             )
     la, lb = fa.code.splitlines(), fb.code.splitlines()
-    for i, (x, y) in enumerate(zip(la, lb)):
+    for i, (x, y) in enumerate(zip(la, lb, strict=False)):
         if x != y:
             context = "\n".join(
                 difflib.unified_diff(la, lb, "first", "second", n=1, lineterm="")

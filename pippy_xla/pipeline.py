@@ -648,7 +648,7 @@ class _RecompileWatch:
         changed = [
             f"stage {s} input {i}: {a} -> {b}"
             for s in sorted(args)
-            for i, (a, b) in enumerate(zip(first.get(s, []), args[s]))
+            for i, (a, b) in enumerate(zip(first.get(s, []), args[s], strict=False))
             if a != b
         ]
         from torch._dynamo.utils import guard_failures

@@ -69,7 +69,7 @@ def draw_timeline(
     t0 = min((e[4] for e in events), default=0.0)
     ranks = sorted({e[0] for e in events})
     fig, ax = plt.subplots(figsize=(12, 0.6 + 0.6 * len(ranks)))
-    for rank, op, stage, mb, start, end in events:
+    for rank, op, _stage, mb, start, end in events:
         x, w = (start - t0) * scale, max(end - start, 0.0) * scale
         compute = op in ("F", "B", "W")
         height = 0.8 if compute else 0.3

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 from models import VOCAB, gpt2, llama, qwen2
+from torch import nn
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 

@@ -72,7 +72,7 @@ def _train_equal(rank, world, family, schedule, mb_counts, steps=3, layers=4):
                     p,
                     ref.get_parameter(name),
                     **PARAM_TOL,
-                    msg=lambda m, name=name: f"{where}: param {name}\n{m}",
+                    msg=lambda m, name=name, where=where: f"{where}: param {name}\n{m}",
                 )
         checked.append((mbs, sorted(n for n, _ in pipe.named_parameters())))
     return checked
@@ -84,7 +84,7 @@ def test_two_ranks_match_single_process(family):
     # The two stages together own every parameter of the model exactly once (tied ones twice).
     model, _ = _build(family)
     all_names = {n for n, _ in model.named_parameters()}
-    for i, mbs in enumerate([1, 2, 4, 8]):
+    for i in range(4):  # one entry per microbatch count
         owned = set(out[0][i][1]) | set(out[1][i][1])
         assert all_names <= owned, all_names - owned
 

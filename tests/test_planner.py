@@ -234,7 +234,7 @@ def test_saved_bytes_prediction(family):
     # Checkpointing really drops saved bytes.
     plain = _stage_saved_bytes(model, layer_cls, [(0, 2), (2, 4)], [], batch, m)
     ck = _stage_saved_bytes(model, layer_cls, [(0, 2), (2, 4)], [0, 1, 2, 3], batch, m)
-    assert all(c < p / 2 for c, p in zip(ck, plain)), (ck, plain)
+    assert all(c < p / 2 for c, p in zip(ck, plain, strict=True)), (ck, plain)
 
 
 def test_plan_beats_checkpoint_everything():

@@ -28,7 +28,7 @@ def test_push_pop_keep_the_very_tensors() -> None:
     assert stash.contains(0, 0) and not stash.contains(0, 1) and len(stash) == 1
 
     peeked_in, peeked_out = stash.peek(0, 0)
-    assert all(a is b for a, b in zip(peeked_in + peeked_out, inputs + outputs))
+    assert all(a is b for a, b in zip(peeked_in + peeked_out, inputs + outputs, strict=True))
     # A write through the original is visible in the slot: nothing was copied.
     extra.add_(100)
     before[1].add_(100)
@@ -37,7 +37,9 @@ def test_push_pop_keep_the_very_tensors() -> None:
     assert not stash.contains(0, 0) and len(stash) == 0
     got = got_in + got_out
     assert len(got_in) == 2 and len(got_out) == 1
-    for t, orig, ptr, storage, value in zip(got, inputs + outputs, ptrs, storages, before):
+    for t, orig, ptr, storage, value in zip(
+        got, inputs + outputs, ptrs, storages, before, strict=True
+    ):
         assert t is orig
         assert t.untyped_storage() is storage
         assert (t.untyped_storage().data_ptr(), t.data_ptr()) == ptr
