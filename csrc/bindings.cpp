@@ -139,14 +139,6 @@ PYBIND11_MODULE(_C, m) {
           py::arg("signature"), py::arg("forward"))
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("schedule", &Engine::schedule)
-      .def("knows", &Engine::knows)
-      .def("input_specs",
-           [](const Engine& e, int64_t signature, int64_t stage, int64_t mb) {
-             py::list out;
-             for (const auto& s : e.input_specs(signature, stage, mb))
-               out.append(py::make_tuple(s.shape, c10::toString(s.dtype), s.requires_grad));
-             return out;
-           })
       .def("timings",
            [](const Engine& e) {
              py::list out;

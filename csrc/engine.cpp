@@ -161,13 +161,6 @@ Engine::Engine(Schedule schedule, EngineOptions options)
               schedule_.num_microbatches, " microbatches need more transfer tags than the engine has");
 }
 
-std::vector<TensorSpec> Engine::input_specs(int64_t signature, int64_t stage, int64_t mb) const {
-  auto it = specs_.find(signature);
-  TORCH_CHECK(it != specs_.end(), "no specs recorded for signature ", signature);
-  auto jt = it->second.in.find({stage, mb});
-  return jt == it->second.in.end() ? std::vector<TensorSpec>{} : jt->second;
-}
-
 std::string Engine::where(const Action& a, const char* what) const {
   return c10::str("[rank ", rank_, " stage ", a.stage, "] ", op_name(a.op), " microbatch ", a.mb,
                   ": ", what);

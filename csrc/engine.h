@@ -64,9 +64,6 @@ class Engine {
   const std::vector<ActionTiming>& timings() const { return timings_; }
   const Stash& stash() const { return stash_; }
   Stash& stash() { return stash_; }
-  bool knows(int64_t signature) const { return specs_.count(signature) > 0; }
-  // Specs of the tensors entering `stage` for `mb` under `signature` (for tests and tools).
-  std::vector<TensorSpec> input_specs(int64_t signature, int64_t stage, int64_t mb) const;
 
  private:
   using Slot = std::pair<int64_t, int64_t>;  // (stage, microbatch)

@@ -19,6 +19,11 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 VOCAB = 256
 
 
+def _set_attn(cfg, attn: str | None) -> None:
+    if attn is not None:
+        cfg._attn_implementation = attn
+
+
 def llama(attn: str | None = None, layers: int = 4) -> tuple[nn.Module, type[nn.Module]]:
     cfg = LlamaConfig(
         vocab_size=VOCAB,
@@ -28,8 +33,7 @@ def llama(attn: str | None = None, layers: int = 4) -> tuple[nn.Module, type[nn.
         num_attention_heads=4,
         num_key_value_heads=2,
     )
-    if attn is not None:
-        cfg._attn_implementation = attn
+    _set_attn(cfg, attn)
     return LlamaForCausalLM(cfg), LlamaDecoderLayer
 
 
@@ -47,8 +51,7 @@ def gpt2(attn: str | None = None, layers: int = 4) -> tuple[nn.Module, type[nn.M
         bos_token_id=0,
         eos_token_id=0,
     )
-    if attn is not None:
-        cfg._attn_implementation = attn
+    _set_attn(cfg, attn)
     return GPT2LMHeadModel(cfg), GPT2Block
 
 
@@ -66,8 +69,7 @@ def qwen2(attn: str | None = None, layers: int = 4) -> tuple[nn.Module, type[nn.
         sliding_window=3,
         max_window_layers=layers // 2,
     )
-    if attn is not None:
-        cfg._attn_implementation = attn
+    _set_attn(cfg, attn)
     return Qwen2ForCausalLM(cfg), Qwen2DecoderLayer
 
 

@@ -34,8 +34,6 @@ class Transfer {
   // Waits up to `timeout`; on failure throws a c10::Error that starts with `what` (which names
   // rank, stage, microbatch and action). Returns the tensor (the received data for a receive).
   at::Tensor wait(std::chrono::milliseconds timeout);
-  const at::Tensor& tensor() const { return tensor_; }
-  const std::string& what() const { return what_; }
 
  private:
   c10::intrusive_ptr<c10d::Work> work_;
