@@ -290,7 +290,7 @@ def _attach_all(modules, *instruments):
     return [h for mod in modules for ins in instruments for h in ins.attach(mod)]
 
 
-def _pipeline(regime, schedule):
+def _pipeline(regime, schedule, **options):
     """The regime's model and batch, and a PipelineModel over a copy of the model (or a
     ``{"skipped": reason}`` row if pippy_xla refuses the schedule)."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
@@ -301,7 +301,11 @@ def _pipeline(regime, schedule):
     m = regime["microbatches"]
     try:
         pipe = px.PipelineModel(
-            copy.deepcopy(base), layer_cls=LlamaDecoderLayer, num_microbatches=m, schedule=schedule
+            copy.deepcopy(base),
+            layer_cls=LlamaDecoderLayer,
+            num_microbatches=m,
+            schedule=schedule,
+            **options,
         )
     except ValueError as e:
         if "schedule" not in str(e):

@@ -118,24 +118,6 @@ std::unordered_set<Node*> input_closure(const std::vector<Node*>& roots,
   return reach;
 }
 
-// Parameter accumulators reachable from `start` without entering the input closure.
-void weight_outputs(Node* start, const std::unordered_set<Node*>& closure,
-                    const std::unordered_set<Node*>& leaves, std::unordered_set<Node*>& seen,
-                    torch::autograd::edge_list& outputs, std::vector<at::Tensor>& params) {
-  std::vector<Node*> todo{start};
-  while (!todo.empty()) {
-    Node* n = todo.back();
-    todo.pop_back();
-    if (!n || closure.count(n) || leaves.count(n) || !seen.insert(n).second) continue;
-    if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(n)) {
-      outputs.emplace_back(c10::intrusive_ptr<Node>::reclaim_copy(n), 0);
-      params.push_back(acc->variable);
-      continue;
-    }
-    for (const auto& e : n->next_edges()) todo.push_back(e.function.get());
-  }
-}
-
 }  // namespace
 
 std::string TensorSpec::str() const {
@@ -329,10 +311,9 @@ void Engine::do_recv_b(StepState& st, const Action& a) {
 
 void Engine::do_backward(StepState& st, const Action& a) {
   const Slot slot{a.stage, a.mb};
-  // With a split backward the slot stays stashed until W: the graph is still needed.
-  StashSlot popped;
-  if (!schedule_.split_backward) popped = stash_.pop(a.stage, a.mb);
-  const StashSlot& saved = schedule_.split_backward ? stash_.peek(a.stage, a.mb) : popped;
+  // With a split backward the slot stays stashed until W when W is the whole backward (no
+  // stage inputs need gradients); otherwise W needs only what B hands it.
+  const StashSlot saved = stash_.pop(a.stage, a.mb);
   std::vector<at::Tensor> roots, grads;
   if (a.stage == schedule_.num_stages - 1) {
     for (const auto& o : saved.outputs) {
@@ -378,9 +359,14 @@ void Engine::do_backward(StepState& st, const Action& a) {
                                    [&](const auto& h) { return h.get() == f.hook; }),
                     hooks.end());
         f.hook = nullptr;
+        // Cut the node off the input path: W then computes only its weight branches, and
+        // the rest of the input path is freed with the stashed outputs.
+        for (size_t i : f.input_edges) f.node->next_edges()[i] = Edge();
       }
     } else {
-      work.roots = std::move(roots);  // no input gradients: W is the whole backward
+      // No input gradients: W is the whole backward, and the graph stays stashed until then.
+      if (!roots.empty()) stash_.push(a.stage, a.mb, saved);
+      work.roots = std::move(roots);
       work.grads = std::move(grads);
     }
     st.weight_work[slot] = std::move(work);
@@ -402,47 +388,51 @@ void Engine::prepare_weight_work(const std::vector<at::Tensor>& roots,
                                  const std::vector<at::Tensor>& grads,
                                  const std::vector<at::Tensor>& leaves, WeightWork& work) {
   // [Note: split backward] B computes input gradients only. The nodes it runs form the "input
-  // closure"; a node of it whose other inputs lead to parameters (a matmul whose weight gradient
-  // B skipped) is a frontier node. B records the gradients flowing into each frontier node, and
-  // W re-runs just those nodes, asking autograd only for the parameters behind their weight
-  // branches: W does the weight-gradient work and nothing of B's again.
+  // closure"; a node of it with an edge leaving the closure (towards parameters: a matmul whose
+  // weight gradient B skipped) is a frontier node. B records the gradients flowing into each
+  // frontier node; afterwards the frontier nodes' edges into the closure are cut, so that they
+  // lead only to parameters. W is then one autograd run from all frontier nodes with the
+  // recorded gradients: it does the weight-gradient work and nothing of B's again, accumulates
+  // into `.grad` like any backward (parameter hooks run), and frees the saved tensors as it
+  // goes. Between B and W a microbatch holds only what the frontier nodes saved (the inputs of
+  // the weight GEMMs) and the recorded gradients; the rest of its graph is freed at B.
   std::unordered_set<Node*> leaf_nodes;
   for (const auto& l : leaves)
     leaf_nodes.insert(torch::autograd::impl::gradient_edge(l).function.get());
   std::vector<Node*> root_nodes;
   for (const auto& r : roots) root_nodes.push_back(torch::autograd::impl::gradient_edge(r).function.get());
   const auto closure = input_closure(root_nodes, leaf_nodes);
-  std::unordered_set<Node*> seen;
-  auto add = [&](Node* n, std::shared_ptr<variable_list> captured) {
-    WeightWork::Frontier f;
-    for (const auto& e : n->next_edges()) {
-      Node* child = e.function.get();
-      if (child && !closure.count(child) && !leaf_nodes.count(child))
-        weight_outputs(child, closure, leaf_nodes, seen, f.outputs, f.params);
-    }
-    if (f.outputs.empty()) return;
-    f.node = c10::intrusive_ptr<Node>::reclaim_copy(n);
-    f.grads = std::move(captured);
-    work.frontier.push_back(std::move(f));
-  };
+  auto inside = [&](Node* n) { return closure.count(n) > 0 || leaf_nodes.count(n) > 0; };
   for (Node* n : closure) {
-    auto captured = std::make_shared<variable_list>();
-    const size_t before = work.frontier.size();
-    add(n, captured);
-    if (work.frontier.size() > before) {
-      auto hook = std::make_unique<CaptureGrads>(captured);
-      work.frontier.back().hook = hook.get();
-      n->add_pre_hook(std::move(hook));
+    WeightWork::Frontier f;
+    bool leaves_closure = false;
+    const auto& edges = n->next_edges();
+    for (size_t i = 0; i < edges.size(); ++i) {
+      Node* child = edges[i].function.get();
+      if (!child) continue;
+      if (inside(child)) {
+        f.input_edges.push_back(i);
+      } else {
+        leaves_closure = true;
+      }
     }
+    if (!leaves_closure) continue;
+    f.node = c10::intrusive_ptr<Node>::reclaim_copy(n);
+    f.grads = std::make_shared<variable_list>();
+    auto hook = std::make_unique<CaptureGrads>(f.grads);
+    f.hook = hook.get();
+    n->add_pre_hook(std::move(hook));
+    work.frontier.push_back(std::move(f));
   }
   // Roots outside the closure (outputs that do not depend on the inputs) start W themselves.
   for (size_t i = 0; i < roots.size(); ++i) {
     Node* n = root_nodes[i];
     if (!n || closure.count(n)) continue;
-    auto edge = torch::autograd::impl::gradient_edge(roots[i]);
-    auto captured = std::make_shared<variable_list>(n->num_inputs());
-    (*captured)[edge.input_nr] = grads[i];
-    add(n, captured);
+    WeightWork::Frontier f;
+    f.node = c10::intrusive_ptr<Node>::reclaim_copy(n);
+    f.grads = std::make_shared<variable_list>(n->num_inputs());
+    (*f.grads)[torch::autograd::impl::gradient_edge(roots[i]).input_nr] = grads[i];
+    work.frontier.push_back(std::move(f));
   }
 }
 
@@ -452,31 +442,24 @@ void Engine::do_weight(StepState& st, const Action& a) {
   TORCH_CHECK(it != st.weight_work.end(), where(a, "W before its B"));
   WeightWork work = std::move(it->second);
   st.weight_work.erase(it);
-  // Weight gradients from the graph B retained (no forward is re-run). See [Note: split backward].
-  if (!work.roots.empty()) torch::autograd::backward(work.roots, work.grads);
-  auto& engine = torch::autograd::Engine::get_default_engine();
+  if (!work.roots.empty()) {
+    torch::autograd::backward(work.roots, work.grads);
+    stash_.pop(a.stage, a.mb);
+    return;
+  }
+  // Weight gradients from what B left (no forward is re-run). See [Note: split backward].
+  torch::autograd::edge_list edges;
+  variable_list values;
   for (auto& f : work.frontier) {
-    torch::autograd::edge_list edges;
-    variable_list values;
     for (size_t i = 0; i < f.grads->size(); ++i) {
       if (!(*f.grads)[i].defined()) continue;
       edges.emplace_back(f.node, static_cast<uint32_t>(i));
-      values.push_back((*f.grads)[i]);
-    }
-    if (edges.empty()) continue;
-    auto out = engine.execute(edges, values, /*keep_graph=*/true, /*create_graph=*/false,
-                              /*accumulate_grad=*/false, f.outputs);
-    for (size_t j = 0; j < out.size(); ++j) {
-      if (!out[j].defined()) continue;
-      at::Tensor& g = f.params[j].mutable_grad();
-      if (g.defined()) {
-        g.add_(out[j]);
-      } else {
-        g = out[j].clone();
-      }
+      values.push_back(std::move((*f.grads)[i]));
     }
   }
-  stash_.pop(a.stage, a.mb);
+  if (edges.empty()) return;
+  torch::autograd::Engine::get_default_engine().execute(
+      edges, values, /*keep_graph=*/false, /*create_graph=*/false, /*accumulate_grad=*/true);
 }
 
 void Engine::do_send_b(StepState& st, const Action& a) {

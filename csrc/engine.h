@@ -76,9 +76,8 @@ class Engine {
     struct Frontier {
       c10::intrusive_ptr<torch::autograd::Node> node;
       std::shared_ptr<std::vector<at::Tensor>> grads;  // gradients into `node`, recorded in B
-      std::vector<torch::autograd::Edge> outputs;      // accumulators of its parameters
-      std::vector<at::Tensor> params;                  // the parameters, in `outputs` order
-      void* hook = nullptr;                            // the recording pre-hook, while in B
+      std::vector<size_t> input_edges;  // its edges into the input path, cut after B
+      void* hook = nullptr;             // the recording pre-hook, while in B
     };
     std::vector<Frontier> frontier;
     std::vector<at::Tensor> roots, grads;  // no stage inputs need gradients: a full backward
