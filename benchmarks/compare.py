@@ -29,6 +29,10 @@ Same computation in both libraries:
 - Same microbatches (``chunk`` along dim 0), same AdamW, same initial weights.
 - A timed step is ``run_train`` / ``schedule.step`` + ``optimizer.step()`` + ``zero_grad()``;
   ranks meet at a barrier before each step (not timed); the step time is the slower rank's.
+- Both libraries run in the same two processes, their steps interleaved (pippy_xla, torch,
+  then torch, pippy_xla, ...), so that the slow and fast spells of a shared machine fall on
+  both alike. Run one after the other, the same configuration differed by up to 30% between
+  runs on the 2-core machine of the README table.
 
 Before any time is reported the losses of every step are compared: pippy_xla against torch
 (``LIB_RTOL``) and both against the single process (``REF_RTOL``); a mismatch is printed and the
@@ -314,7 +318,8 @@ def _pipeline(regime, schedule, **options):
     return base, batch, m, pipe
 
 
-def _pippy(rank, world, regime, schedule, steps, warmup):
+def _pippy(regime, schedule):
+    """pippy_xla on this rank: ``(step, report)`` (see ``_paired``) or a ``{"skipped": why}``."""
     import torch
     import torch.distributed as dist
 
@@ -322,48 +327,48 @@ def _pippy(rank, world, regime, schedule, steps, warmup):
     if isinstance(pipe, dict):
         return pipe
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
-    losses, times = [], []
-    for _ in range(warmup + steps):
-        dist.barrier()
-        t0 = time.perf_counter()
+
+    def step():
         loss = pipe.run_train(**batch)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
-        losses.append(float(loss))
-    timings = pipe.timings()
+        return loss
 
-    # Untimed analysis steps: (1) the stage modules' own forward time next to the engine's F
-    # actions of the same step; (2) stash and autograd-saved peaks.
-    modules = [st.module for st in _local_stages(pipe)]
-    clock = _ModuleClock()
-    handles = _attach_all(modules, clock)
-    dist.barrier()
-    pipe.run_train(**batch)
-    opt.zero_grad(set_to_none=True)
-    for h in handles:
-        h.remove()
-    clock_timings = pipe.timings()
-    saved = _SavedBytes(modules)
-    handles = _attach_all(modules, saved)
-    pipe.reset_stash_peak()
-    dist.barrier()
-    pipe.run_train(**batch)
-    opt.zero_grad(set_to_none=True)
-    for h in handles:
-        h.remove()
-    return {
-        "losses": losses,
-        "step_times": times[warmup:],
-        "timings": [list(t) for t in timings],
-        "clock_step_f_us": statistics.fmean(
-            [(e - s) / 1e3 for op, _, _, s, e in clock_timings if op == "F"]
-        ),
-        "num_stages": len(pipe.stages),
-        "stash_peak_bytes": int(pipe.stash_peak_bytes),
-        "saved_peak_bytes": int(saved.peak),
-        "module_forward_us": clock.total_ns / max(clock.count, 1) / 1e3,
-    }
+    def report(losses, times):
+        timings = pipe.timings()  # of the last timed step
+        # Untimed analysis steps: (1) the stage modules' own forward time next to the engine's
+        # F actions of the same step; (2) stash and autograd-saved peaks.
+        modules = [st.module for st in _local_stages(pipe)]
+        clock = _ModuleClock()
+        handles = _attach_all(modules, clock)
+        dist.barrier()
+        pipe.run_train(**batch)
+        opt.zero_grad(set_to_none=True)
+        for h in handles:
+            h.remove()
+        clock_timings = pipe.timings()
+        saved = _SavedBytes(modules)
+        handles = _attach_all(modules, saved)
+        pipe.reset_stash_peak()
+        dist.barrier()
+        pipe.run_train(**batch)
+        opt.zero_grad(set_to_none=True)
+        for h in handles:
+            h.remove()
+        return {
+            "losses": losses,
+            "step_times": times,
+            "timings": [list(t) for t in timings],
+            "clock_step_f_us": statistics.fmean(
+                [(e - s) / 1e3 for op, _, _, s, e in clock_timings if op == "F"]
+            ),
+            "num_stages": len(pipe.stages),
+            "stash_peak_bytes": int(pipe.stash_peak_bytes),
+            "saved_peak_bytes": int(saved.peak),
+            "module_forward_us": clock.total_ns / max(clock.count, 1) / 1e3,
+        }
+
+    return step, report
 
 
 # ------------------------------------------------------------------------------ torch pipelining
@@ -387,7 +392,9 @@ def _torch_stage_module(gm, batch_inputs, is_last):
     return _TorchStage()
 
 
-def _torch(rank, world, regime, schedule, steps, warmup):
+def _torch(regime, schedule):
+    """torch.distributed.pipelining on this rank: ``(step, report)`` (see ``_paired``) or a
+    ``{"skipped": why}``."""
     import torch
     import torch.distributed as dist
     import torch.distributed.pipelining as tpp
@@ -454,9 +461,10 @@ def _torch(rank, world, regime, schedule, steps, warmup):
     opt = torch.optim.AdamW(params, lr=1e-3)
     kwargs = {n: batch[n] for n in pipe.input_names}
     holds_last = any(st.index == num_stages - 1 for st in local)
-    last_rank = (num_stages - 1) % world
+    last_rank = (num_stages - 1) % dist.get_world_size()
 
     def step():
+        clocks.clear()
         mb_losses: list = []
         sched.step(
             target=batch["labels"] if holds_last else None,
@@ -468,48 +476,70 @@ def _torch(rank, world, regime, schedule, steps, warmup):
         if holds_last:
             total = torch.stack([x.detach().float() for x in mb_losses]).sum()
         dist.broadcast(total, src=last_rank)
-        return total
-
-    losses, times = [], []
-    for _ in range(warmup + steps):
-        clocks.clear()
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss = step()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
-        losses.append(float(loss))
-    action_us = {f"{k}{i}": [x / 1e3 for x in v] for (k, i), v in clocks.items()}
+        return total
 
-    gms = [st.module for st in local]
-    clock = _ModuleClock()
-    handles = _attach_all(gms, clock)
-    clocks.clear()
-    dist.barrier()
-    step()
-    opt.zero_grad(set_to_none=True)
-    for h in handles:
-        h.remove()
-    clock_f = [x / 1e3 for (k, _), v in clocks.items() if k == "F" for x in v]
-    saved = _SavedBytes(gms)
-    handles = _attach_all(gms, saved)
-    track_cache[0] = True
-    dist.barrier()
-    step()
-    opt.zero_grad(set_to_none=True)
-    for h in handles:
-        h.remove()
-    return {
-        "losses": losses,
-        "step_times": times[warmup:],
-        "action_us": action_us,
-        "clock_step_f_us": statistics.fmean(clock_f),
-        "num_stages": num_stages,
-        "stash_peak_bytes": int(fwd_cache_peak[0]),
-        "saved_peak_bytes": int(saved.peak),
-        "module_forward_us": clock.total_ns / max(clock.count, 1) / 1e3,
-    }
+    def report(losses, times):
+        action_us = {f"{k}{i}": [x / 1e3 for x in v] for (k, i), v in clocks.items()}
+        gms = [st.module for st in local]
+        clock = _ModuleClock()
+        handles = _attach_all(gms, clock)
+        dist.barrier()
+        step()
+        for h in handles:
+            h.remove()
+        clock_f = [x / 1e3 for (k, _), v in clocks.items() if k == "F" for x in v]
+        saved = _SavedBytes(gms)
+        handles = _attach_all(gms, saved)
+        track_cache[0] = True
+        dist.barrier()
+        step()
+        for h in handles:
+            h.remove()
+        return {
+            "losses": losses,
+            "step_times": times,
+            "action_us": action_us,
+            "clock_step_f_us": statistics.fmean(clock_f),
+            "num_stages": num_stages,
+            "stash_peak_bytes": int(fwd_cache_peak[0]),
+            "saved_peak_bytes": int(saved.peak),
+            "module_forward_us": clock.total_ns / max(clock.count, 1) / 1e3,
+        }
+
+    return step, report
+
+
+# ------------------------------------------------------------------------------ both, interleaved
+
+LIBRARIES = {"pippy_xla": _pippy, "torch": _torch}
+
+
+def _paired(rank, world, regime, schedule, steps, warmup, libs):
+    """Runs the libraries ``libs`` side by side in the same processes, alternating their steps
+    (ABAB..., the order flipped every step), so that a slower or faster spell of a shared
+    machine falls on both alike. A step is timed from a barrier to the end of the optimizer
+    step. Returns ``{lib: report}``, or ``{lib: {"skipped": why}}`` if a library refuses."""
+    import torch.distributed as dist
+
+    runs = {}
+    for lib in libs:
+        made = LIBRARIES[lib](regime, schedule)
+        if isinstance(made, dict):
+            return {lib: made}
+        runs[lib] = made
+    losses = {lib: [] for lib in libs}
+    times = {lib: [] for lib in libs}
+    for i in range(warmup + steps):
+        for lib in libs if i % 2 == 0 else libs[::-1]:
+            step = runs[lib][0]
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = step()
+            times[lib].append(time.perf_counter() - t0)
+            losses[lib].append(float(loss))
+    return {lib: runs[lib][1](losses[lib], times[lib][warmup:]) for lib in libs}
 
 
 # ------------------------------------------------------------------------------ analysis
@@ -744,11 +774,10 @@ def _profile(rank, world, regime, lib, schedule, steps, warmup):
     import pippy_xla  # noqa: F401
 
     _build(regime)
-    fn = _pippy if lib == "pippy_xla" else _torch
     prof = cProfile.Profile()
     if rank == world - 1:
         prof.enable()
-    fn(rank, world, regime, schedule, steps, warmup)
+    _paired(rank, world, regime, schedule, steps, warmup, (lib,))
     prof.disable()
     if rank != world - 1:
         return None
@@ -801,21 +830,29 @@ def main() -> None:
         single_step = summarize(single["step_times"])
         rows = []
         for sched in names:
-            for lib, fn in (("pippy_xla", _pippy), ("torch", _torch)):
-                try:
-                    ranks = run_ranks(2, fn, regime, sched, args.steps, args.warmup, timeout=1800)
-                except AssertionError as e:
-                    if lib == "pippy_xla":
-                        raise
-                    # torch cannot run this schedule on these stages: say so, keep pippy's row.
-                    failures.append(f"{name}/{sched}/torch failed: {str(e)[-1500:]}")
-                    print(failures[-1])
-                    break
-                if any("skipped" in r for r in ranks):
-                    print(f"{name}/{sched}/{lib}: {ranks[0]['skipped']}")
-                    rows = [r for r in rows if r["schedule"] != sched]
-                    break
-                rows.append(_summarize_run(lib, sched, regime, ranks, single_step["median"]))
+            libs = ("pippy_xla", "torch")
+            try:
+                ranks = run_ranks(
+                    2, _paired, regime, sched, args.steps, args.warmup, libs, timeout=1800
+                )
+            except AssertionError as e:
+                # torch cannot run this schedule on these stages: say so, run pippy_xla alone.
+                failures.append(f"{name}/{sched}: the paired run failed: {str(e)[-1500:]}")
+                print(failures[-1])
+                libs = ("pippy_xla",)
+                ranks = run_ranks(
+                    2, _paired, regime, sched, args.steps, args.warmup, libs, timeout=1800
+                )
+            skipped = [r[lib]["skipped"] for r in ranks for lib in r if "skipped" in r[lib]]
+            if skipped:
+                print(f"{name}/{sched}: {skipped[0]}")
+                continue
+            for lib in libs:
+                rows.append(
+                    _summarize_run(
+                        lib, sched, regime, [r[lib] for r in ranks], single_step["median"]
+                    )
+                )
                 print(f"{name}/{sched}/{lib}: median {rows[-1]['step_s']['median']:.4f} s")
         for row in rows:
             ref = next(
