@@ -471,7 +471,8 @@ class PipelineModel:
 
     def _agree_on_signature(self, batch: dict[str, torch.Tensor]) -> None:
         """Per-step handshake: every rank must see the same batch shapes and dtypes, or the
-        boundary transfers would disagree. One tiny all_gather, before any point-to-point."""
+        boundary transfers would disagree. One all_gather of a 64-bit digest of the batch's
+        names, shapes and dtypes, before any point-to-point."""
         names = sorted(batch)
         rows = []
         for k in names:
@@ -480,26 +481,21 @@ class PipelineModel:
                 raise ValueError(f"batch['{k}'] has {v.dim()} dims; at most {_MAX_DIMS}")
             dims = list(v.shape) + [-1] * (_MAX_DIMS - v.dim())
             rows.append([zlib.crc32(k.encode()), _dtype_code(v.dtype), v.dim(), *dims])
-        mine = torch.tensor(rows, dtype=torch.long).flatten()
-        width = torch.tensor([mine.numel()], dtype=torch.long)
-        widths = [torch.empty_like(width) for _ in range(self.num_ranks)]
-        dist.all_gather(widths, width, group=self.group)
-        everyone = [torch.empty(int(w), dtype=torch.long) for w in widths]
-        if len({int(w) for w in widths}) == 1:
-            dist.all_gather(everyone, mine, group=self.group)
-        else:
-            everyone = [None] * self.num_ranks
-        describe = {k: (tuple(batch[k].shape), batch[k].dtype) for k in names}
+        digest = hashlib.blake2b(
+            torch.tensor(rows, dtype=torch.long).numpy().tobytes(), digest_size=8
+        ).digest()
+        self._signature = int.from_bytes(digest, "little", signed=True)
+        mine = torch.tensor([self._signature], dtype=torch.long)
+        everyone = [torch.empty_like(mine) for _ in range(self.num_ranks)]
+        dist.all_gather(everyone, mine, group=self.group)
         for r, theirs in enumerate(everyone):
-            if theirs is None or not torch.equal(theirs, mine):
+            if not torch.equal(theirs, mine):
+                describe = {k: (tuple(batch[k].shape), batch[k].dtype) for k in names}
                 raise ValueError(
                     f"[rank {self.rank}] rank {r} got a batch with other inputs, shapes or "
                     f"dtypes than this rank's {describe}; every rank must get the same batch "
                     "shapes (the whole batch goes to every rank)"
                 )
-        self._signature = int.from_bytes(
-            hashlib.blake2b(mine.numpy().tobytes(), digest_size=8).digest(), "little", signed=True
-        )
 
     def _stage_forward(self, mbs, labels, num_items, losses: dict, logits: dict | None):
         """The callable the engine runs for each forward action. The last stage applies the loss
@@ -625,14 +621,15 @@ class _RecompileWatch:
         return int(counters["stats"]["unique_graphs"])
 
     def see(self, stage: int, args: list) -> None:
-        described = [
+        if stage in self._step_args:  # once per stage and step
+            return
+        self._step_args[stage] = [
             f"{str(a.dtype).removeprefix('torch.')}{list(a.shape)}"
             + (" requires_grad" if a.requires_grad else "")
             if isinstance(a, torch.Tensor)
             else repr(a)
             for a in args
         ]
-        self._step_args.setdefault(stage, described)
 
     def step_done(self, mode: str) -> str | None:
         args, self._step_args = self._step_args, {}
