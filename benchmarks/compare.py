@@ -191,7 +191,9 @@ class _SavedBytes:
         __slots__ = ("owner", "t", "key")
 
         def __init__(self, owner, t, key):
-            self.owner, self.t, self.key = owner, t, key
+            # Detached: holding a saved output itself would tie it to its own grad_fn in a
+            # cycle that outlives the graph (and would count its bytes until the end).
+            self.owner, self.t, self.key = owner, t.detach(), key
 
         def __del__(self):
             r = self.owner.refs[self.key]

@@ -275,7 +275,8 @@ void Engine::do_forward(StepState& st, const Action& a, const StageFn& forward) 
     }
   }
   if (schedule_.backward) stash_.push(a.stage, a.mb, StashSlot{inputs, outputs});
-  st.fwd_out[slot] = std::move(outputs);
+  // Kept for SEND_F only: a reference held longer would keep the microbatch's graph alive.
+  if (!last && schedule_.stage_rank[a.stage + 1] != rank_) st.fwd_out[slot] = std::move(outputs);
 }
 
 void Engine::do_send_f(StepState& st, const Action& a) {
