@@ -84,6 +84,16 @@ struct CaptureGrads : torch::autograd::FunctionPreHook {
   std::shared_ptr<variable_list> out_;
 };
 
+// Records the gradients a node computed (its outputs) the first time it runs.
+struct CaptureOutputs : torch::autograd::FunctionPostHook {
+  explicit CaptureOutputs(std::shared_ptr<variable_list> out) : out_(std::move(out)) {}
+  variable_list operator()(const variable_list& outputs, const variable_list& /*inputs*/) override {
+    if (out_->empty()) *out_ = outputs;
+    return outputs;
+  }
+  std::shared_ptr<variable_list> out_;
+};
+
 // Nodes of the graph below `roots` from which one of `leaves` (accumulators of the stage inputs)
 // can be reached: the nodes an input-gradient backward runs.
 std::unordered_set<Node*> input_closure(const std::vector<Node*>& roots,
@@ -354,16 +364,7 @@ void Engine::do_backward(StepState& st, const Action& a) {
       // skips their weight-gradient outputs; the frontier hooks record what W needs.
       input_grads = torch::autograd::grad(roots, leaves, grads, /*retain_graph=*/true,
                                           /*create_graph=*/false, /*allow_unused=*/true);
-      for (auto& f : work.frontier) {
-        auto& hooks = f.node->pre_hooks();
-        hooks.erase(std::remove_if(hooks.begin(), hooks.end(),
-                                   [&](const auto& h) { return h.get() == f.hook; }),
-                    hooks.end());
-        f.hook = nullptr;
-        // Cut the node off the input path: W then computes only its weight branches, and
-        // the rest of the input path is freed with the stashed outputs.
-        for (size_t i : f.input_edges) f.node->next_edges()[i] = Edge();
-      }
+      finish_weight_work(work);
     } else {
       // No input gradients: W is the whole backward, and the graph stays stashed until then.
       if (!roots.empty()) stash_.push(a.stage, a.mb, saved);
@@ -396,7 +397,9 @@ void Engine::prepare_weight_work(const std::vector<at::Tensor>& roots,
   // recorded gradients: it does the weight-gradient work and nothing of B's again, accumulates
   // into `.grad` like any backward (parameter hooks run), and frees the saved tensors as it
   // goes. Between B and W a microbatch holds only what the frontier nodes saved (the inputs of
-  // the weight GEMMs) and the recorded gradients; the rest of its graph is freed at B.
+  // the weight GEMMs) and the recorded gradients; the rest of its graph is freed at B. A
+  // frontier node that computes every output regardless (a compiled stage's backward) is not
+  // run twice: see finish_weight_work.
   std::unordered_set<Node*> leaf_nodes;
   for (const auto& l : leaves)
     leaf_nodes.insert(torch::autograd::impl::gradient_edge(l).function.get());
@@ -420,9 +423,11 @@ void Engine::prepare_weight_work(const std::vector<at::Tensor>& roots,
     if (!leaves_closure) continue;
     f.node = c10::intrusive_ptr<Node>::reclaim_copy(n);
     f.grads = std::make_shared<variable_list>();
+    f.outputs = std::make_shared<variable_list>();
     auto hook = std::make_unique<CaptureGrads>(f.grads);
-    f.hook = hook.get();
+    f.pre_hook = hook.get();
     n->add_pre_hook(std::move(hook));
+    f.post_hook = n->add_post_hook(std::make_unique<CaptureOutputs>(f.outputs));
     work.frontier.push_back(std::move(f));
   }
   // Roots outside the closure (outputs that do not depend on the inputs) start W themselves.
@@ -435,6 +440,45 @@ void Engine::prepare_weight_work(const std::vector<at::Tensor>& roots,
     (*f.grads)[torch::autograd::impl::gradient_edge(roots[i]).input_nr] = grads[i];
     work.frontier.push_back(std::move(f));
   }
+}
+
+void Engine::finish_weight_work(WeightWork& work) {
+  // After B: unhook the frontier nodes and cut them off the input path, so that W computes only
+  // their weight branches and the rest of the input path is freed with the stage outputs. A node
+  // that computed its weight-edge gradients in B anyway (one that ignores which outputs the
+  // graph task needs, like a compiled stage's single backward node) is not run again: its
+  // weight branches are fed those gradients now, and W has nothing left to do for it.
+  torch::autograd::edge_list edges;
+  variable_list values;
+  std::vector<WeightWork::Frontier> deferred;
+  for (auto& f : work.frontier) {
+    auto& pre = f.node->pre_hooks();
+    pre.erase(std::remove_if(pre.begin(), pre.end(),
+                             [&](const auto& h) { return h.get() == f.pre_hook; }),
+              pre.end());
+    if (f.post_hook) f.node->del_post_hook(f.post_hook);
+    f.pre_hook = nullptr;
+    f.post_hook = 0;
+    for (size_t i : f.input_edges) f.node->next_edges()[i] = Edge();
+    const auto& next = f.node->next_edges();
+    bool computed = f.outputs && f.outputs->size() == next.size();
+    for (size_t i = 0; computed && i < next.size(); ++i)
+      if (next[i].is_valid() && !(*f.outputs)[i].defined()) computed = false;
+    if (!computed) {
+      f.outputs.reset();
+      deferred.push_back(std::move(f));
+      continue;
+    }
+    for (size_t i = 0; i < next.size(); ++i) {
+      if (!next[i].is_valid()) continue;
+      edges.push_back(next[i]);
+      values.push_back(std::move((*f.outputs)[i]));
+    }
+  }
+  work.frontier = std::move(deferred);
+  if (!edges.empty())
+    torch::autograd::Engine::get_default_engine().execute(
+        edges, values, /*keep_graph=*/false, /*create_graph=*/false, /*accumulate_grad=*/true);
 }
 
 void Engine::do_weight(StepState& st, const Action& a) {

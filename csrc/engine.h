@@ -75,9 +75,11 @@ class Engine {
   struct WeightWork {
     struct Frontier {
       c10::intrusive_ptr<torch::autograd::Node> node;
-      std::shared_ptr<std::vector<at::Tensor>> grads;  // gradients into `node`, recorded in B
+      std::shared_ptr<std::vector<at::Tensor>> grads;    // gradients into `node`, recorded in B
+      std::shared_ptr<std::vector<at::Tensor>> outputs;  // what `node` computed in B
       std::vector<size_t> input_edges;  // its edges into the input path, cut after B
-      void* hook = nullptr;             // the recording pre-hook, while in B
+      void* pre_hook = nullptr;         // the recording hooks, while in B
+      uintptr_t post_hook = 0;
     };
     std::vector<Frontier> frontier;
     std::vector<at::Tensor> roots, grads;  // no stage inputs need gradients: a full backward
@@ -101,6 +103,7 @@ class Engine {
   void do_backward(StepState& st, const Action& a);
   void do_send_b(StepState& st, const Action& a);
   void do_weight(StepState& st, const Action& a);
+  void finish_weight_work(WeightWork& work);
   void prepare_weight_work(const std::vector<at::Tensor>& roots,
                            const std::vector<at::Tensor>& grads,
                            const std::vector<at::Tensor>& leaves, WeightWork& work);

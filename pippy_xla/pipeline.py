@@ -11,6 +11,7 @@ import hashlib
 import logging
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -416,8 +417,13 @@ class PipelineModel:
                 f"[rank {self.rank}] the pipeline engine failed in an earlier step and its peers "
                 f"were left mid-step ({self._failed}); restart the job"
             )
+        # A split backward (B with retain_graph, then W) cannot use the buffers AOTAutograd
+        # donates to a compiled backward: compile those stages without donation.
+        split = self._compiled is not None and engine.schedule.split_backward
+        donation = torch._functorch.config.patch(donated_buffer=False) if split else nullcontext()
         try:
-            engine.run(self._signature, forward)
+            with donation:
+                engine.run(self._signature, forward)
         except BaseException as e:
             self._failed = e
             raise
