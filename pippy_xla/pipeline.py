@@ -227,7 +227,7 @@ class PipelineModel:
                 st.index: torch.compile(st.module, **(compile_options or {}))
                 for st in self.local_stages
             }
-            self._compile_watch = _RecompileWatch()
+            self._compile_watch = _RecompileWatch([st.module for st in self.local_stages])
         logger.info(
             "[rank %d] stages %s, layers %s, %d parameters",
             self.rank,
@@ -612,19 +612,21 @@ class PipelineModel:
 
 class _RecompileWatch:
     """Notices recompilations of a compiled stage after the first step of each mode and says
-    why: dynamo's guard failures plus which stage input changed shape, dtype or grad mode."""
+    why: dynamo's guard failures plus which stage input changed shape, dtype or grad mode.
 
-    def __init__(self) -> None:
+    It counts dynamo's cache entries of the stage graphs' own ``forward`` code (each fx
+    GraphModule has its own), so other compiled code in the process does not count."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        self._codes = [m.forward.__code__ for m in modules]
         self._graphs: dict[str, int] = {}
         self._first_args: dict[str, dict[int, list[str]]] = {}
         self._step_args: dict[int, list[str]] = {}
-        self._changes: list[str] = []
 
-    @staticmethod
-    def _graph_count() -> int:
-        from torch._dynamo.utils import counters
+    def _graph_count(self) -> int:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-        return int(counters["stats"]["unique_graphs"])
+        return sum(len(_debug_get_cache_entry_list(code)) for code in self._codes)
 
     def see(self, stage: int, args: list) -> None:
         if stage in self._step_args:  # once per stage and step

@@ -44,6 +44,11 @@ def _compiled_training(rank, world):
     assert graphs[1:] == [graphs[0]] * 9, f"recompiled after step 1: graphs per step {graphs}"
     assert pipe.recompiles == []
 
+    # Other compiled code in the process is not mistaken for a recompiled stage.
+    torch.compile(lambda x: x * 2, backend="eager")(torch.ones(2))
+    pipe.run_train(**make_batch(seed=0))
+    assert pipe.recompiles == []
+
     # A real recompile (another sequence length) is reported with its cause.
     pipe.run_train(**make_batch(seed=0, seq=12))
     assert len(pipe.recompiles) == 1
