@@ -21,6 +21,7 @@ namespace {
 
 constexpr int64_t kHeaderLen = 512;
 constexpr int64_t kMaxBoundaryTensors = 64;
+constexpr int kRecvLookahead = 4;  // receive actions posted ahead, see [Note: receives posted ahead]
 enum TagKind { kActivation = 0, kGradient = 1, kHeader = 2 };
 
 int64_t now_ns() {
@@ -180,7 +181,12 @@ void Engine::run(int64_t signature, const StageFn& forward) {
   timings_.clear();
   timings_.reserve(schedule_.actions[rank_].size());
   try {
-    for (const Action& a : schedule_.actions[rank_]) {
+    const auto& actions = schedule_.actions[rank_];
+    st.posted.assign(actions.size(), false);
+    for (st.pos = 0; st.pos < actions.size(); ++st.pos) {
+      const Action& a = actions[st.pos];
+      if (st.posted[st.pos]) continue;  // a receive posted early (see post_ahead)
+      if (a.op == Op::RECV_F || a.op == Op::RECV_B) st.posted[st.pos] = true;
       const int64_t t0 = now_ns();
       compute_start_ns_ = 0;
       switch (a.op) {
@@ -207,6 +213,34 @@ void Engine::run(int64_t signature, const StageFn& forward) {
     throw;
   }
   if (st.discover) specs_.emplace(signature, std::move(fresh));
+}
+
+void Engine::post_ahead(StepState& st, const std::vector<Transfer>& waiting) {
+  // [Note: receives posted ahead] Before blocking on a receive, post the next few receives of
+  // the action list: the time would be spent waiting anyway, and a gloo send whose receive is
+  // already posted goes out at once from the sender, while one that arrives first waits for the
+  // receiver's "ready" message (a round trip, and a wake-up of the sender's transport thread
+  // during its compute). The window is small so that buffers of microbatches far ahead are not
+  // allocated early. Not on a discovery step: its receive shapes come with the headers.
+  bool done = true;
+  for (const auto& t : waiting) done = done && t.completed();
+  if (st.discover || done) return;
+  const auto& actions = schedule_.actions[rank_];
+  int ahead = 0;
+  for (size_t j = st.pos + 1; j < actions.size() && ahead < kRecvLookahead; ++j) {
+    const Action& b = actions[j];
+    if (b.op != Op::RECV_F && b.op != Op::RECV_B) continue;
+    ++ahead;
+    if (st.posted[j]) continue;
+    st.posted[j] = true;
+    const int64_t t0 = now_ns();
+    if (b.op == Op::RECV_F) {
+      post_activation_recvs(st, b);
+    } else {
+      do_recv_b(st, b);
+    }
+    timings_.push_back({b, t0, now_ns()});
+  }
 }
 
 void Engine::do_recv_f(StepState& st, const Action& a) {
@@ -247,6 +281,7 @@ void Engine::do_forward(StepState& st, const Action& a, const StageFn& forward) 
       st.specs->in[slot] = std::move(specs);
       post_activation_recvs(st, a);
     }
+    post_ahead(st, st.recv_f[slot]);
     inputs = wait_all(st.recv_f[slot]);
     st.recv_f.erase(slot);
     const auto& specs = st.specs->in.at(slot);
@@ -340,6 +375,7 @@ void Engine::do_backward(StepState& st, const Action& a) {
       incoming = std::move(st.local_grads.at(slot));
       st.local_grads.erase(slot);
     } else {
+      post_ahead(st, st.recv_b.at(slot));
       incoming = wait_all(st.recv_b.at(slot));
       st.recv_b.erase(slot);
     }

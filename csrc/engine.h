@@ -91,10 +91,13 @@ class Engine {
     std::map<Slot, std::vector<Transfer>> recv_f, recv_b;
     std::map<Slot, std::vector<at::Tensor>> fwd_out, local_in, grads_out, local_grads;
     std::deque<Transfer> sends;
+    size_t pos = 0;             // index of the running action in this rank's list
+    std::vector<bool> posted;   // receive actions already posted (in order, or ahead)
     // Split backward: what W still has to do, per (stage, mb).
     std::map<Slot, WeightWork> weight_work;
   };
 
+  void post_ahead(StepState& st, const std::vector<Transfer>& waiting);
   void do_recv_f(StepState& st, const Action& a);
   void post_activation_recvs(StepState& st, const Action& a);
   void do_forward(StepState& st, const Action& a, const StageFn& forward);
