@@ -8,7 +8,6 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
-#include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <sstream>
@@ -94,6 +93,14 @@ struct CaptureOutputs : torch::autograd::FunctionPostHook {
   }
   std::shared_ptr<variable_list> out_;
 };
+
+// Backward from `edges` (with gradients `values`) into the parameters' `.grad`, freeing what
+// the nodes saved as they run.
+void accumulate_from(const torch::autograd::edge_list& edges, const variable_list& values) {
+  if (edges.empty()) return;
+  torch::autograd::Engine::get_default_engine().execute(
+      edges, values, /*keep_graph=*/false, /*create_graph=*/false, /*accumulate_grad=*/true);
+}
 
 // Nodes of the graph below `roots` from which one of `leaves` (accumulators of the stage inputs)
 // can be reached: the nodes an input-gradient backward runs.
@@ -512,9 +519,7 @@ void Engine::finish_weight_work(WeightWork& work) {
     }
   }
   work.frontier = std::move(deferred);
-  if (!edges.empty())
-    torch::autograd::Engine::get_default_engine().execute(
-        edges, values, /*keep_graph=*/false, /*create_graph=*/false, /*accumulate_grad=*/true);
+  accumulate_from(edges, values);
 }
 
 void Engine::do_weight(StepState& st, const Action& a) {
@@ -538,9 +543,7 @@ void Engine::do_weight(StepState& st, const Action& a) {
       values.push_back(std::move((*f.grads)[i]));
     }
   }
-  if (edges.empty()) return;
-  torch::autograd::Engine::get_default_engine().execute(
-      edges, values, /*keep_graph=*/false, /*create_graph=*/false, /*accumulate_grad=*/true);
+  accumulate_from(edges, values);
 }
 
 void Engine::do_send_b(StepState& st, const Action& a) {
