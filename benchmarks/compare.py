@@ -306,7 +306,35 @@ def _attach_all(modules, *instruments):
     return [h for mod in modules for ins in instruments for h in ins.attach(mod)]
 
 
-def _pipeline(regime, schedule, **options):
+def _analysis(regime, modules, step, f_durations_us, reset_stash_peak, stash_peak) -> dict:
+    """The untimed analysis steps of either library: (1) the stage modules' own forward time
+    next to the runtime's F durations (``f_durations_us()``) of the same step; (2) stash and
+    autograd-saved peaks. Compiled stages get no hooks (dynamo would recompile)."""
+    import torch.distributed as dist
+
+    hooks = not regime.get("compile")
+    clock, saved = _ModuleClock(), _SavedBytes(modules)
+
+    def instrumented(instrument):
+        handles = _attach_all(modules, instrument) if hooks else []
+        dist.barrier()
+        step()
+        for h in handles:
+            h.remove()
+
+    out = {}
+    if hooks:
+        instrumented(clock)
+        out["clock_step_f_us"] = statistics.fmean(f_durations_us())
+    reset_stash_peak()
+    instrumented(saved)
+    out["stash_peak_bytes"] = int(stash_peak())
+    out["saved_peak_bytes"] = int(saved.peak) if hooks else None
+    out["module_forward_us"] = clock.total_ns / clock.count / 1e3 if hooks else None
+    return out
+
+
+def _pipeline(regime, schedule):
     """The regime's model and batch, and a PipelineModel over a copy of the model (or a
     ``{"skipped": reason}`` row if pippy_xla refuses the schedule)."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
@@ -322,7 +350,6 @@ def _pipeline(regime, schedule, **options):
             num_microbatches=m,
             schedule=schedule,
             compile=regime.get("compile", False),
-            **options,
         )
     except ValueError as e:
         if "schedule" not in str(e):
@@ -334,7 +361,6 @@ def _pipeline(regime, schedule, **options):
 def _pippy(regime, schedule):
     """pippy_xla on this rank: ``(step, report)`` (see ``_paired``) or a ``{"skipped": why}``."""
     import torch
-    import torch.distributed as dist
 
     base, batch, m, pipe = _pipeline(regime, schedule)
     if isinstance(pipe, dict):
@@ -349,32 +375,21 @@ def _pippy(regime, schedule):
 
     def report(losses, times):
         timings = pipe.timings()  # of the last timed step
-        # Untimed analysis steps: (1) the stage modules' own forward time next to the engine's
-        # F actions of the same step; (2) stash and autograd-saved peaks.
-        modules = [st.module for st in _local_stages(pipe)]
-        out = {"losses": losses, "step_times": times, "timings": [list(t) for t in timings]}
-        out["num_stages"] = len(pipe.stages)
-        hooks = not regime.get("compile")
-        clock, saved = _ModuleClock(), _SavedBytes(modules)
-        if hooks:
-            handles = _attach_all(modules, clock)
-            dist.barrier()
+
+        def untimed_step():
             pipe.run_train(**batch)
             opt.zero_grad(set_to_none=True)
-            for h in handles:
-                h.remove()
-            f_us = [(e - s) / 1e3 for op, _, _, s, e in pipe.timings() if op == "F"]
-            out["clock_step_f_us"] = statistics.fmean(f_us)
-        handles = _attach_all(modules, saved) if hooks else []
-        pipe.reset_stash_peak()
-        dist.barrier()
-        pipe.run_train(**batch)
-        opt.zero_grad(set_to_none=True)
-        for h in handles:
-            h.remove()
-        out["stash_peak_bytes"] = int(pipe.stash_peak_bytes)
-        out["saved_peak_bytes"] = int(saved.peak) if hooks else None
-        out["module_forward_us"] = clock.total_ns / clock.count / 1e3 if hooks else None
+
+        out = {"losses": losses, "step_times": times, "timings": [list(t) for t in timings]}
+        out["num_stages"] = len(pipe.stages)
+        out |= _analysis(
+            regime,
+            [st.module for st in _local_stages(pipe)],
+            untimed_step,
+            lambda: [(e - s) / 1e3 for op, _, _, s, e in pipe.timings() if op == "F"],
+            pipe.reset_stash_peak,
+            lambda: pipe.stash_peak_bytes,
+        )
         return out
 
     return step, report
@@ -494,27 +509,14 @@ def _torch(regime, schedule):
         action_us = {f"{k}{i}": [x / 1e3 for x in v] for (k, i), v in clocks.items()}
         out = {"losses": losses, "step_times": times, "action_us": action_us}
         out["num_stages"] = num_stages
-        gms = [st.module for st in local]
-        hooks = not regime.get("compile")
-        clock, saved = _ModuleClock(), _SavedBytes(gms)
-        if hooks:
-            handles = _attach_all(gms, clock)
-            dist.barrier()
-            step()
-            for h in handles:
-                h.remove()
-            out["clock_step_f_us"] = statistics.fmean(
-                [x / 1e3 for (k, _), v in clocks.items() if k == "F" for x in v]
-            )
-        handles = _attach_all(gms, saved) if hooks else []
-        track_cache[0] = True
-        dist.barrier()
-        step()
-        for h in handles:
-            h.remove()
-        out["stash_peak_bytes"] = int(fwd_cache_peak[0])
-        out["saved_peak_bytes"] = int(saved.peak) if hooks else None
-        out["module_forward_us"] = clock.total_ns / clock.count / 1e3 if hooks else None
+        out |= _analysis(
+            regime,
+            [st.module for st in local],
+            step,
+            lambda: [x / 1e3 for (k, _), v in clocks.items() if k == "F" for x in v],
+            lambda: track_cache.__setitem__(0, True),
+            lambda: fwd_cache_peak[0],
+        )
         return out
 
     return step, report
