@@ -1,11 +1,12 @@
 """Train a small Llama pipeline-parallel on CPU ranks.
 
-    torchrun --nproc-per-node 2 examples/train_llama.py [--steps 40] [--microbatches 4]
+    torchrun --nproc-per-node 2 examples/train_llama.py [--steps 60] [--microbatches 4]
 
 Each rank builds the model on the ``meta`` device (no rank ever holds the full model),
 materializes only its own stage, and trains on a synthetic, learnable task (arithmetic
-progressions modulo the vocabulary), so the loss visibly falls. Rank 0 shows a progress bar with
-the loss and throughput; the last rank prints the stage layout.
+progressions modulo the vocabulary): the loss starts near ln(vocab) (6.24) and falls by about a
+third over the default 60 steps (to about 4.0; about 45 s on 2 CPU cores). Rank 0 shows a progress
+bar and prints the loss and throughput every 10 steps; the last rank prints the stage layout.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def batches(steps, batch, seq, vocab, seed=0):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=60)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--microbatches", type=int, default=4)

@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from pippy_xla import _C, ops
+from pippy_xla import _C, checkpoint, ops
+from pippy_xla.materialize import materialize
 from pippy_xla.ops import group_name_of
 from pippy_xla.partition import StageGraph, find_layers, partition
 from pippy_xla.planner import Plan
@@ -206,9 +209,12 @@ class PipelineModel:
             loss_fn = _hf_causal_lm_loss(model)
         self._loss_fn = loss_fn
         tied_names = _tied_names(model)  # before materializing replaces meta parameters
-        self._materialize(model)
-        self._tied_names = tied_names
+        materialize(model, self.local_stages, self.device)
+        self._aliases = {n: names for names in tied_names for n in names}
         self._ties = self._tie(tied_names)
+        self.config = getattr(model, "config", None)
+        """The model's config (written by :meth:`save_pretrained`), if it has one."""
+        self.generation_config = getattr(model, "generation_config", None)
 
         name = group_name_of(self.group)
         self._train_engine = _C.Engine(train_schedule, name, self._timeout_ms)
@@ -277,25 +283,6 @@ class PipelineModel:
                     "wrap the same model with the same arguments"
                 )
 
-    def _materialize(self, model: nn.Module) -> None:
-        init = getattr(model, "_init_weights", None)
-
-        def init_module(m: nn.Module) -> None:
-            if init is not None:
-                init(m)
-            elif hasattr(m, "reset_parameters"):
-                m.reset_parameters()
-
-        for st in self.local_stages:
-            gm = st.module
-            tensors = list(gm.parameters()) + list(gm.buffers())
-            if any(t.device.type == "meta" for t in tensors):
-                gm.to_empty(device=self.device)
-                with torch.no_grad():
-                    gm.apply(init_module)  # children before parents, as HF's own initialization
-            elif any(t.device != self.device for t in tensors):
-                gm.to(self.device)
-
     def _tie(self, tied_names: list[list[str]]) -> list[tuple[list[int], list[nn.Parameter]]]:
         """Parameters shared by several stages (tied embeddings): their values start equal (the
         first owner's) and their gradients are summed over the owners every step."""
@@ -355,33 +342,41 @@ class PipelineModel:
         for _, p in self.named_parameters():
             yield p
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The local stage's parameters and persistent buffers under the original names."""
+    def state_dict(self, keep_vars: bool = False) -> dict[str, torch.Tensor]:
+        """The local stage's parameters and persistent buffers under the original names (a tied
+        weight under each local name)."""
         return {
             st.param_names[k]: v
             for st in self.local_stages
-            for k, v in st.module.state_dict(keep_vars=False).items()
+            for k, v in st.module.state_dict(keep_vars=keep_vars).items()
         }
+
+    def aliases(self, name: str) -> list[str]:
+        """Every name of the model's tensor ``name`` (several for tied weights), in model order:
+        the first is the name HF checkpoints and plain models store it under."""
+        return self._aliases.get(name, [name])
+
+    def all_state_names(self) -> set[str]:
+        """The state-dict keys of the whole model (every stage, every name of a tied weight)."""
+        names = {st.param_names[k] for st in self.stages for k in st.module.state_dict()}
+        return names | {a for n in list(names) for a in self.aliases(n)}
+
+    def non_persistent_names(self) -> set[str]:
+        """Buffers of the model that state dicts leave out (such as rotary ``inv_freq``)."""
+        return {n for st in self.stages for n in st.param_names.values()} - self.all_state_names()
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
         """Loads this stage's entries from a full model's state dict; other stages' keys are
         ignored. A missing or mis-shaped key of this stage is an error naming it; with
         ``strict``, so is a key that belongs to no stage of the model."""
-        known = {n for st in self.stages for n in st.param_names.values()}
         if strict:
+            known = self.all_state_names() | self.non_persistent_names()
             unknown = sorted(k for k in state_dict if k not in known)
             if unknown:
                 raise KeyError(f"state_dict keys belong to no stage of this model: {unknown[:8]}")
-        aliases = {n: names for names in self._tied_names for n in names}
-        own = {
-            st.param_names[k]: v
-            for st in self.local_stages
-            for k, v in st.module.state_dict(keep_vars=True).items()
-        }
         with torch.no_grad():
-            for name, target in own.items():
-                candidates = [name] + [a for a in aliases.get(name, []) if a != name]
-                source = next((state_dict[c] for c in candidates if c in state_dict), None)
+            for name, target in self.state_dict(keep_vars=True).items():
+                source = next((state_dict[a] for a in self.aliases(name) if a in state_dict), None)
                 if source is None:
                     raise KeyError(f"[rank {self.rank}] state_dict has no key '{name}'")
                 if tuple(source.shape) != tuple(target.shape):
@@ -390,6 +385,39 @@ class PipelineModel:
                         f"{tuple(source.shape)}, the model expects {tuple(target.shape)}"
                     )
                 target.copy_(source)
+
+    # ----------------------------------------------------------------------------- checkpoints
+
+    def load_pretrained(self, path: str | os.PathLike) -> None:
+        """Loads this rank's stage from a HF safetensors checkpoint directory (what
+        ``save_pretrained`` writes), reading only the local tensors. See
+        :func:`pippy_xla.checkpoint.load_pretrained`."""
+        checkpoint.load_pretrained(self, path)
+
+    def save_pretrained(
+        self, path: str | os.PathLike, max_shard_size: int | str | None = None
+    ) -> None:
+        """Writes the model as a HF safetensors checkpoint, one shard (or more) per rank and one
+        index; a collective. See :func:`pippy_xla.checkpoint.save_pretrained`."""
+        checkpoint.save_pretrained(self, path, max_shard_size)
+
+    def save(
+        self,
+        directory: str | os.PathLike,
+        optimizer: torch.optim.Optimizer | None = None,
+        step: int | None = None,
+    ) -> Path:
+        """Saves parameters, buffers, optimizer state and ``step`` with
+        ``torch.distributed.checkpoint``, atomically; a collective. See
+        :func:`pippy_xla.checkpoint.save`."""
+        return checkpoint.save(self, directory, optimizer, step)
+
+    def load(
+        self, directory: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None
+    ) -> int | None:
+        """Loads the latest checkpoint in ``directory`` (any rank count or schedule saved it);
+        returns its step; a collective. See :func:`pippy_xla.checkpoint.load`."""
+        return checkpoint.load(self, directory, optimizer)
 
     def train(self, mode: bool = True) -> PipelineModel:
         for st in self.local_stages:

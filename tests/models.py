@@ -7,13 +7,25 @@ from torch import nn
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
 )
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXLayer
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+from transformers.models.mistral.modeling_mistral import MistralDecoderLayer
+from transformers.models.opt.modeling_opt import OPTDecoderLayer
+from transformers.models.phi3.modeling_phi3 import Phi3DecoderLayer
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 
 VOCAB = 256
@@ -73,7 +85,91 @@ def qwen2(attn: str | None = None, layers: int = 4) -> tuple[nn.Module, type[nn.
     return Qwen2ForCausalLM(cfg), Qwen2DecoderLayer
 
 
-MODELS = {"llama": llama, "gpt2": gpt2, "qwen2": qwen2}
+def mistral(attn: str | None = None, layers: int = 4) -> tuple[nn.Module, type[nn.Module]]:
+    cfg = MistralConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=8,
+    )
+    _set_attn(cfg, attn)
+    return MistralForCausalLM(cfg), MistralDecoderLayer
+
+
+def gpt_neox(attn: str | None = None, layers: int = 4) -> tuple[nn.Module, type[nn.Module]]:
+    # Partial rotary (a quarter of each head), parallel residual, untied head.
+    cfg = GPTNeoXConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        rotary_pct=0.25,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    _set_attn(cfg, attn)
+    return GPTNeoXForCausalLM(cfg), GPTNeoXLayer
+
+
+def opt(attn: str | None = None, layers: int = 4) -> tuple[nn.Module, type[nn.Module]]:
+    # Learned positions computed from the attention mask (cumsum), a projection-free decoder
+    # (word_embed_proj_dim == hidden_size), biases everywhere, tied head.
+    cfg = OPTConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        ffn_dim=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        word_embed_proj_dim=64,
+        max_position_embeddings=128,
+        dropout=0.0,
+        attention_dropout=0.0,
+        layerdrop=0.0,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    _set_attn(cfg, attn)
+    return OPTForCausalLM(cfg), OPTDecoderLayer
+
+
+def phi3(attn: str | None = None, layers: int = 4) -> tuple[nn.Module, type[nn.Module]]:
+    # Fused qkv and gate_up projections.
+    cfg = Phi3Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        original_max_position_embeddings=128,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attention_dropout=0.0,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    _set_attn(cfg, attn)
+    return Phi3ForCausalLM(cfg), Phi3DecoderLayer
+
+
+MODELS = {
+    "llama": llama,
+    "gpt2": gpt2,
+    "qwen2": qwen2,
+    "mistral": mistral,
+    "gpt_neox": gpt_neox,
+    "opt": opt,
+    "phi3": phi3,
+}
 
 
 def make_batch(seed: int, batch: int = 8, seq: int = 16, pad: bool = True) -> dict:

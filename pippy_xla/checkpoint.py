@@ -1,0 +1,352 @@
+"""Checkpoints: pretrained HF weights in and out stage by stage, and distributed checkpoints.
+
+Two formats, both keyed by the original model's parameter names:
+
+- **HF safetensors** (``load_pretrained`` / ``save_pretrained``): the format of
+  ``PreTrainedModel.save_pretrained``. Each rank reads only its stage's tensors, lazily through
+  ``safetensors.safe_open`` and the index file; each rank writes its own stage's shard(s) and the
+  first rank writes one index naming them, so ``from_pretrained`` loads the result.
+- **Distributed checkpoints** (``save`` / ``load``) through ``torch.distributed.checkpoint``:
+  parameters, persistent buffers and the optimizer's state (flattened under the same names, as
+  torch's ``get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)`` writes it for
+  pipelines), so DCP itself reshards: a checkpoint saved at one rank count or schedule loads at
+  another, and into a plain single-process model (:func:`load_into_module`).
+  See [Note: atomic checkpoints].
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pippy_xla.planner import parse_bytes
+
+if TYPE_CHECKING:
+    from pippy_xla.pipeline import PipelineModel
+
+__all__ = [
+    "latest_checkpoint",
+    "load",
+    "load_into_module",
+    "load_pretrained",
+    "save",
+    "save_pretrained",
+]
+
+logger = logging.getLogger(__name__)
+
+SAFE_WEIGHTS = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+LATEST = "latest"
+META = "pippy_xla.json"
+
+# ----------------------------------------------------------------------------- HF safetensors
+
+
+def _weight_map(path: Path) -> tuple[dict[str, Path], Path]:
+    """``{key: file}`` of a HF checkpoint directory, and the file that says so."""
+    index = path / SAFE_INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {k: path / f for k, f in weight_map.items()}, index
+    single = path / SAFE_WEIGHTS
+    if single.is_file():
+        from safetensors import safe_open
+
+        with safe_open(single, framework="pt") as f:
+            return dict.fromkeys(f.keys(), single), single
+    raise FileNotFoundError(
+        f"{path} holds neither {SAFE_INDEX} nor {SAFE_WEIGHTS}; pass the directory that "
+        "save_pretrained wrote (a local HF checkpoint)"
+    )
+
+
+def load_pretrained(pipe: PipelineModel, path: str | os.PathLike) -> None:
+    """Loads this rank's stage from a HF safetensors checkpoint directory.
+
+    Only the local stage's tensors are read (one at a time, from the shards the index names), so a
+    rank's host memory stays near its stage's size. Values are converted to the dtype of the
+    pipeline's tensors (build the model in the dtype you want). Tied weights are found under any
+    of their names.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a safetensors checkpoint.
+        KeyError: a tensor of this stage is missing, or a checkpoint key belongs to no tensor of
+            the model; the message names the key and the file.
+        ValueError: a tensor has another shape than the model's; names the key and the file.
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    files, listing = _weight_map(path)
+    known = pipe.all_state_names()
+    ignored = pipe.non_persistent_names()
+    unexpected = sorted(k for k in files if k not in known and k not in ignored)
+    if unexpected:
+        shown = ", ".join(f"'{k}' (in {files[k].name})" for k in unexpected[:8])
+        raise KeyError(
+            f"[rank {pipe.rank}] the checkpoint {path} holds {len(unexpected)} key(s) that belong "
+            f"to no tensor of the model: {shown}; is it a checkpoint of this model class and "
+            "config?"
+        )
+    by_file: dict[Path, list[tuple[str, str, torch.Tensor]]] = {}
+    for name, target in pipe.state_dict(keep_vars=True).items():
+        key = next((k for k in pipe.aliases(name) if k in files), None)
+        if key is None:
+            raise KeyError(
+                f"[rank {pipe.rank}] the checkpoint {path} has no tensor '{name}' (looked in "
+                f"{listing.name})"
+            )
+        by_file.setdefault(files[key], []).append((name, key, target))
+    with torch.no_grad():
+        for file, entries in sorted(by_file.items()):
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name, key, target in entries:
+                    shape = tuple(f.get_slice(key).get_shape())
+                    if shape != tuple(target.shape):
+                        raise ValueError(
+                            f"[rank {pipe.rank}] '{key}' in {file.name} has shape {shape}, the "
+                            f"model's '{name}' has {tuple(target.shape)}"
+                        )
+                    target.copy_(f.get_tensor(key))
+
+
+def _shards(tensors: dict[str, torch.Tensor], max_bytes: int | None) -> list[list[str]]:
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if max_bytes is not None and shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return [s for s in shards if s]
+
+
+def save_pretrained(
+    pipe: PipelineModel, path: str | os.PathLike, max_shard_size: int | str | None = None
+) -> None:
+    """Writes the model in HF's safetensors layout; a collective over the pipeline's ranks.
+
+    Every rank writes its own stage's shard(s) (split at ``max_shard_size`` bytes, e.g.
+    ``"2GB"``); the first rank writes the index naming them and the model's config, so
+    ``AutoModelForCausalLM.from_pretrained(path)`` loads the trained model. A tied weight is
+    written once, under its first name in the model (as HF does), by the lowest rank holding it.
+    """
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    max_bytes = None if max_shard_size is None else parse_bytes(max_shard_size)
+    local = pipe.state_dict()
+    everyone: list = [None] * pipe.num_ranks
+    dist.all_gather_object(everyone, sorted(local), group=pipe.group)
+    mine: dict[str, torch.Tensor] = {}
+    for name, t in local.items():
+        group = pipe.aliases(name)
+        if name != group[0] and any(n in local for n in group[: group.index(name)]):
+            continue  # written under an earlier local name of the same tie
+        holders = [r for r, names in enumerate(everyone) if any(n in names for n in group)]
+        if holders[0] == pipe.rank and group[0] not in mine:
+            mine[group[0]] = t.detach().contiguous()
+    shards = _shards(mine, max_bytes)
+    counts: list = [None] * pipe.num_ranks
+    dist.all_gather_object(counts, len(shards), group=pipe.group)
+    total, first = sum(counts), sum(counts[: pipe.rank])
+    path.mkdir(parents=True, exist_ok=True)
+    weight_map = {}
+    for i, names in enumerate(shards):
+        file = f"model-{first + i + 1:05d}-of-{total:05d}.safetensors"
+        if total == 1:
+            file = SAFE_WEIGHTS
+        save_file({n: mine[n] for n in names}, str(path / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(names, file))
+    sizes = sum(t.numel() * t.element_size() for t in mine.values())
+    maps: list = [None] * pipe.num_ranks
+    dist.all_gather_object(maps, (weight_map, sizes), group=pipe.group)
+    if pipe.rank == 0:
+        if total > 1:
+            merged = {k: f for m, _ in maps for k, f in m.items()}
+            index = {
+                "metadata": {"total_size": sum(s for _, s in maps)},
+                "weight_map": dict(sorted(merged.items())),
+            }
+            (path / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        if pipe.config is not None:
+            pipe.config.save_pretrained(path)
+        if pipe.generation_config is not None:
+            pipe.generation_config.save_pretrained(path)
+    dist.barrier(group=pipe.group)
+
+
+# ----------------------------------------------------------------------------- DCP
+
+"""[Note: atomic checkpoints]
+
+``save(directory, step=k)`` writes ``directory/.step-0000000k.partial`` through DCP (every rank
+writes its shard, the first rank writes DCP's ``.metadata`` last), then the first rank renames it
+to ``directory/step-0000000k`` and replaces ``directory/latest`` (a one-line file naming it) with
+``os.replace``. A run killed while saving leaves a ``.partial`` directory that nothing reads, and
+``latest`` still names the previous complete checkpoint. ``load(directory)`` follows ``latest``.
+"""
+
+
+class _ParamView(nn.Module):
+    """Parameters registered under their original names, for torch's optimizer state-dict
+    helpers; a tied parameter appears once, under its first name in the model (the name a plain
+    single-process model's optimizer state uses)."""
+
+    def __init__(self, params: Mapping[str, nn.Parameter]) -> None:
+        super().__init__()
+        for name, p in params.items():
+            owner: nn.Module = self
+            *path, attr = name.split(".")
+            for atom in path:
+                if atom not in owner._modules:
+                    owner.add_module(atom, nn.Module())
+                owner = owner._modules[atom]
+            owner.register_parameter(attr, p)
+
+
+def _optim_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(module, optimizer, options=_optim_options())
+
+
+def _set_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    set_optimizer_state_dict(module, optimizer, state, options=_optim_options())
+
+
+def _view(pipe: PipelineModel) -> _ParamView:
+    return _ParamView({pipe.aliases(name)[0]: p for name, p in pipe.named_parameters()})
+
+
+def _rng_key(pipe: PipelineModel) -> str:
+    return f"rng.rank{pipe.rank}-of-{pipe.num_ranks}"
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
+    """The checkpoint ``directory/latest`` names, or ``directory`` itself if it is one, or
+    ``None`` if there is none yet."""
+    directory = Path(directory)
+    if (directory / ".metadata").is_file():
+        return directory
+    latest = directory / LATEST
+    if latest.is_file():
+        return directory / latest.read_text().strip()
+    return None
+
+
+def save(
+    pipe: PipelineModel,
+    directory: str | os.PathLike,
+    optimizer: torch.optim.Optimizer | None = None,
+    step: int | None = None,
+) -> Path:
+    """Saves the pipeline's parameters, persistent buffers, ``optimizer``'s state, each rank's
+    RNG state and ``step`` as ``directory/step-<step>`` with ``torch.distributed.checkpoint``; a
+    collective over the pipeline's ranks. Atomic: see [Note: atomic checkpoints]."""
+    import torch.distributed.checkpoint as dcp
+
+    directory = Path(directory)
+    name = "checkpoint" if step is None else f"step-{step:08d}"
+    final, partial = directory / name, directory / f".{name}.partial"
+    if pipe.rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)
+    dist.barrier(group=pipe.group)
+    state: dict = {"model": pipe.state_dict(), _rng_key(pipe): torch.get_rng_state()}
+    if optimizer is not None:
+        state["optim"] = _optimizer_state(_view(pipe), optimizer)
+    dcp.save(state, checkpoint_id=partial, process_group=pipe.group)
+    if pipe.rank == 0:
+        meta = {"step": step, "ranks": pipe.num_ranks, "schedule": pipe.schedule}
+        (partial / META).write_text(json.dumps(meta) + "\n")
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(partial, final)
+        tmp = directory / f".{LATEST}.tmp"
+        tmp.write_text(name + "\n")
+        os.replace(tmp, directory / LATEST)
+    dist.barrier(group=pipe.group)
+    logger.info("[rank %d] saved %s", pipe.rank, final)
+    return final
+
+
+def _resolve(directory: str | os.PathLike) -> Path:
+    path = latest_checkpoint(directory)
+    if path is None or not (path / ".metadata").is_file():
+        raise FileNotFoundError(
+            f"no complete checkpoint in {directory}: neither a '{LATEST}' file naming one nor "
+            "DCP's .metadata (save with pippy_xla's save())"
+        )
+    return path
+
+
+def load(
+    pipe: PipelineModel,
+    directory: str | os.PathLike,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> int | None:
+    """Loads the checkpoint that :func:`save` wrote (the latest in ``directory``) into this
+    pipeline and ``optimizer``, whatever rank count or schedule saved it; a collective. Restores
+    each rank's RNG state when the rank count is the one saved. Returns the saved step."""
+    import torch.distributed.checkpoint as dcp
+
+    path = _resolve(directory)
+    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    state: dict = {"model": pipe.state_dict()}
+    view = None
+    if optimizer is not None:
+        view = _view(pipe)
+        state["optim"] = _optimizer_state(view, optimizer)
+    rng = _rng_key(pipe)
+    if rng in keys:
+        state[rng] = torch.get_rng_state()
+    dcp.load(state, checkpoint_id=path, process_group=pipe.group)
+    if optimizer is not None:
+        _set_optimizer_state(view, optimizer, state["optim"])
+    if rng in state:
+        torch.set_rng_state(state[rng])
+    meta = json.loads((path / META).read_text()) if (path / META).is_file() else {}
+    logger.info("[rank %d] loaded %s", pipe.rank, path)
+    return meta.get("step")
+
+
+def load_into_module(
+    module: nn.Module,
+    directory: str | os.PathLike,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> int | None:
+    """Loads a checkpoint that :func:`save` wrote into a plain (not pipelined) model and its
+    optimizer, in one process or on every rank of a data-parallel job. Returns the saved step."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    path = _resolve(directory)
+    state: dict = {"model": get_model_state_dict(module)}
+    if optimizer is not None:
+        state["optim"] = _optimizer_state(module, optimizer)
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(module, state["model"])
+    if optimizer is not None:
+        _set_optimizer_state(module, optimizer, state["optim"])
+    meta = json.loads((path / META).read_text()) if (path / META).is_file() else {}
+    return meta.get("step")

@@ -1,0 +1,270 @@
+"""Checkpoints: HF safetensors loaded and written stage by stage, distributed checkpoints that
+resume exactly, reshard, and survive a rank killed while saving."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from _dist import run_ranks
+from models import MODELS, make_batch
+
+import pippy_xla as px
+from pippy_xla.checkpoint import latest_checkpoint, load_into_module
+
+# fp32; see test_pipeline.py for why these tolerances.
+LOSS_TOL = {"rtol": 1e-5, "atol": 1e-6}
+ADAM = {"lr": 1e-3, "eps": 1e-6}
+
+
+def _hf_reference(family, seed=0):
+    torch.manual_seed(seed)
+    model, _ = MODELS[family]()
+    return model
+
+
+def _meta_pipe(family, **kw):
+    with torch.device("meta"):
+        model, layer_cls = MODELS[family]()
+    return px.PipelineModel(model, layer_cls=layer_cls, timeout=60, **kw)
+
+
+# ----------------------------------------------------------------------------- HF safetensors
+
+
+def _load_and_compare(rank, world, family, path):
+    from transformers import AutoModelForCausalLM
+
+    pipe = _meta_pipe(family, num_microbatches=2)
+    pipe.load_pretrained(path)
+    batch = make_batch(seed=3)
+    out = pipe.run_eval(**batch)
+    if pipe.is_last:
+        hf = AutoModelForCausalLM.from_pretrained(path)
+        ref = hf(**batch, use_cache=False)
+        torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out.loss, ref.loss, **LOSS_TOL)
+    return sorted(pipe.state_dict())
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_load_pretrained_from_hf_shards_equals_from_pretrained(tmp_path, family, world):
+    _hf_reference(family).save_pretrained(tmp_path, max_shard_size="40KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2  # really several shards
+    out = run_ranks(world, _load_and_compare, family, str(tmp_path))
+    # Every rank read only its own stage; together they cover the checkpoint.
+    assert set(index["weight_map"]) <= set().union(*map(set, out))
+    assert all(len(names) < len(index["weight_map"]) for names in out)
+
+
+def _bad_checkpoints(rank, world, paths):
+    pipe = _meta_pipe("llama", num_microbatches=2)
+    errors = {}
+    for what, path in paths.items():
+        try:
+            pipe.load_pretrained(path)
+            errors[what] = "loaded"
+        except (KeyError, ValueError, FileNotFoundError) as e:
+            errors[what] = f"{type(e).__name__}: {e}"
+    return errors
+
+
+def test_load_pretrained_errors_name_key_and_file(tmp_path):
+    from safetensors.torch import save_file
+
+    sd = {k: v.contiguous() for k, v in _hf_reference("llama").state_dict().items()}
+    paths = {}
+    for what in ("missing", "unexpected", "shape"):
+        d = tmp_path / what
+        d.mkdir()
+        bad = dict(sd)
+        if what == "missing":
+            del bad["model.layers.3.mlp.up_proj.weight"]  # a tensor of rank 1's stage
+        elif what == "unexpected":
+            bad["model.layers.9.mlp.up_proj.weight"] = torch.zeros(2)
+        else:
+            bad["model.layers.0.mlp.up_proj.weight"] = torch.zeros(3, 3)
+        save_file(bad, str(d / "model.safetensors"), metadata={"format": "pt"})
+        paths[what] = str(d)
+    paths["empty"] = str(tmp_path)
+    out = run_ranks(2, _bad_checkpoints, paths)
+    # Only the rank whose stage holds the missing tensor misses it.
+    assert out[0]["missing"] == "loaded"
+    assert out[1]["missing"].startswith("KeyError")
+    assert "no tensor 'model.layers.3.mlp.up_proj.weight'" in out[1]["missing"]
+    assert "model.safetensors" in out[1]["missing"]
+    assert out[1]["shape"] == "loaded"
+    for rank in (0, 1):
+        assert (
+            "'model.layers.9.mlp.up_proj.weight' (in model.safetensors)" in out[rank]["unexpected"]
+        )
+        assert "neither" in out[rank]["empty"]
+    assert (
+        "'model.layers.0.mlp.up_proj.weight' in model.safetensors has shape (3, 3)"
+        in out[0]["shape"]
+    )
+
+
+def _train_and_export(rank, world, family, path):
+    torch.manual_seed(0)
+    model, layer_cls = MODELS[family]()
+    pipe = px.PipelineModel(model, layer_cls=layer_cls, num_microbatches=2, timeout=60)
+    opt = torch.optim.AdamW(pipe.parameters(), **ADAM)
+    for step in range(2):
+        pipe.run_train(**make_batch(seed=step))
+        opt.step()
+        opt.zero_grad()
+    pipe.save_pretrained(path, max_shard_size="40KB")
+    out = pipe.run_eval(**make_batch(seed=5))
+    return None if out.logits is None else out.logits.numpy()
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_save_pretrained_round_trips_through_from_pretrained(tmp_path, family):
+    from transformers import AutoModelForCausalLM
+
+    logits = run_ranks(2, _train_and_export, family, str(tmp_path))[1]
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    files = set(index["weight_map"].values())
+    assert files == {p.name for p in tmp_path.glob("model-*.safetensors")} and len(files) > 2
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path)
+    # Everything HF expects is there (a tied head is stored once, as HF stores it).
+    assert set(index["weight_map"]) == set(hf.state_dict()) - {
+        k for names in px.pipeline._tied_names(hf) for k in names[1:]
+    }
+    ref = hf(**make_batch(seed=5), use_cache=False).logits
+    torch.testing.assert_close(torch.from_numpy(logits), ref, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- DCP
+
+
+def _snapshot(pipe):
+    # Plain arrays: tensors sent through the result queue would share memory with a process
+    # that has exited.
+    return {k: v.detach().numpy().copy() for k, v in pipe.state_dict().items()}
+
+
+def _train(rank, world, schedule, steps, directory, save_at=None, resume=False, family="gpt2"):
+    """Trains ``steps`` (global step numbers) and returns per-step losses and the final local
+    state; saves after step ``save_at``; with ``resume``, starts from the latest checkpoint of a
+    model built on meta (everything it trains with comes from the checkpoint)."""
+    if resume:
+        pipe = _meta_pipe(family, num_microbatches=2, schedule=schedule)
+    else:
+        torch.manual_seed(0)
+        model, layer_cls = MODELS[family]()
+        pipe = px.PipelineModel(
+            model, layer_cls=layer_cls, num_microbatches=2, schedule=schedule, timeout=60
+        )
+    opt = torch.optim.AdamW(pipe.parameters(), **ADAM)
+    if resume:
+        assert pipe.load(directory, optimizer=opt) == steps[0]
+    losses = {}
+    for step in steps:
+        losses[step] = float(pipe.run_train(**make_batch(seed=step)))  # exact: fp32 in a float
+        opt.step()
+        opt.zero_grad()
+        if step + 1 == save_at:
+            pipe.save(directory, optimizer=opt, step=step + 1)
+    return losses, _snapshot(pipe)
+
+
+@pytest.fixture(scope="module")
+def gpt2_run(tmp_path_factory):
+    """Six 1F1B steps of GPT-2 (tied across the 2 ranks), saved after step 3."""
+    directory = tmp_path_factory.mktemp("ckpt")
+    out = run_ranks(2, _train, "1f1b", list(range(6)), str(directory), 3)
+    return directory, out
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbh1"])
+def test_resume_is_exact(tmp_path, gpt2_run, schedule):
+    if schedule == "1f1b":
+        directory, full = gpt2_run
+    else:
+        directory = tmp_path
+        full = run_ranks(2, _train, schedule, list(range(6)), str(directory), 3)
+    assert latest_checkpoint(directory) == directory / "step-00000003"
+    resumed = run_ranks(2, _train, schedule, [3, 4, 5], str(directory), None, True)
+    for rank in range(2):
+        for step in (3, 4, 5):
+            assert resumed[rank][0][step] == full[rank][0][step], (rank, step)
+        assert resumed[rank][1].keys() == full[rank][1].keys()
+        for name, value in full[rank][1].items():
+            assert (resumed[rank][1][name] == value).all(), (rank, name)
+
+
+def test_checkpoint_reshards_to_four_ranks_and_another_schedule(gpt2_run):
+    directory, full = gpt2_run
+    out = run_ranks(4, _train, "gpipe", [3, 4, 5], str(directory), None, True)
+    for step in (3, 4, 5):
+        assert out[0][0][step] == pytest.approx(full[0][0][step], rel=1e-5, abs=1e-6)
+
+
+def test_checkpoint_loads_into_a_plain_model(gpt2_run):
+    directory, full = gpt2_run
+    with torch.device("meta"):
+        model, _ = MODELS["gpt2"]()
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    opt = torch.optim.AdamW(model.parameters(), **ADAM)
+    assert load_into_module(model, directory, optimizer=opt) == 3
+    for step in (3, 4, 5):
+        loss = model(**make_batch(seed=step), use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        assert float(loss) == pytest.approx(full[0][0][step], rel=1e-5, abs=1e-6)
+    final = {**full[0][1], **full[1][1]}
+    for name, p in model.state_dict().items():
+        # AdamW amplifies rounding differences of near-zero gradients; see test_pipeline.py.
+        want = torch.from_numpy(final[name])
+        torch.testing.assert_close(p, want, rtol=1e-5, atol=2e-5, msg=name)
+
+
+def _save_then_die(rank, world, directory):
+    import torch.distributed.checkpoint.filesystem as fs
+
+    torch.manual_seed(0)
+    model, layer_cls = MODELS["llama"]()
+    pipe = px.PipelineModel(model, layer_cls=layer_cls, num_microbatches=2, timeout=60)
+    opt = torch.optim.AdamW(pipe.parameters(), **ADAM)
+    pipe.run_train(**make_batch(seed=0))
+    opt.step()
+    pipe.save(directory, optimizer=opt, step=1)
+    pipe.run_train(**make_batch(seed=1))
+    opt.step()
+    if rank == 1:
+        write_data = fs._FileSystemWriter.write_data
+
+        def die_mid_write(self, plan, planner):
+            write_data(self, plan, planner)  # its files are written, the checkpoint is not
+            os._exit(1)
+
+        fs._FileSystemWriter.write_data = die_mid_write
+    try:
+        pipe.save(directory, optimizer=opt, step=2)
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__
+    return "saved"
+
+
+def test_save_interrupted_by_a_killed_rank_keeps_the_previous_checkpoint(tmp_path):
+    out = run_ranks(2, _save_then_die, str(tmp_path), may_exit=(1,), timeout=180)
+    assert out[0] != "saved" and out[1] is None
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-00000001"
+    assert (tmp_path / ".step-00000002.partial").is_dir()
+    assert not (tmp_path / "step-00000002").exists()
+    model = _hf_reference("llama", seed=1)
+    assert load_into_module(model, tmp_path) == 1
+
+
+def test_no_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        load_into_module(_hf_reference("llama"), Path(tmp_path))
