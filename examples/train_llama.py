@@ -7,6 +7,13 @@ materializes only its own stage, and trains on a synthetic, learnable task (arit
 progressions modulo the vocabulary): the loss starts near ln(vocab) (6.24) and falls by about a
 third over the default 60 steps (to about 4.0; about 45 s on 2 CPU cores). Rank 0 shows a progress
 bar and prints the loss and throughput every 10 steps; the last rank prints the stage layout.
+
+Checkpoints (any rank count can resume what another saved; ``--export`` writes a HF checkpoint
+that ``AutoModelForCausalLM.from_pretrained`` loads):
+
+    torchrun --nproc-per-node 2 examples/train_llama.py --steps 30 --save-every 10 \
+        --checkpoint-dir ckpt
+    torchrun --nproc-per-node 4 examples/train_llama.py --resume ckpt --export trained
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ import pippy_xla as px
 
 
 def batches(steps, batch, seq, vocab, seed=0):
+    """The same sequence of batches on every rank and in every run (a resumed run skips the
+    ones it has trained on)."""
     g = torch.Generator().manual_seed(seed)
     t = torch.arange(seq)
     for _ in range(steps):
@@ -46,6 +55,10 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--checkpoint-dir", default="checkpoints", help="where --save-every saves")
+    p.add_argument("--save-every", type=int, default=0, metavar="N", help="save every N steps")
+    p.add_argument("--resume", metavar="DIR", help="continue from the latest checkpoint in DIR")
+    p.add_argument("--export", metavar="DIR", help="write the trained model as a HF checkpoint")
     args = p.parse_args()
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -71,13 +84,20 @@ def main() -> None:
         schedule=args.schedule,
     )
     opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
+    first = 0
+    if args.resume:
+        first = pipe.load(args.resume, optimizer=opt) or 0
+        if rank == 0:
+            print(f"resumed from {args.resume} at step {first}", flush=True)
     if rank == world - 1:
         for s in range(world):
             print(f"stage {s}: layers {pipe.layers_of_stage(s)}", flush=True)
 
-    bar = tqdm(total=args.steps, disable=rank != 0, unit="step")
+    bar = tqdm(total=args.steps, initial=first, disable=rank != 0, unit="step")
     tokens = args.batch * args.seq
     for step, batch in enumerate(batches(args.steps, args.batch, args.seq, args.vocab)):
+        if step < first:
+            continue
         start = time.perf_counter()
         loss = pipe.run_train(**batch)
         opt.step()
@@ -87,7 +107,15 @@ def main() -> None:
         bar.update()
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
             bar.write(f"step {step:4d}  loss {loss.item():.4f}  {tokens / elapsed:,.0f} tokens/s")
+        if args.save_every and (step + 1) % args.save_every == 0:
+            saved = pipe.save(args.checkpoint_dir, optimizer=opt, step=step + 1)
+            if rank == 0:
+                bar.write(f"saved {saved}")
     bar.close()
+    if args.export:
+        pipe.save_pretrained(args.export)
+        if rank == 0:
+            print(f"exported to {args.export} (AutoModelForCausalLM.from_pretrained loads it)")
     if rank == 0:
         print(f"stash peak on stage 0: {pipe.stash_peak_bytes / 2**20:.2f} MiB", flush=True)
     dist.destroy_process_group()

@@ -254,25 +254,57 @@ def test_partly_meta_model_keeps_its_real_tensors():
     assert w.device.type == "cpu" and abs(float(w.detach().std()) - 0.02) < 0.3 * 0.02
 
 
+TINY = ("--layers", "2", "--hidden", "64", "--vocab", "128", "--seq", "32", "--lr", "1e-2")
+
+
+def _example(ranks: int, *flags: str, cwd: Path = ROOT) -> str:
+    """Runs ``examples/train_llama.py`` under torchrun as the README does; returns its stdout."""
+    cmd = [
+        *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
+        *("--nproc-per-node", str(ranks), str(ROOT / "examples" / "train_llama.py"), *flags),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return out.stdout
+
+
+def _losses(stdout: str) -> dict[int, float]:
+    return {
+        int(step): float(loss)
+        for step, loss in re.findall(r"^step +(\d+) +loss ([\d.]+)", stdout, re.M)
+    }
+
+
 def test_readme_main_job_learns():
     """The README's main job, run as the README runs it (torchrun, 2 ranks), with tiny flags:
     the first loss is near ln(vocab) and the last is below 70% of it."""
     vocab = 128
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(ROOT / "examples" / "train_llama.py"),
-        *("--steps", "20", "--layers", "2", "--hidden", "64", "--vocab", str(vocab)),
-        *("--seq", "32", "--lr", "1e-2"),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    losses = [float(x) for x in re.findall(r"^step +\d+ +loss ([\d.]+)", out.stdout, re.M)]
-    assert len(losses) >= 2, out.stdout[-2000:]
+    losses = list(_losses(_example(2, "--steps", "20", *TINY)).values())
+    assert len(losses) >= 2, losses
     assert abs(losses[0] - math.log(vocab)) < 0.2 * math.log(vocab), losses
     assert losses[-1] < 0.7 * losses[0], losses
+
+
+def test_readme_checkpoint_round_trip(tmp_path):
+    """The README's checkpoint commands: save every few steps on 2 ranks, resume on 4 ranks and
+    export; the resumed run continues the first one's losses and HF loads the export."""
+    from transformers import AutoModelForCausalLM
+
+    tiny = (*TINY, "--layers", "4")  # 4 layers: one per rank on 4 ranks
+    full = _losses(_example(2, "--steps", "12", *tiny))
+    _example(2, "--steps", "6", "--save-every", "3", "--checkpoint-dir", "ck", *tiny, cwd=tmp_path)
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [
+        "latest",
+        "step-00000003",
+        "step-00000006",
+    ]
+    out = _example(4, "--steps", "12", "--resume", "ck", "--export", "hf", *tiny, cwd=tmp_path)
+    assert "resumed from ck at step 6" in out
+    resumed = _losses(out)
+    assert min(resumed) == 10 and 11 in resumed  # it started at step 6 (prints every 10)
+    for step in (10, 11):
+        assert resumed[step] == pytest.approx(full[step], rel=1e-4), (step, resumed, full)
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert model.config.num_hidden_layers == 4
