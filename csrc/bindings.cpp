@@ -137,6 +137,20 @@ PYBIND11_MODULE(_C, m) {
             e.run(signature, fn);
           },
           py::arg("signature"), py::arg("forward"))
+      .def("abort", &Engine::abort, py::call_guard<py::gil_scoped_release>(),
+           "Wakes the running step's transfer waits so that run() fails now (thread-safe).")
+      .def("failure",
+           [](const Engine& e) -> py::object {
+             const auto& f = e.failure();
+             if (!f) return py::none();
+             py::dict d;
+             d["stage"] = f->stage;
+             d["microbatch"] = f->microbatch;
+             d["peer"] = f->peer;
+             d["action"] = f->action;
+             d["aborted"] = f->aborted;
+             return d;
+           })
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("schedule", &Engine::schedule)
       .def("timings",

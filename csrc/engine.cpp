@@ -5,6 +5,7 @@
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -179,8 +180,9 @@ std::vector<at::Tensor> Engine::wait_all(std::vector<Transfer>& ts) {
 }
 
 void Engine::run(int64_t signature, const StageFn& forward) {
-  TORCH_CHECK(!broken_, "[rank ", rank_, "] the pipeline engine failed in an earlier step and ",
-              "its peers were left mid-step; restart the job");
+  TORCH_CHECK(!broken_ && !aborted_, "[rank ", rank_,
+              "] the pipeline engine failed in an earlier step and its peers were left mid-step; "
+              "restart the job");
   StepState st;
   st.discover = !specs_.count(signature);
   SignatureSpecs fresh;
@@ -215,11 +217,73 @@ void Engine::run(int64_t signature, const StageFn& forward) {
     if (schedule_.backward) stash_.check_empty();
   } catch (...) {
     broken_ = true;
+    failure_ = failure_of(st, std::current_exception());
     stash_.clear();
     failed_.push_back(std::make_unique<StepState>(std::move(st)));
+    {
+      std::lock_guard<std::mutex> g(live_mu_);
+      live_.clear();
+    }
     throw;
   }
+  {
+    std::lock_guard<std::mutex> g(live_mu_);
+    live_.clear();
+  }
   if (st.discover) specs_.emplace(signature, std::move(fresh));
+}
+
+Engine::~Engine() = default;
+
+void Engine::abort() {
+  aborted_ = true;
+  std::lock_guard<std::mutex> g(live_mu_);
+  for (auto& w : live_) {
+    try {
+      w->abort();
+    } catch (const std::exception&) {
+      // A backend without Work::abort: the wait ends at its timeout instead.
+    }
+  }
+}
+
+Transfer Engine::track(Transfer t) {
+  std::lock_guard<std::mutex> g(live_mu_);
+  live_.push_back(t.work());
+  if (aborted_) {  // abort() ran just before this transfer was posted
+    try {
+      t.work()->abort();
+    } catch (const std::exception&) {
+    }
+  }
+  return t;
+}
+
+TransferContext Engine::context(const Action& a, int64_t peer) const {
+  return TransferContext{a.stage, a.mb, peer, op_name(a.op)};
+}
+
+Failure Engine::failure_of(const StepState& st, std::exception_ptr error) const {
+  Failure f;
+  try {
+    std::rethrow_exception(error);
+  } catch (const TransferError& e) {
+    f.stage = e.context.stage;
+    f.microbatch = e.context.microbatch;
+    f.peer = e.context.peer;
+    f.action = e.context.action;
+  } catch (...) {
+    const auto& actions = schedule_.actions[rank_];
+    if (st.pos < actions.size()) {
+      f.stage = actions[st.pos].stage;
+      f.microbatch = actions[st.pos].mb;
+      f.action = op_name(actions[st.pos].op);
+    } else {
+      f.action = "end of step (waiting for sends)";
+    }
+  }
+  f.aborted = aborted_;
+  return f;
 }
 
 void Engine::post_ahead(StepState& st, const std::vector<Transfer>& waiting) {
@@ -254,10 +318,11 @@ void Engine::do_recv_f(StepState& st, const Action& a) {
   const int64_t peer = schedule_.stage_rank[a.stage - 1];
   if (st.discover) {
     auto buf = at::empty({kHeaderLen}, at::TensorOptions().dtype(at::kLong));
-    st.headers.emplace(Slot{a.stage, a.mb},
-                       irecv(buf, peer, tag(kHeader, a.stage, a.mb, 0), options_.group_name,
-                             where(a, c10::str("receive of the boundary header from rank ", peer)
-                                          .c_str())));
+    st.headers.emplace(
+        Slot{a.stage, a.mb},
+        track(irecv(buf, peer, tag(kHeader, a.stage, a.mb, 0), options_.group_name,
+                    where(a, c10::str("receive of the boundary header from rank ", peer).c_str()),
+                    context(a, peer))));
   } else {
     post_activation_recvs(st, a);
   }
@@ -271,8 +336,9 @@ void Engine::post_activation_recvs(StepState& st, const Action& a) {
   for (size_t i = 0; i < specs.size(); ++i) {
     auto buf = at::empty(specs[i].shape,
                          at::TensorOptions().dtype(specs[i].dtype).device(options_.device));
-    ts.push_back(irecv(buf, peer, tag(kActivation, a.stage, a.mb, i), options_.group_name,
-                       where(a, c10::str("receive of activation ", i, " from rank ", peer).c_str())));
+    ts.push_back(track(irecv(buf, peer, tag(kActivation, a.stage, a.mb, i), options_.group_name,
+                             where(a, c10::str("receive of activation ", i, " from rank ", peer).c_str()),
+                             context(a, peer))));
   }
 }
 
@@ -337,14 +403,16 @@ void Engine::do_send_f(StepState& st, const Action& a) {
   auto outputs = std::move(st.fwd_out.at(slot));
   st.fwd_out.erase(slot);
   if (st.discover) {
-    st.sends.push_back(isend(encode_header(st.specs->out.at(slot), where(a, "header")), peer,
-                             tag(kHeader, a.stage + 1, a.mb, 0), options_.group_name,
-                             where(a, c10::str("send of the boundary header to rank ", peer).c_str())));
+    st.sends.push_back(track(isend(encode_header(st.specs->out.at(slot), where(a, "header")), peer,
+                                   tag(kHeader, a.stage + 1, a.mb, 0), options_.group_name,
+                                   where(a, c10::str("send of the boundary header to rank ", peer).c_str()),
+                                   context(a, peer))));
   }
   for (size_t i = 0; i < outputs.size(); ++i) {
-    st.sends.push_back(isend(outputs[i].detach().contiguous(), peer,
-                             tag(kActivation, a.stage + 1, a.mb, i), options_.group_name,
-                             where(a, c10::str("send of activation ", i, " to rank ", peer).c_str())));
+    st.sends.push_back(track(isend(outputs[i].detach().contiguous(), peer,
+                                   tag(kActivation, a.stage + 1, a.mb, i), options_.group_name,
+                                   where(a, c10::str("send of activation ", i, " to rank ", peer).c_str()),
+                                   context(a, peer))));
   }
 }
 
@@ -357,8 +425,9 @@ void Engine::do_recv_b(StepState& st, const Action& a) {
     if (!specs[i].requires_grad) continue;
     auto buf = at::empty(specs[i].shape,
                          at::TensorOptions().dtype(specs[i].dtype).device(options_.device));
-    ts.push_back(irecv(buf, peer, tag(kGradient, a.stage, a.mb, i), options_.group_name,
-                       where(a, c10::str("receive of gradient ", i, " from rank ", peer).c_str())));
+    ts.push_back(track(irecv(buf, peer, tag(kGradient, a.stage, a.mb, i), options_.group_name,
+                             where(a, c10::str("receive of gradient ", i, " from rank ", peer).c_str()),
+                             context(a, peer))));
   }
 }
 
@@ -557,9 +626,10 @@ void Engine::do_send_b(StepState& st, const Action& a) {
   size_t j = 0;
   for (size_t i = 0; i < specs.size(); ++i) {
     if (!specs[i].requires_grad) continue;
-    st.sends.push_back(isend(grads.at(j++).contiguous(), peer, tag(kGradient, a.stage - 1, a.mb, i),
-                             options_.group_name,
-                             where(a, c10::str("send of gradient ", i, " to rank ", peer).c_str())));
+    st.sends.push_back(track(isend(grads.at(j++).contiguous(), peer,
+                                   tag(kGradient, a.stage - 1, a.mb, i), options_.group_name,
+                                   where(a, c10::str("send of gradient ", i, " to rank ", peer).c_str()),
+                                   context(a, peer))));
   }
 }
 

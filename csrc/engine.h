@@ -13,11 +13,14 @@
 #include <c10/core/Device.h>
 #include <torch/csrc/autograd/edge.h>
 
+#include <atomic>
 #include <chrono>
 #include <deque>
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -50,14 +53,31 @@ struct ActionTiming {
   int64_t end_ns;
 };
 
+// Where a step failed: the action and, for a transfer, the peer (-1 if none).
+struct Failure {
+  int64_t stage = -1;
+  int64_t microbatch = -1;
+  int64_t peer = -1;
+  std::string action;
+  bool aborted = false;  // the step was aborted by abort() (a peer failed), not by its own error
+};
+
 class Engine {
  public:
   Engine(Schedule schedule, EngineOptions options);
+  ~Engine();  // out of line: c10d::Work is incomplete here
 
   // Runs one step of the schedule. `signature` identifies the batch's shapes and dtypes and must
   // be the same on every rank (the caller checks that). Throws on any error; the engine then
   // refuses further steps, since peers are left mid-step.
   void run(int64_t signature, const StageFn& forward);
+
+  // [Note: aborting a step] Thread-safe: wakes every transfer wait of the running step (c10d's
+  // Work::abort), so run() throws instead of waiting out the timeout, and refuses later steps.
+  // The caller (pipeline.py) calls it when another rank reports a failure.
+  void abort();
+  // Where the failed step failed; nullopt while no step has failed.
+  const std::optional<Failure>& failure() const { return failure_; }
 
   const Schedule& schedule() const { return schedule_; }
   int64_t rank() const { return rank_; }
@@ -111,6 +131,9 @@ class Engine {
                            const std::vector<at::Tensor>& grads,
                            const std::vector<at::Tensor>& leaves, WeightWork& work);
   std::vector<at::Tensor> wait_all(std::vector<Transfer>& ts);
+  Transfer track(Transfer t);  // registers its work for abort()
+  TransferContext context(const Action& a, int64_t peer) const;
+  Failure failure_of(const StepState& st, std::exception_ptr error) const;
   std::string where(const Action& a, const char* what) const;
   int64_t tag(int kind, int64_t stage, int64_t mb, int64_t idx) const;
 
@@ -122,6 +145,10 @@ class Engine {
   std::vector<ActionTiming> timings_;
   int64_t compute_start_ns_ = 0;  // set by F / B once their inputs are there
   bool broken_ = false;
+  std::optional<Failure> failure_;
+  std::atomic<bool> aborted_{false};
+  std::mutex live_mu_;  // guards live_: abort() runs on another thread
+  std::vector<c10::intrusive_ptr<c10d::Work>> live_;  // works of the running step
   std::vector<std::unique_ptr<StepState>> failed_;  // transfers of failed steps stay alive: peers may still write
 };
 

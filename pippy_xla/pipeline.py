@@ -12,7 +12,7 @@ import logging
 import os
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pippy_xla import _C, checkpoint, ops
+from pippy_xla.errors import AbortChannel, BatchMismatchError, PipelineError
 from pippy_xla.materialize import materialize
 from pippy_xla.ops import group_name_of
 from pippy_xla.partition import StageGraph, find_layers, partition
@@ -33,6 +34,9 @@ logger = logging.getLogger(__name__)
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 _MAX_DIMS = 8
+# PipelineModels built so far per process group: the same count on every rank (building is
+# collective), so it names one pipeline in the shared store. See [Note: failing fast].
+_INSTANCES: dict[str, int] = {}
 # Tags of tied-weight transfers: above every engine tag (see Engine::tag in csrc/engine.cpp).
 _TIE_TAG = 1 << 30
 
@@ -217,6 +221,8 @@ class PipelineModel:
         self.generation_config = getattr(model, "generation_config", None)
 
         name = group_name_of(self.group)
+        _INSTANCES[name] = _INSTANCES.get(name, 0) + 1
+        self._abort = AbortChannel(name, _INSTANCES[name], self.rank)
         self._train_engine = _C.Engine(train_schedule, name, self._timeout_ms)
         self._eval_engine = _C.Engine(
             _C.make_schedule("forward", self.num_ranks, num_microbatches, chunks),
@@ -224,7 +230,7 @@ class PipelineModel:
             self._timeout_ms,
         )
         self._last_engine = self._train_engine
-        self._failed: BaseException | None = None
+        self._failed: PipelineError | None = None
         self._compiled: dict[int, Callable] | None = None
         self.recompiles: list[str] = []
         """Explanations of the recompilations seen after each mode's first step."""
@@ -439,22 +445,49 @@ class PipelineModel:
 
     # ----------------------------------------------------------------------------- running
 
-    def _run_engine(self, engine, forward) -> None:
+    def _check_usable(self) -> None:
         if self._failed is not None:
-            raise RuntimeError(
-                f"[rank {self.rank}] the pipeline engine failed in an earlier step and its peers "
-                f"were left mid-step ({self._failed}); restart the job"
+            raise PipelineError(
+                rank=self.rank,
+                failed_rank=self._failed.failed_rank,
+                action="step",
+                cause=(
+                    f"the pipeline failed in an earlier step and its peers were left mid-step "
+                    f"({self._failed}); restart the job"
+                ),
             )
+
+    def _failure(self, exc: BaseException, action: str, engine=None) -> BaseException:
+        """The error to raise for ``exc`` (see [Note: failing fast]); the pipeline is then
+        unusable. Non-``Exception`` errors (``KeyboardInterrupt``) keep their type."""
+        err = self._abort.error(exc, action, engine.failure() if engine is not None else None)
+        self._failed = err
+        if not isinstance(exc, Exception):
+            return exc
+        logger.error("%s", err)
+        return err
+
+    @contextmanager
+    def _step_part(self, action: str):
+        """Communication of a step outside the engine (collectives, tied weights): a failure is a
+        :class:`PipelineError` like the engine's. (A peer's failure reaches a collective through
+        the transport or the process group's timeout; only engine steps are aborted early.)"""
+        try:
+            yield
+        except BaseException as e:
+            raise self._failure(e, action) from e
+
+    def _run_engine(self, engine, forward) -> None:
+        self._check_usable()
         # A split backward (B with retain_graph, then W) cannot use the buffers AOTAutograd
         # donates to a compiled backward: compile those stages without donation.
         split = self._compiled is not None and engine.schedule.split_backward
         donation = torch._functorch.config.patch(donated_buffer=False) if split else nullcontext()
         try:
-            with donation:
+            with donation, self._abort.watch(engine):
                 engine.run(self._signature, forward)
         except BaseException as e:
-            self._failed = e
-            raise
+            raise self._failure(e, "step", engine) from e
         self._last_engine = engine
         if self._compiled is not None:
             mode = "train" if engine is self._train_engine else "eval"
@@ -465,8 +498,7 @@ class PipelineModel:
                 self.recompiles.append(msg)
 
     def _split_batch(self, batch: dict[str, torch.Tensor], need_labels: bool):
-        if self._failed is not None:
-            self._run_engine(None, None)  # raises
+        self._check_usable()
         if need_labels and "labels" not in batch:
             raise ValueError("run_train needs labels=...")
         unknown = sorted(k for k in batch if k not in self.input_names and k != "labels")
@@ -521,14 +553,21 @@ class PipelineModel:
         self._signature = int.from_bytes(digest, "little", signed=True)
         mine = torch.tensor([self._signature], dtype=torch.long)
         everyone = [torch.empty_like(mine) for _ in range(self.num_ranks)]
-        dist.all_gather(everyone, mine, group=self.group)
+        with self._step_part("batch signature all_gather"):
+            dist.all_gather(everyone, mine, group=self.group)
         for r, theirs in enumerate(everyone):
             if not torch.equal(theirs, mine):
                 describe = {k: (tuple(batch[k].shape), batch[k].dtype) for k in names}
-                raise ValueError(
-                    f"[rank {self.rank}] rank {r} got a batch with other inputs, shapes or "
-                    f"dtypes than this rank's {describe}; every rank must get the same batch "
-                    "shapes (the whole batch goes to every rank)"
+                raise BatchMismatchError(
+                    rank=self.rank,
+                    failed_rank=self.rank,
+                    peer=r,
+                    action="batch signature check",
+                    cause=(
+                        f"rank {r} got a batch with other inputs, shapes or dtypes than this "
+                        f"rank's {describe}; every rank must get the same batch shapes (the "
+                        "whole batch goes to every rank)"
+                    ),
                 )
 
     def _stage_forward(self, mbs, labels, num_items, losses: dict, logits: dict | None):
@@ -560,7 +599,8 @@ class PipelineModel:
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.is_last:
             total = torch.stack([losses[mb].float() for mb in sorted(losses)]).sum()
-        dist.broadcast(total, src=self._global_rank(self.last_rank), group=self.group)
+        with self._step_part("loss broadcast"):
+            dist.broadcast(total, src=self._global_rank(self.last_rank), group=self.group)
         return total
 
     def run_train(self, **batch: torch.Tensor) -> torch.Tensor:
@@ -578,9 +618,10 @@ class PipelineModel:
         losses: dict[int, torch.Tensor] = {}
         forward = self._stage_forward(mbs, labels, num_items, losses, None)
         self._run_engine(self._train_engine, forward)
-        for i, (owners, params) in enumerate(self._ties):
-            grads = [p.grad for p in params if p.grad is not None]
-            self._combine_among(owners, grads, _TIE_TAG + 2 * i, add=True)
+        with self._step_part("tied-weight gradient sum"):
+            for i, (owners, params) in enumerate(self._ties):
+                grads = [p.grad for p in params if p.grad is not None]
+                self._combine_among(owners, grads, _TIE_TAG + 2 * i, add=True)
         return self._reduce_loss(losses)
 
     @torch.no_grad()

@@ -78,24 +78,28 @@ def _shape_changes(rank, world):
         original = gm.forward
         gm.forward = lambda *a: tuple(t[:, :-1].contiguous() for t in original(*a))
     start = time.monotonic()
-    with pytest.raises(RuntimeError) as info:
+    with pytest.raises(px.PipelineError) as info:
         pipe.run_train(**batch)
     elapsed = time.monotonic() - start
-    msg = str(info.value)
+    err = info.value
+    # Rank 0's F found the mismatch; rank 1, waiting to receive from it, was aborted at once
+    # and names rank 0 and its error. See [Note: failing fast].
+    assert err.failed_rank == 0 and "expects [Float[4, 16, 64] requires_grad]" in err.cause, err
     if rank == 0:
-        assert "[rank 0 stage 0] F microbatch 0" in msg
-        assert "expects [Float[4, 16, 64] requires_grad]" in msg, msg
+        assert (err.action, err.stage, err.microbatch, err.peer) == ("F", 0, 0, None), err
+        assert str(err).startswith("[rank 0 stage 0] F microbatch 0 failed: RuntimeError:")
     else:
-        assert "[rank 1 stage 1]" in msg and "from rank 0" in msg, msg
+        assert (err.action, err.stage, err.microbatch, err.peer) == ("RF", 1, 0, 0), err
+        assert str(err).startswith("[rank 1 stage 1] RF microbatch 0 (peer rank 0) aborted: rank 0")
     # A failed engine refuses further steps instead of running with peers mid-step.
-    with pytest.raises(RuntimeError, match="failed in an earlier step"):
+    with pytest.raises(px.PipelineError, match="failed in an earlier step"):
         pipe.run_train(**batch)
     return elapsed
 
 
 def test_stage_output_mismatch_is_an_error_not_a_transport_abort():
     elapsed = run_ranks(2, _shape_changes, pg_timeout=20)
-    assert elapsed[1] < 20  # within the pipeline timeout (5 s) plus slack, not the PG's
+    assert elapsed[1] < 2  # aborted by rank 0's record, not by the 5 s pipeline timeout
 
 
 def _peer_dies(rank, world, how):
@@ -116,7 +120,7 @@ def _peer_dies(rank, world, how):
 
         gm.forward = forward
     start = time.monotonic()
-    with pytest.raises(RuntimeError) as info:
+    with pytest.raises(px.PipelineError) as info:
         pipe.run_train(**batch)
     return str(info.value), time.monotonic() - start
 
@@ -130,3 +134,90 @@ def test_dead_or_silent_peer_fails_fast_with_a_clear_error(how):
     if how == "hangs":
         assert "did not complete within 3000 ms" in msg, msg
     assert elapsed < 15, elapsed
+
+
+def _fields(err: px.PipelineError) -> dict:
+    return {
+        k: getattr(err, k)
+        for k in ("rank", "failed_rank", "stage", "microbatch", "action", "peer", "cause")
+    }
+
+
+def _fault(rank, world, case):
+    """One step with a fault on the last rank; returns what this rank raised, and when."""
+    torch.manual_seed(0)
+    model, layer_cls = llama()
+    pipe = px.PipelineModel(model, layer_cls=layer_cls, num_microbatches=4, timeout=30)
+    batch = make_batch(seed=0)
+    pipe.run_train(**batch)  # boundary shapes agreed; the fault comes in the second step
+    last = world - 1
+    if rank == last and case in ("kill", "raise"):
+        loss_fn = pipe._loss_fn
+
+        def faulty_loss(logits, labels, num_items):
+            if case == "kill":
+                os._exit(1)
+            raise ValueError("loss exploded")
+
+        pipe._loss_fn = faulty_loss
+        del loss_fn
+    if rank == last and case == "shape":
+        batch = make_batch(seed=0, seq=12)
+    if rank == last and case == "dtype":
+        batch = {**batch, "input_ids": batch["input_ids"].int()}
+    start = time.monotonic()
+    try:
+        pipe.run_train(**batch)
+        raised = None
+    except px.PipelineError as e:
+        raised = e
+    elapsed = time.monotonic() - start
+    assert raised is not None, "the faulty step did not fail"
+    out = {"type": type(raised).__name__, "elapsed": elapsed, **_fields(raised)}
+    if case in ("shape", "dtype"):
+        # Refused before any transfer: the pipeline stays usable.
+        out["next_loss"] = float(pipe.run_train(**make_batch(seed=1)))
+    else:
+        with pytest.raises(px.PipelineError, match="failed in an earlier step"):
+            pipe.run_train(**make_batch(seed=1))
+    if case == "raise" and rank == last:
+        # The raising rank lives on (a notebook, a retrying loop): its sockets stay open, so its
+        # peers can only learn of the failure from its abort record. Its error chains the cause.
+        assert isinstance(raised.__cause__, ValueError)
+        time.sleep(12)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("case", ["kill", "raise", "shape", "dtype"])
+def test_faults_raise_pipeline_error_on_every_rank(case, world):
+    last = world - 1
+    out = run_ranks(world, _fault, case, may_exit=(last,) if case == "kill" else (), pg_timeout=30)
+    survivors = [o for o in out if o is not None]
+    assert len(survivors) == (world - 1 if case == "kill" else world)
+    for r, o in enumerate(survivors):
+        assert o["rank"] == r
+    if case in ("shape", "dtype"):
+        for o in survivors:
+            assert o["type"] == "BatchMismatchError" and o["action"] == "batch signature check"
+            assert o["peer"] == (last if o["rank"] != last else 0), o
+            assert "other inputs, shapes or dtypes" in o["cause"]
+        assert len({o["next_loss"] for o in survivors}) == 1
+        return
+    origins = {o["failed_rank"] for o in survivors}
+    assert len(origins) == 1, survivors  # every rank names the same origin
+    origin = origins.pop()
+    for o in survivors:
+        assert o["type"] == "PipelineError" and o["action"] in ("RF", "RB", "SF", "SB", "F"), o
+        assert o["stage"] is not None and o["microbatch"] is not None, o
+        # Fail fast: seconds, not the 30 s pipeline timeout.
+        assert o["elapsed"] < 10, o
+    if case == "raise":
+        assert origin == last
+        assert "ValueError: loss exploded" in survivors[0]["cause"]
+        assert survivors[last]["action"] == "F" and survivors[last]["stage"] == last
+    else:
+        # The rank next to the killed one saw its connection close and reported it, naming it.
+        assert origin == last - 1, survivors
+        assert survivors[origin]["peer"] == last, survivors
+        assert f"rank {last}" in survivors[0]["cause"], survivors

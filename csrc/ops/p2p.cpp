@@ -16,8 +16,12 @@
 
 namespace pippy_xla {
 
-Transfer::Transfer(c10::intrusive_ptr<c10d::Work> work, at::Tensor tensor, std::string what)
-    : work_(std::move(work)), tensor_(std::move(tensor)), what_(std::move(what)) {}
+Transfer::Transfer(c10::intrusive_ptr<c10d::Work> work, at::Tensor tensor, std::string what,
+                   TransferContext context)
+    : work_(std::move(work)),
+      tensor_(std::move(tensor)),
+      what_(std::move(what)),
+      context_(std::move(context)) {}
 
 Transfer::~Transfer() = default;
 Transfer::Transfer(Transfer&&) noexcept = default;
@@ -34,12 +38,20 @@ at::Tensor Transfer::wait(std::chrono::milliseconds timeout) {
   } catch (const std::exception& e) {
     error = e.what();
   }
-  // Backends report a timeout either by returning false or by throwing (gloo: "Timed out").
+  // Backends report a timeout either by returning false or by throwing (gloo: "Timed out"); an
+  // aborted wait (Work::abort) returns false too, and the engine says why it aborted.
   const bool timed_out = (error.empty() && !ok) || error.find("Timed out") != std::string::npos;
-  TORCH_CHECK(!timed_out, what_, " did not complete within ", timeout.count(),
-              " ms (the peer may be stuck or dead; raise `timeout` if it is just slow)");
-  TORCH_CHECK(error.empty(), what_, " failed: ", error,
-              " (the peer may have died or raised an error; see its log)");
+  if (timed_out) {
+    throw TransferError(
+        c10::str(what_, " did not complete within ", timeout.count(),
+                 " ms (the peer may be stuck or dead; raise `timeout` if it is just slow)"),
+        context_);
+  }
+  if (!error.empty()) {
+    throw TransferError(c10::str(what_, " failed: ", error,
+                                 " (the peer may have died or raised an error; see its log)"),
+                        context_);
+  }
   work_.reset();
   return tensor_;
 }
@@ -62,19 +74,19 @@ void check_wire_tensor(const at::Tensor& t, const std::string& what) {
 }  // namespace
 
 Transfer isend(const at::Tensor& tensor, int64_t peer, int64_t tag, const std::string& group_name,
-               std::string what) {
+               std::string what, TransferContext context) {
   check_wire_tensor(tensor, what);
   std::vector<at::Tensor> ts{tensor};
   auto work = group(group_name)->send(ts, static_cast<int>(peer), static_cast<int>(tag));
-  return Transfer(std::move(work), tensor, std::move(what));
+  return Transfer(std::move(work), tensor, std::move(what), std::move(context));
 }
 
 Transfer irecv(at::Tensor buffer, int64_t peer, int64_t tag, const std::string& group_name,
-               std::string what) {
+               std::string what, TransferContext context) {
   check_wire_tensor(buffer, what);
   std::vector<at::Tensor> ts{buffer};
   auto work = group(group_name)->recv(ts, static_cast<int>(peer), static_cast<int>(tag));
-  return Transfer(std::move(work), std::move(buffer), std::move(what));
+  return Transfer(std::move(work), std::move(buffer), std::move(what), std::move(context));
 }
 
 int64_t group_rank(const std::string& group_name) { return group(group_name)->getRank(); }

@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -17,12 +18,29 @@ class Work;
 
 namespace pippy_xla {
 
+// What a transfer is part of, for errors: set by the engine (the ops leave it empty).
+struct TransferContext {
+  int64_t stage = -1;
+  int64_t microbatch = -1;
+  int64_t peer = -1;
+  std::string action;  // "RF", "SF", "RB", "SB"
+};
+
+// A transfer that failed or timed out; `what()` starts with the transfer's description.
+class TransferError : public std::runtime_error {
+ public:
+  TransferError(const std::string& message, TransferContext context)
+      : std::runtime_error(message), context(std::move(context)) {}
+  TransferContext context;
+};
+
 // An in-flight transfer. Owns its c10d Work and keeps the tensor it reads from or writes into
 // alive until it completes (gloo and NCCL write into / read from the buffer asynchronously).
 class Transfer {
  public:
   Transfer() = default;
-  Transfer(c10::intrusive_ptr<c10d::Work> work, at::Tensor tensor, std::string what);
+  Transfer(c10::intrusive_ptr<c10d::Work> work, at::Tensor tensor, std::string what,
+           TransferContext context = {});
   Transfer(Transfer&&) noexcept;
   Transfer& operator=(Transfer&&) noexcept;
   Transfer(const Transfer&) = delete;
@@ -31,22 +49,26 @@ class Transfer {
 
   bool valid() const { return static_cast<bool>(work_); }
   bool completed() const;
-  // Waits up to `timeout`; on failure throws a c10::Error that starts with `what` (which names
-  // rank, stage, microbatch and action). Returns the tensor (the received data for a receive).
+  // Waits up to `timeout`; on failure throws a TransferError that starts with `what` (which
+  // names rank, stage, microbatch and action). Returns the tensor (the received data for a
+  // receive).
   at::Tensor wait(std::chrono::milliseconds timeout);
+  // The c10d work, for aborting it from another thread (Work::abort wakes a blocked wait).
+  const c10::intrusive_ptr<c10d::Work>& work() const { return work_; }
 
  private:
   c10::intrusive_ptr<c10d::Work> work_;
   at::Tensor tensor_;
   std::string what_;
+  TransferContext context_;
 };
 
 // Posts an asynchronous send of one dense contiguous tensor to group-local rank `peer`.
 Transfer isend(const at::Tensor& tensor, int64_t peer, int64_t tag, const std::string& group_name,
-               std::string what);
+               std::string what, TransferContext context = {});
 // Posts an asynchronous receive into `buffer` (dense, contiguous) from group-local rank `peer`.
 Transfer irecv(at::Tensor buffer, int64_t peer, int64_t tag, const std::string& group_name,
-               std::string what);
+               std::string what, TransferContext context = {});
 
 int64_t group_rank(const std::string& group_name);
 int64_t group_size(const std::string& group_name);
