@@ -57,7 +57,8 @@ at::Tensor encode_header(const std::vector<TensorSpec>& specs, const std::string
   return out;
 }
 
-std::vector<TensorSpec> decode_header(const at::Tensor& header) {
+std::vector<TensorSpec> decode_header(const at::Tensor& received) {
+  const at::Tensor header = received.cpu();
   const int64_t* h = header.data_ptr<int64_t>();
   std::vector<TensorSpec> specs(static_cast<size_t>(h[0]));
   int64_t i = 1;
@@ -317,7 +318,7 @@ void Engine::post_ahead(StepState& st, const std::vector<Transfer>& waiting) {
 void Engine::do_recv_f(StepState& st, const Action& a) {
   const int64_t peer = schedule_.stage_rank[a.stage - 1];
   if (st.discover) {
-    auto buf = at::empty({kHeaderLen}, at::TensorOptions().dtype(at::kLong));
+    auto buf = at::empty({kHeaderLen}, at::TensorOptions().dtype(at::kLong).device(options_.device));
     st.headers.emplace(
         Slot{a.stage, a.mb},
         track(irecv(buf, peer, tag(kHeader, a.stage, a.mb, 0), options_.group_name,
@@ -403,7 +404,9 @@ void Engine::do_send_f(StepState& st, const Action& a) {
   auto outputs = std::move(st.fwd_out.at(slot));
   st.fwd_out.erase(slot);
   if (st.discover) {
-    st.sends.push_back(track(isend(encode_header(st.specs->out.at(slot), where(a, "header")), peer,
+    st.sends.push_back(track(isend(encode_header(st.specs->out.at(slot), where(a, "header"))
+                                       .to(options_.device),
+                                   peer,
                                    tag(kHeader, a.stage + 1, a.mb, 0), options_.group_name,
                                    where(a, c10::str("send of the boundary header to rank ", peer).c_str()),
                                    context(a, peer))));
@@ -533,7 +536,7 @@ void Engine::prepare_weight_work(const std::vector<at::Tensor>& roots,
       }
     }
     if (!leaves_closure) continue;
-    f.node = c10::intrusive_ptr<Node>::reclaim_copy(n);
+    f.node = compat::node_ptr(n);
     f.grads = std::make_shared<variable_list>();
     f.outputs = std::make_shared<variable_list>();
     auto hook = std::make_unique<CaptureGrads>(f.grads);
@@ -547,7 +550,7 @@ void Engine::prepare_weight_work(const std::vector<at::Tensor>& roots,
     Node* n = root_nodes[i];
     if (!n || closure.count(n)) continue;
     WeightWork::Frontier f;
-    f.node = c10::intrusive_ptr<Node>::reclaim_copy(n);
+    f.node = compat::node_ptr(n);
     f.grads = std::make_shared<variable_list>(n->num_inputs());
     (*f.grads)[torch::autograd::impl::gradient_edge(roots[i]).input_nr] = grads[i];
     work.frontier.push_back(std::move(f));

@@ -6,6 +6,7 @@
 // with an error instead of letting the transport see mismatched byte counts.
 #pragma once
 
+#include "compat.h"
 #include "ops/p2p.h"
 #include "schedule.h"
 #include "stash.h"
@@ -94,7 +95,7 @@ class Engine {
   // What a split backward's W step runs (see [Note: split backward] in engine.cpp).
   struct WeightWork {
     struct Frontier {
-      c10::intrusive_ptr<torch::autograd::Node> node;
+      compat::NodePtr node;
       std::shared_ptr<std::vector<at::Tensor>> grads;    // gradients into `node`, recorded in B
       std::shared_ptr<std::vector<at::Tensor>> outputs;  // what `node` computed in B
       std::vector<size_t> input_edges;  // its edges into the input path, cut after B

@@ -130,10 +130,11 @@ def materialize(model: nn.Module, stages: Sequence[StageGraph], device: torch.de
     """Gives every tensor of ``stages`` a real value on ``device``, through ``model``'s modules.
 
     Meta tensors are created on ``device`` and initialized by the model's own initialization;
-    real tensors keep their values (moved to ``device`` if they live elsewhere, keeping their
-    identity). See [Note: materialization through the model's own modules].
+    real tensors keep their values (CPU tensors are moved to ``device``, keeping their identity).
+    See [Note: materialization through the model's own modules].
 
     Raises:
+        ValueError: a real tensor lives on another accelerator than ``device``.
         UninitializedTensorError: the model's initialization left a materialized tensor (partly)
             unwritten; the message names the tensor and its owning module class.
     """
@@ -161,6 +162,12 @@ def materialize(model: nn.Module, stages: Sequence[StageGraph], device: torch.de
                 fresh[name] = new
             slot[attr] = new
         elif t.device != device:
+            if t.device.type != "cpu":
+                raise ValueError(
+                    f"'{name}' is on {t.device} but the pipeline's device is {device}; build the "
+                    "model on 'meta' or on the CPU (each rank then moves only its own stage), "
+                    f"or pass device='{t.device}'"
+                )
             with torch.no_grad():
                 t.data = t.data.to(device)
 

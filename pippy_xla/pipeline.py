@@ -110,7 +110,8 @@ class PipelineModel:
         num_items_fn: counts the valid tokens of the whole batch's labels (default: causal-LM
             labels other than -100 after the shift).
         timeout: seconds any single wait on a peer may take before the step fails.
-        device: where the local stage lives (default: CPU).
+        device: where the local stage and every buffer the runtime allocates live. Default:
+            ``cuda:LOCAL_RANK`` when the group's backend is NCCL, else the CPU (gloo).
         compile: compile the local stage with ``torch.compile`` (inductor by default). The
             stage graph is stable (see [Note: stable stage graphs]), so steps after the first
             reuse the compiled code; a recompilation is logged with its cause and recorded in
@@ -133,7 +134,7 @@ class PipelineModel:
         loss_fn: LossFn | None = None,
         num_items_fn: Callable[[torch.Tensor], torch.Tensor] = _causal_lm_num_items,
         timeout: float = 300.0,
-        device: torch.device | str = "cpu",
+        device: torch.device | str | None = None,
         compile: bool = False,
         compile_options: dict | None = None,
     ) -> None:
@@ -158,7 +159,7 @@ class PipelineModel:
         self.num_microbatches = num_microbatches
         self.schedule = schedule
         self.input_names = list(input_names)
-        self.device = torch.device(device)
+        self.device = _resolve_device(device, self.group)
         self._num_items_fn = num_items_fn
         self._timeout_ms = int(timeout * 1000)
 
@@ -223,11 +224,12 @@ class PipelineModel:
         name = group_name_of(self.group)
         _INSTANCES[name] = _INSTANCES.get(name, 0) + 1
         self._abort = AbortChannel(name, _INSTANCES[name], self.rank)
-        self._train_engine = _C.Engine(train_schedule, name, self._timeout_ms)
+        self._train_engine = _C.Engine(train_schedule, name, self._timeout_ms, str(self.device))
         self._eval_engine = _C.Engine(
             _C.make_schedule("forward", self.num_ranks, num_microbatches, chunks),
             name,
             self._timeout_ms,
+            str(self.device),
         )
         self._last_engine = self._train_engine
         self._failed: PipelineError | None = None
@@ -734,6 +736,44 @@ class _RecompileWatch:
         if reasons:
             parts.append("guard failures: " + " | ".join(str(r) for r in reasons))
         return "; ".join(parts) or "dynamo compiled a new graph (no guard failure recorded)"
+
+
+def _resolve_device(device: torch.device | str | None, group) -> torch.device:
+    """The pipeline's device: checked against the group's backend (gloo moves CPU tensors, NCCL
+    CUDA tensors) and the machine."""
+    backend = str(dist.get_backend(group)).lower()
+    if device is None:
+        if "nccl" in backend:
+            return _resolve_device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}", group)
+        return torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda":
+        if "nccl" not in backend:
+            raise ValueError(
+                f"device={str(device)!r} needs an NCCL process group (the pipeline sends CUDA "
+                f"tensors point to point), but the group's backend is {backend!r}; use "
+                "dist.init_process_group('nccl') or device='cpu'"
+            )
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={str(device)!r} but CUDA is not available on this machine")
+        count = torch.cuda.device_count()
+        index = torch.cuda.current_device() if device.index is None else device.index
+        if not 0 <= index < count:
+            raise ValueError(
+                f"device={str(device)!r} does not exist: this machine has {count} CUDA "
+                f"device(s), cuda:0 to cuda:{count - 1}; under torchrun use cuda:LOCAL_RANK"
+            )
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    if device.type == "cpu":
+        if "gloo" not in backend:
+            raise ValueError(
+                f"device='cpu' needs a gloo process group, but the group's backend is "
+                f"{backend!r} (NCCL moves CUDA tensors only); pass device='cuda:LOCAL_RANK' or "
+                "use dist.init_process_group('gloo')"
+            )
+        return device
+    raise ValueError(f"device type {device.type!r} is not supported; use 'cpu' or 'cuda'")
 
 
 def _tied_names(model: nn.Module) -> list[list[str]]:

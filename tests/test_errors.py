@@ -56,6 +56,18 @@ def _bad_input(rank, world):
         lambda: build(num_microbatches=0),
     )
     expect("unknown schedule", ValueError, "schedule must be", lambda: build(schedule="zigzag"))
+    expect(
+        "a CUDA device with a gloo group",
+        ValueError,
+        "needs an NCCL process group",
+        lambda: build(device="cuda:0"),
+    )
+    expect(
+        "an unsupported device type",
+        ValueError,
+        "device type 'mps' is not supported",
+        lambda: build(device="mps"),
+    )
 
     pipe = build(num_microbatches=4, timeout=30)
     batch = make_batch(seed=0)

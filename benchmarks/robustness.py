@@ -1,0 +1,284 @@
+"""Robustness: clean exits, fault handling, and long runs, on CPU ranks (gloo, tiny Llama).
+
+    python benchmarks/robustness.py stress [--runs2 100 --runs4 50]
+    python benchmarks/robustness.py faults [--trials 20]
+    python benchmarks/robustness.py soak [--steps 2000]
+
+Every rank is its own plain subprocess (env:// rendezvous), so each rank's exit status, and a
+death by a signal, is seen directly.
+
+- ``stress``: normal runs (build, train 3 steps, evaluate, ``all_gather_object``,
+  ``destroy_process_group``, exit) on 2 and 4 ranks; counts non-zero exits and signal deaths.
+- ``faults``: each fault on 2 ranks, ``--trials`` times: the last rank killed mid-step, the last
+  rank's loss raising while its process lives on (20 s), and ranks given batches of another
+  sequence length or dtype. Reports hangs (a rank still running after 120 s), signal deaths
+  other than the killed rank, the error each survivor raised, and the time from the fault to the
+  last survivor's exit.
+- ``soak``: ``--steps`` training steps on 2 ranks; resident memory, threads and open files at
+  step 100 and at the end.
+
+Results go to ``benchmarks/results/robustness_<mode>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from _common import ROOT, save
+
+HANG_S = 120.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(world: int, mode: str, arg: str) -> list[dict]:
+    """Runs ``world`` ranks of this file's worker; returns each rank's exit, timing and report."""
+    port = _free_port()
+    procs, outs = [], []
+    for rank in range(world):
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "OMP_NUM_THREADS": "1",
+        }
+        out = Path(f"/tmp/pippy_robust_{port}_{rank}.json")
+        out.unlink(missing_ok=True)
+        outs.append(out)
+        cmd = [sys.executable, __file__, "worker", mode, arg, str(out)]
+        procs.append(
+            subprocess.Popen(
+                cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+            )
+        )
+    start = time.time()
+    exits: dict[int, float] = {}
+    while len(exits) < world and time.time() - start < HANG_S:
+        for r, p in enumerate(procs):
+            if r not in exits and p.poll() is not None:
+                exits[r] = time.time()
+        time.sleep(0.01)
+    results = []
+    for r, p in enumerate(procs):
+        hung = r not in exits
+        if hung:
+            p.kill()
+        p.wait()
+        stderr = p.stderr.read().decode(errors="replace")
+        report = json.loads(outs[r].read_text()) if outs[r].exists() else {}
+        outs[r].unlink(missing_ok=True)
+        results.append(
+            {
+                "rank": r,
+                "returncode": p.returncode,
+                "signal": signal.Signals(-p.returncode).name if p.returncode < 0 else None,
+                "hung": hung,
+                "exit_time": exits.get(r),
+                "report": report,
+                "stderr_tail": stderr[-600:] if p.returncode else "",
+            }
+        )
+    return results
+
+
+# ----------------------------------------------------------------------------- worker
+
+
+def _worker(mode: str, arg: str, out: str) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from models import llama, make_batch
+
+    import pippy_xla as px
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model, layer_cls = llama()
+    pipe = px.PipelineModel(model, layer_cls=layer_cls, num_microbatches=2, timeout=60)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
+    report: dict = {}
+
+    def write() -> None:
+        Path(out).write_text(json.dumps(report))
+
+    if mode == "stress":
+        for step in range(3):
+            pipe.run_train(**make_batch(seed=step))
+            opt.step()
+            opt.zero_grad()
+        loss = pipe.run_eval(**make_batch(seed=9)).loss
+        everyone = [None] * world
+        dist.all_gather_object(everyone, float(loss))
+        report["ok"] = len(set(everyone)) == 1
+    elif mode == "faults":
+        batch = make_batch(seed=0)
+        pipe.run_train(**batch)
+        last = world - 1
+        if rank == last and arg in ("kill", "raise"):
+
+            def faulty(*a):
+                Path(out + ".fault").write_text(str(time.time()))
+                if arg == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise ValueError("loss exploded")
+
+            pipe._loss_fn = faulty
+        if rank == last and arg == "shape":
+            batch = make_batch(seed=0, seq=12)
+        if rank == last and arg == "dtype":
+            batch = {**batch, "input_ids": batch["input_ids"].int()}
+        if arg in ("shape", "dtype"):
+            report["fault_time"] = time.time()
+        try:
+            pipe.run_train(**batch)
+            report["error"] = None
+        except px.PipelineError as e:
+            report["error"] = type(e).__name__
+            report["failed_rank"] = e.failed_rank
+        fault_file = Path(out.rsplit("_", 1)[0] + f"_{last}.json.fault")
+        if fault_file.exists():
+            report["fault_time"] = float(fault_file.read_text())
+        if arg == "raise" and rank == last:
+            write()
+            time.sleep(20)  # lives on: its peers must not depend on its exit
+    elif mode == "soak":
+        steps = int(arg)
+
+        def probe() -> dict:
+            status = dict(
+                line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines()
+            )
+            return {
+                "rss_bytes": int(status["VmRSS"].split()[0]) * 1024,
+                "threads": int(status["Threads"]),
+                "fds": len(os.listdir("/proc/self/fd")),
+            }
+
+        t0 = time.perf_counter()
+        for step in range(steps):
+            pipe.run_train(**make_batch(seed=step % 16))
+            opt.step()
+            opt.zero_grad()
+            if step + 1 == 100:
+                report["at_100"] = probe()
+        report["at_end"] = probe()
+        report["steps_per_s"] = steps / (time.perf_counter() - t0)
+    dist.destroy_process_group()
+    write()
+
+
+# ----------------------------------------------------------------------------- modes
+
+
+def _stress(runs2: int, runs4: int) -> dict:
+    summary = {}
+    for world, runs in ((2, runs2), (4, runs4)):
+        bad = []
+        for i in range(runs):
+            for r in _launch(world, "stress", "-"):
+                if r["returncode"] != 0 or r["hung"] or not r["report"].get("ok"):
+                    bad.append({"run": i, **r})
+        summary[f"{world}_ranks"] = {"runs": runs, "bad_exits": len(bad), "bad": bad[:10]}
+        print(f"{world} ranks: {runs} runs, {len(bad)} bad rank exits", flush=True)
+    return summary
+
+
+def _faults(trials: int) -> dict:
+    summary = {}
+    for case in ("kill", "raise", "shape", "dtype"):
+        hangs = signals = 0
+        delays, errors = [], {}
+        for _ in range(trials):
+            results = _launch(2, "faults", case)
+            survivors = [r for r in results if not (case == "kill" and r["rank"] == 1)]
+            if case == "raise":
+                survivors = [r for r in results if r["rank"] == 0]  # rank 1 lives on, 20 s
+            hangs += sum(r["hung"] for r in results)
+            signals += sum(
+                1 for r in results if r["signal"] and not (case == "kill" and r["rank"] == 1)
+            )
+            for r in survivors:
+                key = f"{r['report'].get('error')} (failed_rank {r['report'].get('failed_rank')})"
+                errors[key] = errors.get(key, 0) + 1
+            fault = next(
+                (r["report"]["fault_time"] for r in survivors if "fault_time" in r["report"]), None
+            )
+            ends = [r["exit_time"] for r in survivors if r["exit_time"] is not None]
+            if fault is not None and ends:
+                delays.append(max(ends) - fault)
+        summary[case] = {
+            "trials": trials,
+            "hangs": hangs,
+            "signal_deaths": signals,
+            "survivor_errors": errors,
+            "fault_to_last_survivor_exit_s": {
+                "median": statistics.median(delays) if delays else None,
+                "max": max(delays) if delays else None,
+            },
+        }
+        print(case, json.dumps(summary[case]), flush=True)
+    return summary
+
+
+def _soak(steps: int) -> dict:
+    results = _launch(2, "soak", str(steps))
+    summary = {"steps": steps, "ranks": []}
+    for r in results:
+        rep = r["report"]
+        a, b = rep.get("at_100", {}), rep.get("at_end", {})
+        row = {
+            "rank": r["rank"],
+            "returncode": r["returncode"],
+            "at_100": a,
+            "at_end": b,
+            "rss_growth": (b["rss_bytes"] - a["rss_bytes"]) / a["rss_bytes"] if a and b else None,
+            "steps_per_s": rep.get("steps_per_s"),
+        }
+        summary["ranks"].append(row)
+        print(json.dumps(row), flush=True)
+    return summary
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "worker":
+        _worker(*sys.argv[2:5])
+        return
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("mode", choices=["stress", "faults", "soak"])
+    p.add_argument("--runs2", type=int, default=100)
+    p.add_argument("--runs4", type=int, default=50)
+    p.add_argument("--trials", type=int, default=20)
+    p.add_argument("--steps", type=int, default=2000)
+    args = p.parse_args()
+    if args.mode == "stress":
+        result = _stress(args.runs2, args.runs4)
+    elif args.mode == "faults":
+        result = _faults(args.trials)
+    else:
+        result = _soak(args.steps)
+    print(f"wrote {save(f'robustness_{args.mode}', result)}")
+
+
+if __name__ == "__main__":
+    main()
