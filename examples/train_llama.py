@@ -55,6 +55,9 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument(
+        "--device", default="cpu", choices=["cpu", "cuda"], help="cuda: NCCL, GPU LOCAL_RANK"
+    )
     p.add_argument("--checkpoint-dir", default="checkpoints", help="where --save-every saves")
     p.add_argument("--save-every", type=int, default=0, metavar="N", help="save every N steps")
     p.add_argument("--resume", metavar="DIR", help="continue from the latest checkpoint in DIR")
@@ -62,7 +65,8 @@ def main() -> None:
     args = p.parse_args()
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(rank)
 

@@ -4,6 +4,10 @@
 process group with a short timeout, runs ``fn(rank, world_size, *args)`` in each and returns the
 ranks' return values. A rank that raises, dies or outlives ``timeout`` fails the test with every
 rank's traceback, and all ranks are killed: a bug fails fast instead of hanging CI.
+
+``backend="nccl"`` (GPU tests) puts every rank on ``cuda:0`` with its own ``NCCL_HOSTID``: NCCL
+refuses two ranks on one GPU of one host, and with distinct host ids it treats them as two hosts
+and carries the traffic over its socket transport. Such runs test correctness, not scaling.
 """
 
 from __future__ import annotations
@@ -28,21 +32,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, results, pg_timeout):
+def _worker(rank, world_size, port, fn, args, results, pg_timeout, backend):
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
+        LOCAL_RANK="0" if backend == "nccl" else str(rank),
     )
+    if backend == "nccl":
+        os.environ["NCCL_HOSTID"] = f"host{rank}"
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
-            "gloo",
+            backend,
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=pg_timeout),
@@ -66,8 +72,9 @@ def run_ranks(
     timeout: float = 240.0,
     pg_timeout: float = PG_TIMEOUT_S,
     may_exit: tuple[int, ...] = (),
+    backend: str = "gloo",
 ) -> list[Any]:
-    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; returns their results.
+    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` ranks; returns their results.
 
     Ranks listed in ``may_exit`` may end their process without reporting (tests of dead
     peers); their result is ``None``.
@@ -76,7 +83,9 @@ def run_ranks(
     results = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, pg_timeout))
+        ctx.Process(
+            target=_worker, args=(r, world_size, port, fn, args, results, pg_timeout, backend)
+        )
         for r in range(world_size)
     ]
     for p in procs:

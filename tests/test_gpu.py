@@ -1,0 +1,94 @@
+"""GPU tests: two ranks sharing one GPU over NCCL (see tests/_dist.py), against one process.
+
+Skipped where CUDA is absent (CI). Run on the GPU machine with ``bash scripts/gpu_check.sh``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from _dist import run_ranks
+from models import MODELS, make_batch
+
+import pippy_xla as px
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+# fp32 on the GPU: the pipeline sums microbatch losses and gradients that the reference
+# computes over the whole batch, and cuBLAS may pick other kernels for the smaller microbatch
+# GEMMs (TF32 is off by default for matmuls), so results agree to float rounding of differently
+# blocked sums: rtol 1e-4, atol 1e-5.
+TOL = {"rtol": 1e-4, "atol": 1e-5}
+# bf16: one bf16 rounding of a gradient is 2^-8 relative (0.4%); sums of rounded terms in another
+# order differ by a few of those, so 3e-2 relative and 1e-2 absolute.
+BF16_TOL = {"rtol": 3e-2, "atol": 1e-2}
+
+
+def _train_vs_reference(rank, world, family, schedule, dtype_name):
+    dtype = getattr(torch, dtype_name)
+    torch.manual_seed(0)
+    model, layer_cls = MODELS[family]()
+    model.to(dtype)
+    ref = copy.deepcopy(model).cuda()
+    chunks = 2 if schedule == "interleaved" else None
+    pipe = px.PipelineModel(
+        model, layer_cls=layer_cls, num_microbatches=4, schedule=schedule, chunks=chunks
+    )
+    assert pipe.device == torch.device("cuda", 0)
+    tol = TOL if dtype == torch.float32 else BF16_TOL
+    batch = make_batch(seed=0)
+    loss = pipe.run_train(**batch)
+    ref_loss = ref(**{k: v.cuda() for k, v in batch.items()}, use_cache=False).loss
+    ref_loss.backward()
+    torch.testing.assert_close(loss.float(), ref_loss.detach().float(), **tol)
+    checked = 0
+    for name, p in pipe.named_parameters():
+        assert p.device.type == "cuda" and p.grad is not None, name
+        torch.testing.assert_close(p.grad, ref.get_parameter(name).grad, **tol, msg=name)
+        checked += 1
+    out = pipe.run_eval(**batch)
+    if pipe.is_last:
+        ref_logits = ref(**{k: v.cuda() for k, v in batch.items()}, use_cache=False).logits
+        torch.testing.assert_close(out.logits, ref_logits, **tol)
+    return checked
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "interleaved", "zbh1"])
+def test_nccl_schedules_match_one_process(schedule):
+    assert all(run_ranks(2, _train_vs_reference, "llama", schedule, "float32", backend="nccl"))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16"])
+def test_nccl_bf16_and_tied_weights(dtype):
+    assert all(run_ranks(2, _train_vs_reference, "gpt2", "1f1b", dtype, backend="nccl"))
+
+
+def _compiled(rank, world):
+    torch.manual_seed(0)
+    model, layer_cls = MODELS["llama"]()
+    pipe = px.PipelineModel(model, layer_cls=layer_cls, num_microbatches=2, compile=True)
+    for step in range(4):
+        pipe.run_train(**make_batch(seed=step))
+    return pipe.recompiles
+
+
+def test_nccl_compiled_stages_never_recompile():
+    assert run_ranks(2, _compiled, backend="nccl", timeout=600) == [[], []]
+
+
+def _meta_on_gpu(rank, world):
+    with torch.device("meta"):
+        model, layer_cls = MODELS["llama"]()
+    pipe = px.PipelineModel(model, layer_cls=layer_cls, num_microbatches=2)
+    assert all(p.device.type == "cuda" for p in pipe.parameters())
+    return float(pipe.run_train(**make_batch(seed=0)))
+
+
+def test_meta_model_materializes_on_the_gpu():
+    losses = run_ranks(2, _meta_on_gpu, backend="nccl")
+    assert losses[0] == losses[1] and 4.4 < losses[0] < 6.7  # near ln(256) = 5.55
