@@ -16,6 +16,7 @@ import datetime
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -24,6 +25,8 @@ from typing import Any
 
 # Long enough for a slow CI machine to finish one collective, short enough to fail fast.
 PG_TIMEOUT_S = 60.0
+# How long a rank that returned its result may take to tear down and exit.
+EXIT_TIMEOUT_S = 30.0
 
 
 def _free_port() -> int:
@@ -123,6 +126,12 @@ def run_ranks(
             if time.monotonic() > deadline:
                 break
     finally:
+        # Ranks that returned their result must also exit by themselves, cleanly: a crash or a
+        # hang at teardown fails a job under torchrun just as an error does.
+        if all(outs.get(r, ("",))[0] in ("ok", "exited") for r in range(world_size)):
+            end = time.monotonic() + EXIT_TIMEOUT_S
+            for p in procs:
+                p.join(timeout=max(0.1, end - time.monotonic()))
         for p in procs:
             if p.is_alive():
                 p.kill()
@@ -131,6 +140,13 @@ def run_ranks(
     problems = []
     for r in range(world_size):
         status, value = outs.get(r, ("timeout", None))
+        if status == "ok" and procs[r].exitcode != 0:
+            code = procs[r].exitcode
+            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            if code == -signal.SIGKILL:
+                how = f"no exit within {EXIT_TIMEOUT_S:.0f} s (killed)"
+            problems.append(f"--- rank {r} returned its result, then its process ended: {how}")
+            continue
         if status == "ok" or (status == "exited" and r in may_exit):
             continue
         if status == "error":

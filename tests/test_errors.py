@@ -331,3 +331,18 @@ def test_faults_raise_pipeline_error_on_every_rank(case, world):
         assert origin == last - 1, survivors
         assert survivors[origin]["peer"] == last, survivors
         assert f"rank {last}" in survivors[0]["cause"], survivors
+
+
+def _abort_after_returning(rank, world):
+    import atexit
+    import signal
+
+    if rank == 1:  # returns its result, then dies by a signal at interpreter exit
+        atexit.register(os.kill, os.getpid(), signal.SIGABRT)
+    return rank
+
+
+def test_spawn_helper_fails_a_rank_that_crashes_after_returning():
+    # The check every multi-rank test gets: a process must also exit cleanly.
+    with pytest.raises(AssertionError, match="rank 1 returned its result, then its process ended"):
+        run_ranks(2, _abort_after_returning)
