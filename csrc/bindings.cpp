@@ -37,9 +37,8 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<Schedule>(m, "Schedule")
       .def(py::init([](std::string name, int32_t num_ranks, int32_t num_microbatches,
-                       std::vector<int32_t> stage_rank,
-                       std::vector<std::vector<PyAction>> actions, bool backward,
-                       bool split_backward) {
+                       std::vector<int32_t> stage_rank, std::vector<std::vector<PyAction>> actions,
+                       bool backward, bool split_backward) {
              Schedule s;
              s.name = std::move(name);
              s.num_ranks = num_ranks;
@@ -73,8 +72,8 @@ PYBIND11_MODULE(_C, m) {
           "simulate",
           [](const Schedule& s, std::vector<double> forward, std::vector<double> backward,
              std::vector<double> weight, double comm) {
-            SimResult r = simulate(s, Costs{std::move(forward), std::move(backward),
-                                            std::move(weight), comm});
+            SimResult r = simulate(
+                s, Costs{std::move(forward), std::move(backward), std::move(weight), comm});
             py::list timeline;
             for (const auto& t : r.timeline)
               timeline.append(py::make_tuple(t.rank, op_name(t.action.op), t.action.stage,
@@ -212,8 +211,8 @@ PYBIND11_MODULE(_C, m) {
                                      const std::vector<PyExtra>& extras,
                                      std::vector<int64_t> inflight,
                                      std::vector<int64_t> memory_limit, bool allow_checkpoint) {
-          PlanProblem p = make_problem(layers, extras, std::move(inflight),
-                                       std::move(memory_limit), allow_checkpoint);
+          PlanProblem p = make_problem(layers, extras, std::move(inflight), std::move(memory_limit),
+                                       allow_checkpoint);
           PlanResult r;
           {
             py::gil_scoped_release nogil;
@@ -233,14 +232,13 @@ PYBIND11_MODULE(_C, m) {
         "the bottleneck stage time under per-stage memory limits (see csrc/planner.h).");
     m.def(
         "evaluate_plan",
-        [make_problem, stages_to_py](const std::vector<PyLayer>& layers,
-                                     const std::vector<PyExtra>& extras,
-                                     std::vector<int64_t> inflight,
-                                     std::vector<int64_t> memory_limit,
-                                     const std::vector<std::pair<int32_t, int32_t>>& ranges,
-                                     const std::vector<std::vector<int32_t>>& checkpoint) {
-          PlanProblem p = make_problem(layers, extras, std::move(inflight),
-                                       std::move(memory_limit), true);
+        [make_problem, stages_to_py](
+            const std::vector<PyLayer>& layers, const std::vector<PyExtra>& extras,
+            std::vector<int64_t> inflight, std::vector<int64_t> memory_limit,
+            const std::vector<std::pair<int32_t, int32_t>>& ranges,
+            const std::vector<std::vector<int32_t>>& checkpoint) {
+          PlanProblem p =
+              make_problem(layers, extras, std::move(inflight), std::move(memory_limit), true);
           return stages_to_py(evaluate_plan(p, ranges, checkpoint));
         },
         py::arg("layers"), py::arg("extras"), py::arg("inflight"), py::arg("memory_limit"),

@@ -5,13 +5,13 @@
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/util/Exception.h>
-#include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <sstream>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -21,7 +21,8 @@ namespace {
 
 constexpr int64_t kHeaderLen = 512;
 constexpr int64_t kMaxBoundaryTensors = 64;
-constexpr int kRecvLookahead = 4;  // receive actions posted ahead, see [Note: receives posted ahead]
+constexpr int kRecvLookahead =
+    4;  // receive actions posted ahead, see [Note: receives posted ahead]
 enum TagKind { kActivation = 0, kGradient = 1, kHeader = 2 };
 
 int64_t now_ns() {
@@ -160,7 +161,8 @@ Engine::Engine(Schedule schedule, EngineOptions options)
   TORCH_CHECK(tag(kHeader, schedule_.num_stages - 1, schedule_.num_microbatches - 1,
                   kMaxBoundaryTensors - 1) < (int64_t{1} << 30),
               "schedule '", schedule_.name, "': ", schedule_.num_stages, " stages x ",
-              schedule_.num_microbatches, " microbatches need more transfer tags than the engine has");
+              schedule_.num_microbatches,
+              " microbatches need more transfer tags than the engine has");
 }
 
 std::string Engine::where(const Action& a, const char* what) const {
@@ -200,13 +202,27 @@ void Engine::run(int64_t signature, const StageFn& forward) {
       const int64_t t0 = now_ns();
       compute_start_ns_ = 0;
       switch (a.op) {
-        case Op::RECV_F: do_recv_f(st, a); break;
-        case Op::F: do_forward(st, a, forward); break;
-        case Op::SEND_F: do_send_f(st, a); break;
-        case Op::RECV_B: do_recv_b(st, a); break;
-        case Op::B: do_backward(st, a); break;
-        case Op::SEND_B: do_send_b(st, a); break;
-        case Op::W: do_weight(st, a); break;
+        case Op::RECV_F:
+          do_recv_f(st, a);
+          break;
+        case Op::F:
+          do_forward(st, a, forward);
+          break;
+        case Op::SEND_F:
+          do_send_f(st, a);
+          break;
+        case Op::RECV_B:
+          do_recv_b(st, a);
+          break;
+        case Op::B:
+          do_backward(st, a);
+          break;
+        case Op::SEND_B:
+          do_send_b(st, a);
+          break;
+        case Op::W:
+          do_weight(st, a);
+          break;
       }
       // F and B record their start after their receives completed: waiting is idle time (a
       // gap in the timeline), not part of the action's cost.
@@ -318,7 +334,8 @@ void Engine::post_ahead(StepState& st, const std::vector<Transfer>& waiting) {
 void Engine::do_recv_f(StepState& st, const Action& a) {
   const int64_t peer = schedule_.stage_rank[a.stage - 1];
   if (st.discover) {
-    auto buf = at::empty({kHeaderLen}, at::TensorOptions().dtype(at::kLong).device(options_.device));
+    auto buf =
+        at::empty({kHeaderLen}, at::TensorOptions().dtype(at::kLong).device(options_.device));
     st.headers.emplace(
         Slot{a.stage, a.mb},
         track(irecv(buf, peer, tag(kHeader, a.stage, a.mb, 0), options_.group_name,
@@ -337,9 +354,10 @@ void Engine::post_activation_recvs(StepState& st, const Action& a) {
   for (size_t i = 0; i < specs.size(); ++i) {
     auto buf = at::empty(specs[i].shape,
                          at::TensorOptions().dtype(specs[i].dtype).device(options_.device));
-    ts.push_back(track(irecv(buf, peer, tag(kActivation, a.stage, a.mb, i), options_.group_name,
-                             where(a, c10::str("receive of activation ", i, " from rank ", peer).c_str()),
-                             context(a, peer))));
+    ts.push_back(
+        track(irecv(buf, peer, tag(kActivation, a.stage, a.mb, i), options_.group_name,
+                    where(a, c10::str("receive of activation ", i, " from rank ", peer).c_str()),
+                    context(a, peer))));
   }
 }
 
@@ -404,18 +422,18 @@ void Engine::do_send_f(StepState& st, const Action& a) {
   auto outputs = std::move(st.fwd_out.at(slot));
   st.fwd_out.erase(slot);
   if (st.discover) {
-    st.sends.push_back(track(isend(encode_header(st.specs->out.at(slot), where(a, "header"))
-                                       .to(options_.device),
-                                   peer,
-                                   tag(kHeader, a.stage + 1, a.mb, 0), options_.group_name,
-                                   where(a, c10::str("send of the boundary header to rank ", peer).c_str()),
-                                   context(a, peer))));
+    st.sends.push_back(
+        track(isend(encode_header(st.specs->out.at(slot), where(a, "header")).to(options_.device),
+                    peer, tag(kHeader, a.stage + 1, a.mb, 0), options_.group_name,
+                    where(a, c10::str("send of the boundary header to rank ", peer).c_str()),
+                    context(a, peer))));
   }
   for (size_t i = 0; i < outputs.size(); ++i) {
-    st.sends.push_back(track(isend(outputs[i].detach().contiguous(), peer,
-                                   tag(kActivation, a.stage + 1, a.mb, i), options_.group_name,
-                                   where(a, c10::str("send of activation ", i, " to rank ", peer).c_str()),
-                                   context(a, peer))));
+    st.sends.push_back(
+        track(isend(outputs[i].detach().contiguous(), peer, tag(kActivation, a.stage + 1, a.mb, i),
+                    options_.group_name,
+                    where(a, c10::str("send of activation ", i, " to rank ", peer).c_str()),
+                    context(a, peer))));
   }
 }
 
@@ -428,9 +446,10 @@ void Engine::do_recv_b(StepState& st, const Action& a) {
     if (!specs[i].requires_grad) continue;
     auto buf = at::empty(specs[i].shape,
                          at::TensorOptions().dtype(specs[i].dtype).device(options_.device));
-    ts.push_back(track(irecv(buf, peer, tag(kGradient, a.stage, a.mb, i), options_.group_name,
-                             where(a, c10::str("receive of gradient ", i, " from rank ", peer).c_str()),
-                             context(a, peer))));
+    ts.push_back(
+        track(irecv(buf, peer, tag(kGradient, a.stage, a.mb, i), options_.group_name,
+                    where(a, c10::str("receive of gradient ", i, " from rank ", peer).c_str()),
+                    context(a, peer))));
   }
 }
 
@@ -446,8 +465,9 @@ void Engine::do_backward(StepState& st, const Action& a) {
       roots.push_back(o);
       grads.push_back(at::ones_like(o));
     }
-    TORCH_CHECK(!roots.empty(), where(a, "the last stage's outputs do not require grad; is the "
-                                         "loss detached, or did forward run under no_grad?"));
+    TORCH_CHECK(!roots.empty(), where(a,
+                                      "the last stage's outputs do not require grad; is the "
+                                      "loss detached, or did forward run under no_grad?"));
   } else {
     std::vector<at::Tensor> incoming;
     if (schedule_.stage_rank[a.stage + 1] == rank_) {
@@ -519,7 +539,8 @@ void Engine::prepare_weight_work(const std::vector<at::Tensor>& roots,
   for (const auto& l : leaves)
     leaf_nodes.insert(torch::autograd::impl::gradient_edge(l).function.get());
   std::vector<Node*> root_nodes;
-  for (const auto& r : roots) root_nodes.push_back(torch::autograd::impl::gradient_edge(r).function.get());
+  for (const auto& r : roots)
+    root_nodes.push_back(torch::autograd::impl::gradient_edge(r).function.get());
   const auto closure = input_closure(root_nodes, leaf_nodes);
   auto inside = [&](Node* n) { return closure.count(n) > 0 || leaf_nodes.count(n) > 0; };
   for (Node* n : closure) {
@@ -629,10 +650,9 @@ void Engine::do_send_b(StepState& st, const Action& a) {
   size_t j = 0;
   for (size_t i = 0; i < specs.size(); ++i) {
     if (!specs[i].requires_grad) continue;
-    st.sends.push_back(track(isend(grads.at(j++).contiguous(), peer,
-                                   tag(kGradient, a.stage - 1, a.mb, i), options_.group_name,
-                                   where(a, c10::str("send of gradient ", i, " to rank ", peer).c_str()),
-                                   context(a, peer))));
+    st.sends.push_back(track(isend(
+        grads.at(j++).contiguous(), peer, tag(kGradient, a.stage - 1, a.mb, i), options_.group_name,
+        where(a, c10::str("send of gradient ", i, " to rank ", peer).c_str()), context(a, peer))));
   }
 }
 

@@ -6,11 +6,6 @@
 // with an error instead of letting the transport see mismatched byte counts.
 #pragma once
 
-#include "compat.h"
-#include "ops/p2p.h"
-#include "schedule.h"
-#include "stash.h"
-
 #include <c10/core/Device.h>
 #include <torch/csrc/autograd/edge.h>
 
@@ -24,6 +19,11 @@
 #include <optional>
 #include <string>
 #include <vector>
+
+#include "compat.h"
+#include "ops/p2p.h"
+#include "schedule.h"
+#include "stash.h"
 
 namespace pippy_xla {
 
@@ -108,12 +108,12 @@ class Engine {
   struct StepState {
     bool discover = false;
     SignatureSpecs* specs = nullptr;
-    std::map<Slot, Transfer> headers;                    // discovery: posted header receives
+    std::map<Slot, Transfer> headers;  // discovery: posted header receives
     std::map<Slot, std::vector<Transfer>> recv_f, recv_b;
     std::map<Slot, std::vector<at::Tensor>> fwd_out, local_in, grads_out, local_grads;
     std::deque<Transfer> sends;
-    size_t pos = 0;             // index of the running action in this rank's list
-    std::vector<bool> posted;   // receive actions already posted (in order, or ahead)
+    size_t pos = 0;            // index of the running action in this rank's list
+    std::vector<bool> posted;  // receive actions already posted (in order, or ahead)
     // Split backward: what W still has to do, per (stage, mb).
     std::map<Slot, WeightWork> weight_work;
   };
@@ -150,7 +150,8 @@ class Engine {
   std::atomic<bool> aborted_{false};
   std::mutex live_mu_;  // guards live_: abort() runs on another thread
   std::vector<c10::intrusive_ptr<c10d::Work>> live_;  // works of the running step
-  std::vector<std::unique_ptr<StepState>> failed_;  // transfers of failed steps stay alive: peers may still write
+  std::vector<std::unique_ptr<StepState>>
+      failed_;  // transfers of failed steps stay alive: peers may still write
 };
 
 }  // namespace pippy_xla

@@ -26,7 +26,7 @@ struct Frontiers {
   // by_start[i][j - i - 1]: frontier of [i, j), sorted by time ascending, bytes strictly
   // descending.
   std::vector<std::vector<std::vector<Point>>> by_start;
-  std::vector<std::vector<double>> base_time;     // sum of fwd + bwd over [i, j)
+  std::vector<std::vector<double>> base_time;      // sum of fwd + bwd over [i, j)
   std::vector<std::vector<int64_t>> static_bytes;  // sum of static bytes over [i, j)
 
   const std::vector<Point>& at(int32_t i, int32_t j) const { return by_start[i][j - i - 1]; }
@@ -44,14 +44,14 @@ void check_problem(const PlanProblem& p) {
               ") need one entry per stage (", num_stages, ")");
   for (size_t i = 0; i < p.layers.size(); ++i) {
     const LayerCost& l = p.layers[i];
-    TORCH_CHECK(l.fwd >= 0 && l.bwd >= 0 && l.saved >= 0 && l.saved_ckpt >= 0 &&
-                    l.static_bytes >= 0,
-                "planner: layer ", i, " has a negative cost");
+    TORCH_CHECK(
+        l.fwd >= 0 && l.bwd >= 0 && l.saved >= 0 && l.saved_ckpt >= 0 && l.static_bytes >= 0,
+        "planner: layer ", i, " has a negative cost");
   }
   for (int64_t s = 0; s < num_stages; ++s) {
     const StageExtra& e = p.extras[s];
-    TORCH_CHECK(e.fwd >= 0 && e.bwd >= 0 && e.saved >= 0 && e.static_bytes >= 0,
-                "planner: stage ", s, " extras have a negative cost");
+    TORCH_CHECK(e.fwd >= 0 && e.bwd >= 0 && e.saved >= 0 && e.static_bytes >= 0, "planner: stage ",
+                s, " extras have a negative cost");
     TORCH_CHECK(p.inflight[s] >= 0, "planner: stage ", s, " has negative in-flight count ",
                 p.inflight[s]);
   }
@@ -83,8 +83,10 @@ Frontiers build_frontiers(const PlanProblem& p) {
       int32_t ia = 0, ib = 0;
       auto push = [&](const Point& q) {
         if (merged.empty() || q.bytes < merged.back().bytes) {
-          if (!merged.empty() && q.time == merged.back().time) merged.back() = q;
-          else merged.push_back(q);
+          if (!merged.empty() && q.time == merged.back().time)
+            merged.back() = q;
+          else
+            merged.push_back(q);
         }
       };
       while (ia < m || (p.allow_checkpoint && ib < m)) {
@@ -134,8 +136,10 @@ class Costs {
     int32_t lo = 0, hi = static_cast<int32_t>(front.size());
     while (lo < hi) {
       const int32_t mid = (lo + hi) / 2;
-      if (memory(s, i, j, front[mid].bytes) <= limit) hi = mid;
-      else lo = mid + 1;
+      if (memory(s, i, j, front[mid].bytes) <= limit)
+        hi = mid;
+      else
+        lo = mid + 1;
     }
     if (lo == static_cast<int32_t>(front.size())) return {};
     const StageExtra& e = p_.extras[s];

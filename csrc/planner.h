@@ -39,25 +39,25 @@
 namespace pippy_xla {
 
 struct LayerCost {
-  double fwd = 0.0;            // forward time
-  double bwd = 0.0;            // backward time (without recomputation)
-  int64_t saved = 0;           // bytes saved for backward per microbatch, not checkpointed
-  int64_t saved_ckpt = 0;      // bytes saved for backward per microbatch, checkpointed
-  int64_t static_bytes = 0;    // parameters + gradients + optimizer state
+  double fwd = 0.0;          // forward time
+  double bwd = 0.0;          // backward time (without recomputation)
+  int64_t saved = 0;         // bytes saved for backward per microbatch, not checkpointed
+  int64_t saved_ckpt = 0;    // bytes saved for backward per microbatch, checkpointed
+  int64_t static_bytes = 0;  // parameters + gradients + optimizer state
 };
 
 struct StageExtra {
   double fwd = 0.0;
   double bwd = 0.0;
-  int64_t saved = 0;         // per microbatch
+  int64_t saved = 0;  // per microbatch
   int64_t static_bytes = 0;
 };
 
 struct PlanProblem {
   std::vector<LayerCost> layers;
-  std::vector<StageExtra> extras;      // per stage
-  std::vector<int64_t> inflight;       // per stage
-  std::vector<int64_t> memory_limit;   // per stage (device)
+  std::vector<StageExtra> extras;     // per stage
+  std::vector<int64_t> inflight;      // per stage
+  std::vector<int64_t> memory_limit;  // per stage (device)
   bool allow_checkpoint = true;
 };
 

@@ -11,13 +11,20 @@ namespace pippy_xla {
 
 const char* op_name(Op op) {
   switch (op) {
-    case Op::F: return "F";
-    case Op::B: return "B";
-    case Op::W: return "W";
-    case Op::SEND_F: return "SF";
-    case Op::RECV_F: return "RF";
-    case Op::SEND_B: return "SB";
-    case Op::RECV_B: return "RB";
+    case Op::F:
+      return "F";
+    case Op::B:
+      return "B";
+    case Op::W:
+      return "W";
+    case Op::SEND_F:
+      return "SF";
+    case Op::RECV_F:
+      return "RF";
+    case Op::SEND_B:
+      return "SB";
+    case Op::RECV_B:
+      return "RB";
   }
   return "?";
 }
@@ -215,8 +222,8 @@ using Key = std::tuple<int, int32_t, int32_t>;  // (op, stage, mb)
 Key key(Op op, int32_t stage, int32_t mb) { return {static_cast<int>(op), stage, mb}; }
 
 void check_structure(const Schedule& s) {
-  TORCH_CHECK(s.num_ranks >= 1 && s.num_stages >= 1 && s.num_microbatches >= 1,
-              "schedule '", s.name, "': ranks, stages and microbatches must be >= 1");
+  TORCH_CHECK(s.num_ranks >= 1 && s.num_stages >= 1 && s.num_microbatches >= 1, "schedule '",
+              s.name, "': ranks, stages and microbatches must be >= 1");
   TORCH_CHECK(static_cast<int32_t>(s.stage_rank.size()) == s.num_stages, "schedule '", s.name,
               "': stage_rank has ", s.stage_rank.size(), " entries for ", s.num_stages, " stages");
   TORCH_CHECK(static_cast<int32_t>(s.actions.size()) == s.num_ranks, "schedule '", s.name,
@@ -250,8 +257,7 @@ void check_structure(const Schedule& s) {
     std::map<Key, size_t> pos;
     for (size_t i = 0; i < s.actions[r].size(); ++i) {
       const Action& a = s.actions[r][i];
-      TORCH_CHECK(a.stage >= 0 && a.stage < s.num_stages && a.mb >= 0 &&
-                      a.mb < s.num_microbatches,
+      TORCH_CHECK(a.stage >= 0 && a.stage < s.num_stages && a.mb >= 0 && a.mb < s.num_microbatches,
                   "schedule '", s.name, "': rank ", r, " action ", to_string(a), " out of range");
       TORCH_CHECK(s.stage_rank[a.stage] == r, "schedule '", s.name, "': rank ", r, " runs ",
                   to_string(a), " but stage ", a.stage, " lives on rank ", s.stage_rank[a.stage]);
@@ -303,10 +309,14 @@ SimResult simulate(const Schedule& s, const Costs& costs) {
   auto cost_of = [&](const Action& a) -> double {
     auto pick = [&](const std::vector<double>& v) { return v.empty() ? 1.0 : v[a.stage]; };
     switch (a.op) {
-      case Op::F: return pick(costs.forward);
-      case Op::B: return pick(costs.backward);
-      case Op::W: return pick(costs.weight);
-      default: return 0.0;
+      case Op::F:
+        return pick(costs.forward);
+      case Op::B:
+        return pick(costs.backward);
+      case Op::W:
+        return pick(costs.weight);
+      default:
+        return 0.0;
     }
   };
   std::map<Key, double> done;  // action -> end time
@@ -339,11 +349,15 @@ SimResult simulate(const Schedule& s, const Costs& costs) {
         if (!end_of(Op::SEND_B, a.stage + 1, a.mb, t)) return false;
         *t += costs.comm;
         return true;
-      case Op::W: return end_of(Op::B, a.stage, a.mb, t);
-      case Op::SEND_F: return end_of(Op::F, a.stage, a.mb, t);
-      case Op::SEND_B: return end_of(Op::B, a.stage, a.mb, t);
+      case Op::W:
+        return end_of(Op::B, a.stage, a.mb, t);
+      case Op::SEND_F:
+        return end_of(Op::F, a.stage, a.mb, t);
+      case Op::SEND_B:
+        return end_of(Op::B, a.stage, a.mb, t);
       case Op::RECV_F:
-      case Op::RECV_B: return true;
+      case Op::RECV_B:
+        return true;
     }
     return false;
   };

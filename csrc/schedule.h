@@ -30,10 +30,10 @@ struct Schedule {
   int32_t num_ranks = 0;
   int32_t num_stages = 0;
   int32_t num_microbatches = 0;
-  bool backward = true;         // false: forward only (evaluation)
-  bool split_backward = false;  // B computes input gradients only; W computes weight gradients
-  std::vector<int32_t> stage_rank;             // stage -> rank
-  std::vector<std::vector<Action>> actions;    // rank -> ordered actions
+  bool backward = true;             // false: forward only (evaluation)
+  bool split_backward = false;      // B computes input gradients only; W computes weight gradients
+  std::vector<int32_t> stage_rank;  // stage -> rank
+  std::vector<std::vector<Action>> actions;  // rank -> ordered actions
 
   std::vector<int32_t> stages_of(int32_t rank) const;
   // One line per rank, e.g. "rank 0: F0.0 SF0.0 F0.1 ..." (stage.microbatch).
@@ -66,7 +66,7 @@ struct TimedAction {
 struct SimResult {
   std::vector<TimedAction> timeline;  // sorted by start time (stable: rank order on ties)
   double makespan = 0.0;
-  double bubble = 0.0;  // 1 - busy compute time / (ranks * makespan)
+  double bubble = 0.0;                 // 1 - busy compute time / (ranks * makespan)
   std::vector<int32_t> peak_inflight;  // per stage: most forwards whose backward was pending
                                        // (all zero for a forward-only schedule)
 };

@@ -49,7 +49,8 @@ bool Stash::contains(int64_t stage, int64_t mb) const {
 void Stash::check_empty() const {
   if (slots_.empty()) return;
   std::ostringstream os;
-  for (const auto& kv : slots_) os << " (stage " << kv.first.first << ", mb " << kv.first.second << ")";
+  for (const auto& kv : slots_)
+    os << " (stage " << kv.first.first << ", mb " << kv.first.second << ")";
   TORCH_CHECK(false, "stash: ", slots_.size(), " slot(s) left at the end of the step:", os.str(),
               "; the schedule ran a forward without its backward");
 }

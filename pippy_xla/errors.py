@@ -50,6 +50,8 @@ class PipelineError(RuntimeError):
             collective (``"loss broadcast"``, ...) that failed here.
         peer: the rank that action exchanged data with, if any.
         cause: the underlying error's text (the failing rank's exception, or the transport's).
+        aborted: this rank's step was stopped by a peer's abort record (see [Note: failing
+            fast]), not by its own error, a timeout or the transport.
     """
 
     def __init__(
@@ -62,9 +64,10 @@ class PipelineError(RuntimeError):
         stage: int | None = None,
         microbatch: int | None = None,
         peer: int | None = None,
+        aborted: bool = False,
     ) -> None:
         self.rank, self.failed_rank, self.action, self.cause = rank, failed_rank, action, cause
-        self.stage, self.microbatch, self.peer = stage, microbatch, peer
+        self.stage, self.microbatch, self.peer, self.aborted = stage, microbatch, peer, aborted
         where = f"[rank {rank}"
         if stage is not None:
             where += f" stage {stage}"
@@ -90,7 +93,7 @@ class BatchMismatchError(PipelineError, ValueError):
         return (_rebuild_mismatch, (kwargs,))
 
 
-_FIELDS = ("rank", "failed_rank", "action", "cause", "stage", "microbatch", "peer")
+_FIELDS = ("rank", "failed_rank", "action", "cause", "stage", "microbatch", "peer", "aborted")
 
 
 def _rebuild(kwargs: dict) -> PipelineError:
@@ -175,4 +178,10 @@ class AbortChannel:
         origin = self.read()
         if origin is None or origin[0] == self.rank:
             return PipelineError(rank=self.rank, failed_rank=self.rank, cause=own, **where)
-        return PipelineError(rank=self.rank, failed_rank=origin[0], cause=origin[1], **where)
+        return PipelineError(
+            rank=self.rank,
+            failed_rank=origin[0],
+            cause=origin[1],
+            aborted=bool(failure.get("aborted")),
+            **where,
+        )

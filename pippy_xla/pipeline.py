@@ -477,7 +477,10 @@ class PipelineModel:
         try:
             yield
         except BaseException as e:
-            raise self._failure(e, action) from e
+            err = self._failure(e, action)
+            if err is e:
+                raise
+            raise err from e
 
     def _run_engine(self, engine, forward) -> None:
         self._check_usable()
@@ -489,7 +492,10 @@ class PipelineModel:
             with donation, self._abort.watch(engine):
                 engine.run(self._signature, forward)
         except BaseException as e:
-            raise self._failure(e, "step", engine) from e
+            err = self._failure(e, "step", engine)
+            if err is e:
+                raise
+            raise err from e
         self._last_engine = engine
         if self._compiled is not None:
             mode = "train" if engine is self._train_engine else "eval"

@@ -6,12 +6,12 @@
 #include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
-#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/library.h>
 
 #include <atomic>
 #include <mutex>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <unordered_map>
 
 namespace pippy_xla {
@@ -143,7 +143,8 @@ at::Tensor send_kernel(const at::Tensor& x, const std::optional<at::Tensor>& /*d
 at::Tensor recv_kernel(const std::optional<at::Tensor>& /*dep*/, c10::SymIntArrayRef shape,
                        at::ScalarType dtype, at::Device device, int64_t peer, int64_t tag,
                        c10::string_view group_name) {
-  auto buffer = at::empty(C10_AS_INTARRAYREF_SLOW(shape), at::TensorOptions().dtype(dtype).device(device));
+  auto buffer =
+      at::empty(C10_AS_INTARRAYREF_SLOW(shape), at::TensorOptions().dtype(dtype).device(device));
   return TransferRegistry::get().add(
       irecv(buffer, peer, tag, std::string(group_name), op_what("recv", peer, tag)));
 }
