@@ -3,6 +3,7 @@
     python benchmarks/robustness.py stress [--runs2 100 --runs4 50]
     python benchmarks/robustness.py faults [--trials 20]
     python benchmarks/robustness.py soak [--steps 2000]
+    python benchmarks/robustness.py exit [--runs 100]
 
 Every rank is its own plain subprocess (env:// rendezvous), so each rank's exit status, and a
 death by a signal, is seen directly.
@@ -10,12 +11,17 @@ death by a signal, is seen directly.
 - ``stress``: normal runs (build, train 3 steps, evaluate, ``all_gather_object``,
   ``destroy_process_group``, exit) on 2 and 4 ranks; counts non-zero exits and signal deaths.
 - ``faults``: each fault on 2 ranks, ``--trials`` times: the last rank killed mid-step, the last
-  rank's loss raising while its process lives on (20 s), and ranks given batches of another
+  rank's loss raising while its process lives on (8 s), and ranks given batches of another
   sequence length or dtype. Reports hangs (a rank still running after 120 s), signal deaths
   other than the killed rank, the error each survivor raised, and the time from the fault to the
   last survivor's exit.
 - ``soak``: ``--steps`` training steps on 2 ranks; resident memory, threads and open files at
   step 100 and at the end.
+
+- ``exit``: ``--runs`` times, rank 0 exits right after its last broadcast while its process
+  group lives on; once broadcasting a Python tensor through ``torch.distributed``, once through
+  the pipeline's own ``_C.broadcast_copy``. Counts rank 0's exit codes and signals (the first
+  dies by SIGABRT now and then: [Note: collectives on C++-owned buffers] in csrc/ops/p2p.h).
 
 Results go to ``benchmarks/results/robustness_<mode>.json``.
 """
@@ -105,14 +111,18 @@ def _worker(mode: str, arg: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if mode == "exit":
+        _exit_after_collective(rank, arg)
+        return
+
     sys.path.insert(0, str(ROOT / "tests"))
     from models import llama, make_batch
 
     import pippy_xla as px
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model, layer_cls = llama()
     pipe = px.PipelineModel(model, layer_cls=layer_cls, num_microbatches=2, timeout=60)
@@ -161,7 +171,7 @@ def _worker(mode: str, arg: str, out: str) -> None:
             report["fault_time"] = float(fault_file.read_text())
         if arg == "raise" and rank == last:
             write()
-            time.sleep(20)  # lives on: its peers must not depend on its exit
+            time.sleep(8)  # lives on: its peers must not depend on its exit
     elif mode == "soak":
         steps = int(arg)
 
@@ -188,7 +198,46 @@ def _worker(mode: str, arg: str, out: str) -> None:
     write()
 
 
+def _exit_after_collective(rank: int, how: str) -> None:
+    """Rank 0 exits as soon as its last broadcast returns, with the process group still alive
+    (as it is while a PipelineModel holds it). ``how``: ``torch`` broadcasts a Python tensor
+    with ``dist.broadcast``; ``pippy_xla`` uses the pipeline's own loss broadcast
+    (``_C.broadcast_copy``, see [Note: collectives on C++-owned buffers])."""
+    import torch
+    import torch.distributed as dist
+
+    from pippy_xla import _C
+    from pippy_xla.ops import group_name_of
+
+    name = group_name_of(dist.group.WORLD)
+    t = torch.ones(1000)
+    if rank == 1:
+        time.sleep(0.01)  # rank 0 waits in its broadcast, so it exits right after completion
+    for _ in range(3):
+        if how == "torch":
+            dist.broadcast(t, src=1)
+        else:
+            t = _C.broadcast_copy(t, 1, name, 60_000, "broadcast")
+    if rank == 1:
+        time.sleep(1)
+
+
 # ----------------------------------------------------------------------------- modes
+
+
+def _exit(runs: int) -> dict:
+    summary = {}
+    for how in ("torch", "pippy_xla"):
+        codes: dict[str, int] = {}
+        for _ in range(runs):
+            r = _launch(2, "exit", how)[0]
+            key = r["signal"] or f"exit code {r['returncode']}"
+            codes[key] = codes.get(key, 0) + 1
+            if r["returncode"]:
+                summary.setdefault(f"{how}_stderr", r["stderr_tail"])
+        summary[how] = {"runs": runs, "rank_0_exits": codes}
+        print(how, json.dumps(summary[how]), flush=True)
+    return summary
 
 
 def _stress(runs2: int, runs4: int) -> dict:
@@ -213,7 +262,7 @@ def _faults(trials: int) -> dict:
             results = _launch(2, "faults", case)
             survivors = [r for r in results if not (case == "kill" and r["rank"] == 1)]
             if case == "raise":
-                survivors = [r for r in results if r["rank"] == 0]  # rank 1 lives on, 20 s
+                survivors = [r for r in results if r["rank"] == 0]  # rank 1 lives on, 8 s
             hangs += sum(r["hung"] for r in results)
             signals += sum(
                 1 for r in results if r["signal"] and not (case == "kill" and r["rank"] == 1)
@@ -265,16 +314,19 @@ def main() -> None:
         _worker(*sys.argv[2:5])
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("mode", choices=["stress", "faults", "soak"])
+    p.add_argument("mode", choices=["stress", "faults", "soak", "exit"])
     p.add_argument("--runs2", type=int, default=100)
     p.add_argument("--runs4", type=int, default=50)
     p.add_argument("--trials", type=int, default=20)
     p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--runs", type=int, default=100)
     args = p.parse_args()
     if args.mode == "stress":
         result = _stress(args.runs2, args.runs4)
     elif args.mode == "faults":
         result = _faults(args.trials)
+    elif args.mode == "exit":
+        result = _exit(args.runs)
     else:
         result = _soak(args.steps)
     print(f"wrote {save(f'robustness_{args.mode}', result)}")

@@ -116,6 +116,28 @@ PYBIND11_MODULE(_C, m) {
       .def("reset_peak", &Stash::reset_peak)
       .def("check_empty", &Stash::check_empty);
 
+  m.def(
+      "all_gather_int64",
+      [](int64_t value, const std::string& group_name, const std::string& device,
+         int64_t timeout_ms, std::string what) {
+        return all_gather_int64(value, group_name, c10::Device(device),
+                                std::chrono::milliseconds(timeout_ms), std::move(what));
+      },
+      py::arg("value"), py::arg("group_name"), py::arg("device"), py::arg("timeout_ms"),
+      py::arg("what"), py::call_guard<py::gil_scoped_release>(),
+      "Every rank's value, gathered on buffers that never reach Python (see [Note: collectives "
+      "on C++-owned buffers] in csrc/ops/p2p.h).");
+  m.def(
+      "broadcast_copy",
+      [](const at::Tensor& tensor, int64_t root, const std::string& group_name, int64_t timeout_ms,
+         std::string what) {
+        return broadcast_copy(tensor, root, group_name, std::chrono::milliseconds(timeout_ms),
+                              std::move(what));
+      },
+      py::arg("tensor"), py::arg("root"), py::arg("group_name"), py::arg("timeout_ms"),
+      py::arg("what"), py::call_guard<py::gil_scoped_release>(),
+      "A copy of group rank `root`'s tensor, broadcast on a buffer that never reaches Python.");
+
   py::class_<Engine>(m, "Engine")
       .def(py::init([](Schedule schedule, std::string group_name, int64_t timeout_ms,
                        const std::string& device) {

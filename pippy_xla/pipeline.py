@@ -7,9 +7,11 @@ lives, ``meta`` included), keeps only its own stage, and hands that stage to the
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import os
+import weakref
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
@@ -39,6 +41,22 @@ _MAX_DIMS = 8
 _INSTANCES: dict[str, int] = {}
 # Tags of tied-weight transfers: above every engine tag (see Engine::tag in csrc/engine.cpp).
 _TIE_TAG = 1 << 30
+# Every PipelineModel alive in this process, for _release_groups_at_exit.
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _release_groups_at_exit() -> None:
+    """[Note: releasing the group at exit] A pipeline alive at exit (a global, or a local kept by
+    an exception's traceback) keeps its process group, and with it gloo's worker threads, alive
+    into interpreter finalization even after ``destroy_process_group``. A worker thread that then
+    lets go of a Python tensor from an earlier collective (the user's own ``all_gather_object``,
+    say) takes the GIL during finalization and the process dies with SIGABRT (see [Note:
+    collectives on C++-owned buffers] in csrc/ops/p2p.h). Dropping the pipelines' references
+    here, while the interpreter is still whole, lets a destroyed group's threads finish and
+    exit now. A group the program never destroyed stays alive; that one is torch's to tear down."""
+    for pipe in list(_LIVE):
+        pipe.group = None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -153,6 +171,8 @@ class PipelineModel:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive seconds, got {timeout}")
         self.group = group or dist.group.WORLD
+        self._group_name = group_name_of(self.group)
+        _LIVE.add(self)
         self.rank = dist.get_rank(self.group)
         self.num_ranks = dist.get_world_size(self.group)
         self.num_stages = self.num_ranks * chunks
@@ -221,7 +241,7 @@ class PipelineModel:
         """The model's config (written by :meth:`save_pretrained`), if it has one."""
         self.generation_config = getattr(model, "generation_config", None)
 
-        name = group_name_of(self.group)
+        name = self._group_name
         _INSTANCES[name] = _INSTANCES.get(name, 0) + 1
         self._abort = AbortChannel(name, _INSTANCES[name], self.rank)
         self._train_engine = _C.Engine(train_schedule, name, self._timeout_ms, str(self.device))
@@ -271,9 +291,6 @@ class PipelineModel:
     def last_rank(self) -> int:
         return (self.num_stages - 1) % self.num_ranks
 
-    def _global_rank(self, group_rank: int) -> int:
-        return dist.get_global_rank(self.group, group_rank)
-
     def _check_ranks_agree(self, schedule: str) -> None:
         """Build-time handshake: every rank must have built the same partition and settings."""
         digest = hashlib.sha256()
@@ -281,7 +298,17 @@ class PipelineModel:
             digest.update(st.code.encode())
             digest.update(repr(sorted(st.param_names.items())).encode())
         mine = (digest.hexdigest(), schedule, self.num_microbatches, self.input_names)
-        everyone: list = [None] * self.num_ranks
+        key = _digest64(repr(mine).encode())
+        keys = _C.all_gather_int64(
+            key,
+            self._group_name,
+            str(self.device),
+            self._timeout_ms,
+            f"[rank {self.rank}] build handshake",
+        )
+        if all(k == key for k in keys):
+            return
+        everyone: list = [None] * self.num_ranks  # only to say what differs
         dist.all_gather_object(everyone, mine, group=self.group)
         for r, theirs in enumerate(everyone):
             if theirs != mine:
@@ -309,7 +336,7 @@ class PipelineModel:
         """Makes ``tensors`` equal on all ``owners`` (ranks of this pipeline's group): the first
         owner's values, or with ``add`` their sum, added in owner order so every owner gets the
         same bits. Point-to-point over the pipeline group, through the ``pippy_xla`` ops."""
-        name, first = group_name_of(self.group), owners[0]
+        name, first = self._group_name, owners[0]
         timeout = self._timeout_ms
         with torch.no_grad():
             for t in tensors:
@@ -555,16 +582,17 @@ class PipelineModel:
                 raise ValueError(f"batch['{k}'] has {v.dim()} dims; at most {_MAX_DIMS}")
             dims = list(v.shape) + [-1] * (_MAX_DIMS - v.dim())
             rows.append([zlib.crc32(k.encode()), _dtype_code(v.dtype), v.dim(), *dims])
-        digest = hashlib.blake2b(
-            torch.tensor(rows, dtype=torch.long).numpy().tobytes(), digest_size=8
-        ).digest()
-        self._signature = int.from_bytes(digest, "little", signed=True)
-        mine = torch.tensor([self._signature], dtype=torch.long)
-        everyone = [torch.empty_like(mine) for _ in range(self.num_ranks)]
+        self._signature = _digest64(torch.tensor(rows, dtype=torch.long).numpy().tobytes())
         with self._step_part("batch signature all_gather"):
-            dist.all_gather(everyone, mine, group=self.group)
+            everyone = _C.all_gather_int64(
+                self._signature,
+                self._group_name,
+                str(self.device),
+                self._timeout_ms,
+                f"[rank {self.rank}] batch signature all_gather",
+            )
         for r, theirs in enumerate(everyone):
-            if not torch.equal(theirs, mine):
+            if theirs != self._signature:
                 describe = {k: (tuple(batch[k].shape), batch[k].dtype) for k in names}
                 raise BatchMismatchError(
                     rank=self.rank,
@@ -608,8 +636,13 @@ class PipelineModel:
         if self.is_last:
             total = torch.stack([losses[mb].float() for mb in sorted(losses)]).sum()
         with self._step_part("loss broadcast"):
-            dist.broadcast(total, src=self._global_rank(self.last_rank), group=self.group)
-        return total
+            return _C.broadcast_copy(
+                total,
+                self.last_rank,
+                self._group_name,
+                self._timeout_ms,
+                f"[rank {self.rank}] loss broadcast",
+            )
 
     def run_train(self, **batch: torch.Tensor) -> torch.Tensor:
         """Runs forward and backward over the batch, microbatch by microbatch.
@@ -685,6 +718,10 @@ class PipelineModel:
 
     def reset_stash_peak(self) -> None:
         self._train_engine.reset_stash_peak()
+
+
+def _digest64(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
 
 
 class _RecompileWatch:

@@ -13,6 +13,7 @@ and carries the traffic over its socket transport. Such runs test correctness, n
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
@@ -45,6 +46,8 @@ def _worker(rank, world_size, port, fn, args, results, pg_timeout, backend):
     )
     if backend == "nccl":
         os.environ["NCCL_HOSTID"] = f"host{rank}"
+    # A rank that dies by a signal (a teardown abort) prints every thread's Python stack.
+    faulthandler.enable(all_threads=True)
     import torch
     import torch.distributed as dist
 

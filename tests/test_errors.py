@@ -343,3 +343,77 @@ def test_spawn_helper_fails_a_rank_that_crashes_after_returning():
     # The check every multi-rank test gets: a process must also exit cleanly.
     with pytest.raises(AssertionError, match="rank 1 returned its result, then its process ended"):
         run_ranks(2, _abort_after_returning)
+
+
+_COLLECTIVES = (
+    "all_gather",
+    "all_gather_object",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "reduce",
+    "reduce_scatter",
+    "scatter",
+)
+
+
+def _python_collectives_of_a_run(rank, world):
+    import torch.distributed as dist
+
+    calls = []
+    for name in _COLLECTIVES:
+        real = getattr(dist, name)
+
+        def spy(*args, _name=name, _real=real, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+
+        setattr(dist, name, spy)
+    torch.manual_seed(0)
+    model, layer_cls = gpt2()  # tied embeddings across the first and last stage
+    pipe = px.PipelineModel(model, layer_cls=GPT2Block, num_microbatches=4, schedule="interleaved")
+    loss = pipe.run_train(**make_batch(seed=0))
+    out = pipe.run_eval(**make_batch(seed=1))
+    return calls, float(loss), float(out.loss)
+
+
+def test_build_and_steps_hand_no_python_tensor_to_a_collective():
+    # [Note: collectives on C++-owned buffers] (csrc/ops/p2p.h): a collective's tensors are
+    # released by gloo's worker thread after the wait returns; a Python tensor released there
+    # while the interpreter finalizes (the last step, then exit) kills the process with SIGABRT
+    # ("terminate called without an active exception"). CI saw it on a rank's exit. Building a
+    # pipeline and running its steps must therefore not use torch.distributed's Python
+    # collectives at all.
+    out = run_ranks(2, _python_collectives_of_a_run)
+    for calls, loss, eval_loss in out:
+        assert calls == [], calls
+        assert loss > 0 and eval_loss > 0
+    assert len({(o[1], o[2]) for o in out}) == 1  # every rank got the broadcast losses
+
+
+def _gloo_threads() -> list[str]:
+    names = (Path(f).read_text().strip() for f in Path("/proc/self/task").glob("*/comm"))
+    return sorted(n for n in names if n.startswith("pt_gloo"))
+
+
+def _group_threads_after_exit_hook(rank, world):
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model, layer_cls = llama()
+    pipe = px.PipelineModel(model, layer_cls=layer_cls, num_microbatches=2)
+    pipe.run_train(**make_batch(seed=0))
+    dist.destroy_process_group()
+    held = _gloo_threads()  # the pipeline still holds the destroyed group
+    px.pipeline._release_groups_at_exit()  # what atexit runs
+    return held, _gloo_threads(), pipe.group
+
+
+def test_exit_hook_lets_a_destroyed_group_finish_before_finalization():
+    # [Note: releasing the group at exit] in pippy_xla/pipeline.py.
+    for held, after, group in run_ranks(2, _group_threads_after_exit_hook):
+        assert held, "expected gloo's worker threads while the pipeline holds the group"
+        assert after == [] and group is None, after

@@ -89,6 +89,29 @@ Transfer irecv(at::Tensor buffer, int64_t peer, int64_t tag, const std::string& 
   return Transfer(std::move(work), std::move(buffer), std::move(what), std::move(context));
 }
 
+std::vector<int64_t> all_gather_int64(int64_t value, const std::string& group_name,
+                                      c10::Device device, std::chrono::milliseconds timeout,
+                                      std::string what) {
+  auto pg = group(group_name);
+  const auto options = at::TensorOptions().dtype(at::kLong).device(device);
+  std::vector<at::Tensor> input{at::scalar_tensor(value, options).reshape({1})};
+  std::vector<std::vector<at::Tensor>> outputs(1);
+  for (int r = 0; r < pg->getSize(); ++r) outputs[0].push_back(at::empty({1}, options));
+  Transfer(pg->allgather(outputs, input), input[0], std::move(what)).wait(timeout);
+  std::vector<int64_t> out;
+  for (const auto& t : outputs[0]) out.push_back(t.item<int64_t>());
+  return out;
+}
+
+at::Tensor broadcast_copy(const at::Tensor& tensor, int64_t root, const std::string& group_name,
+                          std::chrono::milliseconds timeout, std::string what) {
+  std::vector<at::Tensor> buffer{tensor.clone(at::MemoryFormat::Contiguous)};
+  c10d::BroadcastOptions options;
+  options.rootRank = root;
+  Transfer(group(group_name)->broadcast(buffer, options), buffer[0], std::move(what)).wait(timeout);
+  return buffer[0].clone();
+}
+
 int64_t group_rank(const std::string& group_name) { return group(group_name)->getRank(); }
 int64_t group_size(const std::string& group_name) { return group(group_name)->getSize(); }
 

@@ -70,6 +70,24 @@ Transfer isend(const at::Tensor& tensor, int64_t peer, int64_t tag, const std::s
 Transfer irecv(at::Tensor buffer, int64_t peer, int64_t tag, const std::string& group_name,
                std::string what, TransferContext context = {});
 
+// [Note: collectives on C++-owned buffers] torch keeps a tensor's Python object alive while C++
+// holds references to it, and drops it (taking the GIL) when the last C++ reference goes. gloo's
+// worker threads (and NCCL's watchdog) release a collective's tensors after the caller's wait
+// has returned; if the caller's interpreter is finalizing by then (the program's last step,
+// then exit), that GIL acquire ends the thread inside a noexcept destructor and the process dies
+// with "terminate called without an active exception" (SIGABRT). So the collectives a step
+// runs go through these two functions: their buffers are created here and never reach Python,
+// and what they return is a copy made after the wait.
+
+// Every rank's `value`, in group rank order, gathered on `device` (the group's backend's device).
+std::vector<int64_t> all_gather_int64(int64_t value, const std::string& group_name,
+                                      c10::Device device, std::chrono::milliseconds timeout,
+                                      std::string what);
+// A copy of group-local rank `root`'s `tensor` (every rank passes a tensor of the same shape and
+// dtype).
+at::Tensor broadcast_copy(const at::Tensor& tensor, int64_t root, const std::string& group_name,
+                          std::chrono::milliseconds timeout, std::string what);
+
 int64_t group_rank(const std::string& group_name);
 int64_t group_size(const std::string& group_name);
 
