@@ -226,21 +226,19 @@ def _peer_dies(rank, world, how):
             return original(*a)
 
         gm.forward = forward
-    start = time.monotonic()
     with pytest.raises(px.PipelineError) as info:
         pipe.run_train(**batch)
-    return str(info.value), time.monotonic() - start
+    return str(info.value)
 
 
 @pytest.mark.parametrize("how", ["dies", "hangs"])
 def test_dead_or_silent_peer_fails_fast_with_a_clear_error(how):
     out = run_ranks(2, _peer_dies, how, may_exit=(1,), pg_timeout=20, timeout=120)
-    msg, elapsed = out[0]
+    msg = out[0]
     assert msg.startswith("[rank 0 stage 0]"), msg
     assert "rank 1" in msg, msg
-    if how == "hangs":
-        assert "did not complete within 3000 ms" in msg, msg
-    assert elapsed < 15, elapsed
+    # A dead peer is seen at once (its connection closes); a silent one costs the 3 s timeout.
+    assert ("did not complete within 3000 ms" in msg) == (how == "hangs"), msg
 
 
 def _fields(err: px.PipelineError) -> dict:
@@ -270,15 +268,13 @@ def _fault(rank, world, case):
         batch = make_batch(seed=0, seq=12)
     if rank == last and case == "dtype":
         batch = {**batch, "input_ids": batch["input_ids"].int()}
-    start = time.monotonic()
     try:
         pipe.run_train(**batch)
         raised = None
     except px.PipelineError as e:
         raised = e
-    elapsed = time.monotonic() - start
     assert raised is not None, "the faulty step did not fail"
-    out = {"type": type(raised).__name__, "elapsed": elapsed, **_fields(raised)}
+    out = {"type": type(raised).__name__, **_fields(raised)}
     if case in ("shape", "dtype"):
         # Refused before any transfer: the pipeline stays usable.
         out["next_loss"] = float(pipe.run_train(**make_batch(seed=1)))
@@ -315,8 +311,8 @@ def test_faults_raise_pipeline_error_on_every_rank(case, world):
     for o in survivors:
         assert o["type"] == "PipelineError" and o["action"] in ("RF", "RB", "SF", "SB", "F"), o
         assert o["stage"] is not None and o["microbatch"] is not None, o
-        # Fail fast: seconds, not the 30 s pipeline timeout.
-        assert o["elapsed"] < 10, o
+        # Fail fast: no rank waited out the 30 s pipeline timeout (times: robustness.py faults).
+        assert "did not complete within" not in o["cause"], o
     if case == "raise":
         assert origin == last
         assert "ValueError: loss exploded" in survivors[0]["cause"]
