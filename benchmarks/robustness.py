@@ -18,10 +18,11 @@ death by a signal, is seen directly.
 - ``soak``: ``--steps`` training steps on 2 ranks; resident memory, threads and open files at
   step 100 and at the end.
 
-- ``exit``: ``--runs`` times, rank 0 exits right after its last broadcast while its process
-  group lives on; once broadcasting a Python tensor through ``torch.distributed``, once through
-  the pipeline's own ``_C.broadcast_copy``. Counts rank 0's exit codes and signals (the first
-  dies by SIGABRT now and then: [Note: collectives on C++-owned buffers] in csrc/ops/p2p.h).
+- ``exit``: ``--runs`` times per arm (see ``_exit_after_collective``), rank 0 exits right after
+  its last broadcast: through ``torch.distributed`` or the pipeline's own ``_C.broadcast_copy``,
+  with the group alive, or destroyed but still held, with and without pippy_xla's exit hook.
+  Counts rank 0's exit codes and signals (see [Note: collectives on C++-owned buffers] in
+  csrc/ops/p2p.h).
 
 Results go to ``benchmarks/results/robustness_<mode>.json``.
 """
@@ -39,7 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import ROOT, save
+from _common import RESULTS, ROOT, save
 
 HANG_S = 120.0
 
@@ -198,26 +199,44 @@ def _worker(mode: str, arg: str, out: str) -> None:
     write()
 
 
-def _exit_after_collective(rank: int, how: str) -> None:
-    """Rank 0 exits as soon as its last broadcast returns, with the process group still alive
-    (as it is while a PipelineModel holds it). ``how``: ``torch`` broadcasts a Python tensor
-    with ``dist.broadcast``; ``pippy_xla`` uses the pipeline's own loss broadcast
-    (``_C.broadcast_copy``, see [Note: collectives on C++-owned buffers])."""
+EXIT_ARMS = ("torch", "pippy_xla", "held", "held_hook")
+
+
+def _exit_after_collective(rank: int, arm: str) -> None:
+    """Rank 0 exits as soon as its last broadcast returns.
+
+    - ``torch``: ``dist.broadcast`` of a Python tensor, the group alive at exit (as it is while
+      a PipelineModel holds it).
+    - ``pippy_xla``: the pipeline's own loss broadcast, ``_C.broadcast_copy`` ([Note:
+      collectives on C++-owned buffers]).
+    - ``held``: ``dist.broadcast``, then ``destroy_process_group``, while an object still holds
+      the group (as a PipelineModel does).
+    - ``held_hook``: the same, the holder registered where pippy_xla's exit hook releases it
+      ([Note: releasing the group at exit]).
+    """
     import torch
     import torch.distributed as dist
 
-    from pippy_xla import _C
+    from pippy_xla import _C, pipeline
     from pippy_xla.ops import group_name_of
 
+    class Holder:
+        group = dist.group.WORLD
+
+    holder = Holder()
+    if arm == "held_hook":
+        pipeline._LIVE.add(holder)
     name = group_name_of(dist.group.WORLD)
     t = torch.ones(1000)
     if rank == 1:
         time.sleep(0.01)  # rank 0 waits in its broadcast, so it exits right after completion
     for _ in range(3):
-        if how == "torch":
-            dist.broadcast(t, src=1)
-        else:
+        if arm == "pippy_xla":
             t = _C.broadcast_copy(t, 1, name, 60_000, "broadcast")
+        else:
+            dist.broadcast(t, src=1)
+    if arm.startswith("held"):
+        dist.destroy_process_group()
     if rank == 1:
         time.sleep(1)
 
@@ -225,9 +244,9 @@ def _exit_after_collective(rank: int, how: str) -> None:
 # ----------------------------------------------------------------------------- modes
 
 
-def _exit(runs: int) -> dict:
+def _exit(runs: int, arms: list[str]) -> dict:
     summary = {}
-    for how in ("torch", "pippy_xla"):
+    for how in arms:
         codes: dict[str, int] = {}
         for _ in range(runs):
             r = _launch(2, "exit", how)[0]
@@ -320,13 +339,23 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=20)
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--runs", type=int, default=100)
+    p.add_argument(
+        "--arms", default=",".join(EXIT_ARMS), help="exit mode: which of " + str(EXIT_ARMS)
+    )
     args = p.parse_args()
     if args.mode == "stress":
         result = _stress(args.runs2, args.runs4)
     elif args.mode == "faults":
         result = _faults(args.trials)
     elif args.mode == "exit":
-        result = _exit(args.runs)
+        arms = args.arms.split(",")
+        # Arms run separately keep each other's results.
+        previous = RESULTS / "robustness_exit.json"
+        result = json.loads(previous.read_text()) if previous.exists() else {}
+        result.pop("machine", None)
+        ours = {*arms, *(f"{a}_stderr" for a in arms)}
+        result = {k: v for k, v in result.items() if k not in ours}
+        result.update(_exit(args.runs, arms))
     else:
         result = _soak(args.steps)
     print(f"wrote {save(f'robustness_{args.mode}', result)}")

@@ -1,4 +1,5 @@
-// Point-to-point transfers over a c10d process group, shared by the custom ops and the engine.
+// Point-to-point transfers over a c10d process group, shared by the custom ops and the engine,
+// and the pipeline's two small collectives.
 // [Note: one send/recv implementation] The `pippy_xla::send/recv/wait_*` ops (p2p.cpp) and the
 // engine (engine.cpp) both go through `isend` / `irecv` below, so there is exactly one code path
 // that touches c10d.
@@ -72,12 +73,12 @@ Transfer irecv(at::Tensor buffer, int64_t peer, int64_t tag, const std::string& 
 
 // [Note: collectives on C++-owned buffers] torch keeps a tensor's Python object alive while C++
 // holds references to it, and drops it (taking the GIL) when the last C++ reference goes. gloo's
-// worker threads (and NCCL's watchdog) release a collective's tensors after the caller's wait
-// has returned; if the caller's interpreter is finalizing by then (the program's last step,
-// then exit), that GIL acquire ends the thread inside a noexcept destructor and the process dies
-// with "terminate called without an active exception" (SIGABRT). So the collectives a step
-// runs go through these two functions: their buffers are created here and never reach Python,
-// and what they return is a copy made after the wait.
+// worker threads release a collective's tensors after the caller's wait has returned (NCCL's
+// watchdog thread holds its works in the same way); if the caller's interpreter is finalizing by
+// then (the program's last step, then exit), that GIL acquire ends the thread inside a noexcept
+// destructor and the process dies with "terminate called without an active exception" (SIGABRT). So
+// the collectives a step runs go through these two functions: their buffers are created here and
+// never reach Python, and what they return is a copy made after the wait.
 
 // Every rank's `value`, in group rank order, gathered on `device` (the group's backend's device).
 std::vector<int64_t> all_gather_int64(int64_t value, const std::string& group_name,
