@@ -190,6 +190,15 @@ def _shape_changes(rank, world):
     with pytest.raises(px.PipelineError) as info:
         pipe.run_train(**batch)
     err = info.value
+    # Rank 0 keeps its sockets open until rank 1 has its error, so rank 1 can only learn of the
+    # failure from rank 0's abort record (not from rank 0's exit closing the connection).
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = _get_default_store()
+    if rank == 1:
+        store.set("test/rank1_raised", "1")
+    else:
+        store.wait(["test/rank1_raised"])
     # Rank 0's F found the mismatch; rank 1, waiting to receive from it, was aborted at once
     # and names rank 0 and its error. See [Note: failing fast].
     assert err.failed_rank == 0 and "expects [Float[4, 16, 64] requires_grad]" in err.cause, err
