@@ -5,7 +5,7 @@
 Each rank builds the model on the ``meta`` device (no rank ever holds the full model),
 materializes only its own stage, and trains on a synthetic, learnable task (arithmetic
 progressions modulo the vocabulary): the loss starts near ln(vocab) (6.24) and falls by about a
-third over the default 60 steps (to about 4.0; about 45 s on 2 CPU cores). Rank 0 shows a progress
+third over the default 60 steps (to about 4.1; about 50 s on 2 CPU cores). Rank 0 shows a progress
 bar and prints the loss and throughput every 10 steps; the last rank prints the stage layout.
 
 Checkpoints (any rank count can resume what another saved; ``--export`` writes a HF checkpoint
