@@ -220,8 +220,9 @@ def _exit_after_collective(rank: int, arm: str) -> None:
     from pippy_xla import _C, pipeline
     from pippy_xla.ops import group_name_of
 
-    class Holder:
-        group = dist.group.WORLD
+    class Holder:  # holds the group as a PipelineModel does: in an instance attribute
+        def __init__(self) -> None:
+            self.group = dist.group.WORLD
 
     holder = Holder()
     if arm == "held_hook":
