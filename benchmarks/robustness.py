@@ -17,7 +17,6 @@ death by a signal, is seen directly.
   last survivor's exit.
 - ``soak``: ``--steps`` training steps on 2 ranks; resident memory, threads and open files at
   step 100 and at the end.
-
 - ``exit``: ``--runs`` times per arm (see ``_exit_after_collective``), rank 0 exits right after
   its last broadcast: through ``torch.distributed`` or the pipeline's own ``_C.broadcast_copy``,
   with the group alive, or destroyed but still held, with and without pippy_xla's exit hook.
