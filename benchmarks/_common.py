@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
 import platform
 import statistics
 import sys
+import threading
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -14,7 +18,17 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from _dist import run_ranks  # noqa: E402
 
-__all__ = ["RESULTS", "ROOT", "llama_and_batch", "machine", "run_ranks", "save", "summarize"]
+__all__ = [
+    "RESULTS",
+    "ROOT",
+    "Phase",
+    "llama_and_batch",
+    "machine",
+    "proc_memory",
+    "run_ranks",
+    "save",
+    "summarize",
+]
 
 
 def llama_and_batch(layers: int, hidden: int, batch: int, seq: int, vocab: int = 512):
@@ -72,3 +86,57 @@ def save(name: str, payload: dict) -> Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps({"machine": machine(), **payload}, indent=2) + "\n")
     return path
+
+
+def proc_memory() -> dict[str, int]:
+    """This process's resident memory now, in bytes: ``VmRSS`` (everything resident) and
+    ``RssAnon`` (what it allocated, without mapped files)."""
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "RssAnon"):
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+class Phase:
+    """Times a phase on this rank and samples its peak memory every 2 ms in a background thread;
+    on exit, records ``{"seconds", "anon_bytes" (peak RssAnon minus its value at the start),
+    "anon_peak_bytes", "rss_peak_bytes"}`` under ``results[name]``. Starts with a barrier over
+    ``group``."""
+
+    def __init__(self, name: str, results: dict, group=None) -> None:
+        self.name, self.results, self.group = name, results, group
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        dist.barrier(group=self.group)
+        self.start = proc_memory()
+        self.peak = dict(self.start)
+        self.done = threading.Event()
+
+        def sample():
+            while not self.done.wait(0.002):
+                for k, v in proc_memory().items():
+                    self.peak[k] = max(self.peak[k], v)
+
+        self.thread = threading.Thread(target=sample, daemon=True)
+        self.thread.start()
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        elapsed = time.perf_counter() - self.t0
+        self.done.set()
+        self.thread.join()
+        for k, v in proc_memory().items():
+            self.peak[k] = max(self.peak[k], v)
+        self.results[self.name] = {
+            "seconds": elapsed,
+            "anon_bytes": self.peak["RssAnon"] - self.start["RssAnon"],
+            "anon_peak_bytes": self.peak["RssAnon"],
+            "rss_peak_bytes": self.peak["VmRSS"],
+        }

@@ -23,63 +23,11 @@ mapped, such as safetensors' memory map). Run: ``python benchmarks/checkpoint_io
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import shutil
 import tempfile
-import threading
-import time
 from pathlib import Path
 
-from _common import run_ranks, save
-
-
-def _status() -> dict[str, int]:
-    out = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "RssAnon"):
-            out[key] = int(value.split()[0]) * 1024
-    return out
-
-
-class _Phase:
-    """Times a phase and samples its peak memory in a background thread."""
-
-    def __init__(self, name: str, results: dict) -> None:
-        self.name, self.results = name, results
-
-    def __enter__(self):
-        import torch.distributed as dist
-
-        gc.collect()
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        dist.barrier()
-        self.start = _status()
-        self.peak = dict(self.start)
-        self.done = threading.Event()
-
-        def sample():
-            while not self.done.wait(0.002):
-                for k, v in _status().items():
-                    self.peak[k] = max(self.peak[k], v)
-
-        self.thread = threading.Thread(target=sample, daemon=True)
-        self.thread.start()
-        self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        elapsed = time.perf_counter() - self.t0
-        self.done.set()
-        self.thread.join()
-        for k, v in _status().items():
-            self.peak[k] = max(self.peak[k], v)
-        self.results[self.name] = {
-            "seconds": elapsed,
-            "anon_bytes": self.peak["RssAnon"] - self.start["RssAnon"],
-            "rss_peak_bytes": self.peak["VmRSS"],
-        }
+from _common import Phase, run_ranks, save
 
 
 def _config(layers: int):
@@ -115,13 +63,13 @@ def _rank(rank, world, layers, workdir):
 
     work = Path(workdir)
     results: dict = {}
-    with _Phase("build", results):
+    with Phase("build", results):
         pipe, total_params = _meta_pipe(layers)
     stage_bytes = sum(t.numel() * t.element_size() for t in pipe.state_dict().values())
 
-    with _Phase("save_pretrained", results):
+    with Phase("save_pretrained", results):
         pipe.save_pretrained(work / "hf")
-    with _Phase("full_save", results):
+    with Phase("full_save", results):
         everyone = [None] * world if rank == 0 else None
         dist.gather_object(pipe.state_dict(), everyone, dst=0)
         if rank == 0:
@@ -135,20 +83,20 @@ def _rank(rank, world, layers, workdir):
         q.grad = torch.zeros_like(q)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    with _Phase("dcp_save", results):
+    with Phase("dcp_save", results):
         pipe.save(work / "dcp", optimizer=opt, step=1)
     del pipe, opt
 
-    with _Phase("build_again", results):
+    with Phase("build_again", results):
         pipe, _ = _meta_pipe(layers)
-    with _Phase("load_pretrained", results):
+    with Phase("load_pretrained", results):
         pipe.load_pretrained(work / "hf")
-    with _Phase("full_load", results):
+    with Phase("full_load", results):
         full = torch.load(work / "full.pt", map_location="cpu")
         pipe.load_state_dict(full)
         del full
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-4)
-    with _Phase("dcp_load", results):
+    with Phase("dcp_load", results):
         step = pipe.load(work / "dcp", optimizer=opt)
     assert step == 1
     return {"total_params": total_params, "stage_bytes": stage_bytes, "phases": results}

@@ -137,6 +137,16 @@ PYBIND11_MODULE(_C, m) {
       py::arg("tensor"), py::arg("root"), py::arg("group_name"), py::arg("timeout_ms"),
       py::arg("what"), py::call_guard<py::gil_scoped_release>(),
       "A copy of group rank `root`'s tensor, broadcast on a buffer that never reaches Python.");
+  m.def(
+      "all_reduce_sum_copy",
+      [](const at::Tensor& tensor, const std::string& group_name, int64_t timeout_ms,
+         std::string what) {
+        return all_reduce_sum_copy(tensor, group_name, std::chrono::milliseconds(timeout_ms),
+                                   std::move(what));
+      },
+      py::arg("tensor"), py::arg("group_name"), py::arg("timeout_ms"), py::arg("what"),
+      py::call_guard<py::gil_scoped_release>(),
+      "The sum of every rank's tensor, all-reduced on a buffer that never reaches Python.");
 
   py::class_<Engine>(m, "Engine")
       .def(py::init([](Schedule schedule, std::string group_name, int64_t timeout_ms,
@@ -149,15 +159,25 @@ PYBIND11_MODULE(_C, m) {
            py::arg("device") = "cpu")
       .def(
           "run",
-          [](Engine& e, int64_t signature, py::function forward) {
+          [](Engine& e, int64_t signature, py::function forward, py::object grads_ready) {
             StageFn fn = [&forward](int64_t stage, int64_t mb, std::vector<at::Tensor> inputs) {
               py::gil_scoped_acquire gil;
               return forward(stage, mb, std::move(inputs)).cast<std::vector<at::Tensor>>();
             };
+            GradsReadyFn ready;
+            if (!grads_ready.is_none())
+              ready = [&grads_ready](int64_t stage) {
+                py::gil_scoped_acquire gil;
+                grads_ready(stage);
+              };
             py::gil_scoped_release nogil;
-            e.run(signature, fn);
+            e.run(signature, fn, ready);
           },
-          py::arg("signature"), py::arg("forward"))
+          py::arg("signature"), py::arg("forward"), py::arg("grads_ready") = py::none(),
+          "Runs one step. `forward(stage, mb, inputs)` runs a stage's forward; "
+          "`grads_ready(stage)`, if given, is called once per local stage as soon as its "
+          "gradients of the step are complete (after its last B, or W, and the sends that "
+          "follow it were posted): see [Note: gradients ready] in engine.cpp.")
       .def("abort", &Engine::abort, py::call_guard<py::gil_scoped_release>(),
            "Wakes the running step's transfer waits so that run() fails now (thread-safe).")
       .def("failure",

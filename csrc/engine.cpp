@@ -182,7 +182,25 @@ std::vector<at::Tensor> Engine::wait_all(std::vector<Transfer>& ts) {
   return out;
 }
 
-void Engine::run(int64_t signature, const StageFn& forward) {
+/* [Note: gradients ready]
+A data-parallel wrapper (pipeline.py, with FSDP2 or replicate) reduces a stage's gradients over its
+replicas once the stage's last gradient action of the step is done: its last B, or its last W when
+backward is split. run() calls grads_ready(stage) then, but only after the sends that directly
+follow that action were posted, so the previous stage's rank gets its gradients before this rank
+blocks in the reduction: the reduction runs while earlier stages finish their cooldown. */
+static std::map<size_t, int64_t> last_gradient_actions(const Schedule& s, int64_t rank) {
+  if (!s.backward) return {};
+  const Op grad_op = s.split_backward ? Op::W : Op::B;
+  std::map<int64_t, size_t> last;  // stage -> index of its last gradient action
+  const auto& actions = s.actions[rank];
+  for (size_t i = 0; i < actions.size(); ++i)
+    if (actions[i].op == grad_op) last[actions[i].stage] = i;
+  std::map<size_t, int64_t> out;
+  for (const auto& [stage, i] : last) out[i] = stage;
+  return out;
+}
+
+void Engine::run(int64_t signature, const StageFn& forward, const GradsReadyFn& grads_ready) {
   TORCH_CHECK(!broken_ && !aborted_, "[rank ", rank_,
               "] the pipeline engine failed in an earlier step and its peers were left mid-step; "
               "restart the job");
@@ -195,6 +213,9 @@ void Engine::run(int64_t signature, const StageFn& forward) {
   try {
     const auto& actions = schedule_.actions[rank_];
     st.posted.assign(actions.size(), false);
+    std::map<size_t, int64_t> last_grad;
+    if (grads_ready) last_grad = last_gradient_actions(schedule_, rank_);
+    std::vector<int64_t> ready;  // stages whose gradients are complete, not yet reported
     for (st.pos = 0; st.pos < actions.size(); ++st.pos) {
       const Action& a = actions[st.pos];
       if (st.posted[st.pos]) continue;  // a receive posted early (see post_ahead)
@@ -228,6 +249,14 @@ void Engine::run(int64_t signature, const StageFn& forward) {
       // gap in the timeline), not part of the action's cost.
       timings_.push_back({a, compute_start_ns_ ? compute_start_ns_ : t0, now_ns()});
       while (!st.sends.empty() && st.sends.front().completed()) st.sends.pop_front();
+      if (auto it = last_grad.find(st.pos); it != last_grad.end()) ready.push_back(it->second);
+      const bool send_next = st.pos + 1 < actions.size() &&
+                             (actions[st.pos + 1].op == Op::SEND_B ||
+                              actions[st.pos + 1].op == Op::SEND_F);
+      if (!send_next) {
+        for (int64_t stage : ready) grads_ready(stage);
+        ready.clear();
+      }
     }
     for (auto& t : st.sends) t.wait(std::chrono::milliseconds(options_.timeout_ms));
     st.sends.clear();

@@ -41,6 +41,9 @@ struct TensorSpec {
 // are the backward roots (the microbatch loss).
 using StageFn = std::function<std::vector<at::Tensor>(int64_t, int64_t, std::vector<at::Tensor>)>;
 
+// grads_ready(stage): the stage's parameter gradients of this step are complete.
+using GradsReadyFn = std::function<void(int64_t)>;
+
 struct EngineOptions {
   std::string group_name;
   int64_t timeout_ms = 300000;
@@ -71,7 +74,7 @@ class Engine {
   // Runs one step of the schedule. `signature` identifies the batch's shapes and dtypes and must
   // be the same on every rank (the caller checks that). Throws on any error; the engine then
   // refuses further steps, since peers are left mid-step.
-  void run(int64_t signature, const StageFn& forward);
+  void run(int64_t signature, const StageFn& forward, const GradsReadyFn& grads_ready = {});
 
   // [Note: aborting a step] Thread-safe: wakes every transfer wait of the running step (c10d's
   // Work::abort), so run() throws instead of waiting out the timeout, and refuses later steps.

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pippy_xla.data_parallel import assign
 from pippy_xla.planner import parse_bytes
 
 if TYPE_CHECKING:
@@ -117,7 +118,7 @@ def load_pretrained(pipe: PipelineModel, path: str | os.PathLike) -> None:
                             f"[rank {pipe.rank}] '{key}' in {file.name} has shape {shape}, the "
                             f"model's '{name}' has {tuple(target.shape)}"
                         )
-                    target.copy_(f.get_tensor(key))
+                    assign(target, f.get_tensor(key))
 
 
 def _shards(tensors: dict[str, torch.Tensor], max_bytes: int | None) -> list[list[str]]:
@@ -142,12 +143,19 @@ def save_pretrained(
     ``"2GB"``); the first rank writes the index naming them and the model's config, so
     ``AutoModelForCausalLM.from_pretrained(path)`` loads the trained model. A tied weight is
     written once, under its first name in the model (as HF does), by the lowest rank holding it.
+    On a mesh, the first replica writes (sharded tensors are gathered over the replicas first).
     """
     from safetensors.torch import save_file
+    from torch.distributed.tensor import DTensor
 
     path = Path(path)
     max_bytes = None if max_shard_size is None else parse_bytes(max_shard_size)
-    local = pipe.state_dict()
+    local = {
+        k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in pipe.state_dict().items()
+    }
+    if pipe.dp_rank != 0:
+        dist.barrier(group=pipe.checkpoint_group)  # until the first replica has written
+        return
     everyone: list = [None] * pipe.num_ranks
     dist.all_gather_object(everyone, sorted(local), group=pipe.group)
     mine: dict[str, torch.Tensor] = {}
@@ -185,7 +193,7 @@ def save_pretrained(
             pipe.config.save_pretrained(path)
         if pipe.generation_config is not None:
             pipe.generation_config.save_pretrained(path)
-    dist.barrier(group=pipe.group)
+    dist.barrier(group=pipe.checkpoint_group)
 
 
 # ----------------------------------------------------------------------------- DCP
@@ -240,7 +248,8 @@ def _view(pipe: PipelineModel) -> _ParamView:
 
 
 def _rng_key(pipe: PipelineModel) -> str:
-    return f"rng.rank{pipe.rank}-of-{pipe.num_ranks}"
+    group = pipe.checkpoint_group
+    return f"rng.rank{dist.get_rank(group)}-of-{dist.get_world_size(group)}"
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
@@ -263,29 +272,37 @@ def save(
 ) -> Path:
     """Saves the pipeline's parameters, persistent buffers, ``optimizer``'s state, each rank's
     RNG state and ``step`` as ``directory/step-<step>`` with ``torch.distributed.checkpoint``; a
-    collective over the pipeline's ranks. Atomic: see [Note: atomic checkpoints]."""
+    collective over the pipeline's ranks (on a mesh: over every rank of the mesh; sharded
+    tensors are saved as DCP shards). Atomic: see [Note: atomic checkpoints]."""
     import torch.distributed.checkpoint as dcp
 
     directory = Path(directory)
     name = "checkpoint" if step is None else f"step-{step:08d}"
     final, partial = directory / name, directory / f".{name}.partial"
-    if pipe.rank == 0:
+    group = pipe.checkpoint_group
+    first = dist.get_rank(group) == 0
+    if first:
         directory.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)
-    dist.barrier(group=pipe.group)
+    dist.barrier(group=group)
     state: dict = {"model": pipe.state_dict(), _rng_key(pipe): torch.get_rng_state()}
     if optimizer is not None:
         state["optim"] = _optimizer_state(_view(pipe), optimizer)
-    dcp.save(state, checkpoint_id=partial, process_group=pipe.group)
-    if pipe.rank == 0:
-        meta = {"step": step, "ranks": pipe.num_ranks, "schedule": pipe.schedule}
+    dcp.save(state, checkpoint_id=partial, process_group=group)
+    if first:
+        meta = {
+            "step": step,
+            "ranks": pipe.num_ranks,
+            "replicas": pipe.dp_size,
+            "schedule": pipe.schedule,
+        }
         (partial / META).write_text(json.dumps(meta) + "\n")
         shutil.rmtree(final, ignore_errors=True)
         os.rename(partial, final)
         tmp = directory / f".{LATEST}.tmp"
         tmp.write_text(name + "\n")
         os.replace(tmp, directory / LATEST)
-    dist.barrier(group=pipe.group)
+    dist.barrier(group=group)
     logger.info("[rank %d] saved %s", pipe.rank, final)
     return final
 
@@ -306,8 +323,9 @@ def load(
     optimizer: torch.optim.Optimizer | None = None,
 ) -> int | None:
     """Loads the checkpoint that :func:`save` wrote (the latest in ``directory``) into this
-    pipeline and ``optimizer``, whatever rank count or schedule saved it; a collective. Restores
-    each rank's RNG state when the rank count is the one saved. Returns the saved step."""
+    pipeline and ``optimizer``, whatever rank count, mesh or schedule saved it; a collective
+    (on a mesh: over every rank of the mesh). Restores each rank's RNG state when the rank count
+    is the one saved. Returns the saved step."""
     import torch.distributed.checkpoint as dcp
 
     path = _resolve(directory)
@@ -320,7 +338,7 @@ def load(
     rng = _rng_key(pipe)
     if rng in keys:
         state[rng] = torch.get_rng_state()
-    dcp.load(state, checkpoint_id=path, process_group=pipe.group)
+    dcp.load(state, checkpoint_id=path, process_group=pipe.checkpoint_group)
     if optimizer is not None:
         _set_optimizer_state(view, optimizer, state["optim"])
     if rng in state:

@@ -11,6 +11,7 @@ import atexit
 import hashlib
 import logging
 import os
+import time
 import weakref
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pippy_xla import _C, checkpoint, ops
+from pippy_xla.data_parallel import DataParallel, assign, local_tensor, mesh_groups
 from pippy_xla.errors import AbortChannel, BatchMismatchError, PipelineError
 from pippy_xla.materialize import materialize
 from pippy_xla.ops import group_name_of
@@ -66,7 +68,8 @@ class EvalOutput:
     loss: torch.Tensor | None
     """The batch's mean loss on every rank, if labels were given."""
     logits: torch.Tensor | None
-    """The whole batch's logits on the last stage's rank, ``None`` elsewhere."""
+    """The whole batch's logits on the last stage's rank, ``None`` elsewhere (with a mesh: the
+    logits of this replica's share of the batch)."""
 
 
 def balanced_ranges(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
@@ -135,6 +138,15 @@ class PipelineModel:
             reuse the compiled code; a recompilation is logged with its cause and recorded in
             :attr:`recompiles`.
         compile_options: keyword arguments for ``torch.compile``.
+        mesh: a 2-D ``DeviceMesh`` (data x pipeline) for several pipeline replicas: the
+            pipeline runs over its ``pp_dim`` dimension, replicas over ``dp_dim``. Every rank is
+            given the global batch; each replica trains on its share, and stage gradients are
+            reduced over the replicas with FSDP2 (see [Note: pipeline x data parallel] in
+            data_parallel.py). Exclusive with ``group``.
+        pp_dim, dp_dim: the mesh's pipeline and data-parallel dimension names.
+        data_parallel: with a mesh, ``"replicate"`` (every replica holds its stage whole:
+            torch's FSDP2-based ``replicate``) or ``"shard"`` (``fully_shard``: parameters,
+            gradients and optimizer state sharded over the replicas).
     """
 
     def __init__(
@@ -155,6 +167,10 @@ class PipelineModel:
         device: torch.device | str | None = None,
         compile: bool = False,
         compile_options: dict | None = None,
+        mesh=None,
+        pp_dim: str = "pp",
+        dp_dim: str = "dp",
+        data_parallel: str = "replicate",
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError(
@@ -170,7 +186,24 @@ class PipelineModel:
             chunks = 2 if schedule == "interleaved" else 1
         if timeout <= 0:
             raise ValueError(f"timeout must be positive seconds, got {timeout}")
+        self.mesh = mesh
+        mesh_info = None
+        if mesh is not None:
+            mesh_info = mesh_groups(mesh, pp_dim, dp_dim, group)
+            group = mesh_info.pp_group
+            if compile:
+                raise ValueError(
+                    "compile=True with a data-parallel mesh is not supported yet; compile a "
+                    "pipeline without mesh=..."
+                )
+        self.dp_rank = mesh_info.dp_rank if mesh_info else 0
+        """This rank's replica (its coordinate on the mesh's data-parallel dimension)."""
+        self.dp_size = mesh_info.dp_size if mesh_info else 1
+        """How many pipeline replicas train together (1 without a mesh)."""
         self.group = group or dist.group.WORLD
+        self.checkpoint_group = dist.group.WORLD if mesh is not None else self.group
+        """The ranks that save and load checkpoints together: the pipeline's group, or with a
+        mesh every rank of the mesh."""
         self._group_name = group_name_of(self.group)
         _LIVE.add(self)
         self.rank = dist.get_rank(self.group)
@@ -236,7 +269,19 @@ class PipelineModel:
         tied_names = _tied_names(model)  # before materializing replaces meta parameters
         materialize(model, self.local_stages, self.device)
         self._aliases = {n: names for names in tied_names for n in names}
-        self._ties = self._tie(tied_names)
+        ties = self._tie(tied_names)
+        self._dp: DataParallel | None = None
+        if mesh_info is not None:
+            self._dp = DataParallel(
+                mesh_info,
+                data_parallel,
+                {st.index: st.module for st in self.local_stages},
+                self._timeout_ms,
+                self.device,
+                build_key=self._build_key,
+            )
+        # After wrapping: FSDP replaces the parameters with its own (DTensors).
+        self._ties = [(owners, self._local_params_named(names)) for owners, names in ties]
         self.config = getattr(model, "config", None)
         """The model's config (written by :meth:`save_pretrained`), if it has one."""
         self.generation_config = getattr(model, "generation_config", None)
@@ -252,6 +297,7 @@ class PipelineModel:
             str(self.device),
         )
         self._last_engine = self._train_engine
+        self._reduce_spans: list[tuple[str, int, int, int, int]] = []
         self._failed: PipelineError | None = None
         self._compiled: dict[int, Callable] | None = None
         self.recompiles: list[str] = []
@@ -306,6 +352,7 @@ class PipelineModel:
             self._timeout_ms,
             f"[rank {self.rank}] build handshake",
         )
+        self._build_key = key
         if all(k == key for k in keys):
             return
         everyone: list = [None] * self.num_ranks  # only to say what differs
@@ -318,17 +365,19 @@ class PipelineModel:
                     "wrap the same model with the same arguments"
                 )
 
-    def _tie(self, tied_names: list[list[str]]) -> list[tuple[list[int], list[nn.Parameter]]]:
+    def _tie(self, tied_names: list[list[str]]) -> list[tuple[list[int], list[str]]]:
         """Parameters shared by several stages (tied embeddings): their values start equal (the
-        first owner's) and their gradients are summed over the owners every step."""
+        first owner's) and their gradients are summed over the owners every step. Returns the
+        (owner ranks, names) of the ties this rank takes part in."""
         ties = []
         for names in tied_names:
             stages = [st.index for st in self.stages if set(names) & set(st.param_names.values())]
             owners = sorted({s % self.num_ranks for s in stages})
             if len(owners) < 2 or self.rank not in owners:
                 continue
-            ties.append((owners, self._local_params_named(names)))
-        for i, (owners, params) in enumerate(ties):
+            ties.append((owners, names))
+        for i, (owners, names) in enumerate(ties):
+            params = self._local_params_named(names)
             self._combine_among(owners, [p.data for p in params], _TIE_TAG + 2 * i, add=False)
         return ties
 
@@ -419,7 +468,7 @@ class PipelineModel:
                         f"[rank {self.rank}] state_dict['{name}'] has shape "
                         f"{tuple(source.shape)}, the model expects {tuple(target.shape)}"
                     )
-                target.copy_(source)
+                assign(target, source)
 
     # ----------------------------------------------------------------------------- checkpoints
 
@@ -515,9 +564,14 @@ class PipelineModel:
         # donates to a compiled backward: compile those stages without donation.
         split = self._compiled is not None and engine.schedule.split_backward
         donation = torch._functorch.config.patch(donated_buffer=False) if split else nullcontext()
+        grads_ready = None
+        self._reduce_spans.clear()
+        if self._dp is not None and engine.schedule.backward:
+            self._dp.before_step()
+            grads_ready = self._reduce_stage
         try:
             with donation, self._abort.watch(engine):
-                engine.run(self._signature, forward)
+                engine.run(self._signature, forward, grads_ready)
         except BaseException as e:
             err = self._failure(e, "step", engine)
             if err is e:
@@ -531,6 +585,13 @@ class PipelineModel:
                 msg = f"[rank {self.rank}] stage recompiled: {why}"
                 logger.warning("%s", msg)
                 self.recompiles.append(msg)
+
+    def _reduce_stage(self, stage: int) -> None:
+        """The engine's ``grads_ready`` callback: reduces ``stage``'s gradients over the
+        replicas, timed for :meth:`timings`."""
+        start = time.time_ns()  # the engine's clock (system time)
+        self._dp.reduce(stage)
+        self._reduce_spans.append(("DP", stage, -1, start, time.time_ns()))
 
     def _split_batch(self, batch: dict[str, torch.Tensor], need_labels: bool):
         self._check_usable()
@@ -561,14 +622,19 @@ class PipelineModel:
                     f"batch['{k}'] has shape {tuple(v.shape)}; every input needs batch size "
                     f"{size} (that of '{first}') in dim 0"
                 )
-        m = self.num_microbatches
-        if size % m != 0:
+        m, dp = self.num_microbatches, self.dp_size
+        if size % (m * dp) != 0:
+            what = f"num_microbatches={m}"
+            if dp > 1:
+                what = f"data-parallel size {dp} x num_microbatches={m} = {dp * m}"
             raise ValueError(
-                f"batch size {size} is not divisible by num_microbatches={m}; use a batch size "
-                f"that is a multiple of {m}"
+                f"batch size {size} is not divisible by {what}; use a batch size that is a "
+                f"multiple of {m * dp}"
             )
         self._agree_on_signature(batch)
-        return batch, {k: v.to(self.device).chunk(m) for k, v in batch.items()}
+        share = size // dp  # this replica's rows: see [Note: pipeline x data parallel]
+        rows = slice(self.dp_rank * share, (self.dp_rank + 1) * share)
+        return batch, {k: v[rows].to(self.device).chunk(m) for k, v in batch.items()}
 
     def _agree_on_signature(self, batch: dict[str, torch.Tensor]) -> None:
         """Per-step handshake: every rank must see the same batch shapes and dtypes, or the
@@ -636,20 +702,25 @@ class PipelineModel:
         if self.is_last:
             total = torch.stack([losses[mb].float() for mb in sorted(losses)]).sum()
         with self._step_part("loss broadcast"):
-            return _C.broadcast_copy(
+            total = _C.broadcast_copy(
                 total,
                 self.last_rank,
                 self._group_name,
                 self._timeout_ms,
                 f"[rank {self.rank}] loss broadcast",
             )
+        if self._dp is not None:  # the replicas' shares add up to the global mean
+            with self._step_part("loss all_reduce over replicas"):
+                total = self._dp.all_reduce_sum(total, f"[rank {self.rank}] loss all_reduce")
+        return total
 
     def run_train(self, **batch: torch.Tensor) -> torch.Tensor:
         """Runs forward and backward over the batch, microbatch by microbatch.
 
         Accumulates gradients into the local stage's parameters (call ``optimizer.step()`` and
         ``zero_grad()`` as usual) and returns the batch's mean loss on every rank, reduced as the
-        unwrapped model reduces it.
+        unwrapped model reduces it. With a mesh, ``batch`` is the global batch: each replica
+        trains on its share, and the loss and gradients are those of the global batch.
         """
         if not torch.is_grad_enabled():
             raise RuntimeError("run_train was called under torch.no_grad(); use run_eval instead")
@@ -661,7 +732,7 @@ class PipelineModel:
         self._run_engine(self._train_engine, forward)
         with self._step_part("tied-weight gradient sum"):
             for i, (owners, params) in enumerate(self._ties):
-                grads = [p.grad for p in params if p.grad is not None]
+                grads = [local_tensor(p.grad) for p in params if p.grad is not None]
                 self._combine_among(owners, grads, _TIE_TAG + 2 * i, add=True)
         return self._reduce_loss(losses)
 
@@ -678,6 +749,8 @@ class PipelineModel:
         logits: dict[int, torch.Tensor] = {}
         forward = self._stage_forward(mbs, labels, num_items, losses, logits)
         self._run_engine(self._eval_engine, forward)
+        if self._dp is not None:
+            self._dp.after_eval()
         all_logits = torch.cat([logits[mb] for mb in sorted(logits)]) if self.is_last else None
         loss = self._reduce_loss(losses) if labels is not None else None
         return EvalOutput(loss=loss, logits=all_logits)
@@ -685,8 +758,10 @@ class PipelineModel:
     # ----------------------------------------------------------------------------- introspection
 
     def timings(self) -> list[tuple[str, int, int, int, int]]:
-        """The last step's actions on this rank: ``(op, stage, microbatch, start_ns, end_ns)``."""
-        return self._last_engine.timings()
+        """The last step's actions on this rank: ``(op, stage, microbatch, start_ns, end_ns)``,
+        in system-clock nanoseconds. With a mesh, each stage's data-parallel gradient reduction
+        is there too, as op ``"DP"`` with microbatch -1."""
+        return self._last_engine.timings() + self._reduce_spans
 
     def timeline(self, json_path: str | None = None, png_path: str | None = None) -> list:
         """Gathers the last step's measured actions of every rank (a collective: call it on all

@@ -16,7 +16,8 @@ __all__ = ["Event", "write_chrome_trace", "draw_timeline", "simulated_events"]
 Event = tuple[int, str, int, int, float, float]
 """``(rank, op, stage, microbatch, start_s, end_s)``."""
 
-# Compute in saturated colours, communication posts in light grey.
+# Compute in saturated colours, communication posts in light grey, data-parallel gradient
+# reductions (DP) in purple.
 _COLORS = {
     "F": "#3b78c4",
     "B": "#e0843a",
@@ -25,6 +26,7 @@ _COLORS = {
     "RF": "#dedede",
     "SB": "#b8b8b8",
     "RB": "#d0d0d0",
+    "DP": "#8e5bb5",
 }
 
 

@@ -112,6 +112,15 @@ at::Tensor broadcast_copy(const at::Tensor& tensor, int64_t root, const std::str
   return buffer[0].clone();
 }
 
+at::Tensor all_reduce_sum_copy(const at::Tensor& tensor, const std::string& group_name,
+                               std::chrono::milliseconds timeout, std::string what) {
+  std::vector<at::Tensor> buffer{tensor.clone(at::MemoryFormat::Contiguous)};
+  c10d::AllreduceOptions options;
+  options.reduceOp = c10d::ReduceOp::SUM;
+  Transfer(group(group_name)->allreduce(buffer, options), buffer[0], std::move(what)).wait(timeout);
+  return buffer[0].clone();
+}
+
 int64_t group_rank(const std::string& group_name) { return group(group_name)->getRank(); }
 int64_t group_size(const std::string& group_name) { return group(group_name)->getSize(); }
 

@@ -88,6 +88,9 @@ std::vector<int64_t> all_gather_int64(int64_t value, const std::string& group_na
 // dtype).
 at::Tensor broadcast_copy(const at::Tensor& tensor, int64_t root, const std::string& group_name,
                           std::chrono::milliseconds timeout, std::string what);
+// The element-wise sum of every rank's `tensor` (same shape and dtype on every rank), as a copy.
+at::Tensor all_reduce_sum_copy(const at::Tensor& tensor, const std::string& group_name,
+                               std::chrono::milliseconds timeout, std::string what);
 
 int64_t group_rank(const std::string& group_name);
 int64_t group_size(const std::string& group_name);

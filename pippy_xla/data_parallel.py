@@ -1,0 +1,215 @@
+"""Pipeline x data parallel on a ``DeviceMesh``: stage replicas reduced by torch's FSDP2.
+
+[Note: pipeline x data parallel]
+
+A 2-D mesh ``(dp, pp)`` holds ``dp`` replicas of one pipeline. Each replica is an ordinary
+pipeline over its ``pp`` group; the ranks that run the same stage in different replicas form a
+``dp`` group. Every rank is given the *global* batch; replica ``i`` trains on the ``i``-th of
+``dp`` equal contiguous slices of it, split into microbatches as usual.
+
+- Gradients: each stage module is wrapped with torch's own data-parallel machinery over the ``dp``
+  dimension: ``fully_shard`` (FSDP2: parameters, gradients and optimizer state sharded over the
+  replicas) or ``replicate`` (the FSDP2-based replicate: every replica holds everything). During a
+  step's microbatches FSDP neither reduces nor reshards (``set_requires_gradient_sync(False)``,
+  ``set_reshard_after_backward(False)``): gradients accumulate locally, as torch.distributed.
+  pipelining does. When a stage's last backward (or weight-gradient step, for ZB-H1) of the step
+  is done, the engine calls back (see [Note: gradients ready] in csrc/engine.cpp) and this module
+  runs FSDP's post-backward for that stage: one reduce-scatter (or all-reduce) of its gradients,
+  while earlier stages still run their cooldown.
+- Scale: every microbatch loss is divided by the *global* batch's count of valid tokens, so the
+  replicas' losses add up to the global mean and their gradients add up to its gradient. FSDP's
+  averaging is therefore turned off (divide factor 1, plain sums), and the reported loss is the
+  sum over replicas: the global batch mean, on every rank.
+- Start: the replicas' values are made equal (copied from the first replica) before wrapping, as
+  DDP does, so a model initialized differently per rank (a seed per rank, ``meta`` init) still
+  trains as one model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pippy_xla import _C
+
+__all__ = [
+    "DATA_PARALLEL_MODES",
+    "DataParallel",
+    "MeshGroups",
+    "assign",
+    "local_tensor",
+    "mesh_groups",
+]
+
+DATA_PARALLEL_MODES = ("replicate", "shard")
+
+
+class MeshGroups:
+    """The process groups and coordinates a rank has on a ``(dp, pp)`` mesh."""
+
+    def __init__(self, mesh, pp_dim: str, dp_dim: str) -> None:
+        self.mesh = mesh
+        self.pp_group: dist.ProcessGroup = mesh.get_group(pp_dim)
+        self.dp_mesh = mesh[dp_dim]
+        self.dp_group: dist.ProcessGroup = mesh.get_group(dp_dim)
+        self.dp_rank: int = self.dp_mesh.get_local_rank()
+        self.dp_size: int = self.dp_mesh.size()
+
+
+def mesh_groups(mesh, pp_dim: str, dp_dim: str, group: dist.ProcessGroup | None) -> MeshGroups:
+    """Checks ``mesh`` (a 2-D ``DeviceMesh`` with dims ``pp_dim`` and ``dp_dim``) and ``group``
+    (``None``, or the mesh's pipeline group) and returns this rank's groups."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}"
+        )
+    names = mesh.mesh_dim_names
+    how = (
+        f"build it with init_device_mesh(device_type, (dp, pp), mesh_dim_names=({dp_dim!r}, "
+        f"{pp_dim!r})), or name its dims with pp_dim=... and dp_dim=..."
+    )
+    if pp_dim == dp_dim:
+        raise ValueError(f"pp_dim and dp_dim must differ, both are {pp_dim!r}")
+    if not names or pp_dim not in names or dp_dim not in names:
+        raise ValueError(
+            f"the mesh's dims are {names}, but the pipeline needs a pipeline dim {pp_dim!r} and "
+            f"a data-parallel dim {dp_dim!r}; {how}"
+        )
+    if mesh.ndim != 2:
+        raise ValueError(
+            f"the mesh has {mesh.ndim} dims {names}; PipelineModel supports 2-D (data x "
+            "pipeline) meshes only"
+        )
+    if mesh.size() != dist.get_world_size():
+        raise ValueError(
+            f"the mesh spans {mesh.size()} ranks but the job has {dist.get_world_size()}; "
+            "PipelineModel needs a mesh over every rank of the job"
+        )
+    groups = MeshGroups(mesh, pp_dim, dp_dim)
+    if group is not None and group is not groups.pp_group:
+        raise ValueError(
+            f"group= is not the mesh's pipeline dimension {pp_dim!r} (its ranks are "
+            f"{dist.get_process_group_ranks(group)}, the pipeline dim's are "
+            f"{dist.get_process_group_ranks(groups.pp_group)}); pass mesh=... alone, the "
+            "pipeline group is taken from it"
+        )
+    return groups
+
+
+class DataParallel:
+    """Wraps this rank's stage modules with FSDP2 over the ``dp`` mesh dimension and reduces
+    their gradients once per step. See [Note: pipeline x data parallel]."""
+
+    def __init__(
+        self,
+        groups: MeshGroups,
+        mode: str,
+        modules: Mapping[int, nn.Module],
+        timeout_ms: int,
+        device: torch.device,
+        build_key: int,
+    ) -> None:
+        """``build_key``: a digest of this rank's pipeline (graphs, schedule, microbatches); the
+        replicas must agree on it and on ``mode`` before any of their tensors are exchanged."""
+        if mode not in DATA_PARALLEL_MODES:
+            raise ValueError(f"data_parallel must be one of {DATA_PARALLEL_MODES}, got {mode!r}")
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+        from torch.distributed.fsdp import fully_shard
+
+        self.groups = groups
+        self.mode = mode
+        self._group_name = groups.dp_group.group_name
+        self._timeout_ms = timeout_ms
+        self._device = str(device)
+        self._api = fully_shard if mode == "shard" else replicate
+        key = build_key ^ DATA_PARALLEL_MODES.index(mode)
+        if not self.agree(key, f"[replica {groups.dp_rank}] data-parallel build handshake"):
+            raise RuntimeError(
+                f"[replica {groups.dp_rank}] the pipeline replicas on the mesh's data-parallel "
+                "dimension built different pipelines (model, layer ranges, schedule, "
+                "microbatches, inputs or data_parallel mode differ); every rank must wrap the "
+                "same model with the same arguments"
+            )
+        for module in modules.values():
+            self._sync_from_first_replica(module)
+        for module in modules.values():
+            self._api(module, mesh=groups.dp_mesh)
+            # The losses are already divided by the global token count: sum, never average.
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+        self.modules = dict(modules)
+
+    def _sync_from_first_replica(self, module: nn.Module) -> None:
+        with torch.no_grad():
+            for name, t in [*module.named_parameters(), *module.named_buffers()]:
+                t.copy_(
+                    _C.broadcast_copy(
+                        t.detach(),
+                        0,
+                        self._group_name,
+                        self._timeout_ms,
+                        f"data-parallel start: broadcast of {name}",
+                    )
+                )
+
+    def before_step(self) -> None:
+        """Microbatch backwards accumulate locally; nothing is reduced or resharded yet."""
+        for module in self.modules.values():
+            module.set_is_last_backward(False)
+            module.set_reshard_after_backward(False)
+            module.set_requires_gradient_sync(False)
+
+    def reduce(self, stage: int) -> None:
+        """Reduces ``stage``'s accumulated gradients over the replicas (the engine's
+        ``grads_ready`` callback) and reshards its parameters."""
+        module = self.modules[stage]
+        module.set_is_last_backward(True)
+        module.set_reshard_after_backward(True)
+        module.set_requires_gradient_sync(True)
+        state = self._api.state(module)
+        for s in state._state_ctx.all_states:
+            for param_group in s._fsdp_param_groups:
+                param_group.post_backward()
+        state._root_post_backward_final_callback()
+
+    def after_eval(self) -> None:
+        """A forward-only step leaves the root modules' parameters unsharded: reshard them."""
+        for module in self.modules.values():
+            module.reshard()
+
+    def all_reduce_sum(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
+        return _C.all_reduce_sum_copy(tensor, self._group_name, self._timeout_ms, what)
+
+    def agree(self, key: int, what: str) -> bool:
+        """Whether every replica passed the same 64-bit ``key``."""
+        keys = _C.all_gather_int64(key, self._group_name, self._device, self._timeout_ms, what)
+        return all(k == key for k in keys)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: its local shard if ``t`` is a DTensor, else ``t``."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def assign(target: torch.Tensor, source: torch.Tensor) -> None:
+    """Copies the full tensor ``source`` into ``target``, which may be a DTensor: its local
+    shard gets the matching slice (no communication)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(target, DTensor):
+        part = distribute_tensor(
+            source.to(target.device, target.dtype),
+            target.device_mesh,
+            target.placements,
+            src_data_rank=None,
+        )
+        target.to_local().copy_(part.to_local())
+    else:
+        target.copy_(source)
