@@ -1,9 +1,9 @@
 """Pipeline x data parallel on 4 CPU ranks (gloo), one global batch: 2 (dp) x 2 (pp) against
 1 x 4 (pipeline only) and 4 x 1 (data parallel only), replicated and sharded (FSDP2).
 
-For each layout, in 4 fresh processes: the model is built on ``meta`` and wrapped (each rank materializes its stage),
-then ``--warmup`` and ``--steps`` timed training steps (``run_train`` and an AdamW step) run on
-the same global batch. Reported per layout:
+For each layout, in 4 fresh processes: the model is built on ``meta`` and wrapped (each rank
+materializes its stage), then ``--warmup`` and ``--steps`` timed training steps (``run_train``
+and an AdamW step) run on the same global batch. Reported per layout:
 
 - ``step_s``: median over the timed steps of the slowest rank's step time (a barrier starts each);
 - per rank, ``anon_bytes``: the peak of its anonymous resident memory (``RssAnon``, sampled every
