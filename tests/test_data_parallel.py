@@ -108,7 +108,10 @@ def _mesh_trains_like_one_process(rank, world, schedule, families, steps=3):
     return checked
 
 
-@pytest.mark.parametrize("schedule,families", [("1f1b", ("llama", "gpt2")), ("zbh1", ("llama",))])
+@pytest.mark.parametrize(
+    "schedule,families",
+    [("1f1b", ("llama", "gpt2")), ("zbh1", ("llama",)), ("interleaved", ("llama",))],
+)
 def test_two_by_two_mesh_matches_one_process(schedule, families):
     out = run_ranks(4, _mesh_trains_like_one_process, schedule, families, timeout=420)
     for family in families:
@@ -162,9 +165,20 @@ def test_bad_mesh_arguments_and_batches_say_what_is_wrong():
     assert "data-parallel size 2 x num_microbatches=2 = 4" in errors["batch"]
 
 
+def _assert_params_equal_models(model, ref, where: str) -> None:
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(
+            model.get_parameter(name),
+            p,
+            **PARAM_TOL,
+            msg=lambda m, name=name: f"{where}: {name}\n{m}",
+        )
+
+
 def _checkpoint_across_meshes(rank, world, tmp):
-    """2 (dp) x 2 (pp) trains two steps and saves; 1 x 4 and 4 x 1 load it and take a third
-    step, equal to three steps of the reference (parameters and optimizer state restored)."""
+    """2 (dp) x 2 (pp) trains two steps and saves (DCP, and HF's layout); 1 x 4 and 4 x 1 load
+    it and take a third step, equal to three steps of the reference (parameters and optimizer
+    state restored)."""
     ref, layer_cls = _build("llama", seed=0)
     ref_opt = torch.optim.AdamW(ref.parameters(), **ADAM)
 
@@ -189,6 +203,9 @@ def _checkpoint_across_meshes(rank, world, tmp):
         opt.zero_grad()
         ref_step(step)
     saver.save(tmp, opt, step=2)
+    saver.save_pretrained(f"{tmp}-hf")  # sharded tensors gathered, the first replica writes
+    exported = type(ref).from_pretrained(f"{tmp}-hf")
+    _assert_params_equal_models(exported, ref, f"save_pretrained rank={rank}")
     ref_step(2)
     checked = []
     for dp, pp in ((1, 4), (4, 1)):
