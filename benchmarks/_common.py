@@ -23,21 +23,21 @@ __all__ = [
     "ROOT",
     "Phase",
     "llama_and_batch",
+    "llama_config",
     "machine",
     "proc_memory",
     "run_ranks",
     "save",
     "summarize",
+    "token_batch",
 ]
 
 
-def llama_and_batch(layers: int, hidden: int, batch: int, seq: int, vocab: int = 512):
-    """A seeded random Llama (heads of 32 dims, 2 KV heads) and a random token batch."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+def llama_config(layers: int, hidden: int, vocab: int = 512):
+    """A Llama config with heads of 32 dims and 2 KV heads, MLP 4 x hidden."""
+    from transformers import LlamaConfig
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
+    return LlamaConfig(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=4 * hidden,
@@ -45,13 +45,24 @@ def llama_and_batch(layers: int, hidden: int, batch: int, seq: int, vocab: int =
         num_attention_heads=hidden // 32,
         num_key_value_heads=2,
     )
+
+
+def token_batch(batch: int, seq: int, vocab: int) -> dict:
+    """A seeded random token batch (no padding; labels are the inputs)."""
+    import torch
+
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (batch, seq), generator=g)
-    return LlamaForCausalLM(cfg), {
-        "input_ids": ids,
-        "attention_mask": torch.ones_like(ids),
-        "labels": ids,
-    }
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+
+def llama_and_batch(layers: int, hidden: int, batch: int, seq: int, vocab: int = 512):
+    """A seeded random Llama (:func:`llama_config`) and a random token batch."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(llama_config(layers, hidden, vocab)), token_batch(batch, seq, vocab)
 
 
 def machine() -> dict:

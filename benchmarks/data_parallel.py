@@ -25,7 +25,7 @@ import argparse
 import statistics
 import time
 
-from _common import Phase, proc_memory, run_ranks, save
+from _common import Phase, llama_config, proc_memory, run_ranks, save, token_batch
 
 LAYOUTS = [
     ("1x4", 1, 4, None),
@@ -34,19 +34,6 @@ LAYOUTS = [
     ("4x1 replicate", 4, 1, "replicate"),
     ("4x1 shard", 4, 1, "shard"),
 ]
-
-
-def _config(args):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=4 * args.hidden,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.hidden // 32,
-        num_key_value_heads=2,
-    )
 
 
 def _state_bytes(pipe, opt) -> int:
@@ -72,7 +59,7 @@ def _layout(args, batch, dp: int, pp: int, mode: str | None) -> dict:
 
     base = proc_memory()["RssAnon"]
     with torch.device("meta"):
-        model = LlamaForCausalLM(_config(args))
+        model = LlamaForCausalLM(llama_config(args.layers, args.hidden, args.vocab))
     mesh = init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp")) if dp > 1 else None
     pipe = px.PipelineModel(
         model,
@@ -118,11 +105,7 @@ def _layout(args, batch, dp: int, pp: int, mode: str | None) -> dict:
 
 
 def _rank(rank, world, args, layout):
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    batch = token_batch(args.batch, args.seq, args.vocab)
     _, dp, pp, mode = layout
     return _layout(args, batch, dp, pp, mode)
 

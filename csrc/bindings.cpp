@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 
 #include "engine.h"
+#include "memory.h"
 #include "planner.h"
 #include "schedule.h"
 #include "stash.h"
@@ -147,6 +148,23 @@ PYBIND11_MODULE(_C, m) {
       py::arg("tensor"), py::arg("group_name"), py::arg("timeout_ms"), py::arg("what"),
       py::call_guard<py::gil_scoped_release>(),
       "The sum of every rank's tensor, all-reduced on a buffer that never reaches Python.");
+
+  // See [Note: counting CPU allocator] in memory.h.
+  m.def("memory_tracker_install", &MemoryTracker::install,
+        "Installs the counting CPU allocator (for tests and benchmarks; stays installed).");
+  m.def("memory_stats", [] {
+    if (!MemoryTracker::installed())
+      throw std::runtime_error(
+          "the CPU memory tracker is not installed: call _C.memory_tracker_install() first");
+    const MemoryStats s = MemoryTracker::stats();
+    py::dict d;
+    d["live_bytes"] = s.live_bytes;
+    d["peak_bytes"] = s.peak_bytes;
+    d["allocations"] = s.allocations;
+    return d;
+  });
+  m.def("memory_reset_peak", &MemoryTracker::reset_peak,
+        "Sets the counted peak to the live bytes now.");
 
   py::class_<Engine>(m, "Engine")
       .def(py::init([](Schedule schedule, std::string group_name, int64_t timeout_ms,

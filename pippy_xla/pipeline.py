@@ -217,11 +217,19 @@ class PipelineModel:
         self._timeout_ms = int(timeout * 1000)
 
         num_layers = len(find_layers(model, layer_cls))
-        # ---- planner: plan=... (issue 4) ----
         checkpoint_layers: list[int] = []
         if plan is not None:
             if layer_ranges is not None:
                 raise ValueError("pass either plan=... or layer_ranges=..., not both")
+            made_for = (plan.schedule, plan.num_microbatches)
+            if made_for != (schedule, num_microbatches):
+                raise ValueError(
+                    f"the plan was made for schedule {plan.schedule!r} with "
+                    f"{plan.num_microbatches} microbatches, but this pipeline runs {schedule!r} "
+                    f"with {num_microbatches}: activations in flight differ, so its memory "
+                    f"prediction would not hold; plan with schedule={schedule!r}, "
+                    f"num_microbatches={num_microbatches}"
+                )
             if plan.num_stages != self.num_stages:
                 raise ValueError(
                     f"the plan has {plan.num_stages} stages but this pipeline has "
@@ -230,7 +238,6 @@ class PipelineModel:
                 )
             layer_ranges = plan.layer_ranges
             checkpoint_layers = plan.checkpoint_layers
-        # ---- end planner ----
         if schedule == "interleaved" and num_layers % self.num_stages:
             raise ValueError(
                 f"schedule 'interleaved' with {chunks} chunks on {self.num_ranks} ranks needs the "

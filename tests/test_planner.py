@@ -274,6 +274,14 @@ def _train_with_plan(rank, world, plan_json, steps=2):
     model, layer_cls = MODELS["llama"](layers=4)
     ref = copy.deepcopy(model)
     plan = px.Plan.from_json(plan_json)
+    m = plan.num_microbatches
+    for schedule, mbs in (("gpipe", m), ("1f1b", 2 * m)):  # not what the plan was made for
+        with pytest.raises(ValueError) as e:
+            px.PipelineModel(
+                model, layer_cls=layer_cls, num_microbatches=mbs, schedule=schedule, plan=plan
+            )
+        assert f"made for schedule '1f1b' with {m} microbatches" in str(e.value)
+        assert f"runs '{schedule}' with {mbs}" in str(e.value)
     pipe = px.PipelineModel(
         model, layer_cls=layer_cls, num_microbatches=plan.num_microbatches, plan=plan, timeout=60
     )
