@@ -234,16 +234,17 @@ PYBIND11_MODULE(_C, m) {
 
   // ---- planner ----
   // See [Note: planner cost model] in planner.h. Layers: (fwd, bwd, saved, saved_ckpt,
-  // static_bytes); extras per stage: (fwd, bwd, saved, static_bytes).
+  // static_bytes, transient); extras per stage: (fwd, bwd, saved, static_bytes, transient).
   {
-    using PyLayer = std::tuple<double, double, int64_t, int64_t, int64_t>;
-    using PyExtra = std::tuple<double, double, int64_t, int64_t>;
+    using PyLayer = std::tuple<double, double, int64_t, int64_t, int64_t, int64_t>;
+    using PyExtra = std::tuple<double, double, int64_t, int64_t, int64_t>;
     auto make_problem = [](const std::vector<PyLayer>& layers, const std::vector<PyExtra>& extras,
                            std::vector<int64_t> inflight, std::vector<int64_t> memory_limit,
                            bool allow_checkpoint) {
       PlanProblem p;
-      for (const auto& [f, b, sv, sc, st] : layers) p.layers.push_back({f, b, sv, sc, st});
-      for (const auto& [f, b, sv, st] : extras) p.extras.push_back({f, b, sv, st});
+      for (const auto& [f, b, sv, sc, st, tr] : layers)
+        p.layers.push_back({f, b, sv, sc, st, tr});
+      for (const auto& [f, b, sv, st, tr] : extras) p.extras.push_back({f, b, sv, st, tr});
       p.inflight = std::move(inflight);
       p.memory_limit = std::move(memory_limit);
       p.allow_checkpoint = allow_checkpoint;
@@ -260,6 +261,7 @@ PYBIND11_MODULE(_C, m) {
         d["time"] = e.time;
         d["activation_bytes"] = e.activation_bytes;
         d["static_bytes"] = e.static_bytes;
+        d["transient_bytes"] = e.transient_bytes;
         d["memory"] = e.memory;
         out.append(d);
       }

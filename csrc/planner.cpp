@@ -19,6 +19,7 @@ struct Point {
   int64_t bytes;
   int32_t parent;
   bool ckpt;
+  bool any;  // some layer of the range is checkpointed
 };
 
 struct Frontiers {
@@ -28,6 +29,8 @@ struct Frontiers {
   std::vector<std::vector<std::vector<Point>>> by_start;
   std::vector<std::vector<double>> base_time;      // sum of fwd + bwd over [i, j)
   std::vector<std::vector<int64_t>> static_bytes;  // sum of static bytes over [i, j)
+  std::vector<std::vector<int64_t>> transient;     // max transient_i over [i, j)
+  std::vector<std::vector<int64_t>> recompute;     // max saved_i - saved_ckpt_i + transient_i
 
   const std::vector<Point>& at(int32_t i, int32_t j) const { return by_start[i][j - i - 1]; }
 };
@@ -45,16 +48,30 @@ void check_problem(const PlanProblem& p) {
   for (size_t i = 0; i < p.layers.size(); ++i) {
     const LayerCost& l = p.layers[i];
     TORCH_CHECK(
-        l.fwd >= 0 && l.bwd >= 0 && l.saved >= 0 && l.saved_ckpt >= 0 && l.static_bytes >= 0,
+        l.fwd >= 0 && l.bwd >= 0 && l.saved >= 0 && l.saved_ckpt >= 0 && l.static_bytes >= 0 &&
+            l.transient >= 0,
         "planner: layer ", i, " has a negative cost");
   }
   for (int64_t s = 0; s < num_stages; ++s) {
     const StageExtra& e = p.extras[s];
-    TORCH_CHECK(e.fwd >= 0 && e.bwd >= 0 && e.saved >= 0 && e.static_bytes >= 0, "planner: stage ",
+    TORCH_CHECK(e.fwd >= 0 && e.bwd >= 0 && e.saved >= 0 && e.static_bytes >= 0 &&
+                    e.transient >= 0,
+                "planner: stage ",
                 s, " extras have a negative cost");
     TORCH_CHECK(p.inflight[s] >= 0, "planner: stage ", s, " has negative in-flight count ",
                 p.inflight[s]);
   }
+}
+
+// What a checkpointed layer's backward holds on top of the stage: its recomputed activations
+// (beyond the inputs the checkpoint kept) and its own working set.
+int64_t recompute_bytes(const LayerCost& l) {
+  return std::max<int64_t>(0, l.saved - l.saved_ckpt) + l.transient;
+}
+
+int64_t stage_transient(const StageExtra& e, int64_t layers_transient, int64_t layers_recompute,
+                        bool any_checkpointed) {
+  return std::max({e.transient, layers_transient, any_checkpointed ? layers_recompute : 0});
 }
 
 Frontiers build_frontiers(const PlanProblem& p) {
@@ -64,19 +81,25 @@ Frontiers build_frontiers(const PlanProblem& p) {
   f.by_start.resize(n);
   f.base_time.resize(n);
   f.static_bytes.resize(n);
+  f.transient.resize(n);
+  f.recompute.resize(n);
   std::vector<Point> merged;
   for (int32_t i = 0; i < n; ++i) {
     auto& fronts = f.by_start[i];
     fronts.reserve(n - i);
-    std::vector<Point> prev{{0.0, 0, -1, false}};
+    std::vector<Point> prev{{0.0, 0, -1, false, false}};
     double base = 0.0;
-    int64_t stat = 0;
+    int64_t stat = 0, trans = 0, recomp = 0;
     for (int32_t j = i + 1; j <= n; ++j) {
       const LayerCost& l = p.layers[j - 1];
       base += l.fwd + l.bwd;
       stat += l.static_bytes;
+      trans = std::max(trans, l.transient);
+      recomp = std::max(recomp, recompute_bytes(l));
       f.base_time[i].push_back(base);
       f.static_bytes[i].push_back(stat);
+      f.transient[i].push_back(trans);
+      f.recompute[i].push_back(recomp);
       // Merge "layer j-1 kept" (a) with "layer j-1 checkpointed" (b), both sorted by time.
       merged.clear();
       const auto m = static_cast<int32_t>(prev.size());
@@ -101,10 +124,10 @@ Frontiers build_frontiers(const PlanProblem& p) {
           take_a = ta < tb || (ta == tb && ba <= bb);
         }
         if (take_a) {
-          push({prev[ia].time, prev[ia].bytes + l.saved, ia, false});
+          push({prev[ia].time, prev[ia].bytes + l.saved, ia, false, prev[ia].any});
           ++ia;
         } else {
-          push({prev[ib].time + l.fwd, prev[ib].bytes + l.saved_ckpt, ib, true});
+          push({prev[ib].time + l.fwd, prev[ib].bytes + l.saved_ckpt, ib, true, true});
           ++ib;
         }
       }
@@ -124,30 +147,40 @@ class Costs {
  public:
   Costs(const PlanProblem& p, const Frontiers& f) : p_(p), f_(f) {}
 
-  int64_t memory(int32_t s, int32_t i, int32_t j, int64_t bytes) const {
+  int64_t memory(int32_t s, int32_t i, int32_t j, const Point& q) const {
     const StageExtra& e = p_.extras[s];
-    return p_.inflight[s] * (e.saved + bytes) + e.static_bytes + f_.static_bytes[i][j - i - 1];
+    const int32_t r = j - i - 1;
+    return p_.inflight[s] * (e.saved + q.bytes) + e.static_bytes + f_.static_bytes[i][r] +
+           stage_transient(e, f_.transient[i][r], f_.recompute[i][r], q.any);
   }
 
-  // Fastest frontier point of [i, j) that fits stage s's limit (bytes fall as time rises).
+  // Fastest frontier point of [i, j) that fits stage s's limit. Along the frontier bytes fall as
+  // time rises; only its first point can lack checkpointed layers (and recomputation's
+  // transient), so memory falls monotonically from the second point on.
   StageCost cost(int32_t s, int32_t i, int32_t j) const {
     const auto& front = f_.at(i, j);
     const int64_t limit = p_.memory_limit[s];
-    int32_t lo = 0, hi = static_cast<int32_t>(front.size());
-    while (lo < hi) {
-      const int32_t mid = (lo + hi) / 2;
-      if (memory(s, i, j, front[mid].bytes) <= limit)
-        hi = mid;
-      else
-        lo = mid + 1;
+    int32_t lo = 0;
+    if (memory(s, i, j, front[0]) > limit) {
+      lo = 1;
+      int32_t hi = static_cast<int32_t>(front.size());
+      while (lo < hi) {
+        const int32_t mid = (lo + hi) / 2;
+        if (memory(s, i, j, front[mid]) <= limit)
+          hi = mid;
+        else
+          lo = mid + 1;
+      }
+      if (lo == static_cast<int32_t>(front.size())) return {};
     }
-    if (lo == static_cast<int32_t>(front.size())) return {};
     const StageExtra& e = p_.extras[s];
     return {e.fwd + e.bwd + f_.base_time[i][j - i - 1] + front[lo].time, lo};
   }
 
   int64_t excess(int32_t s, int32_t i, int32_t j) const {
-    return memory(s, i, j, f_.at(i, j).back().bytes) - p_.memory_limit[s];
+    const auto& front = f_.at(i, j);
+    return std::min(memory(s, i, j, front.front()), memory(s, i, j, front.back())) -
+           p_.memory_limit[s];
   }
 
  private:
@@ -182,6 +215,11 @@ std::vector<StageEval> evaluate_plan(const PlanProblem& p,
       ck[k - start] = true;
     }
     const StageExtra& e = p.extras[s];
+    int64_t layers_transient = 0, layers_recompute = 0;
+    for (int32_t k = start; k < stop; ++k) {
+      layers_transient = std::max(layers_transient, p.layers[k].transient);
+      layers_recompute = std::max(layers_recompute, recompute_bytes(p.layers[k]));
+    }
     StageEval ev;
     ev.start = start;
     ev.stop = stop;
@@ -199,7 +237,9 @@ std::vector<StageEval> evaluate_plan(const PlanProblem& p,
     }
     ev.time = ev.forward + ev.backward;
     ev.activation_bytes = p.inflight[s] * bytes;
-    ev.memory = ev.activation_bytes + ev.static_bytes;
+    ev.transient_bytes =
+        stage_transient(e, layers_transient, layers_recompute, !ev.checkpoint.empty());
+    ev.memory = ev.activation_bytes + ev.static_bytes + ev.transient_bytes;
     out.push_back(std::move(ev));
   }
   TORCH_CHECK(expected == num_layers, "evaluate_plan: ranges end at layer ", expected, ", not ",

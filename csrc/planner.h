@@ -9,7 +9,15 @@
 //   backward_s = extra.bwd + sum_i bwd_i + sum_{i in C} fwd_i
 //   time_s     = forward_s + backward_s
 //   memory_s   = inflight_s * (extra.saved + sum_{i not in C} saved_i + sum_{i in C} saved_ckpt_i)
-//                + extra.static_bytes + sum_i static_i
+//                + extra.static_bytes + sum_i static_i + transient_s
+//   transient_s = max(extra.transient, max_i transient_i,
+//                     C empty ? 0 : max_i (saved_i - saved_ckpt_i + transient_i))
+// transient_s is the largest working set on top of what the stage keeps: the temporaries of one
+// layer's (or the prologue's / epilogue's) forward or backward, measured by the profiler, and for
+// a stage with checkpointed layers the recomputed activations of one of them during its backward.
+// The last term takes the max over the whole range rather than over C, so that the stage's memory
+// depends on C only through (recompute time, activation bytes, C empty): exact for identical
+// layers, an upper bound otherwise.
 // where inflight_s is the number of microbatches whose activations stage s holds at once under
 // the schedule (1F1B: min(stages - s, microbatches); GPipe: microbatches). The objective is the
 // bottleneck max_s time_s (with uniform per-stage work the 1F1B / GPipe step time is
@@ -44,6 +52,7 @@ struct LayerCost {
   int64_t saved = 0;         // bytes saved for backward per microbatch, not checkpointed
   int64_t saved_ckpt = 0;    // bytes saved for backward per microbatch, checkpointed
   int64_t static_bytes = 0;  // parameters + gradients + optimizer state
+  int64_t transient = 0;     // largest working set of its forward or backward (see above)
 };
 
 struct StageExtra {
@@ -51,6 +60,7 @@ struct StageExtra {
   double bwd = 0.0;
   int64_t saved = 0;  // per microbatch
   int64_t static_bytes = 0;
+  int64_t transient = 0;
 };
 
 struct PlanProblem {
@@ -70,7 +80,8 @@ struct StageEval {
   double time = 0.0;
   int64_t activation_bytes = 0;  // inflight * per-microbatch saved bytes
   int64_t static_bytes = 0;
-  int64_t memory = 0;
+  int64_t transient_bytes = 0;
+  int64_t memory = 0;  // static + activations + transient
 };
 
 struct PlanResult {

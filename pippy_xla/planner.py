@@ -69,6 +69,8 @@ class LayerCost:
     """Bytes saved for backward when checkpointed (the layer's positional inputs)."""
     static_bytes: int
     """Parameters + gradients + optimizer state."""
+    transient_bytes: int = 0
+    """Largest working set of its forward or backward on top of what persists (temporaries)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -79,6 +81,7 @@ class StageExtra:
     bwd: float = 0.0
     saved_bytes: int = 0
     static_bytes: int = 0
+    transient_bytes: int = 0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -106,10 +109,20 @@ class PlanProblem:
 
     def _args(self) -> tuple:
         layers = [
-            (ly.fwd, ly.bwd, int(ly.saved_bytes), int(ly.saved_bytes_ckpt), int(ly.static_bytes))
+            (
+                ly.fwd,
+                ly.bwd,
+                int(ly.saved_bytes),
+                int(ly.saved_bytes_ckpt),
+                int(ly.static_bytes),
+                int(ly.transient_bytes),
+            )
             for ly in self.layers
         ]
-        extras = [(e.fwd, e.bwd, int(e.saved_bytes), int(e.static_bytes)) for e in self.extras]
+        extras = [
+            (e.fwd, e.bwd, int(e.saved_bytes), int(e.static_bytes), int(e.transient_bytes))
+            for e in self.extras
+        ]
         return layers, extras, [int(x) for x in self.inflight], [int(x) for x in self.memory_limit]
 
 
@@ -182,7 +195,11 @@ class StagePlan:
     static_bytes: int
     """Parameters, gradients and optimizer state."""
     memory_bytes: int
+    """Predicted peak: static + activations + transient."""
     memory_limit: int
+    transient_bytes: int = 0
+    """Largest working set on top of static bytes and activations (see [Note: planner cost
+    model] in csrc/planner.h)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -220,8 +237,8 @@ class Plan:
         scale = 1e3 if self.time_unit == "s" else 1.0
         head = (
             f"{'stage':>5} {'layers':>9} {'n':>3} {'ckpt':>4} {'inflight':>8} "
-            f"{'fwd ' + unit:>10} {'bwd ' + unit:>10} {'activations':>12} {'static':>10} "
-            f"{'memory':>10} {'limit':>10}"
+            f"{'fwd ' + unit:>10} {'bwd ' + unit:>10} {'static':>10} {'activations':>12} "
+            f"{'transient':>10} {'peak':>10} {'limit':>10}"
         )
         rows = [head]
         for st in self.stages:
@@ -229,9 +246,9 @@ class Plan:
             rows.append(
                 f"{st.index:>5} {f'{a}-{b - 1}':>9} {b - a:>3} {len(st.checkpoint_layers):>4} "
                 f"{st.inflight:>8} {st.forward_time * scale:>10.3f} "
-                f"{st.backward_time * scale:>10.3f} {_fmt_bytes(st.activation_bytes):>12} "
-                f"{_fmt_bytes(st.static_bytes):>10} {_fmt_bytes(st.memory_bytes):>10} "
-                f"{_fmt_bytes(st.memory_limit):>10}"
+                f"{st.backward_time * scale:>10.3f} {_fmt_bytes(st.static_bytes):>10} "
+                f"{_fmt_bytes(st.activation_bytes):>12} {_fmt_bytes(st.transient_bytes):>10} "
+                f"{_fmt_bytes(st.memory_bytes):>10} {_fmt_bytes(st.memory_limit):>10}"
             )
         rows.append(
             f"schedule {self.schedule}, {self.num_microbatches} microbatches: bottleneck stage "
@@ -277,6 +294,7 @@ def _make_plan(
                 inflight=problem.inflight[s],
                 activation_bytes=st["activation_bytes"],
                 static_bytes=st["static_bytes"],
+                transient_bytes=st["transient_bytes"],
                 memory_bytes=st["memory"],
                 memory_limit=problem.memory_limit[s],
             )
@@ -325,6 +343,7 @@ class ModelProfile:
                     e.bwd += part.bwd
                     e.saved_bytes += part.saved_bytes
                     e.static_bytes += part.static_bytes
+                    e.transient_bytes = max(e.transient_bytes, part.transient_bytes)
             extras.append(e)
         return PlanProblem(
             layers=list(self.layers),
@@ -407,6 +426,46 @@ def _first_tensor(value) -> torch.Tensor:
     return ts[0]
 
 
+class _WorkingSets:
+    """Largest working set per region of a forward and backward: the peak of live tensor bytes
+    inside the region minus the larger of its live bytes at the start and at the end (what the
+    region leaves behind is not transient). Live bytes come from the CUDA caching allocator's
+    counters, or on CPU from the counting allocator (``_C.memory_stats``, see [Note: counting CPU
+    allocator] in csrc/memory.h), which this installs for the rest of the process."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        if device.type == "cuda":
+            self._live = lambda: torch.cuda.memory_allocated(device)
+            self._peak = lambda: torch.cuda.max_memory_allocated(device)
+            self._reset = lambda: torch.cuda.reset_peak_memory_stats(device)
+        else:
+            _C.memory_tracker_install()
+            self._live = lambda: _C.memory_stats()["live_bytes"]
+            self._peak = lambda: _C.memory_stats()["peak_bytes"]
+            self._reset = _C.memory_reset_peak
+        self.bytes: dict[str, int] = {}
+        self._open: dict[str, int] = {}
+
+    def open(self, region: str) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._reset()
+        self._open[region] = self._live()
+
+    def close(self, region: str) -> None:
+        if region not in self._open:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        start = self._open.pop(region)
+        extra = max(0, self._peak() - max(start, self._live()))
+        self.bytes[region] = max(self.bytes.get(region, 0), extra)
+
+    def get(self, region: str) -> int:
+        return self.bytes.get(region, 0)
+
+
 _CACHE: dict[str, ModelProfile] = {}
 
 
@@ -446,7 +505,10 @@ def profile_model(
     each layer's input and output), median of ``repeats`` runs after a warm-up. The decoder layers
     are one class with one config, so they cost the same: every layer gets the median over layers
     (tiny layers are too fast to time one by one). Static bytes are parameter bytes times
-    ``2 + optimizer_states`` (parameters, gradients, AdamW state). Results are cached in memory per
+    ``2 + optimizer_states`` (parameters, gradients, AdamW state). Transient bytes are each
+    region's largest working set during forward and backward (the peak of live tensor bytes on
+    top of what the region starts with and leaves behind: see :class:`_WorkingSets`); on CPU this
+    installs the counting allocator for the rest of the process. Results are cached in memory per
     (model config, shape, dtype).
     """
     dtype = next(model.parameters()).dtype
@@ -471,28 +533,49 @@ def profile_model(
 
     state = {"region": "prologue", "t": {}, "kw": [], "args": None}
     counter = SavedBytes(exclude)
+    work = _WorkingSets(device)
     handles = []
 
     def now() -> float:
         return time.perf_counter()
 
+    # Backward regions: the epilogue's from loss.backward() to the last layer's output gradient,
+    # layer k's from its output gradient to its input gradient, the prologue's after layer 0.
+    def backward_out(k: int) -> None:
+        state["t"][("bout", k)] = now()
+        if k == num - 1:
+            work.close("epilogue backward")
+        work.open(f"layer{k} backward")
+
+    def backward_in(k: int) -> None:
+        state["t"][("bin", k)] = now()
+        work.close(f"layer{k} backward")
+        if k == 0:
+            work.open("prologue backward")
+
     def make_hooks(k: int):
         def pre(mod, args, kwargs):
             state["t"][("f0", k)] = now()
+            if k == 0:
+                work.close("prologue")
+            work.open(f"layer{k}")
             counter.region = f"layer{k}"
             state["kw"].extend(_tensors(kwargs))
             if k == 0 and state["args"] is None:
                 state["args"] = (args, kwargs)
             x = args[0] if args else None
             if isinstance(x, torch.Tensor) and x.requires_grad:
-                x.register_hook(lambda grad: state["t"].__setitem__(("bin", k), now()))
+                x.register_hook(lambda grad: backward_in(k))
 
         def post(mod, args, kwargs, out):
             state["t"][("f1", k)] = now()
+            work.close(f"layer{k}")
+            if k == num - 1:
+                work.open("epilogue")
             counter.region = "epilogue" if k == num - 1 else f"between{k}"
             y = _first_tensor(out)
             if y.requires_grad:
-                y.register_hook(lambda grad: state["t"].__setitem__(("bout", k), now()))
+                y.register_hook(lambda grad: backward_out(k))
 
         return pre, post
 
@@ -525,11 +608,15 @@ def profile_model(
             state["t"].clear()
             state["kw"].clear()
             t0 = now()
+            work.open("prologue")
             with counter.hooks():
                 out = model(**batch, use_cache=False)
             loss = out.loss if hasattr(out, "loss") else out["loss"]
             t1 = now()
+            work.close("epilogue")
+            work.open("epilogue backward")
             loss.backward()
+            work.close("prologue backward")
             t2 = now()
             model.zero_grad(set_to_none=True)
             if run > 0:  # the first run warms up
@@ -608,6 +695,7 @@ def profile_model(
                 saved_bytes=layer_saved[k],
                 saved_bytes_ckpt=ckpt_saved,
                 static_bytes=static(params),
+                transient_bytes=max(work.get(f"layer{k}"), work.get(f"layer{k} backward")),
             )
         )
     prof = ModelProfile(
@@ -617,12 +705,14 @@ def profile_model(
             bwd=med(pro_b),
             saved_bytes=pro_saved,
             static_bytes=static(list(used["prologue"].values())),
+            transient_bytes=max(work.get("prologue"), work.get("prologue backward")),
         ),
         epilogue=StageExtra(
             fwd=med(epi_f),
             bwd=med(epi_b),
             saved_bytes=epi_saved,
             static_bytes=static(list(used["epilogue"].values())),
+            transient_bytes=max(work.get("epilogue"), work.get("epilogue backward")),
         ),
         shared_saved_bytes=shared,
         microbatch_size=microbatch_size,

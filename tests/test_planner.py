@@ -71,9 +71,26 @@ def test_colossalai_5509_instance():
         "ratio",
         out["bottleneck"] / free["bottleneck"],
     )
-    assert out["bottleneck"] <= 1.13 * free["bottleneck"]
-    assert out["bottleneck"] == 27.0  # 7/8/8/9 layers with 4/3/0/0 checkpointed
+    # A stage with checkpointed layers also holds one layer's recomputed activations during
+    # its backward (1250 - 125): 7/8/8/9 layers with 4/4/0/0 checkpointed (without that term the
+    # issue's own model allows 4/3/0/0 and 27.0).
+    assert out["bottleneck"] <= 1.17 * free["bottleneck"]
+    assert out["bottleneck"] == 28.0
+    assert ckpt == [4, 4, 0, 0] and ranges == [(0, 7), (7, 15), (15, 23), (23, 32)]
     assert all(st["memory"] <= 20_000 for st in out["stages"])
+
+
+def _transient(extra: StageExtra, layers: list[LayerCost], any_checkpointed: bool) -> int:
+    """[Note: planner cost model]: the largest working set, and with checkpointed layers one
+    layer's recomputation (the max over the stage's layers)."""
+    recompute = max(
+        max(0, ly.saved_bytes - ly.saved_bytes_ckpt) + ly.transient_bytes for ly in layers
+    )
+    return max(
+        extra.transient_bytes,
+        max(ly.transient_bytes for ly in layers),
+        recompute if any_checkpointed else 0,
+    )
 
 
 def _brute(problem: PlanProblem):
@@ -87,12 +104,15 @@ def _brute(problem: PlanProblem):
             for s in range(S):
                 e = problem.extras[s]
                 t, act, stat = e.fwd + e.bwd, e.saved_bytes, e.static_bytes
-                for k in range(bounds[s], bounds[s + 1]):
+                stage = range(bounds[s], bounds[s + 1])
+                for k in stage:
                     lay = problem.layers[k]
                     ck = mask >> k & 1
                     t += lay.fwd + lay.bwd + (lay.fwd if ck else 0)
                     act += lay.saved_bytes_ckpt if ck else lay.saved_bytes
                     stat += lay.static_bytes
+                layers = [problem.layers[k] for k in stage]
+                stat += _transient(e, layers, any(mask >> k & 1 for k in stage))
                 times.append(t)
                 excess.append(problem.inflight[s] * act + stat - problem.memory_limit[s])
             if best_excess is None or max(excess) < best_excess:
@@ -112,6 +132,7 @@ def _random_problem(rng: random.Random) -> PlanProblem:
             saved_bytes=rng.randint(0, 100),
             saved_bytes_ckpt=rng.randint(0, 40),
             static_bytes=rng.randint(0, 50),
+            transient_bytes=rng.choice([0, rng.randint(0, 60)]),
         )
         for _ in range(n)
     ]
@@ -121,6 +142,7 @@ def _random_problem(rng: random.Random) -> PlanProblem:
             bwd=rng.uniform(0, 2),
             saved_bytes=rng.randint(0, 30),
             static_bytes=rng.randint(0, 30),
+            transient_bytes=rng.choice([0, rng.randint(0, 80)]),
         )
         for _ in range(S)
     ]
@@ -160,6 +182,7 @@ def test_solver_matches_brute_force():
                 problem.inflight[s] * act
                 + problem.extras[s].static_bytes
                 + sum(ly.static_bytes for ly in lay)
+                + _transient(problem.extras[s], lay, bool(ck))
             )
             assert mem == st["memory"]
     assert feasible > 50
@@ -392,7 +415,10 @@ def test_cli_plan(capsys, tmp_path):
     )
     assert rc == 0
     text = capsys.readouterr().out
-    assert "stage" in text and "memory" in text and "simulated step" in text
+    header = next(line for line in text.splitlines() if line.startswith("stage"))
+    # The predicted peak per stage and its parts.
+    assert all(w in header for w in ("static", "activations", "transient", "peak", "limit"))
+    assert "simulated step" in text
     assert px.Plan.from_json(out_json.read_text()).num_stages == 2
     assert (
         main(
