@@ -11,7 +11,9 @@ import atexit
 import hashlib
 import logging
 import os
+import sys
 import time
+import types
 import weakref
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -59,6 +61,45 @@ def _release_groups_at_exit() -> None:
     exit now. A group the program never destroyed stays alive; that one is torch's to tear down."""
     for pipe in list(_LIVE):
         pipe.group = None
+    _release_stale_default_groups()
+
+
+def _release_stale_default_groups() -> None:
+    """[Note: groups bound as default arguments] Some ``torch.distributed`` modules bind the
+    default group as a default argument (``def all_reduce(tensor, ..., group=group.WORLD)`` in
+    ``torch.distributed.nn.functional``, which ``transformers`` imports through FSDP's sharded
+    tensors). Imported after ``init_process_group``, each such default holds the group, so
+    ``destroy_process_group`` frees nothing and the group, with gloo's worker threads, lives into
+    interpreter finalization: the [Note: releasing the group at exit] crash, with no pipeline
+    involved. A group held this way that is no longer the default one is replaced by ``None``
+    (which those functions read as the default group), so it is freed here, before
+    finalization."""
+    if not dist.is_available():
+        return
+    world = dist.group.WORLD if dist.is_initialized() else None
+
+    def stale(value) -> bool:
+        return isinstance(value, dist.ProcessGroup) and value is not world
+
+    def fix(fn) -> None:
+        if type(fn) in (staticmethod, classmethod):
+            fn = fn.__func__
+        if type(fn) is not types.FunctionType:  # type(), not isinstance: no __getattribute__
+            return
+        if fn.__defaults__ and any(stale(d) for d in fn.__defaults__):
+            fn.__defaults__ = tuple(None if stale(d) else d for d in fn.__defaults__)
+        if fn.__kwdefaults__ and any(stale(d) for d in fn.__kwdefaults__.values()):
+            fn.__kwdefaults__ = {k: None if stale(d) else d for k, d in fn.__kwdefaults__.items()}
+
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("torch.distributed"):
+            continue
+        for value in list(vars(module).values()):
+            if issubclass(type(value), type):
+                for attr in list(vars(value).values()):
+                    fix(attr)
+            else:
+                fix(value)
 
 
 @dataclass(kw_only=True, slots=True)

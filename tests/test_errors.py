@@ -422,3 +422,25 @@ def test_exit_hook_lets_a_destroyed_group_finish_before_finalization():
     for held, after, group in run_ranks(2, _group_threads_after_exit_hook):
         assert held, "expected gloo's worker threads while the pipeline holds the group"
         assert after == [] and group is None, after
+
+
+def _group_threads_with_a_default_argument_holder(rank, world):
+    # [Note: groups bound as default arguments] in pippy_xla/pipeline.py. Re-executing the module
+    # after init_process_group binds the live world group into its defaults, as importing it
+    # (through transformers) after init_process_group does.
+    import importlib
+
+    import torch.distributed as dist
+    import torch.distributed.nn.functional as F
+
+    importlib.reload(F)
+    dist.destroy_process_group()
+    held = _gloo_threads()  # F.all_reduce's default argument still holds the destroyed group
+    px.pipeline._release_groups_at_exit()  # what atexit runs
+    return held, _gloo_threads(), F.all_reduce.__defaults__
+
+
+def test_exit_hook_releases_a_destroyed_group_held_by_default_arguments():
+    for held, after, defaults in run_ranks(2, _group_threads_with_a_default_argument_holder):
+        assert held, "expected gloo's worker threads while the default argument holds the group"
+        assert after == [] and None in defaults, (after, defaults)
