@@ -15,7 +15,8 @@ allocator] in csrc/memory.h), installed before the model is built:
 - ``peak_optimizer``: the most live bytes during its AdamW step (torch's foreach AdamW allocates
   temporaries the size of the parameters), reported apart;
 - the prediction's parts: ``static`` (parameters, gradients, AdamW state), ``activations``
-  (microbatches in flight times saved bytes), ``transient`` (the largest working set, see
+  (microbatches in flight times saved bytes), ``buffers`` (receives posted ahead, sends in
+  flight), ``transient`` (the largest working set, see
   [Note: planner cost model] in csrc/planner.h) and their sum ``predicted``.
 
 Run: ``python benchmarks/planner_memory.py``; results in
@@ -121,6 +122,7 @@ def main() -> None:
                     "inflight": st.inflight,
                     "static": st.static_bytes,
                     "activations": st.activation_bytes,
+                    "buffers": st.buffer_bytes,
                     "transient": st.transient_bytes,
                     "predicted": st.memory_bytes,
                     **m,
@@ -130,7 +132,8 @@ def main() -> None:
                 print(
                     f"{schedule:6s} ckpt={name:4s} stage {st.index}: predicted "
                     f"{st.memory_bytes / 2**20:7.2f} MiB (static {st.static_bytes / 2**20:.2f} + "
-                    f"activations {st.activation_bytes / 2**20:.2f} + transient "
+                    f"activations {st.activation_bytes / 2**20:.2f} + buffers "
+                    f"{st.buffer_bytes / 2**20:.2f} + transient "
                     f"{st.transient_bytes / 2**20:.2f}), measured peak "
                     f"{m['peak_measured'] / 2**20:7.2f} MiB (between steps "
                     f"{m['static_measured'] / 2**20:.2f}, optimizer step "

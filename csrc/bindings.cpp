@@ -149,6 +149,7 @@ PYBIND11_MODULE(_C, m) {
       py::call_guard<py::gil_scoped_release>(),
       "The sum of every rank's tensor, all-reduced on a buffer that never reaches Python.");
 
+  m.attr("RECV_LOOKAHEAD") = kRecvLookahead;
   // See [Note: counting CPU allocator] in memory.h.
   m.def("memory_tracker_install", &MemoryTracker::install,
         "Installs the counting CPU allocator (for tests and benchmarks; stays installed).");
@@ -234,17 +235,19 @@ PYBIND11_MODULE(_C, m) {
 
   // ---- planner ----
   // See [Note: planner cost model] in planner.h. Layers: (fwd, bwd, saved, saved_ckpt,
-  // static_bytes, transient); extras per stage: (fwd, bwd, saved, static_bytes, transient).
+  // static_bytes, transient); extras per stage: (fwd, bwd, saved, static_bytes, transient,
+  // buffers).
   {
     using PyLayer = std::tuple<double, double, int64_t, int64_t, int64_t, int64_t>;
-    using PyExtra = std::tuple<double, double, int64_t, int64_t, int64_t>;
+    using PyExtra = std::tuple<double, double, int64_t, int64_t, int64_t, int64_t>;
     auto make_problem = [](const std::vector<PyLayer>& layers, const std::vector<PyExtra>& extras,
                            std::vector<int64_t> inflight, std::vector<int64_t> memory_limit,
                            bool allow_checkpoint) {
       PlanProblem p;
       for (const auto& [f, b, sv, sc, st, tr] : layers)
         p.layers.push_back({f, b, sv, sc, st, tr});
-      for (const auto& [f, b, sv, st, tr] : extras) p.extras.push_back({f, b, sv, st, tr});
+      for (const auto& [f, b, sv, st, tr, bu] : extras)
+        p.extras.push_back({f, b, sv, st, tr, bu});
       p.inflight = std::move(inflight);
       p.memory_limit = std::move(memory_limit);
       p.allow_checkpoint = allow_checkpoint;
@@ -262,6 +265,7 @@ PYBIND11_MODULE(_C, m) {
         d["activation_bytes"] = e.activation_bytes;
         d["static_bytes"] = e.static_bytes;
         d["transient_bytes"] = e.transient_bytes;
+        d["buffer_bytes"] = e.buffer_bytes;
         d["memory"] = e.memory;
         out.append(d);
       }

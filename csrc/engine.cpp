@@ -21,8 +21,6 @@ namespace {
 
 constexpr int64_t kHeaderLen = 512;
 constexpr int64_t kMaxBoundaryTensors = 64;
-constexpr int kRecvLookahead =
-    4;  // receive actions posted ahead, see [Note: receives posted ahead]
 enum TagKind { kActivation = 0, kGradient = 1, kHeader = 2 };
 
 int64_t now_ns() {

@@ -41,6 +41,10 @@ struct TensorSpec {
 // are the backward roots (the microbatch loss).
 using StageFn = std::function<std::vector<at::Tensor>(int64_t, int64_t, std::vector<at::Tensor>)>;
 
+// Receive actions a rank posts ahead of the one it waits on (see [Note: receives posted ahead] in
+// engine.cpp); their buffers are allocated then, which the planner's memory model counts.
+constexpr int kRecvLookahead = 4;
+
 // grads_ready(stage): the stage's parameter gradients of this step are complete.
 using GradsReadyFn = std::function<void(int64_t)>;
 

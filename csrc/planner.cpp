@@ -55,7 +55,7 @@ void check_problem(const PlanProblem& p) {
   for (int64_t s = 0; s < num_stages; ++s) {
     const StageExtra& e = p.extras[s];
     TORCH_CHECK(e.fwd >= 0 && e.bwd >= 0 && e.saved >= 0 && e.static_bytes >= 0 &&
-                    e.transient >= 0,
+                    e.transient >= 0 && e.buffers >= 0,
                 "planner: stage ",
                 s, " extras have a negative cost");
     TORCH_CHECK(p.inflight[s] >= 0, "planner: stage ", s, " has negative in-flight count ",
@@ -151,7 +151,7 @@ class Costs {
     const StageExtra& e = p_.extras[s];
     const int32_t r = j - i - 1;
     return p_.inflight[s] * (e.saved + q.bytes) + e.static_bytes + f_.static_bytes[i][r] +
-           stage_transient(e, f_.transient[i][r], f_.recompute[i][r], q.any);
+           e.buffers + stage_transient(e, f_.transient[i][r], f_.recompute[i][r], q.any);
   }
 
   // Fastest frontier point of [i, j) that fits stage s's limit. Along the frontier bytes fall as
@@ -239,7 +239,8 @@ std::vector<StageEval> evaluate_plan(const PlanProblem& p,
     ev.activation_bytes = p.inflight[s] * bytes;
     ev.transient_bytes =
         stage_transient(e, layers_transient, layers_recompute, !ev.checkpoint.empty());
-    ev.memory = ev.activation_bytes + ev.static_bytes + ev.transient_bytes;
+    ev.buffer_bytes = e.buffers;
+    ev.memory = ev.activation_bytes + ev.static_bytes + ev.buffer_bytes + ev.transient_bytes;
     out.push_back(std::move(ev));
   }
   TORCH_CHECK(expected == num_layers, "evaluate_plan: ranges end at layer ", expected, ", not ",

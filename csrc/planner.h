@@ -9,7 +9,7 @@
 //   backward_s = extra.bwd + sum_i bwd_i + sum_{i in C} fwd_i
 //   time_s     = forward_s + backward_s
 //   memory_s   = inflight_s * (extra.saved + sum_{i not in C} saved_i + sum_{i in C} saved_ckpt_i)
-//                + extra.static_bytes + sum_i static_i + transient_s
+//                + extra.static_bytes + sum_i static_i + extra.buffers + transient_s
 //   transient_s = max(extra.transient, max_i transient_i,
 //                     C empty ? 0 : max_i (saved_i - saved_ckpt_i + transient_i))
 // transient_s is the largest working set on top of what the stage keeps: the temporaries of one
@@ -61,6 +61,7 @@ struct StageExtra {
   int64_t saved = 0;  // per microbatch
   int64_t static_bytes = 0;
   int64_t transient = 0;
+  int64_t buffers = 0;  // transfer buffers live during the step (receives posted ahead)
 };
 
 struct PlanProblem {
@@ -81,7 +82,8 @@ struct StageEval {
   int64_t activation_bytes = 0;  // inflight * per-microbatch saved bytes
   int64_t static_bytes = 0;
   int64_t transient_bytes = 0;
-  int64_t memory = 0;  // static + activations + transient
+  int64_t buffer_bytes = 0;
+  int64_t memory = 0;  // static + activations + buffers + transient
 };
 
 struct PlanResult {

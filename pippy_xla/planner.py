@@ -82,6 +82,8 @@ class StageExtra:
     saved_bytes: int = 0
     static_bytes: int = 0
     transient_bytes: int = 0
+    buffer_bytes: int = 0
+    """Transfer buffers live during a step (receives posted ahead, sends in flight)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -120,7 +122,14 @@ class PlanProblem:
             for ly in self.layers
         ]
         extras = [
-            (e.fwd, e.bwd, int(e.saved_bytes), int(e.static_bytes), int(e.transient_bytes))
+            (
+                e.fwd,
+                e.bwd,
+                int(e.saved_bytes),
+                int(e.static_bytes),
+                int(e.transient_bytes),
+                int(e.buffer_bytes),
+            )
             for e in self.extras
         ]
         return layers, extras, [int(x) for x in self.inflight], [int(x) for x in self.memory_limit]
@@ -195,11 +204,13 @@ class StagePlan:
     static_bytes: int
     """Parameters, gradients and optimizer state."""
     memory_bytes: int
-    """Predicted peak: static + activations + transient."""
+    """Predicted peak: static + activations + buffers + transient."""
     memory_limit: int
     transient_bytes: int = 0
     """Largest working set on top of static bytes and activations (see [Note: planner cost
     model] in csrc/planner.h)."""
+    buffer_bytes: int = 0
+    """Transfer buffers: receives posted ahead and the sends in flight."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -238,7 +249,7 @@ class Plan:
         head = (
             f"{'stage':>5} {'layers':>9} {'n':>3} {'ckpt':>4} {'inflight':>8} "
             f"{'fwd ' + unit:>10} {'bwd ' + unit:>10} {'static':>10} {'activations':>12} "
-            f"{'transient':>10} {'peak':>10} {'limit':>10}"
+            f"{'buffers':>9} {'transient':>10} {'peak':>10} {'limit':>10}"
         )
         rows = [head]
         for st in self.stages:
@@ -247,7 +258,8 @@ class Plan:
                 f"{st.index:>5} {f'{a}-{b - 1}':>9} {b - a:>3} {len(st.checkpoint_layers):>4} "
                 f"{st.inflight:>8} {st.forward_time * scale:>10.3f} "
                 f"{st.backward_time * scale:>10.3f} {_fmt_bytes(st.static_bytes):>10} "
-                f"{_fmt_bytes(st.activation_bytes):>12} {_fmt_bytes(st.transient_bytes):>10} "
+                f"{_fmt_bytes(st.activation_bytes):>12} {_fmt_bytes(st.buffer_bytes):>9} "
+                f"{_fmt_bytes(st.transient_bytes):>10} "
                 f"{_fmt_bytes(st.memory_bytes):>10} {_fmt_bytes(st.memory_limit):>10}"
             )
         rows.append(
@@ -295,6 +307,7 @@ def _make_plan(
                 activation_bytes=st["activation_bytes"],
                 static_bytes=st["static_bytes"],
                 transient_bytes=st["transient_bytes"],
+                buffer_bytes=st["buffer_bytes"],
                 memory_bytes=st["memory"],
                 memory_limit=problem.memory_limit[s],
             )
@@ -322,6 +335,9 @@ class ModelProfile:
     prologue: StageExtra
     epilogue: StageExtra
     shared_saved_bytes: int
+    boundary_bytes: int
+    """Bytes of one microbatch's hidden states (a decoder layer's output): what crosses a stage
+    boundary, forward as activations and backward as gradients."""
     microbatch_size: int
     seq_len: int
     dtype: str
@@ -336,7 +352,14 @@ class ModelProfile:
         """The solver input for ``num_stages`` stages."""
         extras = []
         for s in range(num_stages):
-            e = StageExtra(saved_bytes=self.shared_saved_bytes)
+            # Transfers: a stage other than the last keeps each in-flight microbatch's output (a
+            # backward root); every stage has up to RECV_LOOKAHEAD receives posted ahead, and one
+            # other than the first an input gradient being sent.
+            e = StageExtra(
+                saved_bytes=self.shared_saved_bytes
+                + (self.boundary_bytes if s < num_stages - 1 else 0),
+                buffer_bytes=self.boundary_bytes * (_C.RECV_LOOKAHEAD + (1 if s > 0 else 0)),
+            )
             for part, on in ((self.prologue, s == 0), (self.epilogue, s == num_stages - 1)):
                 if on:
                     e.fwd += part.fwd
@@ -570,10 +593,11 @@ def profile_model(
         def post(mod, args, kwargs, out):
             state["t"][("f1", k)] = now()
             work.close(f"layer{k}")
+            y = _first_tensor(out)
+            state["boundary"] = y.numel() * y.element_size()
             if k == num - 1:
                 work.open("epilogue")
             counter.region = "epilogue" if k == num - 1 else f"between{k}"
-            y = _first_tensor(out)
             if y.requires_grad:
                 y.register_hook(lambda grad: backward_out(k))
 
@@ -715,6 +739,7 @@ def profile_model(
             transient_bytes=max(work.get("epilogue"), work.get("epilogue backward")),
         ),
         shared_saved_bytes=shared,
+        boundary_bytes=state["boundary"],
         microbatch_size=microbatch_size,
         seq_len=seq_len,
         dtype=str(dtype),

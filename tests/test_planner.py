@@ -103,7 +103,7 @@ def _brute(problem: PlanProblem):
             times, excess = [], []
             for s in range(S):
                 e = problem.extras[s]
-                t, act, stat = e.fwd + e.bwd, e.saved_bytes, e.static_bytes
+                t, act, stat = e.fwd + e.bwd, e.saved_bytes, e.static_bytes + e.buffer_bytes
                 stage = range(bounds[s], bounds[s + 1])
                 for k in stage:
                     lay = problem.layers[k]
@@ -143,6 +143,7 @@ def _random_problem(rng: random.Random) -> PlanProblem:
             saved_bytes=rng.randint(0, 30),
             static_bytes=rng.randint(0, 30),
             transient_bytes=rng.choice([0, rng.randint(0, 80)]),
+            buffer_bytes=rng.randint(0, 20),
         )
         for _ in range(S)
     ]
@@ -182,6 +183,7 @@ def test_solver_matches_brute_force():
                 problem.inflight[s] * act
                 + problem.extras[s].static_bytes
                 + sum(ly.static_bytes for ly in lay)
+                + problem.extras[s].buffer_bytes
                 + _transient(problem.extras[s], lay, bool(ck))
             )
             assert mem == st["memory"]
@@ -417,7 +419,8 @@ def test_cli_plan(capsys, tmp_path):
     text = capsys.readouterr().out
     header = next(line for line in text.splitlines() if line.startswith("stage"))
     # The predicted peak per stage and its parts.
-    assert all(w in header for w in ("static", "activations", "transient", "peak", "limit"))
+    parts = ("static", "activations", "buffers", "transient", "peak", "limit")
+    assert all(w in header for w in parts)
     assert "simulated step" in text
     assert px.Plan.from_json(out_json.read_text()).num_stages == 2
     assert (
