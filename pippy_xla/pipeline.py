@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,9 @@ from pippy_xla.materialize import materialize
 from pippy_xla.ops import group_name_of
 from pippy_xla.partition import StageGraph, find_layers, partition
 from pippy_xla.planner import Plan
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["PipelineModel", "EvalOutput", "balanced_ranges"]
 
@@ -208,7 +212,7 @@ class PipelineModel:
         device: torch.device | str | None = None,
         compile: bool = False,
         compile_options: dict | None = None,
-        mesh=None,
+        mesh: DeviceMesh | None = None,
         pp_dim: str = "pp",
         dp_dim: str = "dp",
         data_parallel: str = "replicate",
