@@ -65,6 +65,7 @@ def _release_groups_at_exit() -> None:
     exit now. A group the program never destroyed stays alive; that one is torch's to tear down."""
     for pipe in list(_LIVE):
         pipe.group = None
+        pipe.mesh = pipe._dp = None  # a mesh holds its dimensions' groups
     _release_stale_default_groups()
 
 
@@ -246,9 +247,6 @@ class PipelineModel:
         self.dp_size = mesh_info.dp_size if mesh_info else 1
         """How many pipeline replicas train together (1 without a mesh)."""
         self.group = group or dist.group.WORLD
-        self.checkpoint_group = dist.group.WORLD if mesh is not None else self.group
-        """The ranks that save and load checkpoints together: the pipeline's group, or with a
-        mesh every rank of the mesh."""
         self._group_name = group_name_of(self.group)
         _LIVE.add(self)
         self.rank = dist.get_rank(self.group)
@@ -379,6 +377,13 @@ class PipelineModel:
     def module(self) -> torch.fx.GraphModule:
         """The graph module of :attr:`stage`."""
         return self.stage.module
+
+    @property
+    def checkpoint_group(self) -> dist.ProcessGroup:
+        """The ranks that save and load checkpoints together: the pipeline's group, or with a
+        mesh every rank of the mesh (the job). A property, not an attribute: the exit hook frees
+        the group by dropping :attr:`group` (see [Note: releasing the group at exit])."""
+        return dist.group.WORLD if self.mesh is not None else self.group
 
     @property
     def is_last(self) -> bool:

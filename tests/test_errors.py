@@ -434,6 +434,7 @@ def _group_threads_with_a_default_argument_holder(rank, world):
     import torch.distributed.nn.functional as F
 
     importlib.reload(F)
+    dist.barrier()  # gloo's worker threads name themselves when they first run
     dist.destroy_process_group()
     held = _gloo_threads()  # F.all_reduce's default argument still holds the destroyed group
     px.pipeline._release_groups_at_exit()  # what atexit runs
