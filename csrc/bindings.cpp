@@ -244,10 +244,8 @@ PYBIND11_MODULE(_C, m) {
                            std::vector<int64_t> inflight, std::vector<int64_t> memory_limit,
                            bool allow_checkpoint) {
       PlanProblem p;
-      for (const auto& [f, b, sv, sc, st, tr] : layers)
-        p.layers.push_back({f, b, sv, sc, st, tr});
-      for (const auto& [f, b, sv, st, tr, bu] : extras)
-        p.extras.push_back({f, b, sv, st, tr, bu});
+      for (const auto& [f, b, sv, sc, st, tr] : layers) p.layers.push_back({f, b, sv, sc, st, tr});
+      for (const auto& [f, b, sv, st, tr, bu] : extras) p.extras.push_back({f, b, sv, st, tr, bu});
       p.inflight = std::move(inflight);
       p.memory_limit = std::move(memory_limit);
       p.allow_checkpoint = allow_checkpoint;

@@ -145,10 +145,29 @@ std::string TensorSpec::str() const {
   return os.str();
 }
 
+/* [Note: gradients ready]
+A data-parallel wrapper (pipeline.py, with FSDP2 or replicate) reduces a stage's gradients over its
+replicas once the stage's last gradient action of the step is done: its last B, or its last W when
+backward is split. run() calls grads_ready(stage) then, but only after the sends that directly
+follow that action were posted, so the previous stage's rank gets its gradients before this rank
+blocks in the reduction: the reduction runs while earlier stages finish their cooldown. */
+static std::map<size_t, int64_t> last_gradient_actions(const Schedule& s, int64_t rank) {
+  if (!s.backward) return {};
+  const Op grad_op = s.split_backward ? Op::W : Op::B;
+  std::map<int64_t, size_t> last;  // stage -> index of its last gradient action
+  const auto& actions = s.actions[rank];
+  for (size_t i = 0; i < actions.size(); ++i)
+    if (actions[i].op == grad_op) last[actions[i].stage] = i;
+  std::map<size_t, int64_t> out;
+  for (const auto& [stage, i] : last) out[i] = stage;
+  return out;
+}
+
 Engine::Engine(Schedule schedule, EngineOptions options)
     : schedule_(std::move(schedule)), options_(std::move(options)) {
   validate(schedule_);
   rank_ = group_rank(options_.group_name);
+  last_grad_ = last_gradient_actions(schedule_, rank_);
   const int64_t size = group_size(options_.group_name);
   TORCH_CHECK(size == schedule_.num_ranks, "schedule '", schedule_.name, "' is for ",
               schedule_.num_ranks, " ranks but process group '", options_.group_name, "' has ",
@@ -180,24 +199,6 @@ std::vector<at::Tensor> Engine::wait_all(std::vector<Transfer>& ts) {
   return out;
 }
 
-/* [Note: gradients ready]
-A data-parallel wrapper (pipeline.py, with FSDP2 or replicate) reduces a stage's gradients over its
-replicas once the stage's last gradient action of the step is done: its last B, or its last W when
-backward is split. run() calls grads_ready(stage) then, but only after the sends that directly
-follow that action were posted, so the previous stage's rank gets its gradients before this rank
-blocks in the reduction: the reduction runs while earlier stages finish their cooldown. */
-static std::map<size_t, int64_t> last_gradient_actions(const Schedule& s, int64_t rank) {
-  if (!s.backward) return {};
-  const Op grad_op = s.split_backward ? Op::W : Op::B;
-  std::map<int64_t, size_t> last;  // stage -> index of its last gradient action
-  const auto& actions = s.actions[rank];
-  for (size_t i = 0; i < actions.size(); ++i)
-    if (actions[i].op == grad_op) last[actions[i].stage] = i;
-  std::map<size_t, int64_t> out;
-  for (const auto& [stage, i] : last) out[i] = stage;
-  return out;
-}
-
 void Engine::run(int64_t signature, const StageFn& forward, const GradsReadyFn& grads_ready) {
   TORCH_CHECK(!broken_ && !aborted_, "[rank ", rank_,
               "] the pipeline engine failed in an earlier step and its peers were left mid-step; "
@@ -211,8 +212,6 @@ void Engine::run(int64_t signature, const StageFn& forward, const GradsReadyFn& 
   try {
     const auto& actions = schedule_.actions[rank_];
     st.posted.assign(actions.size(), false);
-    std::map<size_t, int64_t> last_grad;
-    if (grads_ready) last_grad = last_gradient_actions(schedule_, rank_);
     std::vector<int64_t> ready;  // stages whose gradients are complete, not yet reported
     for (st.pos = 0; st.pos < actions.size(); ++st.pos) {
       const Action& a = actions[st.pos];
@@ -247,10 +246,10 @@ void Engine::run(int64_t signature, const StageFn& forward, const GradsReadyFn& 
       // gap in the timeline), not part of the action's cost.
       timings_.push_back({a, compute_start_ns_ ? compute_start_ns_ : t0, now_ns()});
       while (!st.sends.empty() && st.sends.front().completed()) st.sends.pop_front();
-      if (auto it = last_grad.find(st.pos); it != last_grad.end()) ready.push_back(it->second);
-      const bool send_next = st.pos + 1 < actions.size() &&
-                             (actions[st.pos + 1].op == Op::SEND_B ||
-                              actions[st.pos + 1].op == Op::SEND_F);
+      if (auto it = last_grad_.find(st.pos); grads_ready && it != last_grad_.end())
+        ready.push_back(it->second);
+      const bool send_next = st.pos + 1 < actions.size() && (actions[st.pos + 1].op == Op::SEND_B ||
+                                                             actions[st.pos + 1].op == Op::SEND_F);
       if (!send_next) {
         for (int64_t stage : ready) grads_ready(stage);
         ready.clear();

@@ -149,6 +149,7 @@ class Engine {
   EngineOptions options_;
   int64_t rank_ = 0;
   std::map<int64_t, SignatureSpecs> specs_;
+  std::map<size_t, int64_t> last_grad_;  // index of a stage's last B (or W) -> its stage
   Stash stash_;
   std::vector<ActionTiming> timings_;
   int64_t compute_start_ns_ = 0;  // set by F / B once their inputs are there

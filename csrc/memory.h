@@ -19,8 +19,8 @@
 namespace pippy_xla {
 
 struct MemoryStats {
-  int64_t live_bytes = 0;  // bytes of counted storages alive now
-  int64_t peak_bytes = 0;  // most live bytes since install() or the last reset_peak()
+  int64_t live_bytes = 0;   // bytes of counted storages alive now
+  int64_t peak_bytes = 0;   // most live bytes since install() or the last reset_peak()
   int64_t allocations = 0;  // storages counted since install()
 };
 

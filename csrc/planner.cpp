@@ -47,17 +47,15 @@ void check_problem(const PlanProblem& p) {
               ") need one entry per stage (", num_stages, ")");
   for (size_t i = 0; i < p.layers.size(); ++i) {
     const LayerCost& l = p.layers[i];
-    TORCH_CHECK(
-        l.fwd >= 0 && l.bwd >= 0 && l.saved >= 0 && l.saved_ckpt >= 0 && l.static_bytes >= 0 &&
-            l.transient >= 0,
-        "planner: layer ", i, " has a negative cost");
+    TORCH_CHECK(l.fwd >= 0 && l.bwd >= 0 && l.saved >= 0 && l.saved_ckpt >= 0 &&
+                    l.static_bytes >= 0 && l.transient >= 0,
+                "planner: layer ", i, " has a negative cost");
   }
   for (int64_t s = 0; s < num_stages; ++s) {
     const StageExtra& e = p.extras[s];
     TORCH_CHECK(e.fwd >= 0 && e.bwd >= 0 && e.saved >= 0 && e.static_bytes >= 0 &&
                     e.transient >= 0 && e.buffers >= 0,
-                "planner: stage ",
-                s, " extras have a negative cost");
+                "planner: stage ", s, " extras have a negative cost");
     TORCH_CHECK(p.inflight[s] >= 0, "planner: stage ", s, " has negative in-flight count ",
                 p.inflight[s]);
   }

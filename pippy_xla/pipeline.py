@@ -307,7 +307,7 @@ class PipelineModel:
             checkpoint_layers=checkpoint_layers,
         )
         self.local_stages = [st for st in self.stages if st.index % self.num_ranks == self.rank]
-        self._check_ranks_agree(schedule)
+        build_key = self._check_ranks_agree(schedule)
 
         if loss_fn is None:
             if not hasattr(model, "loss_function") or not hasattr(model, "config"):
@@ -328,7 +328,7 @@ class PipelineModel:
                 {st.index: st.module for st in self.local_stages},
                 self._timeout_ms,
                 self.device,
-                build_key=self._build_key,
+                build_key=build_key,
             )
         # After wrapping: FSDP replaces the parameters with its own (DTensors).
         self._ties = [(owners, self._local_params_named(names)) for owners, names in ties]
@@ -394,8 +394,9 @@ class PipelineModel:
     def last_rank(self) -> int:
         return (self.num_stages - 1) % self.num_ranks
 
-    def _check_ranks_agree(self, schedule: str) -> None:
-        """Build-time handshake: every rank must have built the same partition and settings."""
+    def _check_ranks_agree(self, schedule: str) -> int:
+        """Build-time handshake: every rank must have built the same partition and settings.
+        Returns the 64-bit digest of them (a mesh's replicas compare it too)."""
         digest = hashlib.sha256()
         for st in self.stages:
             digest.update(st.code.encode())
@@ -409,9 +410,8 @@ class PipelineModel:
             self._timeout_ms,
             f"[rank {self.rank}] build handshake",
         )
-        self._build_key = key
         if all(k == key for k in keys):
-            return
+            return key
         everyone: list = [None] * self.num_ranks  # only to say what differs
         dist.all_gather_object(everyone, mine, group=self.group)
         for r, theirs in enumerate(everyone):
@@ -421,6 +421,7 @@ class PipelineModel:
                     f"schedule, microbatches, inputs) = {theirs} here {mine}; every rank must "
                     "wrap the same model with the same arguments"
                 )
+        return key
 
     def _tie(self, tied_names: list[list[str]]) -> list[tuple[list[int], list[str]]]:
         """Parameters shared by several stages (tied embeddings): their values start equal (the

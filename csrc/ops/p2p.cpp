@@ -103,22 +103,36 @@ std::vector<int64_t> all_gather_int64(int64_t value, const std::string& group_na
   return out;
 }
 
+namespace {
+
+// Runs `collective` on a C++-owned copy of `tensor` and returns a copy of the result made after
+// the wait (see [Note: collectives on C++-owned buffers]).
+template <typename Collective>
+at::Tensor on_copy(const at::Tensor& tensor, std::chrono::milliseconds timeout, std::string what,
+                   Collective collective) {
+  std::vector<at::Tensor> buffer{tensor.clone(at::MemoryFormat::Contiguous)};
+  Transfer(collective(buffer), buffer[0], std::move(what)).wait(timeout);
+  return buffer[0].clone();
+}
+
+}  // namespace
+
 at::Tensor broadcast_copy(const at::Tensor& tensor, int64_t root, const std::string& group_name,
                           std::chrono::milliseconds timeout, std::string what) {
-  std::vector<at::Tensor> buffer{tensor.clone(at::MemoryFormat::Contiguous)};
   c10d::BroadcastOptions options;
   options.rootRank = root;
-  Transfer(group(group_name)->broadcast(buffer, options), buffer[0], std::move(what)).wait(timeout);
-  return buffer[0].clone();
+  return on_copy(tensor, timeout, std::move(what), [&](std::vector<at::Tensor>& buffer) {
+    return group(group_name)->broadcast(buffer, options);
+  });
 }
 
 at::Tensor all_reduce_sum_copy(const at::Tensor& tensor, const std::string& group_name,
                                std::chrono::milliseconds timeout, std::string what) {
-  std::vector<at::Tensor> buffer{tensor.clone(at::MemoryFormat::Contiguous)};
   c10d::AllreduceOptions options;
   options.reduceOp = c10d::ReduceOp::SUM;
-  Transfer(group(group_name)->allreduce(buffer, options), buffer[0], std::move(what)).wait(timeout);
-  return buffer[0].clone();
+  return on_copy(tensor, timeout, std::move(what), [&](std::vector<at::Tensor>& buffer) {
+    return group(group_name)->allreduce(buffer, options);
+  });
 }
 
 int64_t group_rank(const std::string& group_name) { return group(group_name)->getRank(); }
