@@ -56,6 +56,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass(kw_only=True, slots=True)
 class StagePlan:
     """One stage of a :class:`Plan`, with its predicted costs."""

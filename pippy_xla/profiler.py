@@ -4,6 +4,7 @@ transient working sets per layer, prologue and epilogue, in one process."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import statistics
@@ -81,6 +82,42 @@ def _first_tensor(value) -> torch.Tensor:
     return ts[0]
 
 
+def _layer_kind(layer: nn.Module) -> tuple:
+    """What makes decoder layers cost the same: class, parameter shapes and dtypes, and the
+    attention kind transformers records on a layer or its attention module (``attention_type``:
+    sliding-window or full; ``sliding_window``)."""
+    kind: list = [type(layer).__qualname__]
+    kind += [(n, tuple(p.shape), str(p.dtype)) for n, p in layer.named_parameters()]
+    for mod in (layer, *layer.children()):
+        for attr in ("attention_type", "sliding_window", "is_sliding"):
+            kind.append((attr, repr(getattr(mod, attr, None))))
+    return tuple(kind)
+
+
+@contextlib.contextmanager
+def _checkpointed(layers: Sequence[nn.Module]):
+    """Runs each layer's forward under non-reentrant ``torch.utils.checkpoint`` (as the stage
+    graphs do, see [Note: checkpointed layers] in :mod:`pippy_xla.partition`) while active."""
+
+    def wrap(fn):
+        def forward(*args, **kwargs):
+            return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+        return forward
+
+    saved = [layer.__dict__.get("forward") for layer in layers]
+    for layer in layers:
+        layer.forward = wrap(layer.forward)
+    try:
+        yield
+    finally:
+        for layer, fwd in zip(layers, saved, strict=True):
+            if fwd is None:
+                del layer.forward
+            else:
+                layer.forward = fwd
+
+
 class _WorkingSets:
     """Largest working set per region of a forward and backward: the peak of live tensor bytes
     inside the region minus the larger of its live bytes at the start and at the end (what the
@@ -101,15 +138,18 @@ class _WorkingSets:
             self._reset = _C.memory_reset_peak
         self.bytes: dict[str, int] = {}
         self._open: dict[str, int] = {}
+        self.enabled = True
 
     def open(self, region: str) -> None:
+        if not self.enabled:
+            return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._reset()
         self._open[region] = self._live()
 
     def close(self, region: str) -> None:
-        if region not in self._open:
+        if not self.enabled or region not in self._open:
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -157,14 +197,16 @@ def profile_model(
     tables, masks). A checkpointed layer saves its positional inputs (measured on layer 0 under
     ``checkpoint(..., use_reentrant=False)``, and equal to the hidden-state input for every layer).
     Times come from timestamps at layer boundaries during forward and backward (tensor hooks on
-    each layer's input and output), median of ``repeats`` runs after a warm-up. The decoder layers
-    are one class with one config, so they cost the same: every layer gets the median over layers
-    (tiny layers are too fast to time one by one). Static bytes are parameter bytes times
-    ``2 + optimizer_states`` (parameters, gradients, AdamW state). Transient bytes are each
-    region's largest working set during forward and backward (the peak of live tensor bytes on
-    top of what the region starts with and leaves behind: see :class:`_WorkingSets`); on CPU this
-    installs the counting allocator for the rest of the process. Results are cached in memory per
-    (model config, shape, dtype).
+    each layer's input and output) over ``repeats`` runs after a warm-up. Layers of one kind
+    (:func:`_layer_kind`: class, parameter shapes, attention kind) pool their samples and get
+    their median, so sliding-window and full-attention layers, or layers of different widths, are
+    timed apart while identical layers cost the same. Recomputation time is measured too: the same
+    runs with every layer checkpointed, each kind's backward median there minus its plain one.
+    Static bytes are parameter bytes times ``2 + optimizer_states`` (parameters, gradients, AdamW
+    state). Transient bytes are each region's largest working set during forward and backward (the
+    peak of live tensor bytes on top of what the region starts with and leaves behind: see
+    :class:`_WorkingSets`); on CPU this installs the counting allocator for the rest of the process.
+    Results are cached in memory per (model config, shape, dtype).
     """
     dtype = next(model.parameters()).dtype
     key = _cache_key(model, layer_cls, microbatch_size, seq_len, dtype, repeats)
@@ -256,7 +298,7 @@ def profile_model(
 
     was_training = model.training
     model.train()
-    runs = []
+    runs, ckpt_runs = [], []
     try:
         for run in range(repeats + 1):
             counter.__init__(exclude)
@@ -300,6 +342,21 @@ def profile_model(
             if between:
                 logger.debug("profile: %d saved bytes between layers (counted in layers)", between)
 
+        # The same runs with every layer checkpointed: each layer's backward then includes its
+        # recomputation. Only times are taken (working sets and saved bytes come from above).
+        work.enabled = False
+        with _checkpointed(layers):
+            for run in range(repeats + 1):
+                state["t"].clear()
+                counter.region = "prologue"  # the hooks track regions as above
+                out = model(**batch, use_cache=False)
+                loss = out.loss if hasattr(out, "loss") else out["loss"]
+                loss.backward()
+                model.zero_grad(set_to_none=True)
+                if run > 0:
+                    ckpt_runs.append(dict(state["t"]))
+        work.enabled = True
+
         for h in handles:
             h.remove()
         handles.clear()
@@ -322,17 +379,39 @@ def profile_model(
     def med(values):
         return float(statistics.median(values))
 
-    fwd_l, bwd_l, pro_f, pro_b, epi_f, epi_b = [], [], [], [], [], []
+    pro_f, pro_b, epi_f, epi_b = [], [], [], []
+    fwd_k = [[] for _ in range(num)]
+    bwd_k = [[] for _ in range(num)]
+    bwd_ck = [[] for _ in range(num)]
     for t0, t1, t2, t in runs:
         pro_f.append(t[("f0", 0)] - t0)
         epi_f.append(t1 - t[("f1", num - 1)])
         epi_b.append(t.get(("bout", num - 1), t1) - t1)
         pro_b.append(t2 - t.get(("bin", 0), t2))
         for k in range(num):
-            fwd_l.append(t[("f1", k)] - t[("f0", k)])
+            fwd_k[k].append(t[("f1", k)] - t[("f0", k)])
             if ("bin", k) in t and ("bout", k) in t:
-                bwd_l.append(t[("bin", k)] - t[("bout", k)])
-    layer_fwd, layer_bwd = med(fwd_l), med(bwd_l) if bwd_l else 2 * med(fwd_l)
+                bwd_k[k].append(t[("bin", k)] - t[("bout", k)])
+    for t in ckpt_runs:
+        for k in range(num):
+            if ("bin", k) in t and ("bout", k) in t:
+                bwd_ck[k].append(t[("bin", k)] - t[("bout", k)])
+    # Times per layer kind: layers of one kind pool their samples (one tiny layer is too fast to
+    # time alone, and identical layers should get identical costs).
+    kinds: dict[tuple, list[int]] = {}
+    for k, layer in enumerate(layers):
+        kinds.setdefault(_layer_kind(layer), []).append(k)
+    layer_time = [(0.0, 0.0, 0.0)] * num
+    for members in kinds.values():
+        f = med([x for k in members for x in fwd_k[k]])
+        b_samples = [x for k in members for x in bwd_k[k]]
+        b = med(b_samples) if b_samples else 2 * f
+        ck_samples = [x for k in members for x in bwd_ck[k]]
+        # Recomputation: what checkpointing adds to the layer's backward (a forward, plus the
+        # checkpoint's own bookkeeping); never less than nothing.
+        r = max(0.0, med(ck_samples) - b) if ck_samples else f
+        for k in members:
+            layer_time[k] = (f, b, r)
 
     def nbytes(params) -> int:
         return sum(p.numel() * p.element_size() for p in params)
@@ -346,8 +425,9 @@ def profile_model(
         params = list({id(p): p for p in layer.parameters()}.values())
         layer_costs.append(
             LayerCost(
-                fwd=layer_fwd,
-                bwd=layer_bwd,
+                fwd=layer_time[k][0],
+                bwd=layer_time[k][1],
+                recompute=layer_time[k][2],
                 saved_bytes=layer_saved[k],
                 saved_bytes_ckpt=ckpt_saved,
                 static_bytes=static(params),
