@@ -152,6 +152,9 @@ PYBIND11_MODULE(_C, m) {
       "The sum of every rank's tensor, all-reduced on a buffer that never reaches Python.");
 
   m.attr("RECV_LOOKAHEAD") = kRecvLookahead;
+  m.def("peak_receive_buffers", &peak_receive_buffers, py::arg("schedule"),
+        "Per rank, the most receive buffers alive at once during a step (a replay of the "
+        "engine's posting rule; see [Note: receives posted ahead]).");
   // See [Note: counting CPU allocator] in memory.h.
   m.def("memory_tracker_install", &MemoryTracker::install,
         "Installs the counting CPU allocator (for tests and benchmarks; stays installed).");

@@ -120,7 +120,9 @@ Frontiers build_frontiers(const PlanProblem& p) {
           const double ta = prev[ia].time, tb = prev[ib].time + l.recompute;
           const int64_t ba = prev[ia].bytes + l.saved_bytes,
                         bb = prev[ib].bytes + l.saved_bytes_ckpt;
-          take_a = ta < tb || (ta == tb && ba <= bb);
+          // Exact ties go to checkpointing layer j - 1, the later layer: see [Note: planner cost
+          // model] on why upper layers are the better choice.
+          take_a = ta < tb || (ta == tb && ba < bb);
         }
         if (take_a) {
           push({prev[ia].time, prev[ia].bytes + l.saved_bytes, ia, false, prev[ia].any});

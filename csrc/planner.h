@@ -19,7 +19,11 @@
 // a stage with checkpointed layers the recomputed activations of one of them during its backward.
 // The last term takes the max over the whole range rather than over C, so that the stage's memory
 // depends on C only through (recompute time, activation bytes, C empty): exact for identical
-// layers, an upper bound otherwise.
+// layers, an upper bound otherwise. It charges the recomputation on top of all of the
+// microbatch's activations, which is what happens for the stage's top layer; a lower layer
+// recomputes after the layers above it have run their backward and freed theirs, so the term
+// over-estimates there (by up to 13% of a stage's peak in tests/test_planner.py). Among choices
+// equal in time and bytes the solver therefore checkpoints the later layers.
 // where inflight_s is the number of microbatches whose activations stage s holds at once under
 // the schedule (1F1B: min(stages - s, microbatches); GPipe: microbatches). The objective is the
 // bottleneck max_s time_s (with uniform per-stage work the 1F1B / GPipe step time is

@@ -59,21 +59,29 @@ class ModelProfile:
 
     def problem(
         self,
+        schedule: str,
         num_stages: int,
-        inflight: Sequence[int],
+        num_microbatches: int,
         memory_limit: Sequence[int],
         allow_checkpoint: bool = True,
     ) -> PlanProblem:
-        """The solver input for ``num_stages`` stages."""
+        """The solver input for ``num_stages`` stages (one per rank) under ``schedule``."""
+        sched = _C.make_schedule(schedule, num_stages, num_microbatches)
+        inflight = [int(x) for x in sched.simulate()["peak_inflight"]]
+        receives = _C.peak_receive_buffers(sched)
         extras = []
         for s in range(num_stages):
             # Transfers: a stage other than the last keeps each in-flight microbatch's output (a
-            # backward root); every stage has up to RECV_LOOKAHEAD receives posted ahead, and one
-            # other than the first an input gradient being sent.
+            # backward root). Receive buffers: the most alive at once under the engine's posting
+            # rule (_C.peak_receive_buffers). A stage other than the first also has up to two
+            # input gradients being sent (the previous one's send may still wait for its
+            # receiver while the next is computed). Every rank also holds the whole batch
+            # (token ids, attention mask and labels, int64).
             e = StageExtra(
                 saved_bytes=self.shared_saved_bytes
                 + (self.boundary_bytes if s < num_stages - 1 else 0),
-                buffer_bytes=self.boundary_bytes * (_C.RECV_LOOKAHEAD + (1 if s > 0 else 0)),
+                buffer_bytes=self.boundary_bytes * (receives[s] + (2 if s > 0 else 0))
+                + 3 * 8 * num_microbatches * self.microbatch_size * self.seq_len,
             )
             for part, on in ((self.prologue, s == 0), (self.epilogue, s == num_stages - 1)):
                 if on:
@@ -86,7 +94,7 @@ class ModelProfile:
         return PlanProblem(
             layers=list(self.layers),
             extras=extras,
-            inflight=list(inflight),
+            inflight=inflight,
             memory_limit=list(memory_limit),
             allow_checkpoint=allow_checkpoint,
         )

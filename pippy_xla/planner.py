@@ -258,10 +258,7 @@ def plan(
             repeats=repeats,
         )
     problem = profile.problem(
-        num_stages,
-        inflight_counts(schedule, num_stages, num_microbatches),
-        _limits(memory_limit, num_stages),
-        allow_checkpoint,
+        schedule, num_stages, num_microbatches, _limits(memory_limit, num_stages), allow_checkpoint
     )
     out = solve(problem)
     result = _make_plan(
@@ -289,9 +286,7 @@ def evaluate(
     """The cost model's prediction for a given layout (for comparisons)."""
     _check_schedule(schedule)
     n = len(layer_ranges)
-    problem = profile.problem(
-        n, inflight_counts(schedule, n, num_microbatches), _limits(memory_limit, n)
-    )
+    problem = profile.problem(schedule, n, num_microbatches, _limits(memory_limit, n))
     ck = set(checkpoint_layers)
     per_stage = [[k for k in range(a, b) if k in ck] for a, b in layer_ranges]
     stages = evaluate_stages(problem, layer_ranges, per_stage)

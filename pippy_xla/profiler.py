@@ -123,7 +123,11 @@ class _WorkingSets:
     inside the region minus the larger of its live bytes at the start and at the end (what the
     region leaves behind is not transient). Live bytes come from the CUDA caching allocator's
     counters, or on CPU from the counting allocator (``_C.memory_stats``, see [Note: counting CPU
-    allocator] in csrc/memory.h), which this installs for the rest of the process."""
+    allocator] in csrc/memory.h), which this installs for the rest of the process.
+
+    Regions may overlap: in backward one tensor's gradient hook closes a layer's region and
+    opens the next one's, in either order. The device has one peak counter, so before each
+    reset the peak so far is credited to every region still open."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -137,24 +141,30 @@ class _WorkingSets:
             self._peak = lambda: _C.memory_stats()["peak_bytes"]
             self._reset = _C.memory_reset_peak
         self.bytes: dict[str, int] = {}
-        self._open: dict[str, int] = {}
+        self._open: dict[str, list[int]] = {}  # region -> [live at open, peak seen]
         self.enabled = True
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        peak = self._peak()
+        for seen in self._open.values():
+            seen[1] = max(seen[1], peak)
 
     def open(self, region: str) -> None:
         if not self.enabled:
             return
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self._sync()
         self._reset()
-        self._open[region] = self._live()
+        live = self._live()
+        self._open[region] = [live, live]
 
     def close(self, region: str) -> None:
         if not self.enabled or region not in self._open:
             return
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        start = self._open.pop(region)
-        extra = max(0, self._peak() - max(start, self._live()))
+        self._sync()
+        start, peak = self._open.pop(region)
+        extra = max(0, peak - max(start, self._live()))
         self.bytes[region] = max(self.bytes.get(region, 0), extra)
 
     def get(self, region: str) -> int:
