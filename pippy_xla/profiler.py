@@ -95,19 +95,29 @@ def _layer_kind(layer: nn.Module) -> tuple:
 
 
 @contextlib.contextmanager
-def _checkpointed(layers: Sequence[nn.Module]):
+def _checkpointed(layers: Sequence[nn.Module], on_recompute):
     """Runs each layer's forward under non-reentrant ``torch.utils.checkpoint`` (as the stage
-    graphs do, see [Note: checkpointed layers] in :mod:`pippy_xla.partition`) while active."""
+    graphs do, see [Note: checkpointed layers] in :mod:`pippy_xla.partition`) while active, and
+    calls ``on_recompute(k, seconds)`` with the duration of layer ``k``'s recomputation (its
+    forward run again during backward)."""
 
-    def wrap(fn):
+    def wrap(k: int, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:  # a recomputation stops early (by raising) once it has what backward needs
+                if torch._C._current_graph_task_id() != -1:  # inside backward: a recomputation
+                    on_recompute(k, time.perf_counter() - t0)
+
         def forward(*args, **kwargs):
-            return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
+            return torch.utils.checkpoint.checkpoint(timed, *args, use_reentrant=False, **kwargs)
 
         return forward
 
     saved = [layer.__dict__.get("forward") for layer in layers]
-    for layer in layers:
-        layer.forward = wrap(layer.forward)
+    for k, layer in enumerate(layers):
+        layer.forward = wrap(k, layer.forward)
     try:
         yield
     finally:
@@ -211,7 +221,7 @@ def profile_model(
     (:func:`_layer_kind`: class, parameter shapes, attention kind) pool their samples and get
     their median, so sliding-window and full-attention layers, or layers of different widths, are
     timed apart while identical layers cost the same. Recomputation time is measured too: the same
-    runs with every layer checkpointed, each kind's backward median there minus its plain one.
+    runs with every layer checkpointed, timing each layer's forward when it runs again in backward.
     Static bytes are parameter bytes times ``2 + optimizer_states`` (parameters, gradients, AdamW
     state). Transient bytes are each region's largest working set during forward and backward (the
     peak of live tensor bytes on top of what the region starts with and leaves behind: see
@@ -308,7 +318,8 @@ def profile_model(
 
     was_training = model.training
     model.train()
-    runs, ckpt_runs = [], []
+    runs = []
+    rec_k: list[list[float]] = [[] for _ in range(num)]
     try:
         for run in range(repeats + 1):
             counter.__init__(exclude)
@@ -352,19 +363,23 @@ def profile_model(
             if between:
                 logger.debug("profile: %d saved bytes between layers (counted in layers)", between)
 
-        # The same runs with every layer checkpointed: each layer's backward then includes its
-        # recomputation. Only times are taken (working sets and saved bytes come from above).
+        # The same runs with every layer checkpointed, timing each layer's recomputation. Only
+        # times are taken (working sets and saved bytes come from above).
         work.enabled = False
-        with _checkpointed(layers):
+        recording = [False]
+
+        def on_recompute(k: int, seconds: float) -> None:
+            if recording[0]:
+                rec_k[k].append(seconds)
+
+        with _checkpointed(layers, on_recompute):
             for run in range(repeats + 1):
-                state["t"].clear()
+                recording[0] = run > 0  # the first run warms up
                 counter.region = "prologue"  # the hooks track regions as above
                 out = model(**batch, use_cache=False)
                 loss = out.loss if hasattr(out, "loss") else out["loss"]
                 loss.backward()
                 model.zero_grad(set_to_none=True)
-                if run > 0:
-                    ckpt_runs.append(dict(state["t"]))
         work.enabled = True
 
         for h in handles:
@@ -392,7 +407,6 @@ def profile_model(
     pro_f, pro_b, epi_f, epi_b = [], [], [], []
     fwd_k = [[] for _ in range(num)]
     bwd_k = [[] for _ in range(num)]
-    bwd_ck = [[] for _ in range(num)]
     for t0, t1, t2, t in runs:
         pro_f.append(t[("f0", 0)] - t0)
         epi_f.append(t1 - t[("f1", num - 1)])
@@ -402,10 +416,6 @@ def profile_model(
             fwd_k[k].append(t[("f1", k)] - t[("f0", k)])
             if ("bin", k) in t and ("bout", k) in t:
                 bwd_k[k].append(t[("bin", k)] - t[("bout", k)])
-    for t in ckpt_runs:
-        for k in range(num):
-            if ("bin", k) in t and ("bout", k) in t:
-                bwd_ck[k].append(t[("bin", k)] - t[("bout", k)])
     # Times per layer kind: layers of one kind pool their samples (one tiny layer is too fast to
     # time alone, and identical layers should get identical costs).
     kinds: dict[tuple, list[int]] = {}
@@ -416,10 +426,8 @@ def profile_model(
         f = med([x for k in members for x in fwd_k[k]])
         b_samples = [x for k in members for x in bwd_k[k]]
         b = med(b_samples) if b_samples else 2 * f
-        ck_samples = [x for k in members for x in bwd_ck[k]]
-        # Recomputation: what checkpointing adds to the layer's backward (a forward, plus the
-        # checkpoint's own bookkeeping); never less than nothing.
-        r = max(0.0, med(ck_samples) - b) if ck_samples else f
+        r_samples = [x for k in members for x in rec_k[k]]
+        r = med(r_samples) if r_samples else f
         for k in members:
             layer_time[k] = (f, b, r)
 
