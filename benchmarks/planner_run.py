@@ -1,14 +1,28 @@
-"""Real step time of a planned pipeline against checkpointing every layer and against the
-uniform split without checkpointing, on CPU gloo ranks.
+"""Real step time and peak memory of a planned pipeline against uniform layer splits, at one
+memory limit, on CPU gloo ranks (one thread each).
 
-``python benchmarks/planner_run.py [--ranks 2] [--layers 8] [--hidden 128]``; prints a table and
-saves ``benchmarks/results/planner_run.json``.
+Variants, all under 1F1B at the same limit:
+
+- ``plan``: :func:`pippy_xla.plan` (layer ranges and checkpointed layers per stage);
+- ``uniform_checkpoint_all``: balanced ranges, every layer checkpointed;
+- ``uniform_best_count``: balanced ranges, the same number ``c`` of checkpointed layers on every
+  stage (each stage's upper ``c`` layers), the smallest ``c`` whose prediction fits (fewer
+  checkpoints are faster);
+- ``uniform_no_checkpoint``: for reference (usually over the limit).
+
+The limit is ``--fraction`` of the way from the smallest limit any plan fits to the unconstrained
+plan's peak. Each rank measures its peak of live tensor bytes during a step with the counting
+allocator (``_C.memory_stats``); ``fits_measured`` compares the largest with the limit.
+
+``python benchmarks/planner_run.py [--ranks 4] [--layers 16] [--hidden 128]``; prints a table and
+saves ``benchmarks/results/planner_run.json`` with the machine and versions.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import pathlib
@@ -44,13 +58,17 @@ def _worker(rank, world, port, args, variants, out_path):
         "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
     )
     import pippy_xla as px
+    from pippy_xla import _C
+
+    _C.memory_tracker_install()
 
     results = {}
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (args.batch, args.seq), generator=g)
     batch = dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
     for name, spec in variants.items():
-        model, layer_cls = _model(args.layers, args.hidden)
+        with torch.device("meta"):  # as users do: no rank holds more than its stage
+            model, layer_cls = _model(args.layers, args.hidden)
         pipe = px.PipelineModel(
             model,
             layer_cls=layer_cls,
@@ -58,17 +76,24 @@ def _worker(rank, world, port, args, variants, out_path):
             timeout=120,
             plan=px.Plan.from_json(spec),
         )
-        times = []
+        opt = torch.optim.AdamW(pipe.parameters())  # its state is part of the plan's memory
+        times, peaks = [], []
         for step in range(args.steps + 1):
             dist.barrier()
+            _C.memory_reset_peak()
             t = time.perf_counter()
             pipe.run_train(**batch)
             dist.barrier()
+            peaks.append(_C.memory_stats()["peak_bytes"])
             if step:
                 times.append(time.perf_counter() - t)
-            for p in pipe.parameters():
-                p.grad = None
-        results[name] = statistics.median(times)
+            opt.step()
+            opt.zero_grad(set_to_none=False)  # gradients stay allocated (the plan counts them)
+        per_rank = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
+        dist.all_gather(per_rank, torch.tensor([max(peaks[1:])]))
+        results[name] = dict(step_s=statistics.median(times), peak_bytes=[int(x) for x in per_rank])
+        del pipe, model, opt
+        gc.collect()  # the next variant's peak must not count this one's tensors
     if rank == 0:
         pathlib.Path(out_path).write_text(json.dumps(results))
     dist.destroy_process_group()
@@ -76,75 +101,116 @@ def _worker(rank, world, port, args, variants, out_path):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--fraction", type=float, default=0.3)
     args = ap.parse_args()
 
+    import platform
+
+    import transformers
+
     import pippy_xla as px
-    from pippy_xla.planner import evaluate, profile_model
+    from pippy_xla.planner import PlanInfeasibleError, evaluate, profile_model
 
     torch.set_num_threads(1)
     model, layer_cls = _model(args.layers, args.hidden)
     prof = profile_model(
         model, layer_cls, microbatch_size=args.batch // args.microbatches, seq_len=args.seq
     )
-    uniform = px.balanced_ranges(args.layers, args.ranks)
-    plain = evaluate(prof, layer_ranges=uniform, num_microbatches=args.microbatches)
-    every = evaluate(
-        prof,
-        layer_ranges=uniform,
-        checkpoint_layers=range(args.layers),
-        num_microbatches=args.microbatches,
-    )
-    limit = (
-        max(s.memory_bytes for s in plain.stages) + max(s.memory_bytes for s in every.stages)
-    ) // 2
-    plan = px.plan(
-        model,
+    kw = dict(
         layer_cls=layer_cls,
         num_stages=args.ranks,
         num_microbatches=args.microbatches,
         batch_size=args.batch,
         seq_len=args.seq,
-        memory_limit=limit,
         profile=prof,
     )
+    try:
+        px.plan(model, memory_limit=0, **kw)
+    except PlanInfeasibleError as e:
+        low = e.min_memory_limit[0]
+    high = max(s.memory_bytes for s in px.plan(model, memory_limit=2**40, **kw).stages)
+    limit = int(low + args.fraction * (high - low))
+    plan = px.plan(model, memory_limit=limit, **kw)
     print(plan.table())
-    for p in (plain, every):
-        for st in p.stages:
-            st.memory_limit = limit
+
+    uniform = px.balanced_ranges(args.layers, args.ranks)
+
+    def on_uniform(count: int):
+        ckpt = [k for a, b in uniform for k in range(max(a, b - count), b)]
+        return evaluate(
+            prof,
+            layer_ranges=uniform,
+            checkpoint_layers=ckpt,
+            num_microbatches=args.microbatches,
+            memory_limit=limit,
+        )
+
+    per_stage = max(b - a for a, b in uniform)
+    counts = [
+        c
+        for c in range(per_stage + 1)
+        if max(s.memory_bytes for s in on_uniform(c).stages) <= limit
+    ]
     variants = {
-        "uniform_no_checkpoint": plain.to_json(),
-        "checkpoint_all": every.to_json(),
-        "plan": plan.to_json(),
+        "plan": plan,
+        "uniform_checkpoint_all": on_uniform(per_stage),
+        "uniform_no_checkpoint": on_uniform(0),
     }
+    if counts:
+        variants["uniform_best_count"] = on_uniform(counts[0])
     tmp = pathlib.Path("/tmp") / f"planner_run_{os.getpid()}.json"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(args.ranks, port, args, variants, str(tmp)), nprocs=args.ranks)
+    specs = {name: p.to_json() for name, p in variants.items()}
+    mp.spawn(_worker, args=(args.ranks, port, args, specs, str(tmp)), nprocs=args.ranks)
     measured = json.loads(tmp.read_text())
     tmp.unlink()
-    out = {"args": vars(args), "memory_limit": limit}
-    for name, p in (("uniform_no_checkpoint", plain), ("checkpoint_all", every), ("plan", plan)):
+    out = {
+        "machine": {
+            "cpu": platform.machine(),
+            "cores": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "threads_per_rank": 1,
+        },
+        "args": vars(args),
+        "memory_limit": limit,
+        "smallest_feasible_limit": low,
+        "unconstrained_peak": high,
+    }
+    for name, p in variants.items():
+        m = measured[name]
         out[name] = dict(
-            measured_step_s=measured[name],
+            measured_step_s=m["step_s"],
             predicted_step_s=p.step_time,
-            predicted_peak_memory=max(s.memory_bytes for s in p.stages),
-            fits=all(s.memory_bytes <= limit for s in p.stages),
+            measured_peak_bytes=m["peak_bytes"],
+            predicted_peak_bytes=[s.memory_bytes for s in p.stages],
+            fits_predicted=all(s.memory_bytes <= limit for s in p.stages),
+            fits_measured=max(m["peak_bytes"]) <= limit,
             checkpoint_layers=p.checkpoint_layers,
             layer_ranges=p.layer_ranges,
         )
         print(
-            f"{name:>22}: measured {measured[name] * 1e3:8.1f} ms/step, predicted "
-            f"{p.step_time * 1e3:8.1f} ms, peak memory {out[name]['predicted_peak_memory']} "
-            f"(limit {limit}, fits {out[name]['fits']})"
+            f"{name:>24}: measured {m['step_s'] * 1e3:8.1f} ms/step (predicted "
+            f"{p.step_time * 1e3:7.1f}), peak per stage "
+            f"{[round(b / 2**20, 2) for b in m['peak_bytes']]} MiB (predicted "
+            f"{[round(s.memory_bytes / 2**20, 2) for s in p.stages]}, limit {limit / 2**20:.2f}), "
+            f"checkpointed {len(p.checkpoint_layers)}, ranges {p.layer_ranges}"
         )
+    for base in ("uniform_checkpoint_all", "uniform_best_count"):
+        if base in out:
+            speedup = out[base]["measured_step_s"] / out["plan"]["measured_step_s"]
+            out[f"plan_speedup_over_{base}"] = speedup
+            print(f"plan vs {base}: {speedup:.2f}x")
     path = pathlib.Path(__file__).parent / "results" / "planner_run.json"
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps(out, indent=1))

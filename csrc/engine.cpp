@@ -171,6 +171,7 @@ Engine::Engine(Schedule schedule, EngineOptions options)
   validate(schedule_);
   rank_ = group_rank(options_.group_name);
   last_grad_ = last_gradient_actions(schedule_, rank_);
+  send_release_ = send_releases(schedule_, static_cast<int32_t>(rank_));
   const int64_t size = group_size(options_.group_name);
   TORCH_CHECK(size == schedule_.num_ranks, "schedule '", schedule_.name, "' is for ",
               schedule_.num_ranks, " ranks but process group '", options_.group_name, "' has ",
@@ -248,11 +249,14 @@ void Engine::run(int64_t signature, const StageFn& forward, const GradsReadyFn& 
       // F and B record their start after their receives completed: waiting is idle time (a
       // gap in the timeline), not part of the action's cost.
       timings_.push_back({a, compute_start_ns_ ? compute_start_ns_ : t0, now_ns()});
-      // Drop every completed send, not only a completed prefix: a send still waiting for its
-      // receiver must not keep the finished ones' tensors alive.
-      st.sends.erase(std::remove_if(st.sends.begin(), st.sends.end(),
-                                    [](const Transfer& t) { return t.completed(); }),
-                     st.sends.end());
+      // Sends known complete now (their wait returns at once) free their tensors here rather
+      // than at the end of the step. See [Note: send release].
+      for (size_t i : send_release_[st.pos]) {
+        auto it = st.sends.find(i);
+        if (it == st.sends.end()) continue;
+        for (auto& t : it->second) t.wait(std::chrono::milliseconds(options_.timeout_ms));
+        st.sends.erase(it);
+      }
       if (auto it = last_grad_.find(st.pos); grads_ready && it != last_grad_.end())
         ready.push_back(it->second);
       const bool send_next = st.pos + 1 < actions.size() && (actions[st.pos + 1].op == Op::SEND_B ||
@@ -262,7 +266,8 @@ void Engine::run(int64_t signature, const StageFn& forward, const GradsReadyFn& 
         ready.clear();
       }
     }
-    for (auto& t : st.sends) t.wait(std::chrono::milliseconds(options_.timeout_ms));
+    for (auto& [pos, ts] : st.sends)
+      for (auto& t : ts) t.wait(std::chrono::milliseconds(options_.timeout_ms));
     st.sends.clear();
     if (schedule_.backward) stash_.check_empty();
   } catch (...) {
@@ -288,7 +293,9 @@ Engine::~Engine() = default;
 void Engine::abort() {
   aborted_ = true;
   std::lock_guard<std::mutex> g(live_mu_);
-  for (auto& w : live_) {
+  for (auto& weak : live_) {
+    auto w = weak.lock();
+    if (!w) continue;  // finished and dropped
     try {
       w->abort();
     } catch (const std::exception&) {
@@ -299,7 +306,11 @@ void Engine::abort() {
 
 Transfer Engine::track(Transfer t) {
   std::lock_guard<std::mutex> g(live_mu_);
-  live_.push_back(t.work());
+  // Weak: a strong reference would keep the Work, and with it the tensor it sends or receives
+  // into, alive until the end of the step (measured: one boundary tensor per transfer).
+  live_.erase(std::remove_if(live_.begin(), live_.end(), [](const auto& w) { return w.expired(); }),
+              live_.end());
+  live_.push_back(c10::weak_intrusive_ptr<c10d::Work>(t.work()));
   if (aborted_) {  // abort() ran just before this transfer was posted
     try {
       t.work()->abort();
@@ -334,6 +345,45 @@ Failure Engine::failure_of(const StepState& st, std::exception_ptr error) const 
   }
   f.aborted = aborted_;
   return f;
+}
+
+// [Note: send release] A gloo send's Work reports completion only once waited on (is_completed()
+// stays false until wait(), measured with torch 2.13), so finished sends cannot be polled, and
+// until the end of the step they would keep every sent activation and gradient alive: on a middle
+// stage one or more boundary tensors per microbatch. Causality tells when a send is done: a peer
+// consumes it in an F or B that first waits on its receive; any transfer the peer sends this rank
+// after that action was posted after our data arrived. So once this rank's F or B has received
+// that later transfer, waiting on our send returns at once, and the engine drops it there.
+std::vector<std::vector<size_t>> send_releases(const Schedule& s, int32_t rank) {
+  const auto& mine = s.actions[rank];
+  std::vector<std::vector<size_t>> out(mine.size());
+  auto position = [&](int32_t r, Op op, int32_t stage, int32_t mb, size_t from = 0) {
+    const auto& acts = s.actions[r];
+    for (size_t k = from; k < acts.size(); ++k)
+      if (acts[k].op == op && acts[k].stage == stage && acts[k].mb == mb) return k;
+    return acts.size();
+  };
+  // The F or B on the receiving rank that waits for the data of send action `a`.
+  auto consumer = [&](const Action& a) {
+    const int32_t to = a.op == Op::SEND_F ? a.stage + 1 : a.stage - 1;
+    return std::make_pair(s.stage_rank[to], Action{a.op == Op::SEND_F ? Op::F : Op::B, to, a.mb});
+  };
+  for (size_t i = 0; i < mine.size(); ++i) {
+    if (mine[i].op != Op::SEND_F && mine[i].op != Op::SEND_B) continue;
+    const auto [peer, use] = consumer(mine[i]);
+    const auto& theirs = s.actions[peer];
+    const size_t c = position(peer, use.op, use.stage, use.mb);
+    for (size_t k = c + 1; k < theirs.size(); ++k) {
+      const Action& b = theirs[k];
+      if (b.op != Op::SEND_F && b.op != Op::SEND_B) continue;
+      const auto [to, back] = consumer(b);
+      if (to != rank) continue;
+      const size_t j = position(rank, back.op, back.stage, back.mb);
+      if (j < mine.size() && j > i) out[j].push_back(i);
+      break;
+    }
+  }
+  return out;
 }
 
 std::vector<size_t> receives_ahead(const std::vector<Action>& actions, size_t pos) {
@@ -485,14 +535,14 @@ void Engine::do_send_f(StepState& st, const Action& a) {
   auto outputs = std::move(st.fwd_out.at(slot));
   st.fwd_out.erase(slot);
   if (st.discover) {
-    st.sends.push_back(
+    st.sends[st.pos].push_back(
         track(isend(encode_header(st.specs->out.at(slot), where(a, "header")).to(options_.device),
                     peer, tag(kHeader, a.stage + 1, a.mb, 0), options_.group_name,
                     where(a, c10::str("send of the boundary header to rank ", peer).c_str()),
                     context(a, peer))));
   }
   for (size_t i = 0; i < outputs.size(); ++i) {
-    st.sends.push_back(
+    st.sends[st.pos].push_back(
         track(isend(outputs[i].detach().contiguous(), peer, tag(kActivation, a.stage + 1, a.mb, i),
                     options_.group_name,
                     where(a, c10::str("send of activation ", i, " to rank ", peer).c_str()),
@@ -713,7 +763,7 @@ void Engine::do_send_b(StepState& st, const Action& a) {
   size_t j = 0;
   for (size_t i = 0; i < specs.size(); ++i) {
     if (!specs[i].requires_grad) continue;
-    st.sends.push_back(track(isend(
+    st.sends[st.pos].push_back(track(isend(
         grads.at(j++).contiguous(), peer, tag(kGradient, a.stage - 1, a.mb, i), options_.group_name,
         where(a, c10::str("send of gradient ", i, " to rank ", peer).c_str()), context(a, peer))));
   }

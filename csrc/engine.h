@@ -54,6 +54,10 @@ std::vector<size_t> receives_ahead(const std::vector<Action>& actions, size_t po
 // B, counting the one being consumed. A replay of Engine::run's posting rule, for the planner.
 std::vector<int64_t> peak_receive_buffers(const Schedule& schedule);
 
+// For each action position of `rank`, the positions of its send actions that are known complete
+// once the F or B at that position has its receives in. See [Note: send release].
+std::vector<std::vector<size_t>> send_releases(const Schedule& schedule, int32_t rank);
+
 // grads_ready(stage): the stage's parameter gradients of this step are complete.
 using GradsReadyFn = std::function<void(int64_t)>;
 
@@ -127,7 +131,7 @@ class Engine {
     std::map<Slot, Transfer> headers;  // discovery: posted header receives
     std::map<Slot, std::vector<Transfer>> recv_f, recv_b;
     std::map<Slot, std::vector<at::Tensor>> fwd_out, local_in, grads_out, local_grads;
-    std::deque<Transfer> sends;
+    std::map<size_t, std::vector<Transfer>> sends;  // by the position of their send action
     size_t pos = 0;            // index of the running action in this rank's list
     std::vector<bool> posted;  // receive actions already posted (in order, or ahead)
     // Split backward: what W still has to do, per (stage, mb).
@@ -158,7 +162,8 @@ class Engine {
   EngineOptions options_;
   int64_t rank_ = 0;
   std::map<int64_t, SignatureSpecs> specs_;
-  std::map<size_t, int64_t> last_grad_;  // index of a stage's last B (or W) -> its stage
+  std::map<size_t, int64_t> last_grad_;            // index of a stage's last B (or W) -> its stage
+  std::vector<std::vector<size_t>> send_release_;  // see [Note: send release]
   Stash stash_;
   std::vector<ActionTiming> timings_;
   int64_t compute_start_ns_ = 0;  // set by F / B once their inputs are there
@@ -166,7 +171,7 @@ class Engine {
   std::optional<Failure> failure_;
   std::atomic<bool> aborted_{false};
   std::mutex live_mu_;  // guards live_: abort() runs on another thread
-  std::vector<c10::intrusive_ptr<c10d::Work>> live_;  // works of the running step
+  std::vector<c10::weak_intrusive_ptr<c10d::Work>> live_;  // works of the running step
   std::vector<std::unique_ptr<StepState>>
       failed_;  // transfers of failed steps stay alive: peers may still write
 };
