@@ -47,7 +47,7 @@ std::vector<std::string> schedule_names();
 Schedule make_schedule(const std::string& name, int32_t num_ranks, int32_t num_microbatches,
                        int32_t chunks = 1);
 
-// Per-action costs for the simulator (any unit; the engine measures microseconds). Each
+// Per-action costs for the simulator (any unit; the engine records nanoseconds). Each
 // per-stage list is empty (unit costs) or has one entry per stage.
 struct Costs {
   std::vector<double> forward;   // per stage
