@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from _dist import run_ranks
 from models import MODELS, make_batch
 
 import pippy_xla as px
 from pippy_xla.checkpoint import latest_checkpoint, load_into_module
+from pippy_xla.testing import run_ranks
 
 # fp32; see test_pipeline.py for why these tolerances.
 LOSS_TOL = {"rtol": 1e-5, "atol": 1e-6}

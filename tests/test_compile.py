@@ -9,10 +9,10 @@ import sys
 import textwrap
 
 import torch
-from _dist import run_ranks
 from models import MODELS, gpt2, llama, make_batch
 
 import pippy_xla as px
+from pippy_xla.testing import run_ranks
 
 
 def _compiled_training(rank, world):

@@ -1,4 +1,4 @@
-"""GPU tests: two ranks sharing one GPU over NCCL (see tests/_dist.py), against one process.
+"""GPU tests: two ranks sharing one GPU over NCCL (see pippy_xla/testing.py), against one process.
 
 Skipped where CUDA is absent (CI). Run on the GPU machine with ``bash scripts/gpu_check.sh``.
 """
@@ -9,10 +9,10 @@ import copy
 
 import pytest
 import torch
-from _dist import run_ranks
 from models import MODELS, make_batch
 
 import pippy_xla as px
+from pippy_xla.testing import run_ranks
 
 pytestmark = [
     pytest.mark.gpu,
