@@ -2,16 +2,16 @@
 
     python benchmarks/compare.py [--steps 8] [--warmup 2] [--regimes REGIME,...]
 
-For every schedule both libraries have (pippy_xla's ``_C.schedule_names()`` read at run time,
-minus ``"forward"``, kept if ``PipelineModel(schedule=...)`` accepts it and
-``TORCH_SCHEDULES`` names torch's counterpart), the same Llama and the same batch run through
-(a) one process, (b) ``pippy_xla.PipelineModel`` and (c) ``torch.distributed.pipelining``, on 2
-CPU ranks with one thread each (``pippy_xla.testing.run_ranks`` sets
-``torch.set_num_threads(1)``). Three regimes: ``compute`` (a step of about a second),
-``overhead`` (tiny layers, 32 microbatches of batch 1, so per-action runtime cost dominates) and ``overhead-compiled`` (the same with every
-stage module compiled in both libraries, which shrinks the stage's own Python and dispatch
-cost). torch's ``ScheduleInterleavedZeroBubble`` refuses compiled stage modules; that row then
-runs pippy_xla alone and the refusal is recorded in ``torch_failures``.
+For every schedule both libraries have (pippy_xla's ``_C.schedule_names()`` read at run time, minus
+``"forward"``, kept if ``PipelineModel(schedule=...)`` accepts it and ``TORCH_SCHEDULES`` names
+torch's counterpart), the same Llama and the same batch run through (a) one process, (b)
+``pippy_xla.PipelineModel`` and (c) ``torch.distributed.pipelining``, on 2 CPU ranks with one thread
+each (``pippy_xla.testing.run_ranks`` sets ``torch.set_num_threads(1)``). Three regimes: ``compute``
+(a step of about a second), ``overhead`` (tiny layers, 32 microbatches of batch 1, so per-action
+runtime cost dominates) and ``overhead-compiled`` (the same with every stage module compiled in both
+libraries, which shrinks the stage's own Python and dispatch cost). torch's
+``ScheduleInterleavedZeroBubble`` refuses compiled stage modules; that row then runs pippy_xla alone
+and the refusal is recorded in ``torch_failures``.
 
 Same computation in both libraries:
 
