@@ -2,9 +2,9 @@
 
     python benchmarks/compare.py [--steps 8] [--warmup 2] [--regimes REGIME,...]
 
-For every schedule both libraries have (pippy_xla's ``_C.schedule_names()`` read at run time, minus
-``"forward"``, kept if ``PipelineModel(schedule=...)`` accepts it and ``TORCH_SCHEDULES`` names
-torch's counterpart), the same Llama and the same batch run through (a) one process, (b)
+For every schedule both libraries have (pippy_xla's ``_C.train_schedule_names()`` read at run time,
+kept if ``PipelineModel(schedule=...)`` accepts it and ``TORCH_SCHEDULES`` names torch's
+counterpart), the same Llama and the same batch run through (a) one process, (b)
 ``pippy_xla.PipelineModel`` and (c) ``torch.distributed.pipelining``, on 2 CPU ranks with one thread
 each (``pippy_xla.testing.run_ranks`` sets ``torch.set_num_threads(1)``). Three regimes: ``compute``
 (a step of about a second), ``overhead`` (tiny layers, 32 microbatches of batch 1, so per-action
@@ -260,20 +260,14 @@ def _local_stages(pipe) -> list:
     return list(getattr(pipe, "local_stages", None) or [pipe.stage])
 
 
-def _make_schedule(name, num_ranks, m, chunks):
-    from pippy_xla import _C
-
-    if chunks == 1:
-        return _C.make_schedule(name, num_ranks, m)
-    return _C.make_schedule(name, num_ranks, m, chunks)
-
-
 def _simulated_ideal(schedule_name, num_ranks, m, chunks, costs) -> float | None:
     """Makespan of the schedule with the given per-stage F, B, W costs and free communication."""
     try:
-        s = _make_schedule(schedule_name, num_ranks, m, chunks)
+        from pippy_xla import _C
+
+        s = _C.make_schedule(schedule_name, num_ranks, m, chunks)
         r = s.simulate(forward=costs["F"], backward=costs["B"], weight=costs["W"], comm=0.0)
-        return float(r["makespan"])
+        return float(r.makespan)
     except Exception:  # noqa: BLE001  (a schedule the simulator cannot cost)
         return None
 
@@ -829,7 +823,7 @@ def main() -> None:
 
     from pippy_xla import _C
 
-    names = [n for n in _C.schedule_names() if n != "forward"]
+    names = _C.train_schedule_names()
     if args.schedules:
         names = [n for n in names if n in args.schedules.split(",")]
     no_torch = [n for n in names if n not in TORCH_SCHEDULES]

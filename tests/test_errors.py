@@ -12,6 +12,7 @@ from models import gpt2, llama, make_batch
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
 import pippy_xla as px
+from pippy_xla._exit import release_groups_at_exit
 from pippy_xla.testing import run_ranks
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -128,7 +129,7 @@ def _bad_input(rank, world):
         def raising_loss(*args):
             raise ValueError("loss is NaN")
 
-        pipe._loss_fn = raising_loss
+        pipe.loss_fn = raising_loss
     expect(
         "a peer's stage raised (rank 0, aborted)"
         if rank == 0
@@ -264,14 +265,14 @@ def _fault(rank, world, case):
     pipe.run_train(**batch)  # boundary shapes agreed; the fault comes in the second step
     last = world - 1
     if rank == last and case in ("kill", "raise"):
-        loss_fn = pipe._loss_fn
+        loss_fn = pipe.loss_fn
 
         def faulty_loss(logits, labels, num_items):
             if case == "kill":
                 os._exit(1)
             raise ValueError("loss exploded")
 
-        pipe._loss_fn = faulty_loss
+        pipe.loss_fn = faulty_loss
         del loss_fn
     if rank == last and case == "shape":
         batch = make_batch(seed=0, seq=12)
@@ -413,19 +414,19 @@ def _group_threads_after_exit_hook(rank, world):
     pipe.run_train(**make_batch(seed=0))
     dist.destroy_process_group()
     held = _gloo_threads()  # the pipeline still holds the destroyed group
-    px.pipeline._release_groups_at_exit()  # what atexit runs
+    release_groups_at_exit()  # what atexit runs
     return held, _gloo_threads(), pipe.group
 
 
 def test_exit_hook_lets_a_destroyed_group_finish_before_finalization():
-    # [Note: releasing the group at exit] in pippy_xla/pipeline.py.
+    # [Note: releasing the group at exit] in pippy_xla/_exit.py.
     for held, after, group in run_ranks(2, _group_threads_after_exit_hook):
         assert held, "expected gloo's worker threads while the pipeline holds the group"
         assert after == [] and group is None, after
 
 
 def _group_threads_with_a_default_argument_holder(rank, world):
-    # [Note: groups bound as default arguments] in pippy_xla/pipeline.py. Re-executing the module
+    # [Note: groups bound as default arguments] in pippy_xla/_exit.py. Re-executing the module
     # after init_process_group binds the live world group into its defaults, as importing it
     # (through transformers) after init_process_group does.
     import importlib
@@ -437,7 +438,7 @@ def _group_threads_with_a_default_argument_holder(rank, world):
     dist.barrier()  # gloo's worker threads name themselves when they first run
     dist.destroy_process_group()
     held = _gloo_threads()  # F.all_reduce's default argument still holds the destroyed group
-    px.pipeline._release_groups_at_exit()  # what atexit runs
+    release_groups_at_exit()  # what atexit runs
     return held, _gloo_threads(), F.all_reduce.__defaults__
 
 

@@ -35,10 +35,7 @@ def _train_vs_reference(rank, world, family, schedule, dtype_name):
     model, layer_cls = MODELS[family]()
     model.to(dtype)
     ref = copy.deepcopy(model).cuda()
-    chunks = 2 if schedule == "interleaved" else None
-    pipe = px.PipelineModel(
-        model, layer_cls=layer_cls, num_microbatches=4, schedule=schedule, chunks=chunks
-    )
+    pipe = px.PipelineModel(model, layer_cls=layer_cls, num_microbatches=4, schedule=schedule)
     assert pipe.device == torch.device("cuda", 0)
     tol = TOL if dtype == torch.float32 else BF16_TOL
     batch = make_batch(seed=0)
