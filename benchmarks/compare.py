@@ -84,6 +84,8 @@ import time
 
 from _common import RESULTS, machine, run_ranks, save, summarize
 
+from pippy_xla.units import format_bytes
+
 # pippy_xla schedule name -> torch.distributed.pipelining class name. Interleaved and
 # zero-bubble names are listed so their rows appear as soon as pippy_xla grows them.
 TORCH_SCHEDULES = {
@@ -177,7 +179,8 @@ def _unique_bytes(tensors) -> int:
 class _SavedBytes:
     """Live bytes of tensors autograd saved for backward (unique storages, parameters
     excluded) and their peak. Packed tensors are wrapped in handles whose ``__del__`` runs
-    when autograd frees them."""
+    when autograd frees them. (``pippy_xla.profiler.SavedBytes`` counts something else: every
+    byte saved in a region, freed or not, for the planner's per-layer costs.)"""
 
     def __init__(self, modules) -> None:
         import torch
@@ -687,10 +690,8 @@ def _check_losses(name, rows, single_losses) -> list[str]:
 # ------------------------------------------------------------------------------ output
 
 
-def _fmt_bytes(n) -> str:
-    if n is None:
-        return "n/a"
-    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+def _fmt_bytes(n: int | None) -> str:
+    return "n/a" if n is None else format_bytes(n)
 
 
 def _table(results) -> str:

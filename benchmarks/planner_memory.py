@@ -85,6 +85,7 @@ def main() -> None:
     from transformers import LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
+    from pippy_xla.cost_model import PLANNED_SCHEDULES
     from pippy_xla.planner import evaluate, profile_model
 
     torch.manual_seed(0)
@@ -104,7 +105,7 @@ def main() -> None:
         "all": list(range(args.layers)),
     }
     rows = []
-    for schedule in ("1f1b", "gpipe", "zbh1"):
+    for schedule in PLANNED_SCHEDULES:
         for name, ckpt in layouts.items():
             plan = evaluate(
                 prof,

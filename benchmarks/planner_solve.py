@@ -43,9 +43,9 @@ def main() -> None:
     t, out = _time(p)
     results["identical_128x16"] = dict(
         seconds=t,
-        bottleneck=out["bottleneck"],
-        layers=[st["range"][1] - st["range"][0] for st in out["stages"]],
-        checkpointed=[len(st["checkpoint"]) for st in out["stages"]],
+        bottleneck=out.bottleneck,
+        layers=[st.range[1] - st.range[0] for st in out.stages],
+        checkpointed=[len(st.checkpoint) for st in out.stages],
     )
     rng = random.Random(0)
     hetero = [
@@ -60,7 +60,7 @@ def main() -> None:
     ]
     p = _problem(hetero, 8, 16, 1_000_000)
     t, out = _time(p, repeats=1)
-    results["heterogeneous_32x8"] = dict(seconds=t, bottleneck=out["bottleneck"])
+    results["heterogeneous_32x8"] = dict(seconds=t, bottleneck=out.bottleneck)
     for name, r in results.items():
         print(f"{name}: {r['seconds'] * 1e3:.1f} ms, bottleneck {r['bottleneck']:.3f}")
     path = pathlib.Path(__file__).parent / "results" / "planner_solve.json"

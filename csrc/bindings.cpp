@@ -2,6 +2,8 @@
 #include <pybind11/operators.h>
 #include <torch/extension.h>
 
+#include <optional>
+
 #include "engine.h"
 #include "memory.h"
 #include "planner.h"
@@ -63,7 +65,16 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("timeline", &SimResult::timeline)
       .def_readonly("makespan", &SimResult::makespan)
       .def_readonly("bubble", &SimResult::bubble)
-      .def_readonly("peak_inflight", &SimResult::peak_inflight);
+      .def_readonly("peak_inflight", &SimResult::peak_inflight)
+      // sim["makespan"] as sim.makespan, for the planner's callers (planner.py, cost_model.py)
+      // until they read the fields.
+      .def("__getitem__", [](const SimResult& r, const std::string& key) -> py::object {
+        if (key == "timeline") return py::cast(r.timeline);
+        if (key == "makespan") return py::cast(r.makespan);
+        if (key == "bubble") return py::cast(r.bubble);
+        if (key == "peak_inflight") return py::cast(r.peak_inflight);
+        throw py::key_error(key);
+      });
 
   py::class_<Schedule>(m, "Schedule")
       .def(py::init([](std::string name, int32_t num_ranks, int32_t num_microbatches,
@@ -171,6 +182,9 @@ PYBIND11_MODULE(_C, m) {
       "The sum of every rank's tensor, all-reduced on a buffer that never reaches Python.");
 
   m.attr("RECV_LOOKAHEAD") = kRecvLookahead;
+  m.def("peak_receive_buffers", &peak_receive_buffers, py::arg("schedule"),
+        "Per rank, the most receive buffers alive at once during a step (a replay of the "
+        "engine's posting rule; see [Note: receives posted ahead]).");
   // See [Note: counting CPU allocator] in memory.h.
   m.def("memory_tracker_install", &MemoryTracker::install,
         "Installs the counting CPU allocator (for tests and benchmarks; stays installed).");
@@ -248,81 +262,100 @@ PYBIND11_MODULE(_C, m) {
           [](const Engine& e, int64_t stage, int64_t mb) { return e.stash().peek(stage, mb); },
           py::return_value_policy::copy);
 
-  // ---- planner ----
-  // See [Note: planner cost model] in planner.h. Layers: (fwd, bwd, saved, saved_ckpt,
-  // static_bytes, transient); extras per stage: (fwd, bwd, saved, static_bytes, transient,
-  // buffers).
-  {
-    using PyLayer = std::tuple<double, double, int64_t, int64_t, int64_t, int64_t>;
-    using PyExtra = std::tuple<double, double, int64_t, int64_t, int64_t, int64_t>;
-    auto make_problem = [](const std::vector<PyLayer>& layers, const std::vector<PyExtra>& extras,
-                           std::vector<int64_t> inflight, std::vector<int64_t> memory_limit,
-                           bool allow_checkpoint) {
-      PlanProblem p;
-      for (const auto& [f, b, sv, sc, st, tr] : layers) p.layers.push_back({f, b, sv, sc, st, tr});
-      for (const auto& [f, b, sv, st, tr, bu] : extras) p.extras.push_back({f, b, sv, st, tr, bu});
-      p.inflight = std::move(inflight);
-      p.memory_limit = std::move(memory_limit);
-      p.allow_checkpoint = allow_checkpoint;
-      return p;
-    };
-    auto stages_to_py = [](const std::vector<StageEval>& stages) {
-      py::list out;
-      for (const auto& e : stages) {
-        py::dict d;
-        d["range"] = py::make_tuple(e.start, e.stop);
-        d["checkpoint"] = e.checkpoint;
-        d["forward"] = e.forward;
-        d["backward"] = e.backward;
-        d["time"] = e.time;
-        d["activation_bytes"] = e.activation_bytes;
-        d["static_bytes"] = e.static_bytes;
-        d["transient_bytes"] = e.transient_bytes;
-        d["buffer_bytes"] = e.buffer_bytes;
-        d["memory"] = e.memory;
-        out.append(d);
-      }
-      return out;
-    };
-    m.def(
-        "solve_plan",
-        [make_problem, stages_to_py](const std::vector<PyLayer>& layers,
-                                     const std::vector<PyExtra>& extras,
-                                     std::vector<int64_t> inflight,
-                                     std::vector<int64_t> memory_limit, bool allow_checkpoint) {
-          PlanProblem p = make_problem(layers, extras, std::move(inflight), std::move(memory_limit),
-                                       allow_checkpoint);
-          PlanResult r;
-          {
-            py::gil_scoped_release nogil;
-            r = solve_plan(p);
-          }
-          py::dict d;
-          d["feasible"] = r.feasible;
-          d["stages"] = stages_to_py(r.stages);
-          d["bottleneck"] = r.bottleneck;
-          d["total_time"] = r.total_time;
-          d["min_memory_limit"] = r.min_memory_limit;
-          return d;
-        },
-        py::arg("layers"), py::arg("extras"), py::arg("inflight"), py::arg("memory_limit"),
-        py::arg("allow_checkpoint") = true,
+  // Planner types: the structs of planner.h with their field names, keyword-only constructors.
+  // The Python planner uses these classes (pippy_xla/cost_model.py re-exports them).
+  py::class_<LayerCost>(m, "LayerCost",
+                        "Per-microbatch cost of one decoder layer (see [Note: planner cost "
+                        "model] in csrc/planner.h).")
+      .def(py::init([](double fwd, double bwd, std::optional<double> recompute, int64_t saved_bytes,
+                       int64_t saved_bytes_ckpt, int64_t static_bytes, int64_t transient_bytes) {
+             return LayerCost{fwd,
+                              bwd,
+                              recompute.value_or(fwd),
+                              saved_bytes,
+                              saved_bytes_ckpt,
+                              static_bytes,
+                              transient_bytes};
+           }),
+           py::kw_only(), py::arg("fwd"), py::arg("bwd"), py::arg("recompute") = py::none(),
+           py::arg("saved_bytes"), py::arg("saved_bytes_ckpt"), py::arg("static_bytes"),
+           py::arg("transient_bytes") = 0)
+      .def_readwrite("fwd", &LayerCost::fwd)
+      .def_readwrite("bwd", &LayerCost::bwd)
+      .def_readwrite("recompute", &LayerCost::recompute)
+      .def_readwrite("saved_bytes", &LayerCost::saved_bytes)
+      .def_readwrite("saved_bytes_ckpt", &LayerCost::saved_bytes_ckpt)
+      .def_readwrite("static_bytes", &LayerCost::static_bytes)
+      .def_readwrite("transient_bytes", &LayerCost::transient_bytes)
+      .def("__repr__", [](const LayerCost& l) {
+        return c10::str("LayerCost(fwd=", l.fwd, ", bwd=", l.bwd, ", recompute=", l.recompute,
+                        ", saved_bytes=", l.saved_bytes, ", saved_bytes_ckpt=", l.saved_bytes_ckpt,
+                        ", static_bytes=", l.static_bytes, ", transient_bytes=", l.transient_bytes,
+                        ")");
+      });
+  py::class_<StageExtra>(m, "StageExtra",
+                         "Per-microbatch cost a stage has besides its layers (prologue, "
+                         "epilogue, shared tensors, transfer buffers).")
+      .def(py::init([](double fwd, double bwd, int64_t saved_bytes, int64_t static_bytes,
+                       int64_t transient_bytes, int64_t buffer_bytes) {
+             return StageExtra{fwd, bwd, saved_bytes, static_bytes, transient_bytes, buffer_bytes};
+           }),
+           py::kw_only(), py::arg("fwd") = 0.0, py::arg("bwd") = 0.0, py::arg("saved_bytes") = 0,
+           py::arg("static_bytes") = 0, py::arg("transient_bytes") = 0, py::arg("buffer_bytes") = 0)
+      .def_readwrite("fwd", &StageExtra::fwd)
+      .def_readwrite("bwd", &StageExtra::bwd)
+      .def_readwrite("saved_bytes", &StageExtra::saved_bytes)
+      .def_readwrite("static_bytes", &StageExtra::static_bytes)
+      .def_readwrite("transient_bytes", &StageExtra::transient_bytes)
+      .def_readwrite("buffer_bytes", &StageExtra::buffer_bytes)
+      .def("__repr__", [](const StageExtra& e) {
+        return c10::str("StageExtra(fwd=", e.fwd, ", bwd=", e.bwd, ", saved_bytes=", e.saved_bytes,
+                        ", static_bytes=", e.static_bytes, ", transient_bytes=", e.transient_bytes,
+                        ", buffer_bytes=", e.buffer_bytes, ")");
+      });
+  // A list field reads as a copy (pybind11 converts vectors): assign a whole new list to change
+  // it; an in-place edit such as `problem.layers.append(x)` changes only the copy.
+  py::class_<PlanProblem>(m, "PlanProblem",
+                          "Solver input: layers, per-stage extras, in-flight "
+                          "microbatches and memory limits.")
+      .def(py::init([](std::vector<LayerCost> layers, std::vector<StageExtra> extras,
+                       std::vector<int64_t> inflight, std::vector<int64_t> memory_limit,
+                       bool allow_checkpoint) {
+             TORCH_CHECK(
+                 extras.size() == memory_limit.size() && inflight.size() == memory_limit.size(),
+                 "extras (", extras.size(), "), inflight (", inflight.size(),
+                 ") and memory_limit (", memory_limit.size(), ") need one entry per stage");
+             return PlanProblem{std::move(layers), std::move(extras), std::move(inflight),
+                                std::move(memory_limit), allow_checkpoint};
+           }),
+           py::kw_only(), py::arg("layers"), py::arg("extras"), py::arg("inflight"),
+           py::arg("memory_limit"), py::arg("allow_checkpoint") = true)
+      .def_readwrite("layers", &PlanProblem::layers)
+      .def_readwrite("extras", &PlanProblem::extras)
+      .def_readwrite("inflight", &PlanProblem::inflight)
+      .def_readwrite("memory_limit", &PlanProblem::memory_limit)
+      .def_readwrite("allow_checkpoint", &PlanProblem::allow_checkpoint);
+  py::class_<StageEval>(m, "StageEval", "One stage of a solved or evaluated plan.")
+      .def_property_readonly("range",
+                             [](const StageEval& e) { return py::make_tuple(e.start, e.stop); })
+      .def_readonly("checkpoint", &StageEval::checkpoint, "global indices of checkpointed layers")
+      .def_readonly("forward", &StageEval::forward)
+      .def_readonly("backward", &StageEval::backward, "including recomputation")
+      .def_readonly("time", &StageEval::time)
+      .def_readonly("activation_bytes", &StageEval::activation_bytes)
+      .def_readonly("static_bytes", &StageEval::static_bytes)
+      .def_readonly("transient_bytes", &StageEval::transient_bytes)
+      .def_readonly("buffer_bytes", &StageEval::buffer_bytes)
+      .def_readonly("memory", &StageEval::memory, "predicted peak bytes");
+  py::class_<PlanResult>(m, "PlanResult", "The solver's answer.")
+      .def_readonly("feasible", &PlanResult::feasible)
+      .def_readonly("stages", &PlanResult::stages, "empty when infeasible")
+      .def_readonly("bottleneck", &PlanResult::bottleneck)
+      .def_readonly("total_time", &PlanResult::total_time)
+      .def_readonly("min_memory_limit", &PlanResult::min_memory_limit);
+  m.def("solve_plan", &solve_plan, py::arg("problem"), py::call_guard<py::gil_scoped_release>(),
         "Exact planner: contiguous layer ranges and checkpointed layers per stage minimizing "
         "the bottleneck stage time under per-stage memory limits (see csrc/planner.h).");
-    m.def(
-        "evaluate_plan",
-        [make_problem, stages_to_py](
-            const std::vector<PyLayer>& layers, const std::vector<PyExtra>& extras,
-            std::vector<int64_t> inflight, std::vector<int64_t> memory_limit,
-            const std::vector<std::pair<int32_t, int32_t>>& ranges,
-            const std::vector<std::vector<int32_t>>& checkpoint) {
-          PlanProblem p =
-              make_problem(layers, extras, std::move(inflight), std::move(memory_limit), true);
-          return stages_to_py(evaluate_plan(p, ranges, checkpoint));
-        },
-        py::arg("layers"), py::arg("extras"), py::arg("inflight"), py::arg("memory_limit"),
-        py::arg("ranges"), py::arg("checkpoint"),
-        "The planner's cost model applied to a given plan.");
-  }
-  // ---- end planner ----
+  m.def("evaluate_plan", &evaluate_plan, py::arg("problem"), py::arg("ranges"),
+        py::arg("checkpoint"), "The planner's cost model applied to a given plan.");
 }

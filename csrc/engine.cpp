@@ -6,7 +6,10 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <algorithm>
+#include <set>
 #include <torch/csrc/distributed/c10d/Work.hpp>
+#include <tuple>
 
 namespace pippy_xla {
 
@@ -123,7 +126,11 @@ void Engine::run(int64_t signature, const StageFn& forward, const GradsReadyFn& 
       // F and B record their start after their receives completed: waiting is idle time (a
       // gap in the timeline), not part of the action's cost.
       timings_.push_back({a, compute_start_ns_ ? compute_start_ns_ : t0, now_ns()});
-      while (!st.sends.empty() && st.sends.front().completed()) st.sends.pop_front();
+      // Drop every completed send, not only a completed prefix: a send still waiting for its
+      // receiver must not keep the finished ones' tensors alive.
+      st.sends.erase(std::remove_if(st.sends.begin(), st.sends.end(),
+                                    [](const Transfer& t) { return t.completed(); }),
+                     st.sends.end());
       if (auto it = last_grad_.find(st.pos); grads_ready && it != last_grad_.end())
         ready.push_back(it->second);
       const bool send_next = st.pos + 1 < actions.size() && (actions[st.pos + 1].op == Op::SEND_B ||
@@ -207,6 +214,39 @@ Failure Engine::failure_of(const StepState& st, std::exception_ptr error) const 
   return f;
 }
 
+std::vector<size_t> receives_ahead(const std::vector<Action>& actions, size_t pos) {
+  std::vector<size_t> out;
+  for (size_t j = pos + 1; j < actions.size() && out.size() < kRecvLookahead; ++j)
+    if (actions[j].op == Op::RECV_F || actions[j].op == Op::RECV_B) out.push_back(j);
+  return out;
+}
+
+std::vector<int64_t> peak_receive_buffers(const Schedule& schedule) {
+  std::vector<int64_t> peaks;
+  for (const auto& actions : schedule.actions) {
+    std::vector<bool> posted(actions.size(), false);
+    // Posted and not yet consumed, by the (op, stage, microbatch) of the action consuming them.
+    std::multiset<std::tuple<Op, int32_t, int32_t>> alive;
+    int64_t peak = 0;
+    auto post = [&](size_t j) {
+      if (posted[j]) return;
+      posted[j] = true;
+      const Action& r = actions[j];
+      alive.insert({r.op == Op::RECV_F ? Op::F : Op::B, r.stage, r.mb});
+    };
+    for (size_t i = 0; i < actions.size(); ++i) {
+      const Action& a = actions[i];
+      if (a.op == Op::RECV_F || a.op == Op::RECV_B) post(i);
+      if (a.op != Op::F && a.op != Op::B) continue;
+      for (size_t j : receives_ahead(actions, i)) post(j);
+      peak = std::max(peak, static_cast<int64_t>(alive.size()));
+      if (auto it = alive.find({a.op, a.stage, a.mb}); it != alive.end()) alive.erase(it);
+    }
+    peaks.push_back(peak);
+  }
+  return peaks;
+}
+
 void Engine::post_ahead(StepState& st, const std::vector<Transfer>& waiting) {
   // [Note: receives posted ahead] Before blocking on a receive, post the next few receives of
   // the action list: the time would be spent waiting anyway, and a gloo send whose receive is
@@ -218,11 +258,8 @@ void Engine::post_ahead(StepState& st, const std::vector<Transfer>& waiting) {
   for (const auto& t : waiting) done = done && t.completed();
   if (st.discover || done) return;
   const auto& actions = schedule_.actions[rank_];
-  int ahead = 0;
-  for (size_t j = st.pos + 1; j < actions.size() && ahead < kRecvLookahead; ++j) {
+  for (size_t j : receives_ahead(actions, st.pos)) {
     const Action& b = actions[j];
-    if (b.op != Op::RECV_F && b.op != Op::RECV_B) continue;
-    ++ahead;
     if (st.posted[j]) continue;
     st.posted[j] = true;
     const int64_t t0 = now_ns();

@@ -36,6 +36,15 @@ inline int64_t tied_weight_tag(int64_t tie) { return kTiedWeightTagBase + 2 * ti
 // engine.cpp); their buffers are allocated then, which the planner's memory model counts.
 constexpr int kRecvLookahead = 4;
 
+// Positions of the receive actions that the engine posts ahead when action `pos` of `actions`
+// waits on its own receives: the next kRecvLookahead receive actions after it.
+std::vector<size_t> receives_ahead(const std::vector<Action>& actions, size_t pos);
+
+// Per rank, the most receive buffers alive at once during a step: receives posted (in action
+// order, or ahead by receives_ahead while an F or B waits) and not yet consumed by their F or
+// B, counting the one being consumed. A replay of Engine::run's posting rule, for the planner.
+std::vector<int64_t> peak_receive_buffers(const Schedule& schedule);
+
 // grads_ready(stage): the stage's parameter gradients of this step are complete.
 using GradsReadyFn = std::function<void(int64_t)>;
 

@@ -47,14 +47,14 @@ void check_problem(const PlanProblem& p) {
               ") need one entry per stage (", num_stages, ")");
   for (size_t i = 0; i < p.layers.size(); ++i) {
     const LayerCost& l = p.layers[i];
-    TORCH_CHECK(l.fwd >= 0 && l.bwd >= 0 && l.saved >= 0 && l.saved_ckpt >= 0 &&
-                    l.static_bytes >= 0 && l.transient >= 0,
+    TORCH_CHECK(l.fwd >= 0 && l.bwd >= 0 && l.recompute >= 0 && l.saved_bytes >= 0 &&
+                    l.saved_bytes_ckpt >= 0 && l.static_bytes >= 0 && l.transient_bytes >= 0,
                 "planner: layer ", i, " has a negative cost");
   }
   for (int64_t s = 0; s < num_stages; ++s) {
     const StageExtra& e = p.extras[s];
-    TORCH_CHECK(e.fwd >= 0 && e.bwd >= 0 && e.saved >= 0 && e.static_bytes >= 0 &&
-                    e.transient >= 0 && e.buffers >= 0,
+    TORCH_CHECK(e.fwd >= 0 && e.bwd >= 0 && e.saved_bytes >= 0 && e.static_bytes >= 0 &&
+                    e.transient_bytes >= 0 && e.buffer_bytes >= 0,
                 "planner: stage ", s, " extras have a negative cost");
     TORCH_CHECK(p.inflight[s] >= 0, "planner: stage ", s, " has negative in-flight count ",
                 p.inflight[s]);
@@ -64,12 +64,12 @@ void check_problem(const PlanProblem& p) {
 // What a checkpointed layer's backward holds on top of the stage: its recomputed activations
 // (beyond the inputs the checkpoint kept) and its own working set.
 int64_t recompute_bytes(const LayerCost& l) {
-  return std::max<int64_t>(0, l.saved - l.saved_ckpt) + l.transient;
+  return std::max<int64_t>(0, l.saved_bytes - l.saved_bytes_ckpt) + l.transient_bytes;
 }
 
 int64_t stage_transient(const StageExtra& e, int64_t layers_transient, int64_t layers_recompute,
                         bool any_checkpointed) {
-  return std::max({e.transient, layers_transient, any_checkpointed ? layers_recompute : 0});
+  return std::max({e.transient_bytes, layers_transient, any_checkpointed ? layers_recompute : 0});
 }
 
 Frontiers build_frontiers(const PlanProblem& p) {
@@ -92,7 +92,7 @@ Frontiers build_frontiers(const PlanProblem& p) {
       const LayerCost& l = p.layers[j - 1];
       base += l.fwd + l.bwd;
       stat += l.static_bytes;
-      trans = std::max(trans, l.transient);
+      trans = std::max(trans, l.transient_bytes);
       recomp = std::max(recomp, recompute_bytes(l));
       f.base_time[i].push_back(base);
       f.static_bytes[i].push_back(stat);
@@ -117,15 +117,18 @@ Frontiers build_frontiers(const PlanProblem& p) {
         } else if (ia >= m) {
           take_a = false;
         } else {
-          const double ta = prev[ia].time, tb = prev[ib].time + l.fwd;
-          const int64_t ba = prev[ia].bytes + l.saved, bb = prev[ib].bytes + l.saved_ckpt;
-          take_a = ta < tb || (ta == tb && ba <= bb);
+          const double ta = prev[ia].time, tb = prev[ib].time + l.recompute;
+          const int64_t ba = prev[ia].bytes + l.saved_bytes,
+                        bb = prev[ib].bytes + l.saved_bytes_ckpt;
+          // Exact ties go to checkpointing layer j - 1, the later layer: see [Note: planner cost
+          // model] on why upper layers are the better choice.
+          take_a = ta < tb || (ta == tb && ba < bb);
         }
         if (take_a) {
-          push({prev[ia].time, prev[ia].bytes + l.saved, ia, false, prev[ia].any});
+          push({prev[ia].time, prev[ia].bytes + l.saved_bytes, ia, false, prev[ia].any});
           ++ia;
         } else {
-          push({prev[ib].time + l.fwd, prev[ib].bytes + l.saved_ckpt, ib, true, true});
+          push({prev[ib].time + l.recompute, prev[ib].bytes + l.saved_bytes_ckpt, ib, true, true});
           ++ib;
         }
       }
@@ -148,8 +151,8 @@ class Costs {
   int64_t memory(int32_t s, int32_t i, int32_t j, const Point& q) const {
     const StageExtra& e = p_.extras[s];
     const int32_t r = j - i - 1;
-    return p_.inflight[s] * (e.saved + q.bytes) + e.static_bytes + f_.static_bytes[i][r] +
-           e.buffers + stage_transient(e, f_.transient[i][r], f_.recompute[i][r], q.any);
+    return p_.inflight[s] * (e.saved_bytes + q.bytes) + e.static_bytes + f_.static_bytes[i][r] +
+           e.buffer_bytes + stage_transient(e, f_.transient[i][r], f_.recompute[i][r], q.any);
   }
 
   // Fastest frontier point of [i, j) that fits stage s's limit. Along the frontier bytes fall as
@@ -215,7 +218,7 @@ std::vector<StageEval> evaluate_plan(const PlanProblem& p,
     const StageExtra& e = p.extras[s];
     int64_t layers_transient = 0, layers_recompute = 0;
     for (int32_t k = start; k < stop; ++k) {
-      layers_transient = std::max(layers_transient, p.layers[k].transient);
+      layers_transient = std::max(layers_transient, p.layers[k].transient_bytes);
       layers_recompute = std::max(layers_recompute, recompute_bytes(p.layers[k]));
     }
     StageEval ev;
@@ -223,13 +226,13 @@ std::vector<StageEval> evaluate_plan(const PlanProblem& p,
     ev.stop = stop;
     ev.forward = e.fwd;
     ev.backward = e.bwd;
-    int64_t bytes = e.saved;
+    int64_t bytes = e.saved_bytes;
     ev.static_bytes = e.static_bytes;
     for (int32_t k = start; k < stop; ++k) {
       const LayerCost& l = p.layers[k];
       ev.forward += l.fwd;
-      ev.backward += l.bwd + (ck[k - start] ? l.fwd : 0.0);
-      bytes += ck[k - start] ? l.saved_ckpt : l.saved;
+      ev.backward += l.bwd + (ck[k - start] ? l.recompute : 0.0);
+      bytes += ck[k - start] ? l.saved_bytes_ckpt : l.saved_bytes;
       ev.static_bytes += l.static_bytes;
       if (ck[k - start]) ev.checkpoint.push_back(k);
     }
@@ -237,7 +240,7 @@ std::vector<StageEval> evaluate_plan(const PlanProblem& p,
     ev.activation_bytes = p.inflight[s] * bytes;
     ev.transient_bytes =
         stage_transient(e, layers_transient, layers_recompute, !ev.checkpoint.empty());
-    ev.buffer_bytes = e.buffers;
+    ev.buffer_bytes = e.buffer_bytes;
     ev.memory = ev.activation_bytes + ev.static_bytes + ev.buffer_bytes + ev.transient_bytes;
     out.push_back(std::move(ev));
   }

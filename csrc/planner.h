@@ -6,18 +6,24 @@
 // last). A checkpointed layer recomputes its forward during backward. For a set C of checkpointed
 // layers:
 //   forward_s  = extra.fwd + sum_i fwd_i
-//   backward_s = extra.bwd + sum_i bwd_i + sum_{i in C} fwd_i
+//   backward_s = extra.bwd + sum_i bwd_i + sum_{i in C} recompute_i
 //   time_s     = forward_s + backward_s
 //   memory_s   = inflight_s * (extra.saved + sum_{i not in C} saved_i + sum_{i in C} saved_ckpt_i)
-//                + extra.static_bytes + sum_i static_i + extra.buffers + transient_s
+//                + extra.static + sum_i static_i + extra.buffers + transient_s
 //   transient_s = max(extra.transient, max_i transient_i,
 //                     C empty ? 0 : max_i (saved_i - saved_ckpt_i + transient_i))
+// (saved_i is LayerCost::saved_bytes, saved_ckpt_i saved_bytes_ckpt, and so on; recompute_i is
+// the measured extra backward time of a checkpointed layer, about one forward.)
 // transient_s is the largest working set on top of what the stage keeps: the temporaries of one
 // layer's (or the prologue's / epilogue's) forward or backward, measured by the profiler, and for
 // a stage with checkpointed layers the recomputed activations of one of them during its backward.
 // The last term takes the max over the whole range rather than over C, so that the stage's memory
 // depends on C only through (recompute time, activation bytes, C empty): exact for identical
-// layers, an upper bound otherwise.
+// layers, an upper bound otherwise. It charges the recomputation on top of all of the
+// microbatch's activations, which is what happens for the stage's top layer; a lower layer
+// recomputes after the layers above it have run their backward and freed theirs, so the term
+// over-estimates there (by up to 13% of a stage's peak in tests/test_planner.py). Among choices
+// equal in time and bytes the solver therefore checkpoints the later layers.
 // where inflight_s is the number of microbatches whose activations stage s holds at once under
 // the schedule (1F1B: min(stages - s, microbatches); GPipe: microbatches). The objective is the
 // bottleneck max_s time_s (with uniform per-stage work the 1F1B / GPipe step time is
@@ -46,22 +52,25 @@
 
 namespace pippy_xla {
 
+// Bound to Python with these field names (csrc/bindings.cpp, pippy_xla/_C.pyi); the Python
+// planner uses the bound classes, so there is one definition of each.
 struct LayerCost {
-  double fwd = 0.0;          // forward time
-  double bwd = 0.0;          // backward time (without recomputation)
-  int64_t saved = 0;         // bytes saved for backward per microbatch, not checkpointed
-  int64_t saved_ckpt = 0;    // bytes saved for backward per microbatch, checkpointed
-  int64_t static_bytes = 0;  // parameters + gradients + optimizer state
-  int64_t transient = 0;     // largest working set of its forward or backward (see above)
+  double fwd = 0.0;              // forward time
+  double bwd = 0.0;              // backward time (without recomputation)
+  double recompute = 0.0;        // extra backward time when checkpointed (measured)
+  int64_t saved_bytes = 0;       // bytes saved for backward per microbatch, not checkpointed
+  int64_t saved_bytes_ckpt = 0;  // bytes saved for backward per microbatch, checkpointed
+  int64_t static_bytes = 0;      // parameters + gradients + optimizer state
+  int64_t transient_bytes = 0;   // largest working set of its forward or backward (see above)
 };
 
 struct StageExtra {
   double fwd = 0.0;
   double bwd = 0.0;
-  int64_t saved = 0;  // per microbatch
+  int64_t saved_bytes = 0;  // per microbatch
   int64_t static_bytes = 0;
-  int64_t transient = 0;
-  int64_t buffers = 0;  // transfer buffers live during the step (receives posted ahead)
+  int64_t transient_bytes = 0;
+  int64_t buffer_bytes = 0;  // transfer buffers live during the step (receives posted ahead)
 };
 
 struct PlanProblem {

@@ -66,6 +66,8 @@ class SimResult:
     @property
     def peak_inflight(self) -> list[int]:
         """Per stage, the most forwards whose backward was pending (zeros without backward)."""
+    def __getitem__(self, key: str) -> object:
+        """``sim["makespan"]``: a field by name, for callers not yet reading the fields."""
 
 class Schedule:
     """Every rank's ordered action list, with the stage -> rank map."""
@@ -187,6 +189,9 @@ def tied_weight_tag(tie: int) -> int:
 RECV_LOOKAHEAD: int
 """Receive actions a rank posts ahead of the one it waits on."""
 
+def peak_receive_buffers(schedule: Schedule) -> list[int]:
+    """Per rank, the most receive buffers alive at once during a step (the engine's rule)."""
+
 class ActionTiming(_ActionFields):
     """When an action of the last step ran (system clock, nanoseconds)."""
 
@@ -283,26 +288,118 @@ def memory_reset_peak() -> None:
     """Sets the counted peak to the live bytes now."""
 
 # ---- planner
-# Current signatures (csrc/planner.h). Layers: (fwd, bwd, saved, saved_ckpt, static_bytes,
-# transient); extras per stage: (fwd, bwd, saved, static_bytes, transient, buffers).
+# Current signatures (csrc/planner.h, csrc/bindings.cpp); pippy_xla/cost_model.py re-exports the
+# classes.
 
-def solve_plan(
-    layers: Sequence[tuple[float, float, int, int, int, int]],
-    extras: Sequence[tuple[float, float, int, int, int, int]],
-    inflight: Sequence[int],
-    memory_limit: Sequence[int],
-    allow_checkpoint: bool = True,
-) -> dict:
+class LayerCost:
+    """Per-microbatch cost of one decoder layer (see [Note: planner cost model])."""
+
+    def __init__(
+        self,
+        *,
+        fwd: float,
+        bwd: float,
+        recompute: float | None = None,
+        saved_bytes: int,
+        saved_bytes_ckpt: int,
+        static_bytes: int,
+        transient_bytes: int = 0,
+    ) -> None: ...
+    fwd: float
+    bwd: float
+    recompute: float
+    saved_bytes: int
+    saved_bytes_ckpt: int
+    static_bytes: int
+    transient_bytes: int
+
+class StageExtra:
+    """Per-microbatch cost a stage has besides its layers (prologue, epilogue, buffers)."""
+
+    def __init__(
+        self,
+        *,
+        fwd: float = 0.0,
+        bwd: float = 0.0,
+        saved_bytes: int = 0,
+        static_bytes: int = 0,
+        transient_bytes: int = 0,
+        buffer_bytes: int = 0,
+    ) -> None: ...
+    fwd: float
+    bwd: float
+    saved_bytes: int
+    static_bytes: int
+    transient_bytes: int
+    buffer_bytes: int
+
+class PlanProblem:
+    """Solver input: layers, per-stage extras, in-flight microbatches and memory limits."""
+
+    def __init__(
+        self,
+        *,
+        layers: Sequence[LayerCost],
+        extras: Sequence[StageExtra],
+        inflight: Sequence[int],
+        memory_limit: Sequence[int],
+        allow_checkpoint: bool = True,
+    ) -> None: ...
+    layers: list[LayerCost]
+    extras: list[StageExtra]
+    inflight: list[int]
+    memory_limit: list[int]
+    allow_checkpoint: bool
+
+class StageEval:
+    """One stage of a solved or evaluated plan."""
+
+    @property
+    def range(self) -> tuple[int, int]:
+        """Its layers, ``(start, stop)``."""
+    @property
+    def checkpoint(self) -> list[int]:
+        """Global indices of checkpointed layers."""
+    @property
+    def forward(self) -> float: ...
+    @property
+    def backward(self) -> float:
+        """Including recomputation."""
+    @property
+    def time(self) -> float: ...
+    @property
+    def activation_bytes(self) -> int: ...
+    @property
+    def static_bytes(self) -> int: ...
+    @property
+    def transient_bytes(self) -> int: ...
+    @property
+    def buffer_bytes(self) -> int: ...
+    @property
+    def memory(self) -> int:
+        """Predicted peak bytes."""
+
+class PlanResult:
+    """The solver's answer."""
+
+    @property
+    def feasible(self) -> bool: ...
+    @property
+    def stages(self) -> list[StageEval]:
+        """Empty when infeasible."""
+    @property
+    def bottleneck(self) -> float: ...
+    @property
+    def total_time(self) -> float: ...
+    @property
+    def min_memory_limit(self) -> list[int]: ...
+
+def solve_plan(problem: PlanProblem) -> PlanResult:
     """Exact planner: layer ranges and checkpointed layers minimizing the bottleneck stage."""
 
 def evaluate_plan(
-    layers: Sequence[tuple[float, float, int, int, int, int]],
-    extras: Sequence[tuple[float, float, int, int, int, int]],
-    inflight: Sequence[int],
-    memory_limit: Sequence[int],
-    ranges: Sequence[tuple[int, int]],
-    checkpoint: Sequence[Sequence[int]],
-) -> list[dict]:
+    problem: PlanProblem, ranges: Sequence[tuple[int, int]], checkpoint: Sequence[Sequence[int]]
+) -> list[StageEval]:
     """The planner's cost model applied to a given plan."""
 
 # ---- end planner

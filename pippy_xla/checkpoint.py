@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pippy_xla.data_parallel import assign
-from pippy_xla.planner import parse_bytes
+from pippy_xla.units import parse_bytes
 
 if TYPE_CHECKING:
     from pippy_xla.pipeline import PipelineModel

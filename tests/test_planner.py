@@ -18,13 +18,13 @@ from pippy_xla.planner import (
     LayerCost,
     PlanInfeasibleError,
     PlanProblem,
-    SavedBytes,
     StageExtra,
     evaluate,
     inflight_counts,
     profile_model,
     solve,
 )
+from pippy_xla.profiler import SavedBytes
 
 # Same tolerances as tests/test_pipeline.py (fp32; microbatch sums vs whole-batch reference;
 # checkpointing recomputes the same ops, so it adds no difference).
@@ -56,28 +56,28 @@ def _colossal(limit: int) -> PlanProblem:
 
 def test_colossalai_5509_instance():
     free = solve(_colossal(10**9))
-    assert free["bottleneck"] == 24.0
-    assert [st["range"] for st in free["stages"]] == [(0, 8), (8, 16), (16, 24), (24, 32)]
+    assert free.bottleneck == 24.0
+    assert [st.range for st in free.stages] == [(0, 8), (8, 16), (16, 24), (24, 32)]
     out = solve(_colossal(20_000))
-    ranges = [st["range"] for st in out["stages"]]
-    ckpt = [len(st["checkpoint"]) for st in out["stages"]]
+    ranges = [st.range for st in out.stages]
+    ckpt = [len(st.checkpoint) for st in out.stages]
     print(
         "ColossalAI #5509 plan:",
         ranges,
         "checkpointed",
         ckpt,
         "bottleneck",
-        out["bottleneck"],
+        out.bottleneck,
         "ratio",
-        out["bottleneck"] / free["bottleneck"],
+        out.bottleneck / free.bottleneck,
     )
     # A stage with checkpointed layers also holds one layer's recomputed activations during
     # its backward (1250 - 125): 7/8/8/9 layers with 4/4/0/0 checkpointed (without that term the
     # issue's own model allows 4/3/0/0 and 27.0).
-    assert out["bottleneck"] <= 1.17 * free["bottleneck"]
-    assert out["bottleneck"] == 28.0
+    assert out.bottleneck <= 1.17 * free.bottleneck
+    assert out.bottleneck == 28.0
     assert ckpt == [4, 4, 0, 0] and ranges == [(0, 7), (7, 15), (15, 23), (23, 32)]
-    assert all(st["memory"] <= 20_000 for st in out["stages"])
+    assert all(st.memory <= 20_000 for st in out.stages)
 
 
 def _transient(extra: StageExtra, layers: list[LayerCost], any_checkpointed: bool) -> int:
@@ -167,16 +167,16 @@ def test_solver_matches_brute_force():
             continue
         feasible += 1
         out = solve(problem)
-        assert out["bottleneck"] == pytest.approx(best, rel=1e-9)
+        assert out.bottleneck == pytest.approx(best, rel=1e-9)
         # The returned plan is feasible and its objective is what the solver says.
-        ranges = [st["range"] for st in out["stages"]]
+        ranges = [st.range for st in out.stages]
         assert ranges[0][0] == 0 and ranges[-1][1] == len(problem.layers)
-        for s, st in enumerate(out["stages"]):
-            assert st["memory"] <= problem.memory_limit[s]
-            lay = problem.layers[st["range"][0] : st["range"][1]]
-            ck = set(st["checkpoint"])
+        for s, st in enumerate(out.stages):
+            assert st.memory <= problem.memory_limit[s]
+            lay = problem.layers[st.range[0] : st.range[1]]
+            ck = set(st.checkpoint)
             act = problem.extras[s].saved_bytes + sum(
-                ly.saved_bytes_ckpt if st["range"][0] + i in ck else ly.saved_bytes
+                ly.saved_bytes_ckpt if st.range[0] + i in ck else ly.saved_bytes
                 for i, ly in enumerate(lay)
             )
             mem = (
@@ -186,7 +186,7 @@ def test_solver_matches_brute_force():
                 + problem.extras[s].buffer_bytes
                 + _transient(problem.extras[s], lay, bool(ck))
             )
-            assert mem == st["memory"]
+            assert mem == st.memory
     assert feasible > 50
 
 
@@ -207,7 +207,7 @@ def test_layer_ranges_only():
         solve(problem)
     problem.memory_limit = [40_000] * 4
     out = solve(problem)
-    assert all(not st["checkpoint"] for st in out["stages"])
+    assert all(not st.checkpoint for st in out.stages)
 
 
 # ----------------------------------------------------------------------------- profiler + plan
@@ -451,7 +451,7 @@ def test_cli_plan(capsys, tmp_path):
 # ----------------------------------------------------------------------------- measured peaks
 
 
-def _activation_heavy_llama():
+def _activation_heavy_llama(layers: int = 4):
     """A Llama whose activations, not its parameters, dominate a step's memory at seq 128."""
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
@@ -460,7 +460,7 @@ def _activation_heavy_llama():
         vocab_size=2048,
         hidden_size=128,
         intermediate_size=512,
-        num_hidden_layers=4,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
     )
@@ -480,7 +480,7 @@ def _measured_peaks(rank, world, plan_jsons, seq):
     for plan_json in plan_jsons:
         plan = px.Plan.from_json(plan_json)
         with torch.device("meta"):
-            model, layer_cls = _activation_heavy_llama()
+            model, layer_cls = _activation_heavy_llama(plan.layer_ranges[-1][1])
         pipe = px.PipelineModel(
             model,
             layer_cls=layer_cls,
@@ -535,3 +535,46 @@ def test_predicted_peak_memory_matches_the_measured_peak():
             if not plan.checkpoint_layers:  # activations are a large part of the peak
                 assert st.activation_bytes + st.transient_bytes > 0.4 * st.memory_bytes, where
             assert abs(got - st.memory_bytes) <= 0.10 * st.memory_bytes, (where, got, st)
+
+
+@pytest.mark.parametrize("ranks,layers", [(2, 4)])
+def test_planned_runs_stay_under_random_limits(ranks, layers):
+    """For 1F1B and GPipe, 10 random limits each between the smallest feasible limit and the
+    unconstrained peak: every planned run's measured peak (each stage) is within 10% of the
+    prediction and under its limit. (On 4 ranks the middle stages measure 4-12% over the
+    prediction, a backward working set the profiler does not see: issue 12 is open for it.)"""
+    torch.manual_seed(0)
+    model, layer_cls = _activation_heavy_llama(layers)
+    seq, batch, mbs = 128, 8, 4
+    prof = profile_model(model, layer_cls, microbatch_size=batch // mbs, seq_len=seq, repeats=1)
+    rng = random.Random(ranks)
+    plans = []
+    for schedule in ("1f1b", "gpipe"):
+        kw = dict(
+            layer_cls=layer_cls,
+            num_stages=ranks,
+            num_microbatches=mbs,
+            batch_size=batch,
+            seq_len=seq,
+            schedule=schedule,
+            profile=prof,
+        )
+        with pytest.raises(PlanInfeasibleError) as info:
+            px.plan(model, memory_limit=0, **kw)
+        low = info.value.min_memory_limit[0]
+        high = max(st.memory_bytes for st in px.plan(model, memory_limit=2**40, **kw).stages)
+        assert low < high
+        limits = sorted(rng.randint(low, high) for _ in range(10))
+        plans += [px.plan(model, memory_limit=limit, **kw) for limit in limits]
+    measured = run_ranks(ranks, _measured_peaks, [p.to_json() for p in plans], seq, timeout=600)
+    for i, plan in enumerate(plans):
+        for st in plan.stages:
+            got = measured[st.index][i]
+            where = (
+                f"{plan.schedule} limit {st.memory_limit} ranges {plan.layer_ranges} "
+                f"ckpt {plan.checkpoint_layers} stage {st.index}"
+            )
+            print(f"{where}: predicted {st.memory_bytes} measured {got}")
+            assert st.memory_bytes <= st.memory_limit, where
+            assert got <= st.memory_limit, (where, got)
+            assert abs(got - st.memory_bytes) <= 0.10 * st.memory_bytes, (where, got)

@@ -1,0 +1,471 @@
+"""Profiler: measures a model's per-microbatch costs for the planner's cost model
+(:class:`pippy_xla.cost_model.ModelProfile`): times, saved-for-backward bytes, static bytes and
+transient working sets per layer, prologue and epilogue, in one process."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+from pippy_xla import _C
+from pippy_xla.cost_model import LayerCost, ModelProfile, StageExtra
+from pippy_xla.partition import find_layers
+
+__all__ = ["ADAMW_STATES", "SavedBytes", "profile_model"]
+
+logger = logging.getLogger(__name__)
+
+ADAMW_STATES = 2
+"""Optimizer-state tensors per parameter (AdamW: ``exp_avg`` and ``exp_avg_sq``)."""
+
+
+class SavedBytes:
+    """Counts bytes saved for backward under ``saved_tensors_hooks``, deduplicated by storage
+    and excluding parameters and buffers (``exclude``: storages not to count)."""
+
+    def __init__(self, exclude: Sequence[torch.Tensor] = ()) -> None:
+        self._exclude = {_storage_key(t) for t in exclude}
+        self.owner: dict[tuple, str] = {}
+        self.sizes: dict[tuple, int] = {}
+        self.region = ""
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        if key not in self._exclude and key not in self.owner:
+            self.owner[key] = self.region
+            self.sizes[key] = t.untyped_storage().nbytes()
+        return t
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def total(self) -> int:
+        return sum(self.sizes.values())
+
+    def by_region(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for key, region in self.owner.items():
+            out[region] = out.get(region, 0) + self.sizes[key]
+        return out
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    s = t.untyped_storage()
+    return (t.device.type, s.data_ptr(), s.nbytes())
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            out.extend(_tensors(v))
+    elif isinstance(value, dict):
+        for v in value.values():
+            out.extend(_tensors(v))
+    return out
+
+
+def _first_tensor(value) -> torch.Tensor:
+    ts = _tensors(value)
+    if not ts:
+        raise ValueError("a decoder layer returned no tensor")
+    return ts[0]
+
+
+def _layer_kind(layer: nn.Module) -> tuple:
+    """What makes decoder layers cost the same: class, parameter shapes and dtypes, and the
+    attention kind transformers records on a layer or its attention module (``attention_type``:
+    sliding-window or full; ``sliding_window``)."""
+    kind: list = [type(layer).__qualname__]
+    kind += [(n, tuple(p.shape), str(p.dtype)) for n, p in layer.named_parameters()]
+    for mod in (layer, *layer.children()):
+        for attr in ("attention_type", "sliding_window", "is_sliding"):
+            kind.append((attr, repr(getattr(mod, attr, None))))
+    return tuple(kind)
+
+
+@contextlib.contextmanager
+def _checkpointed(layers: Sequence[nn.Module]):
+    """Runs each layer's forward under non-reentrant ``torch.utils.checkpoint`` (as the stage
+    graphs do, see [Note: checkpointed layers] in :mod:`pippy_xla.partition`) while active."""
+
+    def wrap(fn):
+        def forward(*args, **kwargs):
+            return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+        return forward
+
+    saved = [layer.__dict__.get("forward") for layer in layers]
+    for layer in layers:
+        layer.forward = wrap(layer.forward)
+    try:
+        yield
+    finally:
+        for layer, fwd in zip(layers, saved, strict=True):
+            if fwd is None:
+                del layer.forward
+            else:
+                layer.forward = fwd
+
+
+class _WorkingSets:
+    """Largest working set per region of a forward and backward: the peak of live tensor bytes
+    inside the region minus the larger of its live bytes at the start and at the end (what the
+    region leaves behind is not transient). Live bytes come from the CUDA caching allocator's
+    counters, or on CPU from the counting allocator (``_C.memory_stats``, see [Note: counting CPU
+    allocator] in csrc/memory.h), which this installs for the rest of the process.
+
+    Regions may overlap: in backward one tensor's gradient hook closes a layer's region and
+    opens the next one's, in either order. The device has one peak counter, so before each
+    reset the peak so far is credited to every region still open."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        if device.type == "cuda":
+            self._live = lambda: torch.cuda.memory_allocated(device)
+            self._peak = lambda: torch.cuda.max_memory_allocated(device)
+            self._reset = lambda: torch.cuda.reset_peak_memory_stats(device)
+        else:
+            _C.memory_tracker_install()
+            self._live = lambda: _C.memory_stats()["live_bytes"]
+            self._peak = lambda: _C.memory_stats()["peak_bytes"]
+            self._reset = _C.memory_reset_peak
+        self.bytes: dict[str, int] = {}
+        self._open: dict[str, list[int]] = {}  # region -> [live at open, peak seen]
+        self.enabled = True
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        peak = self._peak()
+        for seen in self._open.values():
+            seen[1] = max(seen[1], peak)
+
+    def open(self, region: str) -> None:
+        if not self.enabled:
+            return
+        self._sync()
+        self._reset()
+        live = self._live()
+        self._open[region] = [live, live]
+
+    def close(self, region: str) -> None:
+        if not self.enabled or region not in self._open:
+            return
+        self._sync()
+        start, peak = self._open.pop(region)
+        extra = max(0, peak - max(start, self._live()))
+        self.bytes[region] = max(self.bytes.get(region, 0), extra)
+
+    def get(self, region: str) -> int:
+        return self.bytes.get(region, 0)
+
+
+_CACHE: dict[str, ModelProfile] = {}
+
+
+def _cache_key(model: nn.Module, layer_cls, mb: int, seq: int, dtype, repeats: int) -> str:
+    cfg = getattr(model, "config", None)
+    desc = (
+        cfg.to_json_string()
+        if hasattr(cfg, "to_json_string")
+        else repr([(n, tuple(p.shape)) for n, p in model.named_parameters()])
+    )
+    return json.dumps(
+        [type(model).__qualname__, layer_cls.__qualname__, desc, mb, seq, str(dtype), repeats]
+    )
+
+
+def profile_model(
+    model: nn.Module,
+    layer_cls: type[nn.Module],
+    *,
+    microbatch_size: int,
+    seq_len: int,
+    repeats: int = 5,
+    optimizer_states: int = ADAMW_STATES,
+    vocab_size: int | None = None,
+    cache: bool = True,
+) -> ModelProfile:
+    """Profiles ``model`` on random token batches of shape ``[microbatch_size, seq_len]`` in one
+    process (no distributed needed).
+
+    Saved-for-backward bytes are counted with ``saved_tensors_hooks`` (deduplicated by storage,
+    parameters excluded) over a whole forward with the loss, attributed to the region that first
+    saved them: the prologue (before the first layer), each layer, the epilogue (after the last
+    layer, loss included), or "shared" (tensors passed to layers as keyword inputs: rotary
+    tables, masks). A checkpointed layer saves its positional inputs (measured on layer 0 under
+    ``checkpoint(..., use_reentrant=False)``, and equal to the hidden-state input for every layer).
+    Times come from timestamps at layer boundaries during forward and backward (tensor hooks on
+    each layer's input and output) over ``repeats`` runs after a warm-up. Layers of one kind
+    (:func:`_layer_kind`: class, parameter shapes, attention kind) pool their samples and get
+    their median, so sliding-window and full-attention layers, or layers of different widths, are
+    timed apart while identical layers cost the same. Recomputation time is measured too: the same
+    runs with every layer checkpointed, each kind's backward median there minus its plain one.
+    Static bytes are parameter bytes times ``2 + optimizer_states`` (parameters, gradients, AdamW
+    state). Transient bytes are each region's largest working set during forward and backward (the
+    peak of live tensor bytes on top of what the region starts with and leaves behind: see
+    :class:`_WorkingSets`); on CPU this installs the counting allocator for the rest of the process.
+    Results are cached in memory per (model config, shape, dtype).
+    """
+    dtype = next(model.parameters()).dtype
+    key = _cache_key(model, layer_cls, microbatch_size, seq_len, dtype, repeats)
+    if cache and key in _CACHE:
+        return _CACHE[key]
+    names = find_layers(model, layer_cls)
+    layers = [model.get_submodule(n) for n in names]
+    num = len(layers)
+    if vocab_size is None:
+        vocab_size = int(getattr(getattr(model, "config", None), "vocab_size", 2))
+    device = next(model.parameters()).device
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab_size, (microbatch_size, seq_len), generator=g).to(device)
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "labels": ids.clone(),
+    }
+    exclude = list(model.parameters()) + list(model.buffers())
+    static_factor = 2 + optimizer_states
+
+    state = {"region": "prologue", "t": {}, "kw": [], "args": None}
+    counter = SavedBytes(exclude)
+    work = _WorkingSets(device)
+    handles = []
+
+    def now() -> float:
+        return time.perf_counter()
+
+    # Backward regions: the epilogue's from loss.backward() to the last layer's output gradient,
+    # layer k's from its output gradient to its input gradient, the prologue's after layer 0.
+    def backward_out(k: int) -> None:
+        state["t"][("bout", k)] = now()
+        if k == num - 1:
+            work.close("epilogue backward")
+        work.open(f"layer{k} backward")
+
+    def backward_in(k: int) -> None:
+        state["t"][("bin", k)] = now()
+        work.close(f"layer{k} backward")
+        if k == 0:
+            work.open("prologue backward")
+
+    def make_hooks(k: int):
+        def pre(mod, args, kwargs):
+            state["t"][("f0", k)] = now()
+            if k == 0:
+                work.close("prologue")
+            work.open(f"layer{k}")
+            counter.region = f"layer{k}"
+            state["kw"].extend(_tensors(kwargs))
+            if k == 0 and state["args"] is None:
+                state["args"] = (args, kwargs)
+            x = args[0] if args else None
+            if isinstance(x, torch.Tensor) and x.requires_grad:
+                x.register_hook(lambda grad: backward_in(k))
+
+        def post(mod, args, kwargs, out):
+            state["t"][("f1", k)] = now()
+            work.close(f"layer{k}")
+            y = _first_tensor(out)
+            state["boundary"] = y.numel() * y.element_size()
+            if k == num - 1:
+                work.open("epilogue")
+            counter.region = "epilogue" if k == num - 1 else f"between{k}"
+            if y.requires_grad:
+                y.register_hook(lambda grad: backward_out(k))
+
+        return pre, post
+
+    for k, layer in enumerate(layers):
+        pre, post = make_hooks(k)
+        handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(layer.register_forward_hook(post, with_kwargs=True))
+
+    # Which non-layer parameters the prologue / epilogue use (tied weights count in both).
+    layer_params = {id(p) for layer in layers for p in layer.parameters()}
+    used: dict[str, dict[int, torch.Tensor]] = {"prologue": {}, "epilogue": {}}
+
+    def param_hook(mod, args):
+        region = "prologue" if counter.region == "prologue" else "epilogue"
+        for p in mod.parameters(recurse=False):
+            if id(p) not in layer_params:
+                used[region][id(p)] = p
+
+    for mod in model.modules():
+        if any(True for _ in mod.parameters(recurse=False)) and not isinstance(mod, layer_cls):
+            handles.append(mod.register_forward_pre_hook(param_hook))
+
+    was_training = model.training
+    model.train()
+    runs, ckpt_runs = [], []
+    try:
+        for run in range(repeats + 1):
+            counter.__init__(exclude)
+            counter.region = "prologue"
+            state["t"].clear()
+            state["kw"].clear()
+            t0 = now()
+            work.open("prologue")
+            with counter.hooks():
+                out = model(**batch, use_cache=False)
+            loss = out.loss if hasattr(out, "loss") else out["loss"]
+            t1 = now()
+            work.close("epilogue")
+            work.open("epilogue backward")
+            loss.backward()
+            work.close("prologue backward")
+            t2 = now()
+            model.zero_grad(set_to_none=True)
+            if run > 0:  # the first run warms up
+                runs.append((t0, t1, t2, dict(state["t"])))
+            regions = counter.by_region()
+            shared_keys = {_storage_key(t) for t in state["kw"]}
+            shared = sum(counter.sizes[k] for k in counter.owner if k in shared_keys)
+            layer_saved = [0] * num
+            for key, region in counter.owner.items():
+                if key in shared_keys:
+                    continue
+                if region.startswith("layer"):
+                    layer_saved[int(region[5:])] += counter.sizes[key]
+            pro_saved = sum(
+                counter.sizes[k]
+                for k, r in counter.owner.items()
+                if r == "prologue" and k not in shared_keys
+            )
+            epi_saved = sum(
+                counter.sizes[k]
+                for k, r in counter.owner.items()
+                if r == "epilogue" and k not in shared_keys
+            )
+            between = sum(v for r, v in regions.items() if r.startswith("between"))
+            if between:
+                logger.debug("profile: %d saved bytes between layers (counted in layers)", between)
+
+        # The same runs with every layer checkpointed: each layer's backward then includes its
+        # recomputation. Only times are taken (working sets and saved bytes come from above).
+        work.enabled = False
+        with _checkpointed(layers):
+            for run in range(repeats + 1):
+                state["t"].clear()
+                counter.region = "prologue"  # the hooks track regions as above
+                out = model(**batch, use_cache=False)
+                loss = out.loss if hasattr(out, "loss") else out["loss"]
+                loss.backward()
+                model.zero_grad(set_to_none=True)
+                if run > 0:
+                    ckpt_runs.append(dict(state["t"]))
+        work.enabled = True
+
+        for h in handles:
+            h.remove()
+        handles.clear()
+        # Checkpointed layer: what non-reentrant checkpointing keeps (positional inputs).
+        args, kwargs = state["args"]
+        args = tuple(
+            a.detach().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a
+            for a in args
+        )
+        ck = SavedBytes(exclude + _tensors(kwargs))
+        with ck.hooks():
+            torch.utils.checkpoint.checkpoint(layers[0], *args, use_reentrant=False, **kwargs)
+        ckpt_saved = ck.total()
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+        model.zero_grad(set_to_none=True)
+
+    def med(values):
+        return float(statistics.median(values))
+
+    pro_f, pro_b, epi_f, epi_b = [], [], [], []
+    fwd_k = [[] for _ in range(num)]
+    bwd_k = [[] for _ in range(num)]
+    bwd_ck = [[] for _ in range(num)]
+    for t0, t1, t2, t in runs:
+        pro_f.append(t[("f0", 0)] - t0)
+        epi_f.append(t1 - t[("f1", num - 1)])
+        epi_b.append(t.get(("bout", num - 1), t1) - t1)
+        pro_b.append(t2 - t.get(("bin", 0), t2))
+        for k in range(num):
+            fwd_k[k].append(t[("f1", k)] - t[("f0", k)])
+            if ("bin", k) in t and ("bout", k) in t:
+                bwd_k[k].append(t[("bin", k)] - t[("bout", k)])
+    for t in ckpt_runs:
+        for k in range(num):
+            if ("bin", k) in t and ("bout", k) in t:
+                bwd_ck[k].append(t[("bin", k)] - t[("bout", k)])
+    # Times per layer kind: layers of one kind pool their samples (one tiny layer is too fast to
+    # time alone, and identical layers should get identical costs).
+    kinds: dict[tuple, list[int]] = {}
+    for k, layer in enumerate(layers):
+        kinds.setdefault(_layer_kind(layer), []).append(k)
+    layer_time = [(0.0, 0.0, 0.0)] * num
+    for members in kinds.values():
+        f = med([x for k in members for x in fwd_k[k]])
+        b_samples = [x for k in members for x in bwd_k[k]]
+        b = med(b_samples) if b_samples else 2 * f
+        ck_samples = [x for k in members for x in bwd_ck[k]]
+        # Recomputation: what checkpointing adds to the layer's backward (a forward, plus the
+        # checkpoint's own bookkeeping); never less than nothing.
+        r = max(0.0, med(ck_samples) - b) if ck_samples else f
+        for k in members:
+            layer_time[k] = (f, b, r)
+
+    def nbytes(params) -> int:
+        return sum(p.numel() * p.element_size() for p in params)
+
+    def static(params) -> int:
+        trainable = [p for p in params if p.requires_grad]
+        return nbytes(params) + (static_factor - 1) * nbytes(trainable)
+
+    layer_costs = []
+    for k, layer in enumerate(layers):
+        params = list({id(p): p for p in layer.parameters()}.values())
+        layer_costs.append(
+            LayerCost(
+                fwd=layer_time[k][0],
+                bwd=layer_time[k][1],
+                recompute=layer_time[k][2],
+                saved_bytes=layer_saved[k],
+                saved_bytes_ckpt=ckpt_saved,
+                static_bytes=static(params),
+                transient_bytes=max(work.get(f"layer{k}"), work.get(f"layer{k} backward")),
+            )
+        )
+    prof = ModelProfile(
+        layers=layer_costs,
+        prologue=StageExtra(
+            fwd=med(pro_f),
+            bwd=med(pro_b),
+            saved_bytes=pro_saved,
+            static_bytes=static(list(used["prologue"].values())),
+            transient_bytes=max(work.get("prologue"), work.get("prologue backward")),
+        ),
+        epilogue=StageExtra(
+            fwd=med(epi_f),
+            bwd=med(epi_b),
+            saved_bytes=epi_saved,
+            static_bytes=static(list(used["epilogue"].values())),
+            transient_bytes=max(work.get("epilogue"), work.get("epilogue backward")),
+        ),
+        shared_saved_bytes=shared,
+        boundary_bytes=state["boundary"],
+        microbatch_size=microbatch_size,
+        seq_len=seq_len,
+        dtype=str(dtype),
+    )
+    if cache:
+        _CACHE[key] = prof
+    return prof
