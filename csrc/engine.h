@@ -28,7 +28,7 @@ namespace pippy_xla {
 using StageFn = std::function<std::vector<at::Tensor>(int64_t, int64_t, std::vector<at::Tensor>)>;
 
 // [Note: transfer tags] The engine's transfers use tags below kTiedWeightTagBase (Engine::tag);
-// tied-weight transfers outside the engine (pipeline.py) use two tags per tie from it.
+// tied-weight transfers outside the engine (pippy_xla/_ties.py) use two tags per tie from it.
 constexpr int64_t kTiedWeightTagBase = int64_t{1} << 30;
 inline int64_t tied_weight_tag(int64_t tie) { return kTiedWeightTagBase + 2 * tie; }
 
@@ -82,7 +82,7 @@ class Engine {
 
   // [Note: aborting a step] Thread-safe: wakes every transfer wait of the running step (c10d's
   // Work::abort), so run() throws instead of waiting out the timeout, and refuses later steps.
-  // The caller (pipeline.py) calls it when another rank reports a failure.
+  // AbortChannel.watch (pippy_xla/errors.py) calls it when another rank reports a failure.
   void abort();
   // Where the failed step failed; nullopt while no step has failed.
   const std::optional<Failure>& failure() const { return failure_; }

@@ -171,9 +171,8 @@ int32_t stage_rank(int32_t stage, int32_t num_ranks) {
 void check_stage_count(int64_t num_layers, int64_t num_stages) {
   TORCH_CHECK_VALUE(
       num_stages <= num_layers, "cannot split ", num_layers, " decoder layers into ", num_stages,
-      " stages: every stage needs at least one layer, and the model has "
-      "only ",
-      num_layers, " decoder layers; use at most ", num_layers, " stages (ranks x chunks)");
+      " stages: every stage needs at least one layer, and the model has only ", num_layers,
+      " decoder layers; use at most ", num_layers, " stages (ranks x chunks)");
 }
 
 Schedule make_schedule(const std::string& name, int32_t num_ranks, int32_t num_microbatches,
