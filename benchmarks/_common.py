@@ -1,4 +1,5 @@
-"""Shared helpers of the benchmarks: the tests' spawn helper and result files."""
+"""Shared helpers of the benchmarks: models, batches, result files; the spawn helper is
+:func:`pippy_xla.testing.run_ranks`, the tests' own."""
 
 from __future__ import annotations
 
@@ -7,16 +8,14 @@ import gc
 import json
 import platform
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
 
+from pippy_xla.testing import run_ranks
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-sys.path.insert(0, str(ROOT / "tests"))
-
-from _dist import run_ranks  # noqa: E402
 
 __all__ = [
     "RESULTS",

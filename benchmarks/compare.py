@@ -2,16 +2,16 @@
 
     python benchmarks/compare.py [--steps 8] [--warmup 2] [--regimes REGIME,...]
 
-For every schedule both libraries have (pippy_xla's ``_C.schedule_names()`` read at run time,
-minus ``"forward"``, kept if ``PipelineModel(schedule=...)`` accepts it and
-``TORCH_SCHEDULES`` names torch's counterpart), the same Llama and the same batch run through
-(a) one process, (b) ``pippy_xla.PipelineModel`` and (c) ``torch.distributed.pipelining``, on 2
-CPU ranks with one thread each (``tests/_dist.py`` sets ``torch.set_num_threads(1)``). Three
-regimes: ``compute`` (a step of about a second), ``overhead`` (tiny layers, 32 microbatches of
-batch 1, so per-action runtime cost dominates) and ``overhead-compiled`` (the same with every
-stage module compiled in both libraries, which shrinks the stage's own Python and dispatch
-cost). torch's ``ScheduleInterleavedZeroBubble`` refuses compiled stage modules; that row then
-runs pippy_xla alone and the refusal is recorded in ``torch_failures``.
+For every schedule both libraries have (pippy_xla's ``_C.train_schedule_names()`` read at run time,
+kept if ``PipelineModel(schedule=...)`` accepts it and ``TORCH_SCHEDULES`` names torch's
+counterpart), the same Llama and the same batch run through (a) one process, (b)
+``pippy_xla.PipelineModel`` and (c) ``torch.distributed.pipelining``, on 2 CPU ranks with one thread
+each (``pippy_xla.testing.run_ranks`` sets ``torch.set_num_threads(1)``). Three regimes: ``compute``
+(a step of about a second), ``overhead`` (tiny layers, 32 microbatches of batch 1, so per-action
+runtime cost dominates) and ``overhead-compiled`` (the same with every stage module compiled in both
+libraries, which shrinks the stage's own Python and dispatch cost). torch's
+``ScheduleInterleavedZeroBubble`` refuses compiled stage modules; that row then runs pippy_xla alone
+and the refusal is recorded in ``torch_failures``.
 
 Same computation in both libraries:
 
@@ -83,6 +83,8 @@ import sys
 import time
 
 from _common import RESULTS, machine, run_ranks, save, summarize
+
+from pippy_xla.units import format_bytes
 
 # pippy_xla schedule name -> torch.distributed.pipelining class name. Interleaved and
 # zero-bubble names are listed so their rows appear as soon as pippy_xla grows them.
@@ -177,7 +179,8 @@ def _unique_bytes(tensors) -> int:
 class _SavedBytes:
     """Live bytes of tensors autograd saved for backward (unique storages, parameters
     excluded) and their peak. Packed tensors are wrapped in handles whose ``__del__`` runs
-    when autograd frees them."""
+    when autograd frees them. (``pippy_xla.profiler.SavedBytes`` counts something else: every
+    byte saved in a region, freed or not, for the planner's per-layer costs.)"""
 
     def __init__(self, modules) -> None:
         import torch
@@ -260,20 +263,14 @@ def _local_stages(pipe) -> list:
     return list(getattr(pipe, "local_stages", None) or [pipe.stage])
 
 
-def _make_schedule(name, num_ranks, m, chunks):
-    from pippy_xla import _C
-
-    if chunks == 1:
-        return _C.make_schedule(name, num_ranks, m)
-    return _C.make_schedule(name, num_ranks, m, chunks)
-
-
 def _simulated_ideal(schedule_name, num_ranks, m, chunks, costs) -> float | None:
     """Makespan of the schedule with the given per-stage F, B, W costs and free communication."""
     try:
-        s = _make_schedule(schedule_name, num_ranks, m, chunks)
+        from pippy_xla import _C
+
+        s = _C.make_schedule(schedule_name, num_ranks, m, chunks)
         r = s.simulate(forward=costs["F"], backward=costs["B"], weight=costs["W"], comm=0.0)
-        return float(r["makespan"])
+        return float(r.makespan)
     except Exception:  # noqa: BLE001  (a schedule the simulator cannot cost)
         return None
 
@@ -693,10 +690,8 @@ def _check_losses(name, rows, single_losses) -> list[str]:
 # ------------------------------------------------------------------------------ output
 
 
-def _fmt_bytes(n) -> str:
-    if n is None:
-        return "n/a"
-    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+def _fmt_bytes(n: int | None) -> str:
+    return "n/a" if n is None else format_bytes(n)
 
 
 def _table(results) -> str:
@@ -829,7 +824,7 @@ def main() -> None:
 
     from pippy_xla import _C
 
-    names = [n for n in _C.schedule_names() if n != "forward"]
+    names = _C.train_schedule_names()
     if args.schedules:
         names = [n for n in names if n in args.schedules.split(",")]
     no_torch = [n for n in names if n not in TORCH_SCHEDULES]

@@ -153,7 +153,7 @@ def _worker(mode: str, arg: str, out: str) -> None:
                     os.kill(os.getpid(), signal.SIGKILL)
                 raise ValueError("loss exploded")
 
-            pipe._loss_fn = faulty
+            pipe.loss_fn = faulty
         if rank == last and arg == "shape":
             batch = make_batch(seed=0, seq=12)
         if rank == last and arg == "dtype":
@@ -216,7 +216,8 @@ def _exit_after_collective(rank: int, arm: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from pippy_xla import _C, pipeline
+    from pippy_xla import _C
+    from pippy_xla._exit import release_at_exit
     from pippy_xla.ops import group_name_of
 
     class Holder:  # holds the group as a PipelineModel does: in an instance attribute
@@ -225,7 +226,7 @@ def _exit_after_collective(rank: int, arm: str) -> None:
 
     holder = Holder()
     if arm == "held_hook":
-        pipeline._LIVE.add(holder)
+        release_at_exit(holder, "group")
     name = group_name_of(dist.group.WORLD)
     t = torch.ones(1000)
     if rank == 1:

@@ -41,14 +41,13 @@ def _run(rank, world, schedule, steps):
         pipe.timeline(png_path=str(RESULTS / f"timeline_measured_{schedule}.png"))
     else:
         pipe.timeline()
-    return steps_events, pipe.num_stages, list(pipe._train_engine.schedule.stage_rank)
+    return steps_events, pipe.num_stages, pipe.num_ranks
 
 
-def _predict(schedule, events, num_stages, stage_rank):
+def _predict(schedule, events, num_stages, num_ranks):
     from pippy_xla import _C
 
-    chunks = num_stages // len(set(stage_rank))
-    sched = _C.make_schedule(schedule, len(set(stage_rank)), 8, chunks)
+    sched = _C.make_schedule(schedule, num_ranks, 8, num_stages // num_ranks)
     dur = {op: [[] for _ in range(num_stages)] for op in ("F", "B", "W")}
     for _, op, stage, _, start, end in events:
         if op in dur:
@@ -63,7 +62,7 @@ def _predict(schedule, events, num_stages, stage_rank):
         comm=0.0,
     )
     measured = max(e[5] for e in events) - min(e[4] for e in events)
-    return measured, sim["makespan"], sim
+    return measured, sim.makespan, sim
 
 
 def main() -> None:
@@ -73,10 +72,10 @@ def main() -> None:
     rows = {}
     for schedule in ("1f1b", "gpipe", "interleaved", "zbh1"):
         out = run_ranks(2, _run, schedule, args.steps, timeout=1800)
-        steps_events, num_stages, stage_rank = out[0]
+        steps_events, num_stages, num_ranks = out[0]
         errors, measured_s, predicted_s = [], [], []
         for events in steps_events:
-            measured, predicted, sim = _predict(schedule, events, num_stages, stage_rank)
+            measured, predicted, sim = _predict(schedule, events, num_stages, num_ranks)
             measured_s.append(measured)
             predicted_s.append(predicted)
             errors.append((predicted - measured) / measured)
@@ -84,7 +83,7 @@ def main() -> None:
             "measured_step_s": summarize(measured_s),
             "predicted_step_s": summarize(predicted_s),
             "relative_error": summarize(errors),
-            "predicted_bubble": sim["bubble"],
+            "predicted_bubble": sim.bubble,
         }
         from pippy_xla import viz
 

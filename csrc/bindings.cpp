@@ -1,4 +1,5 @@
 // The one pybind11 translation unit: pippy_xla._C.
+#include <pybind11/operators.h>
 #include <torch/extension.h>
 
 #include <optional>
@@ -20,28 +21,66 @@ Op parse_op(const std::string& name) {
   TORCH_CHECK(false, "unknown action '", name, "'; expected one of F B W SF RF SB RB");
 }
 
-using PyAction = std::tuple<std::string, int32_t, int32_t>;
+// An Action, or an (op, stage, microbatch) tuple as schedule tables are written.
+Action to_action(const py::handle& h) {
+  if (py::isinstance<Action>(h)) return h.cast<Action>();
+  auto [op, stage, mb] = h.cast<std::tuple<std::string, int32_t, int32_t>>();
+  return {parse_op(op), stage, mb};
+}
 
-PyAction to_py(const Action& a) { return {op_name(a.op), a.stage, a.mb}; }
-
-std::vector<std::vector<PyAction>> actions_to_py(const Schedule& s) {
-  std::vector<std::vector<PyAction>> out;
-  for (const auto& rank : s.actions) {
-    out.emplace_back();
-    for (const auto& a : rank) out.back().push_back(to_py(a));
-  }
-  return out;
+// The fields of `T::action` (op, stage, mb) as fields of `T`.
+template <typename T>
+py::class_<T> def_action_fields(py::class_<T> c) {
+  return c.def_property_readonly("op", [](const T& t) { return op_name(t.action.op); })
+      .def_property_readonly("stage", [](const T& t) { return t.action.stage; })
+      .def_property_readonly("mb", [](const T& t) { return t.action.mb; });
 }
 
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "pippy_xla C++ core: schedules, stash, engine";
+  m.doc() = "pippy_xla C++ core: schedules, stash, engine, planner (see _C.pyi for the types)";
+
+  py::class_<Action>(m, "Action", "One action of a rank's list: op, stage and microbatch.")
+      .def(py::init([](const std::string& op, int32_t stage, int32_t mb) {
+             return Action{parse_op(op), stage, mb};
+           }),
+           py::arg("op"), py::arg("stage"), py::arg("mb"))
+      .def_property_readonly("op", [](const Action& a) { return op_name(a.op); })
+      .def_readonly("stage", &Action::stage)
+      .def_readonly("mb", &Action::mb)
+      .def(py::self == py::self)
+      .def("__hash__",
+           [](const Action& a) { return py::hash(py::make_tuple(op_name(a.op), a.stage, a.mb)); })
+      .def("__repr__", [](const Action& a) {
+        return c10::str("Action('", op_name(a.op), "', ", a.stage, ", ", a.mb, ")");
+      });
+
+  def_action_fields(py::class_<TimedAction>(m, "TimedAction", "An action of a simulated timeline."))
+      .def_readonly("rank", &TimedAction::rank)
+      .def_readonly("start", &TimedAction::start)
+      .def_readonly("end", &TimedAction::end);
+
+  py::class_<SimResult>(m, "SimResult", "What Schedule.simulate predicts.")
+      .def_readonly("timeline", &SimResult::timeline)
+      .def_readonly("makespan", &SimResult::makespan)
+      .def_readonly("bubble", &SimResult::bubble)
+      .def_readonly("peak_inflight", &SimResult::peak_inflight)
+      // sim["makespan"] as sim.makespan, for the planner's callers (planner.py, cost_model.py)
+      // until they read the fields.
+      .def("__getitem__", [](const SimResult& r, const std::string& key) -> py::object {
+        if (key == "timeline") return py::cast(r.timeline);
+        if (key == "makespan") return py::cast(r.makespan);
+        if (key == "bubble") return py::cast(r.bubble);
+        if (key == "peak_inflight") return py::cast(r.peak_inflight);
+        throw py::key_error(key);
+      });
 
   py::class_<Schedule>(m, "Schedule")
       .def(py::init([](std::string name, int32_t num_ranks, int32_t num_microbatches,
-                       std::vector<int32_t> stage_rank, std::vector<std::vector<PyAction>> actions,
-                       bool backward, bool split_backward) {
+                       std::vector<int32_t> stage_rank,
+                       const std::vector<std::vector<py::object>>& actions, bool backward,
+                       bool split_backward) {
              Schedule s;
              s.name = std::move(name);
              s.num_ranks = num_ranks;
@@ -52,8 +91,7 @@ PYBIND11_MODULE(_C, m) {
              s.split_backward = split_backward;
              for (const auto& rank : actions) {
                s.actions.emplace_back();
-               for (const auto& [op, stage, mb] : rank)
-                 s.actions.back().push_back({parse_op(op), stage, mb});
+               for (const auto& a : rank) s.actions.back().push_back(to_action(a));
              }
              return s;
            }),
@@ -67,7 +105,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("backward", &Schedule::backward)
       .def_readonly("split_backward", &Schedule::split_backward)
       .def_readonly("stage_rank", &Schedule::stage_rank)
-      .def_property_readonly("actions", &actions_to_py)
+      .def_readonly("actions", &Schedule::actions)
       .def("table", &Schedule::table)
       .def("stages_of", &Schedule::stages_of)
       .def("validate", [](const Schedule& s) { validate(s); })
@@ -75,18 +113,8 @@ PYBIND11_MODULE(_C, m) {
           "simulate",
           [](const Schedule& s, std::vector<double> forward, std::vector<double> backward,
              std::vector<double> weight, double comm) {
-            SimResult r = simulate(
+            return simulate(
                 s, Costs{std::move(forward), std::move(backward), std::move(weight), comm});
-            py::list timeline;
-            for (const auto& t : r.timeline)
-              timeline.append(py::make_tuple(t.rank, op_name(t.action.op), t.action.stage,
-                                             t.action.mb, t.start, t.end));
-            py::dict d;
-            d["timeline"] = timeline;
-            d["makespan"] = r.makespan;
-            d["bubble"] = r.bubble;
-            d["peak_inflight"] = r.peak_inflight;
-            return d;
           },
           py::arg("forward") = std::vector<double>{}, py::arg("backward") = std::vector<double>{},
           py::arg("weight") = std::vector<double>{}, py::arg("comm") = 0.0);
@@ -94,6 +122,16 @@ PYBIND11_MODULE(_C, m) {
   m.def("make_schedule", &make_schedule, py::arg("name"), py::arg("num_ranks"),
         py::arg("num_microbatches"), py::arg("chunks") = 1);
   m.def("schedule_names", &schedule_names);
+  m.def("train_schedule_names", &train_schedule_names);
+  m.def("default_chunks", &default_chunks, py::arg("name"));
+  m.def("stage_rank", &stage_rank, py::arg("stage"), py::arg("num_ranks"));
+  m.def("check_stage_count", &check_stage_count, py::arg("num_layers"), py::arg("num_stages"));
+  m.attr("TIED_WEIGHT_TAG_BASE") = kTiedWeightTagBase;
+  m.def("tied_weight_tag", &tied_weight_tag, py::arg("tie"));
+
+  py::class_<StashSlot>(m, "StashSlot", "What the stash keeps of one (stage, microbatch).")
+      .def_readonly("inputs", &StashSlot::inputs)
+      .def_readonly("outputs", &StashSlot::outputs);
 
   py::class_<Stash>(m, "Stash")
       .def(py::init<>())
@@ -102,16 +140,8 @@ PYBIND11_MODULE(_C, m) {
               std::vector<at::Tensor> outputs) {
              s.push(stage, mb, StashSlot{std::move(inputs), std::move(outputs)});
            })
-      .def("pop",
-           [](Stash& s, int64_t stage, int64_t mb) {
-             StashSlot slot = s.pop(stage, mb);
-             return py::make_tuple(slot.inputs, slot.outputs);
-           })
-      .def("peek",
-           [](const Stash& s, int64_t stage, int64_t mb) {
-             const StashSlot& slot = s.peek(stage, mb);
-             return py::make_tuple(slot.inputs, slot.outputs);
-           })
+      .def("pop", &Stash::pop)
+      .def("peek", &Stash::peek, py::return_value_policy::copy)
       .def("contains", &Stash::contains)
       .def("__len__", &Stash::size)
       .def_property_readonly("live_bytes", &Stash::live_bytes)
@@ -172,6 +202,18 @@ PYBIND11_MODULE(_C, m) {
   m.def("memory_reset_peak", &MemoryTracker::reset_peak,
         "Sets the counted peak to the live bytes now.");
 
+  def_action_fields(
+      py::class_<ActionTiming>(m, "ActionTiming", "When an action of the last step ran."))
+      .def_readonly("start_ns", &ActionTiming::start_ns)
+      .def_readonly("end_ns", &ActionTiming::end_ns);
+
+  py::class_<Failure>(m, "Failure", "Where a failed step failed.")
+      .def_readonly("stage", &Failure::stage)
+      .def_readonly("microbatch", &Failure::microbatch)
+      .def_readonly("peer", &Failure::peer)
+      .def_readonly("action", &Failure::action)
+      .def_readonly("aborted", &Failure::aborted);
+
   py::class_<Engine>(m, "Engine")
       .def(py::init([](Schedule schedule, std::string group_name, int64_t timeout_ms,
                        const std::string& device) {
@@ -204,28 +246,10 @@ PYBIND11_MODULE(_C, m) {
           "follow it were posted): see [Note: gradients ready] in engine.cpp.")
       .def("abort", &Engine::abort, py::call_guard<py::gil_scoped_release>(),
            "Wakes the running step's transfer waits so that run() fails now (thread-safe).")
-      .def("failure",
-           [](const Engine& e) -> py::object {
-             const auto& f = e.failure();
-             if (!f) return py::none();
-             py::dict d;
-             d["stage"] = f->stage;
-             d["microbatch"] = f->microbatch;
-             d["peer"] = f->peer;
-             d["action"] = f->action;
-             d["aborted"] = f->aborted;
-             return d;
-           })
+      .def("failure", &Engine::failure, py::return_value_policy::copy)
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("schedule", &Engine::schedule)
-      .def("timings",
-           [](const Engine& e) {
-             py::list out;
-             for (const auto& t : e.timings())
-               out.append(py::make_tuple(op_name(t.action.op), t.action.stage, t.action.mb,
-                                         t.start_ns, t.end_ns));
-             return out;
-           })
+      .def("timings", &Engine::timings, py::return_value_policy::copy)
       .def_property_readonly("stash_live_bytes",
                              [](const Engine& e) { return e.stash().live_bytes(); })
       .def_property_readonly("stash_peak_bytes",
@@ -233,10 +257,10 @@ PYBIND11_MODULE(_C, m) {
       .def("reset_stash_peak", [](Engine& e) { e.stash().reset_peak(); })
       .def("stash_contains",
            [](const Engine& e, int64_t stage, int64_t mb) { return e.stash().contains(stage, mb); })
-      .def("stash_peek", [](const Engine& e, int64_t stage, int64_t mb) {
-        const StashSlot& slot = e.stash().peek(stage, mb);
-        return py::make_tuple(slot.inputs, slot.outputs);
-      });
+      .def(
+          "stash_peek",
+          [](const Engine& e, int64_t stage, int64_t mb) { return e.stash().peek(stage, mb); },
+          py::return_value_policy::copy);
 
   // Planner types: the structs of planner.h with their field names, keyword-only constructors.
   // The Python planner uses these classes (pippy_xla/cost_model.py re-exports them).

@@ -2,27 +2,19 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/ones_like.h>
-#include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/autograd.h>
-#include <torch/csrc/autograd/engine.h>
-#include <torch/csrc/autograd/function_hook.h>
-#include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
 #include <set>
-#include <sstream>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <tuple>
-#include <unordered_map>
-#include <unordered_set>
 
 namespace pippy_xla {
 
 namespace {
 
-constexpr int64_t kHeaderLen = 512;
 constexpr int64_t kMaxBoundaryTensors = 64;
 enum TagKind { kActivation = 0, kGradient = 1, kHeader = 2 };
 
@@ -32,121 +24,7 @@ int64_t now_ns() {
       .count();
 }
 
-TensorSpec spec_of(const at::Tensor& t) {
-  return TensorSpec{t.sizes().vec(), t.scalar_type(), t.requires_grad()};
-}
-
-std::string specs_str(const std::vector<TensorSpec>& specs) {
-  std::ostringstream os;
-  os << "[";
-  for (size_t i = 0; i < specs.size(); ++i) os << (i ? ", " : "") << specs[i].str();
-  os << "]";
-  return os.str();
-}
-
-at::Tensor encode_header(const std::vector<TensorSpec>& specs, const std::string& where) {
-  std::vector<int64_t> h{static_cast<int64_t>(specs.size())};
-  for (const auto& s : specs) {
-    h.push_back(static_cast<int64_t>(s.dtype));
-    h.push_back(s.requires_grad ? 1 : 0);
-    h.push_back(static_cast<int64_t>(s.shape.size()));
-    h.insert(h.end(), s.shape.begin(), s.shape.end());
-  }
-  TORCH_CHECK(static_cast<int64_t>(h.size()) <= kHeaderLen, where,
-              ": boundary specs too large for one header: ", specs_str(specs));
-  auto out = at::zeros({kHeaderLen}, at::TensorOptions().dtype(at::kLong));
-  std::copy(h.begin(), h.end(), out.data_ptr<int64_t>());
-  return out;
-}
-
-std::vector<TensorSpec> decode_header(const at::Tensor& received) {
-  const at::Tensor header = received.cpu();
-  const int64_t* h = header.data_ptr<int64_t>();
-  std::vector<TensorSpec> specs(static_cast<size_t>(h[0]));
-  int64_t i = 1;
-  for (auto& s : specs) {
-    s.dtype = static_cast<at::ScalarType>(h[i++]);
-    s.requires_grad = h[i++] != 0;
-    const int64_t nd = h[i++];
-    s.shape.assign(h + i, h + i + nd);
-    i += nd;
-  }
-  return specs;
-}
-
-using torch::autograd::Edge;
-using torch::autograd::Node;
-using torch::autograd::variable_list;
-
-// Records the gradients flowing into a node the first time it runs.
-struct CaptureGrads : torch::autograd::FunctionPreHook {
-  explicit CaptureGrads(std::shared_ptr<variable_list> out) : out_(std::move(out)) {}
-  variable_list operator()(const variable_list& grads) override {
-    if (out_->empty()) *out_ = grads;
-    return grads;
-  }
-  std::shared_ptr<variable_list> out_;
-};
-
-// Records the gradients a node computed (its outputs) the first time it runs.
-struct CaptureOutputs : torch::autograd::FunctionPostHook {
-  explicit CaptureOutputs(std::shared_ptr<variable_list> out) : out_(std::move(out)) {}
-  variable_list operator()(const variable_list& outputs, const variable_list& /*inputs*/) override {
-    if (out_->empty()) *out_ = outputs;
-    return outputs;
-  }
-  std::shared_ptr<variable_list> out_;
-};
-
-// Backward from `edges` (with gradients `values`) into the parameters' `.grad`, freeing what
-// the nodes saved as they run.
-void accumulate_from(const torch::autograd::edge_list& edges, const variable_list& values) {
-  if (edges.empty()) return;
-  torch::autograd::Engine::get_default_engine().execute(
-      edges, values, /*keep_graph=*/false, /*create_graph=*/false, /*accumulate_grad=*/true);
-}
-
-// Nodes of the graph below `roots` from which one of `leaves` (accumulators of the stage inputs)
-// can be reached: the nodes an input-gradient backward runs.
-std::unordered_set<Node*> input_closure(const std::vector<Node*>& roots,
-                                        const std::unordered_set<Node*>& leaves) {
-  std::unordered_map<Node*, int> state;  // 1: on stack, 2: done
-  std::unordered_set<Node*> reach;
-  std::vector<std::pair<Node*, size_t>> stack;
-  for (Node* r : roots) {
-    if (!r || state.count(r)) continue;
-    stack.emplace_back(r, 0);
-    state[r] = 1;
-    while (!stack.empty()) {
-      auto& [node, next] = stack.back();
-      const auto& edges = node->next_edges();
-      if (next < edges.size()) {
-        Node* child = edges[next++].function.get();
-        if (child && !state.count(child)) {
-          state[child] = 1;
-          stack.emplace_back(child, 0);
-        }
-        continue;
-      }
-      bool hit = leaves.count(node) > 0;
-      for (const auto& e : edges)
-        if (e.function && (reach.count(e.function.get()) || leaves.count(e.function.get())))
-          hit = true;
-      if (hit) reach.insert(node);
-      state[node] = 2;
-      stack.pop_back();
-    }
-  }
-  return reach;
-}
-
 }  // namespace
-
-std::string TensorSpec::str() const {
-  std::ostringstream os;
-  os << c10::toString(dtype) << c10::IntArrayRef(shape) << (requires_grad ? " requires_grad" : "");
-  return os.str();
-}
 
 /* [Note: gradients ready]
 A data-parallel wrapper (pipeline.py, with FSDP2 or replicate) reduces a stage's gradients over its
@@ -178,9 +56,9 @@ Engine::Engine(Schedule schedule, EngineOptions options)
               size);
   TORCH_CHECK(options_.timeout_ms > 0, "timeout must be positive, got ", options_.timeout_ms,
               " ms");
-  // Tags at and above 2^30 belong to transfers outside the engine (tied weights, pipeline.py).
+  // See [Note: transfer tags] in engine.h.
   TORCH_CHECK(tag(kHeader, schedule_.num_stages - 1, schedule_.num_microbatches - 1,
-                  kMaxBoundaryTensors - 1) < (int64_t{1} << 30),
+                  kMaxBoundaryTensors - 1) < kTiedWeightTagBase,
               "schedule '", schedule_.name, "': ", schedule_.num_stages, " stages x ",
               schedule_.num_microbatches,
               " microbatches need more transfer tags than the engine has");
@@ -607,12 +485,7 @@ void Engine::do_backward(StepState& st, const Action& a) {
   if (schedule_.split_backward) {
     WeightWork work;
     if (!leaves.empty() && !roots.empty()) {
-      prepare_weight_work(roots, grads, leaves, work);
-      // Input gradients only: autograd runs just the nodes on paths to the stage inputs and
-      // skips their weight-gradient outputs; the frontier hooks record what W needs.
-      input_grads = torch::autograd::grad(roots, leaves, grads, /*retain_graph=*/true,
-                                          /*create_graph=*/false, /*allow_unused=*/true);
-      finish_weight_work(work);
+      input_grads = input_gradients(roots, grads, leaves, work);
     } else {
       // No input gradients: W is the whole backward, and the graph stays stashed until then.
       if (!roots.empty()) stash_.push(a.stage, a.mb, saved);
@@ -634,100 +507,6 @@ void Engine::do_backward(StepState& st, const Action& a) {
   }
 }
 
-void Engine::prepare_weight_work(const std::vector<at::Tensor>& roots,
-                                 const std::vector<at::Tensor>& grads,
-                                 const std::vector<at::Tensor>& leaves, WeightWork& work) {
-  // [Note: split backward] B computes input gradients only. The nodes it runs form the "input
-  // closure"; a node of it with an edge leaving the closure (towards parameters: a matmul whose
-  // weight gradient B skipped) is a frontier node. B records the gradients flowing into each
-  // frontier node; afterwards the frontier nodes' edges into the closure are cut, so that they
-  // lead only to parameters. W is then one autograd run from all frontier nodes with the
-  // recorded gradients: it does the weight-gradient work and nothing of B's again, accumulates
-  // into `.grad` like any backward (parameter hooks run), and frees the saved tensors as it
-  // goes. Between B and W a microbatch holds only what the frontier nodes saved (the inputs of
-  // the weight GEMMs) and the recorded gradients; the rest of its graph is freed at B. A
-  // frontier node that computes every output regardless (a compiled stage's backward) is not
-  // run twice: see finish_weight_work.
-  std::unordered_set<Node*> leaf_nodes;
-  for (const auto& l : leaves)
-    leaf_nodes.insert(torch::autograd::impl::gradient_edge(l).function.get());
-  std::vector<Node*> root_nodes;
-  for (const auto& r : roots)
-    root_nodes.push_back(torch::autograd::impl::gradient_edge(r).function.get());
-  const auto closure = input_closure(root_nodes, leaf_nodes);
-  auto inside = [&](Node* n) { return closure.count(n) > 0 || leaf_nodes.count(n) > 0; };
-  for (Node* n : closure) {
-    WeightWork::Frontier f;
-    bool leaves_closure = false;
-    const auto& edges = n->next_edges();
-    for (size_t i = 0; i < edges.size(); ++i) {
-      Node* child = edges[i].function.get();
-      if (!child) continue;
-      if (inside(child)) {
-        f.input_edges.push_back(i);
-      } else {
-        leaves_closure = true;
-      }
-    }
-    if (!leaves_closure) continue;
-    f.node = compat::node_ptr(n);
-    f.grads = std::make_shared<variable_list>();
-    f.outputs = std::make_shared<variable_list>();
-    auto hook = std::make_unique<CaptureGrads>(f.grads);
-    f.pre_hook = hook.get();
-    n->add_pre_hook(std::move(hook));
-    f.post_hook = n->add_post_hook(std::make_unique<CaptureOutputs>(f.outputs));
-    work.frontier.push_back(std::move(f));
-  }
-  // Roots outside the closure (outputs that do not depend on the inputs) start W themselves.
-  for (size_t i = 0; i < roots.size(); ++i) {
-    Node* n = root_nodes[i];
-    if (!n || closure.count(n)) continue;
-    WeightWork::Frontier f;
-    f.node = compat::node_ptr(n);
-    f.grads = std::make_shared<variable_list>(n->num_inputs());
-    (*f.grads)[torch::autograd::impl::gradient_edge(roots[i]).input_nr] = grads[i];
-    work.frontier.push_back(std::move(f));
-  }
-}
-
-void Engine::finish_weight_work(WeightWork& work) {
-  // After B: unhook the frontier nodes and cut them off the input path, so that W computes only
-  // their weight branches and the rest of the input path is freed with the stage outputs. A node
-  // that computed its weight-edge gradients in B anyway (one that ignores which outputs the
-  // graph task needs, like a compiled stage's single backward node) is not run again: its
-  // weight branches are fed those gradients now, and W has nothing left to do for it.
-  torch::autograd::edge_list edges;
-  variable_list values;
-  std::vector<WeightWork::Frontier> deferred;
-  for (auto& f : work.frontier) {
-    auto& pre = f.node->pre_hooks();
-    pre.erase(std::remove_if(pre.begin(), pre.end(),
-                             [&](const auto& h) { return h.get() == f.pre_hook; }),
-              pre.end());
-    if (f.post_hook) f.node->del_post_hook(f.post_hook);
-    f.pre_hook = nullptr;
-    f.post_hook = 0;
-    for (size_t i : f.input_edges) f.node->next_edges()[i] = Edge();
-    const auto& next = f.node->next_edges();
-    bool computed = f.outputs && f.outputs->size() == next.size();
-    for (size_t i = 0; computed && i < next.size(); ++i)
-      if (next[i].is_valid() && !(*f.outputs)[i].defined()) computed = false;
-    if (!computed) {
-      f.outputs.reset();
-      deferred.push_back(std::move(f));
-      continue;
-    }
-    for (size_t i = 0; i < next.size(); ++i) {
-      if (!next[i].is_valid()) continue;
-      edges.push_back(next[i]);
-      values.push_back(std::move((*f.outputs)[i]));
-    }
-  }
-  work.frontier = std::move(deferred);
-  accumulate_from(edges, values);
-}
-
 void Engine::do_weight(StepState& st, const Action& a) {
   const Slot slot{a.stage, a.mb};
   auto it = st.weight_work.find(slot);
@@ -739,17 +518,7 @@ void Engine::do_weight(StepState& st, const Action& a) {
     stash_.pop(a.stage, a.mb);
     return;
   }
-  // Weight gradients from what B left (no forward is re-run). See [Note: split backward].
-  torch::autograd::edge_list edges;
-  variable_list values;
-  for (auto& f : work.frontier) {
-    for (size_t i = 0; i < f.grads->size(); ++i) {
-      if (!(*f.grads)[i].defined()) continue;
-      edges.emplace_back(f.node, static_cast<uint32_t>(i));
-      values.push_back(std::move((*f.grads)[i]));
-    }
-  }
-  accumulate_from(edges, values);
+  weight_gradients(work);  // from what B left: see [Note: split backward]
 }
 
 void Engine::do_send_b(StepState& st, const Action& a) {

@@ -1,13 +1,8 @@
-// Executes one rank's action list (see schedule.h) every step.
-// [Note: boundary specs] Shapes, dtypes and requires_grad of the tensors that cross a stage
-// boundary are agreed once per batch signature: the first step with a new signature sends a small
-// int64 header before each microbatch's activations, and the receiver records it; later steps
-// post receives straight from the recorded specs, and a sender whose outputs differ from them fails
-// with an error instead of letting the transport see mismatched byte counts.
+// Executes one rank's action list (see schedule.h) every step: transfers, the boundary-shape
+// protocol of boundary.h, the stash, backward (split_backward.h for zero-bubble schedules).
 #pragma once
 
 #include <c10/core/Device.h>
-#include <torch/csrc/autograd/edge.h>
 
 #include <atomic>
 #include <chrono>
@@ -20,26 +15,22 @@
 #include <string>
 #include <vector>
 
-#include "compat.h"
+#include "boundary.h"
 #include "ops/p2p.h"
 #include "schedule.h"
+#include "split_backward.h"
 #include "stash.h"
 
 namespace pippy_xla {
 
-struct TensorSpec {
-  std::vector<int64_t> shape;
-  at::ScalarType dtype = at::kFloat;
-  bool requires_grad = false;
-  bool operator==(const TensorSpec& o) const {
-    return shape == o.shape && dtype == o.dtype && requires_grad == o.requires_grad;
-  }
-  std::string str() const;
-};
-
 // forward(stage, microbatch, inputs) -> outputs. On the last stage the outputs that require grad
 // are the backward roots (the microbatch loss).
 using StageFn = std::function<std::vector<at::Tensor>(int64_t, int64_t, std::vector<at::Tensor>)>;
+
+// [Note: transfer tags] The engine's transfers use tags below kTiedWeightTagBase (Engine::tag);
+// tied-weight transfers outside the engine (pippy_xla/_ties.py) use two tags per tie from it.
+constexpr int64_t kTiedWeightTagBase = int64_t{1} << 30;
+inline int64_t tied_weight_tag(int64_t tie) { return kTiedWeightTagBase + 2 * tie; }
 
 // Receive actions a rank posts ahead of the one it waits on (see [Note: receives posted ahead] in
 // engine.cpp); their buffers are allocated then, which the planner's memory model counts.
@@ -95,7 +86,7 @@ class Engine {
 
   // [Note: aborting a step] Thread-safe: wakes every transfer wait of the running step (c10d's
   // Work::abort), so run() throws instead of waiting out the timeout, and refuses later steps.
-  // The caller (pipeline.py) calls it when another rank reports a failure.
+  // AbortChannel.watch (pippy_xla/errors.py) calls it when another rank reports a failure.
   void abort();
   // Where the failed step failed; nullopt while no step has failed.
   const std::optional<Failure>& failure() const { return failure_; }
@@ -112,19 +103,6 @@ class Engine {
     std::map<Slot, std::vector<TensorSpec>> in;   // tensors entering (stage, mb)
     std::map<Slot, std::vector<TensorSpec>> out;  // tensors leaving (stage, mb) forward
   };
-  // What a split backward's W step runs (see [Note: split backward] in engine.cpp).
-  struct WeightWork {
-    struct Frontier {
-      compat::NodePtr node;
-      std::shared_ptr<std::vector<at::Tensor>> grads;    // gradients into `node`, recorded in B
-      std::shared_ptr<std::vector<at::Tensor>> outputs;  // what `node` computed in B
-      std::vector<size_t> input_edges;  // its edges into the input path, cut after B
-      void* pre_hook = nullptr;         // the recording hooks, while in B
-      uintptr_t post_hook = 0;
-    };
-    std::vector<Frontier> frontier;
-    std::vector<at::Tensor> roots, grads;  // no stage inputs need gradients: a full backward
-  };
   struct StepState {
     bool discover = false;
     SignatureSpecs* specs = nullptr;
@@ -134,7 +112,7 @@ class Engine {
     std::map<size_t, std::vector<Transfer>> sends;  // by the position of their send action
     size_t pos = 0;            // index of the running action in this rank's list
     std::vector<bool> posted;  // receive actions already posted (in order, or ahead)
-    // Split backward: what W still has to do, per (stage, mb).
+    // Split backward: what W still has to do, per (stage, mb) (see split_backward.h).
     std::map<Slot, WeightWork> weight_work;
   };
 
@@ -147,10 +125,6 @@ class Engine {
   void do_backward(StepState& st, const Action& a);
   void do_send_b(StepState& st, const Action& a);
   void do_weight(StepState& st, const Action& a);
-  void finish_weight_work(WeightWork& work);
-  void prepare_weight_work(const std::vector<at::Tensor>& roots,
-                           const std::vector<at::Tensor>& grads,
-                           const std::vector<at::Tensor>& leaves, WeightWork& work);
   std::vector<at::Tensor> wait_all(std::vector<Transfer>& ts);
   Transfer track(Transfer t);  // registers its work for abort()
   TransferContext context(const Action& a, int64_t peer) const;

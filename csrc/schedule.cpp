@@ -102,8 +102,7 @@ Schedule base(const std::string& name, int32_t ranks, int32_t mbs, int32_t chunk
   s.num_ranks = ranks;
   s.num_stages = ranks * chunks;
   s.num_microbatches = mbs;
-  // Stage s lives on rank s % ranks: chunk c of rank r is stage c * ranks + r (a loop).
-  for (int32_t i = 0; i < s.num_stages; ++i) s.stage_rank.push_back(i % ranks);
+  for (int32_t i = 0; i < s.num_stages; ++i) s.stage_rank.push_back(stage_rank(i, ranks));
   return s;
 }
 
@@ -152,6 +151,28 @@ std::vector<std::vector<Action>> zero_bubble_h1(int32_t p, int32_t m) {
 
 std::vector<std::string> schedule_names() {
   return {"1f1b", "gpipe", "interleaved", "zbh1", "forward"};
+}
+
+std::vector<std::string> train_schedule_names() {
+  std::vector<std::string> out;
+  for (auto& n : schedule_names())
+    if (n != "forward") out.push_back(std::move(n));
+  return out;
+}
+
+int32_t default_chunks(const std::string& name) { return name == "interleaved" ? 2 : 1; }
+
+int32_t stage_rank(int32_t stage, int32_t num_ranks) {
+  TORCH_CHECK(num_ranks >= 1 && stage >= 0, "stage_rank: need stage >= 0 and num_ranks >= 1, got ",
+              stage, " and ", num_ranks);
+  return stage % num_ranks;
+}
+
+void check_stage_count(int64_t num_layers, int64_t num_stages) {
+  TORCH_CHECK_VALUE(
+      num_stages <= num_layers, "cannot split ", num_layers, " decoder layers into ", num_stages,
+      " stages: every stage needs at least one layer, and the model has only ", num_layers,
+      " decoder layers; use at most ", num_layers, " stages (ranks x chunks)");
 }
 
 Schedule make_schedule(const std::string& name, int32_t num_ranks, int32_t num_microbatches,

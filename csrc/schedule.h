@@ -44,10 +44,20 @@ struct Schedule {
 // on rank s % ranks), "zbh1" (zero-bubble ZB-H1: split backward, weight steps fill the bubble)
 // and "forward" (evaluation; any `chunks`).
 std::vector<std::string> schedule_names();
+// The schedules that train (every name but "forward").
+std::vector<std::string> train_schedule_names();
+// Stages per rank of schedule `name` when the caller names none: 2 for "interleaved", else 1.
+int32_t default_chunks(const std::string& name);
+// The rank that runs `stage`: stage s on rank s % num_ranks, so chunk c of rank r is stage
+// c * num_ranks + r (a loop). Every schedule places stages this way.
+int32_t stage_rank(int32_t stage, int32_t num_ranks);
+// Throws c10::ValueError unless `num_layers` decoder layers split into `num_stages` stages of at
+// least one layer each.
+void check_stage_count(int64_t num_layers, int64_t num_stages);
 Schedule make_schedule(const std::string& name, int32_t num_ranks, int32_t num_microbatches,
                        int32_t chunks = 1);
 
-// Per-action costs for the simulator (any unit; the engine measures microseconds). Each
+// Per-action costs for the simulator (any unit; the engine records nanoseconds). Each
 // per-stage list is empty (unit costs) or has one entry per stage.
 struct Costs {
   std::vector<double> forward;   // per stage

@@ -148,13 +148,13 @@ def _parser() -> argparse.ArgumentParser:
 def _schedules() -> list[str]:
     from pippy_xla import _C
 
-    return list(_C.schedule_names())
+    return _C.schedule_names()
 
 
 def _simulate(args: argparse.Namespace) -> int:
     from pippy_xla import _C, viz
 
-    chunks = args.chunks or (2 if args.schedule == "interleaved" else 1)
+    chunks = args.chunks or _C.default_chunks(args.schedule)
     sched = _C.make_schedule(args.schedule, args.ranks, args.microbatches, chunks)
     n = sched.num_stages
     weight = args.backward / 2 if args.weight is None else args.weight
@@ -168,8 +168,8 @@ def _simulate(args: argparse.Namespace) -> int:
     )
     print(
         f"{args.schedule}: {args.ranks} ranks x {chunks} chunks, {args.microbatches} "
-        f"microbatches: step {sim['makespan']:g}, bubble {sim['bubble']:.1%}, "
-        f"peak in-flight microbatches per stage {sim['peak_inflight']}"
+        f"microbatches: step {sim.makespan:g}, bubble {sim.bubble:.1%}, "
+        f"peak in-flight microbatches per stage {sim.peak_inflight}"
     )
     events = viz.simulated_events(sim)
     title = f"{args.schedule} (simulated), {args.ranks} ranks, {args.microbatches} microbatches"

@@ -6,8 +6,12 @@ import logging
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from pippy_xla import _C
 
 __all__ = ["BatchMismatchError", "PipelineError"]
 
@@ -162,18 +166,23 @@ class AbortChannel:
             stop.set()
             thread.join()
 
-    def error(self, exc: BaseException, action: str, failure: dict | None = None) -> PipelineError:
-        """The :class:`PipelineError` for ``exc``, raised here while running ``action``. Posts
-        this rank's failure first if no peer's came before it."""
-        failure = failure or {}
-        where = {
-            "action": failure.get("action") or action,
-            "stage": _none_if_negative(failure.get("stage", -1)),
-            "microbatch": _none_if_negative(failure.get("microbatch", -1)),
-            "peer": _none_if_negative(failure.get("peer", -1)),
-        }
+    def error(
+        self, exc: BaseException, action: str, failure: _C.Failure | None = None
+    ) -> PipelineError:
+        """The :class:`PipelineError` for ``exc``, raised here while running ``action`` (at
+        ``failure``, the engine's record of where its step failed, if it was one). Posts this
+        rank's failure first if no peer's came before it."""
+        aborted = failure is not None and failure.aborted
+        where = {"action": action, "stage": None, "microbatch": None, "peer": None}
+        if failure is not None:
+            where = {
+                "action": failure.action or action,
+                "stage": _none_if_negative(failure.stage),
+                "microbatch": _none_if_negative(failure.microbatch),
+                "peer": _none_if_negative(failure.peer),
+            }
         own = f"{type(exc).__name__}: {exc}"
-        if not failure.get("aborted"):
+        if not aborted:
             self.announce(own)
         origin = self.read()
         if origin is None or origin[0] == self.rank:
@@ -182,6 +191,6 @@ class AbortChannel:
             rank=self.rank,
             failed_rank=origin[0],
             cause=origin[1],
-            aborted=bool(failure.get("aborted")),
+            aborted=aborted,
             **where,
         )

@@ -7,8 +7,9 @@ module and relies on three facts kept here:
 - the module-level mask factories (``masking_utils.create_causal_mask`` and friends, imported into
   each ``modeling_*`` module) are routed through leaf modules (:class:`MaskLeaf`) while tracing,
   because they take a config object fx cannot record (:func:`patch_mask_functions`);
-- some inputs of those leaves are only read for their shape, dtype and device
-  (:data:`META_ONLY_MASK_KWARGS`, :func:`meta_only_rotary_arg`).
+- some inputs of those leaves are only read for their shape, dtype and device: the mask
+  factories' :data:`META_ONLY_MASK_KWARGS`, and a rotary module's first argument (the
+  partitioner's ``_producers`` reads both).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ import torch
 import torch.utils.checkpoint
 from torch import fx, nn
 
-from pippy_xla import hf
+from pippy_xla import _C, hf
 
 __all__ = ["StageGraph", "find_layers", "partition"]
 
@@ -121,11 +121,7 @@ def _check_ranges(layer_ranges: Sequence[tuple[int, int]], num_layers: int) -> N
     ranges = [tuple(r) for r in layer_ranges]
     if not ranges:
         raise ValueError("layer_ranges is empty; pass one (start, stop) range per stage")
-    if len(ranges) > num_layers:
-        raise ValueError(
-            f"{len(ranges)} stages requested but the model has only {num_layers} decoder layers; "
-            "use at most one stage per layer"
-        )
+    _C.check_stage_count(num_layers, len(ranges))
     expected = 0
     for s, r in enumerate(ranges):
         if len(r) != 2 or not all(isinstance(x, int) for x in r):

@@ -10,6 +10,10 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pippy_xla import _C
 
 __all__ = ["Event", "write_chrome_trace", "draw_timeline", "simulated_events"]
 
@@ -96,6 +100,6 @@ def draw_timeline(
     return path
 
 
-def simulated_events(sim: dict) -> list[Event]:
+def simulated_events(sim: _C.SimResult) -> list[Event]:
     """The events of a ``Schedule.simulate(...)`` result."""
-    return [(r, op, stage, mb, start, end) for r, op, stage, mb, start, end in sim["timeline"]]
+    return [(t.rank, t.op, t.stage, t.mb, t.start, t.end) for t in sim.timeline]

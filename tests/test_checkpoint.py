@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from _dist import run_ranks
 from models import MODELS, make_batch
 
 import pippy_xla as px
+from pippy_xla._ties import tied_names
 from pippy_xla.checkpoint import latest_checkpoint, load_into_module
+from pippy_xla.testing import run_ranks
 
 # fp32; see test_pipeline.py for why these tolerances.
 LOSS_TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -135,7 +136,7 @@ def test_save_pretrained_round_trips_through_from_pretrained(tmp_path, family):
     hf = AutoModelForCausalLM.from_pretrained(tmp_path)
     # Everything HF expects is there (a tied head is stored once, as HF stores it).
     assert set(index["weight_map"]) == set(hf.state_dict()) - {
-        k for names in px.pipeline._tied_names(hf) for k in names[1:]
+        k for names in tied_names(hf) for k in names[1:]
     }
     ref = hf(**make_batch(seed=5), use_cache=False).logits
     torch.testing.assert_close(torch.from_numpy(logits), ref, rtol=1e-5, atol=1e-5)

@@ -9,10 +9,11 @@ import sys
 import textwrap
 
 import torch
-from _dist import run_ranks
 from models import MODELS, gpt2, llama, make_batch
 
 import pippy_xla as px
+from pippy_xla import _step
+from pippy_xla.testing import run_ranks
 
 
 def _compiled_training(rank, world):
@@ -159,12 +160,12 @@ def _stash_is_zero_copy(rank, world, compile):
         compile=compile,
         compile_options={"backend": "aot_eager"},
     )
-    engine = pipe._train_engine
+    engine = pipe.engine
     seen: dict[int, list[tuple[int, int]]] = {}
     per_mb_bytes: list[int] = []
     checks = 0
 
-    original_forward = pipe._stage_forward
+    original_forward = _step.stage_forward
 
     def instrumented(*a, **k):
         fwd = original_forward(*a, **k)
@@ -175,8 +176,11 @@ def _stash_is_zero_copy(rank, world, compile):
             for old in sorted(seen):
                 if not engine.stash_contains(stage, old):
                     continue
-                ins, outs = engine.stash_peek(stage, old)
-                ptrs = [(t.untyped_storage().data_ptr(), t.nbytes) for t in [*ins, *outs]]
+                slot = engine.stash_peek(stage, old)
+                ptrs = [
+                    (t.untyped_storage().data_ptr(), t.nbytes)
+                    for t in [*slot.inputs, *slot.outputs]
+                ]
                 assert ptrs == seen[old], f"stash slot {old} was copied or replaced"
                 live += sum(n for _, n in ptrs)
                 checks += 1
@@ -188,7 +192,7 @@ def _stash_is_zero_copy(rank, world, compile):
 
         return wrapped
 
-    pipe._stage_forward = instrumented
+    _step.stage_forward = instrumented  # this rank's process only
     for step in range(2):
         seen.clear()
         per_mb_bytes.clear()

@@ -7,11 +7,11 @@ import copy
 
 import pytest
 import torch
-from _dist import run_ranks
 from models import MODELS, make_batch
 from test_pipeline import ADAM, GRAD_TOL, LOSS_TOL, PARAM_TOL
 
 import pippy_xla as px
+from pippy_xla.testing import run_ranks
 
 
 def _mesh(dp: int, pp: int):

@@ -1,4 +1,4 @@
-"""GPU tests: two ranks sharing one GPU over NCCL (see tests/_dist.py), against one process.
+"""GPU tests: two ranks sharing one GPU over NCCL (see pippy_xla/testing.py), against one process.
 
 Skipped where CUDA is absent (CI). Run on the GPU machine with ``bash scripts/gpu_check.sh``.
 """
@@ -9,10 +9,10 @@ import copy
 
 import pytest
 import torch
-from _dist import run_ranks
 from models import MODELS, make_batch
 
 import pippy_xla as px
+from pippy_xla.testing import run_ranks
 
 pytestmark = [
     pytest.mark.gpu,
@@ -35,10 +35,7 @@ def _train_vs_reference(rank, world, family, schedule, dtype_name):
     model, layer_cls = MODELS[family]()
     model.to(dtype)
     ref = copy.deepcopy(model).cuda()
-    chunks = 2 if schedule == "interleaved" else None
-    pipe = px.PipelineModel(
-        model, layer_cls=layer_cls, num_microbatches=4, schedule=schedule, chunks=chunks
-    )
+    pipe = px.PipelineModel(model, layer_cls=layer_cls, num_microbatches=4, schedule=schedule)
     assert pipe.device == torch.device("cuda", 0)
     tol = TOL if dtype == torch.float32 else BF16_TOL
     batch = make_batch(seed=0)

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from _dist import run_ranks
 from models import MODELS, VOCAB, make_batch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
@@ -21,6 +20,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 import pippy_xla as px
 from pippy_xla.materialize import UninitializedTensorError, materialize
 from pippy_xla.partition import partition
+from pippy_xla.testing import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import run_ranks
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import pippy_xla as px
 from pippy_xla import ops
+from pippy_xla.testing import run_ranks
 
 P = torch.ops.pippy_xla
 

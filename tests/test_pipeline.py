@@ -6,10 +6,10 @@ import copy
 
 import pytest
 import torch
-from _dist import run_ranks
 from models import MODELS, make_batch
 
 import pippy_xla as px
+from pippy_xla.testing import run_ranks
 
 # Tolerances (fp32): the pipeline sums per-microbatch losses and gradients that the reference
 # computes over the whole batch at once, so results differ by float rounding only (~1e-7

@@ -80,6 +80,11 @@ def parse(table: str) -> list[list[tuple[str, int, int]]]:
     return ranks
 
 
+def as_tuples(actions: list[list[_C.Action]]) -> list[list[tuple[str, int, int]]]:
+    """Action lists as ``(op, stage, microbatch)`` tuples, the form :func:`parse` gives."""
+    return [[(a.op, a.stage, a.mb) for a in rank] for rank in actions]
+
+
 def from_table(
     table: str, num_microbatches: int, stage_rank: list[int] | None = None
 ) -> _C.Schedule:
@@ -98,7 +103,7 @@ def test_table(name: str, ranks: int, mbs: int) -> None:
     assert s.table() == EXPECTED[name, ranks, mbs]
     assert (s.name, s.num_ranks, s.num_stages, s.num_microbatches) == (name, ranks, ranks, mbs)
     assert s.stage_rank == list(range(ranks))
-    assert s.actions == parse(EXPECTED[name, ranks, mbs])
+    assert as_tuples(s.actions) == parse(EXPECTED[name, ranks, mbs])
 
 
 def test_forward_table() -> None:
@@ -117,7 +122,7 @@ def test_schedule_names() -> None:
 
 @pytest.mark.parametrize("name", _C.schedule_names())
 def test_generated_schedules_validate(name: str) -> None:
-    chunks = 2 if name == "interleaved" else 1
+    chunks = _C.default_chunks(name)
     for ranks in range(1, 6):
         for mbs in range(1, 10):
             if name == "interleaved" and mbs % ranks:
@@ -292,59 +297,55 @@ def test_validator_accepts_split_backward() -> None:
 PM = [(1, 1), (1, 4), (2, 1), (2, 3), (3, 8), (4, 1), (4, 2), (4, 6), (5, 9)]
 
 
-def unit_costs(name: str, p: int, m: int) -> dict:
+def unit_costs(name: str, p: int, m: int) -> _C.SimResult:
     return _C.make_schedule(name, p, m).simulate(forward=[1.0] * p, backward=[1.0] * p, comm=0.0)
 
 
-def exact_bubble(res: dict, p: int) -> Fraction:
+def exact_bubble(res: _C.SimResult, p: int) -> Fraction:
     """1 - busy / (ranks * makespan) in exact arithmetic (unit costs make every time an integer)."""
-    busy = sum(
-        Fraction(end) - Fraction(start)
-        for _, op, _, _, start, end in res["timeline"]
-        if op in ("F", "B", "W")
-    )
-    return 1 - busy / (p * Fraction(res["makespan"]))
+    busy = sum(Fraction(t.end) - Fraction(t.start) for t in res.timeline if t.op in ("F", "B", "W"))
+    return 1 - busy / (p * Fraction(res.makespan))
 
 
 @pytest.mark.parametrize("p,m", PM)
 def test_1f1b_bubble(p: int, m: int) -> None:
     res = unit_costs("1f1b", p, m)
-    assert res["makespan"] == 2 * (m + p - 1)
+    assert res.makespan == 2 * (m + p - 1)
     assert exact_bubble(res, p) == Fraction(p - 1, m + p - 1)
     # The reported bubble is the same quantity in doubles: 1 - busy / (p * makespan) rounds, so
     # it can differ from (p-1)/(m+p-1) in the last bit (e.g. p=4, m=6).
-    assert res["bubble"] == pytest.approx((p - 1) / (m + p - 1), rel=0, abs=1e-12)
+    assert res.bubble == pytest.approx((p - 1) / (m + p - 1), rel=0, abs=1e-12)
 
 
 @pytest.mark.parametrize("p,m", PM)
 def test_gpipe_makespan_equals_1f1b(p: int, m: int) -> None:
     gpipe, one_f_one_b = unit_costs("gpipe", p, m), unit_costs("1f1b", p, m)
-    assert gpipe["makespan"] == one_f_one_b["makespan"]
-    assert gpipe["bubble"] == one_f_one_b["bubble"]
+    assert gpipe.makespan == one_f_one_b.makespan
+    assert gpipe.bubble == one_f_one_b.bubble
 
 
 @pytest.mark.parametrize("p,m", PM)
 def test_peak_inflight(p: int, m: int) -> None:
-    assert unit_costs("1f1b", p, m)["peak_inflight"] == [min(p - s, m) for s in range(p)]
-    assert unit_costs("gpipe", p, m)["peak_inflight"] == [m] * p
+    assert unit_costs("1f1b", p, m).peak_inflight == [min(p - s, m) for s in range(p)]
+    assert unit_costs("gpipe", p, m).peak_inflight == [m] * p
 
 
 @pytest.mark.parametrize("p,m", PM)
 def test_forward_only_makespan(p: int, m: int) -> None:
     res = unit_costs("forward", p, m)
-    assert res["makespan"] == m + p - 1
+    assert res.makespan == m + p - 1
     assert exact_bubble(res, p) == Fraction(p - 1, m + p - 1)
 
 
 def test_timeline() -> None:
     s = _C.make_schedule("1f1b", 2, 3)
     res = s.simulate(forward=[1.0, 2.0], backward=[3.0, 4.0], comm=0.5)
-    timeline = res["timeline"]
+    timeline = res.timeline
     # Every action runs exactly once, on its own rank, in its rank's program order.
-    for r, actions in enumerate(s.actions):
-        assert [(op, st, mb) for rank, op, st, mb, _, _ in timeline if rank == r] == actions
-    done = {(op, st, mb): end for _, op, st, mb, _, end in timeline}
-    start = {(op, st, mb): begin for _, op, st, mb, begin, _ in timeline}
+    for r, actions in enumerate(as_tuples(s.actions)):
+        assert [(t.op, t.stage, t.mb) for t in timeline if t.rank == r] == actions
+    done = {(t.op, t.stage, t.mb): t.end for t in timeline}
+    start = {(t.op, t.stage, t.mb): t.start for t in timeline}
     for mb in range(3):
         # Costs are per stage; transfers take `comm` from the send to the receiving compute.
         assert done["F", 0, mb] - start["F", 0, mb] == 1.0
@@ -353,10 +354,10 @@ def test_timeline() -> None:
         assert done["B", 1, mb] - start["B", 1, mb] == 4.0
         assert start["F", 1, mb] >= done["SF", 0, mb] + 0.5
         assert start["B", 0, mb] >= done["SB", 1, mb] + 0.5
-    assert res["makespan"] == max(end for *_, end in timeline)
+    assert res.makespan == max(t.end for t in timeline)
     # Hand-computed critical path: F0.0 [0,1], F1.0 [1.5,3.5], B1.0 [3.5,7.5], F1.1 [7.5,9.5],
     # B1.1 [9.5,13.5], F1.2 [13.5,15.5], B1.2 [15.5,19.5], B0.2 [20,23].
-    assert res["makespan"] == 23.0
+    assert res.makespan == 23.0
 
 
 def test_simulator_rejects_cost_lists_of_the_wrong_length() -> None:
@@ -366,8 +367,8 @@ def test_simulator_rejects_cost_lists_of_the_wrong_length() -> None:
 
 def test_forward_only_keeps_nothing_in_flight_and_timeline_is_time_ordered() -> None:
     sim = _C.make_schedule("forward", 2, 3).simulate()
-    assert sim["peak_inflight"] == [0, 0]
-    starts = [t[4] for t in _C.make_schedule("1f1b", 3, 4).simulate()["timeline"]]
+    assert sim.peak_inflight == [0, 0]
+    starts = [t.start for t in _C.make_schedule("1f1b", 3, 4).simulate().timeline]
     assert starts == sorted(starts)
 
 
@@ -380,20 +381,20 @@ def test_zero_bubble_h1_bubble_is_a_third_of_1f1b(p: int, m: int) -> None:
     ref = _C.make_schedule("1f1b", p, m).simulate(forward=[1.0] * p, backward=[2.0] * p)
     work = 3 * m  # F + B + W per microbatch at unit costs
     # Textbook (ZB paper, Table 2): 1F1B's bubble (p-1)(F+B+W), ZB-H1's (p-1)(F+B-W).
-    assert ref["makespan"] - work == 3 * (p - 1)
+    assert ref.makespan - work == 3 * (p - 1)
     if m >= p:
-        assert res["makespan"] - work == p - 1
+        assert res.makespan - work == p - 1
     else:  # too few microbatches to fill the pipeline: still no worse than 1F1B
-        assert res["makespan"] <= ref["makespan"]
+        assert res.makespan <= ref.makespan
     # Microbatches waiting for their W keep their graph: at most p + 1 per rank.
-    assert all(peak <= min(p + 1, m) for peak in res["peak_inflight"])
+    assert all(peak <= min(p + 1, m) for peak in res.peak_inflight)
 
 
 def test_zero_bubble_h1_on_more_ranks_stays_near_a_third() -> None:
     for p in (5, 6, 8):
         for m in (p, 2 * p, 3 * p):
             zb = _C.make_schedule("zbh1", p, m).simulate([1.0] * p, [1.0] * p, [1.0] * p)
-            assert zb["makespan"] - 3 * m <= (p - 1) + 2
+            assert zb.makespan - 3 * m <= (p - 1) + 2
 
 
 @pytest.mark.parametrize(("p", "m", "v"), [(2, 2, 2), (2, 4, 2), (4, 4, 2), (4, 8, 2), (2, 6, 3)])
@@ -403,7 +404,7 @@ def test_interleaved_divides_the_bubble_by_chunks(p: int, m: int, v: int) -> Non
     s.validate()
     res = s.simulate()  # unit costs per stage: one rank does v units per microbatch and pass
     ref = _C.make_schedule("1f1b", p, m).simulate(forward=[float(v)] * p, backward=[float(v)] * p)
-    assert res["makespan"] - 2 * m * v <= (ref["makespan"] - 2 * m * v) / v + 1e-9
+    assert res.makespan - 2 * m * v <= (ref.makespan - 2 * m * v) / v + 1e-9
 
 
 def test_schedule_argument_errors() -> None:

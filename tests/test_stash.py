@@ -27,13 +27,15 @@ def test_push_pop_keep_the_very_tensors() -> None:
     stash.push(0, 0, inputs, outputs)
     assert stash.contains(0, 0) and not stash.contains(0, 1) and len(stash) == 1
 
-    peeked_in, peeked_out = stash.peek(0, 0)
+    peeked = stash.peek(0, 0)
+    peeked_in, peeked_out = peeked.inputs, peeked.outputs
     assert all(a is b for a, b in zip(peeked_in + peeked_out, inputs + outputs, strict=True))
     # A write through the original is visible in the slot: nothing was copied.
     extra.add_(100)
     before[1].add_(100)
 
-    got_in, got_out = stash.pop(0, 0)
+    popped = stash.pop(0, 0)
+    got_in, got_out = popped.inputs, popped.outputs
     assert not stash.contains(0, 0) and len(stash) == 0
     got = got_in + got_out
     assert len(got_in) == 2 and len(got_out) == 1
@@ -105,7 +107,7 @@ def test_double_push_is_an_error() -> None:
         stash.push(2, 1, [torch.zeros(8)], [])
     # The failed push changed nothing.
     assert len(stash) == 1 and stash.live_bytes == 16 and stash.peak_bytes == 16
-    assert stash.pop(2, 1)[0][0] is t
+    assert stash.pop(2, 1).inputs[0] is t
 
 
 def test_pop_of_missing_slot_is_an_error() -> None:

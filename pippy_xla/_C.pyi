@@ -1,0 +1,405 @@
+"""Type stub of ``pippy_xla._C``, the C++ core (csrc/bindings.cpp): schedules, stash, engine,
+the pipeline's collectives on C++-owned buffers, the counting CPU allocator and the planner's
+solver. The ``pippy_xla::send/recv/...`` custom ops are registered with ``torch.ops``, not
+here (see ``pippy_xla/ops.py``)."""
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+# ---- schedules (csrc/schedule.h)
+
+class Action:
+    """One action of a rank's list: op (``F B W SF RF SB RB``), stage and microbatch."""
+
+    def __init__(self, op: str, stage: int, mb: int) -> None: ...
+    @property
+    def op(self) -> str:
+        """``"F"``, ``"B"``, ``"W"``, ``"SF"``, ``"RF"``, ``"SB"`` or ``"RB"``."""
+    @property
+    def stage(self) -> int:
+        """The stage it runs or transfers for."""
+    @property
+    def mb(self) -> int:
+        """The microbatch."""
+    def __eq__(self, other: object) -> bool: ...
+    def __hash__(self) -> int: ...
+
+class _ActionFields:
+    """Stub-only base: the op, stage and microbatch of the action a record is about."""
+
+    @property
+    def op(self) -> str:
+        """The action's op."""
+    @property
+    def stage(self) -> int:
+        """The action's stage."""
+    @property
+    def mb(self) -> int:
+        """The action's microbatch."""
+
+class TimedAction(_ActionFields):
+    """An action of a simulated timeline."""
+
+    @property
+    def rank(self) -> int:
+        """The rank that runs it."""
+    @property
+    def start(self) -> float:
+        """When it starts, in the unit of the costs."""
+    @property
+    def end(self) -> float:
+        """When it ends."""
+
+class SimResult:
+    """What :meth:`Schedule.simulate` predicts."""
+
+    @property
+    def timeline(self) -> list[TimedAction]:
+        """Every action, sorted by start time (rank order on ties)."""
+    @property
+    def makespan(self) -> float:
+        """The step's duration."""
+    @property
+    def bubble(self) -> float:
+        """1 - busy compute time / (ranks x makespan)."""
+    @property
+    def peak_inflight(self) -> list[int]:
+        """Per stage, the most forwards whose backward was pending (zeros without backward)."""
+    def __getitem__(self, key: str) -> object:
+        """``sim["makespan"]``: a field by name, for callers not yet reading the fields."""
+
+class Schedule:
+    """Every rank's ordered action list, with the stage -> rank map."""
+
+    def __init__(
+        self,
+        name: str,
+        num_ranks: int,
+        num_microbatches: int,
+        stage_rank: Sequence[int],
+        actions: Sequence[Sequence[Action | tuple[str, int, int]]],
+        backward: bool = True,
+        split_backward: bool = False,
+    ) -> None:
+        """A hand-written schedule; actions as :class:`Action` or ``(op, stage, mb)``."""
+    @property
+    def name(self) -> str:
+        """The schedule's name."""
+    @property
+    def num_ranks(self) -> int:
+        """Ranks of the pipeline."""
+    @property
+    def num_stages(self) -> int:
+        """Stages of the pipeline (ranks x chunks)."""
+    @property
+    def num_microbatches(self) -> int:
+        """Microbatches per step."""
+    @property
+    def backward(self) -> bool:
+        """False for a forward-only (evaluation) schedule."""
+    @property
+    def split_backward(self) -> bool:
+        """B computes input gradients only and W weight gradients."""
+    @property
+    def stage_rank(self) -> list[int]:
+        """The rank of every stage."""
+    @property
+    def actions(self) -> list[list[Action]]:
+        """Every rank's ordered actions."""
+    def table(self) -> str:
+        """One line per rank, e.g. ``rank 0: F0.0 SF0.0 F0.1 ...`` (stage.microbatch)."""
+    def stages_of(self, rank: int) -> list[int]:
+        """The stages ``rank`` runs, ascending."""
+    def validate(self) -> None:
+        """Raises ``RuntimeError`` naming the first missing, misplaced or deadlocked action."""
+    def simulate(
+        self,
+        forward: Sequence[float] = ...,
+        backward: Sequence[float] = ...,
+        weight: Sequence[float] = ...,
+        comm: float = 0.0,
+    ) -> SimResult:
+        """The timeline for per-stage costs (empty: unit costs) and a transfer latency."""
+
+def make_schedule(name: str, num_ranks: int, num_microbatches: int, chunks: int = 1) -> Schedule:
+    """The generated schedule ``name`` (one of :func:`schedule_names`)."""
+
+def schedule_names() -> list[str]:
+    """Every schedule :func:`make_schedule` generates, ``"forward"`` (evaluation) last."""
+
+def train_schedule_names() -> list[str]:
+    """The schedules that train: :func:`schedule_names` without ``"forward"``."""
+
+def default_chunks(name: str) -> int:
+    """Stages per rank of schedule ``name`` when none is given: 2 for interleaved, else 1."""
+
+def stage_rank(stage: int, num_ranks: int) -> int:
+    """The rank that runs ``stage``: ``stage % num_ranks``."""
+
+def check_stage_count(num_layers: int, num_stages: int) -> None:
+    """Raises ``ValueError`` unless every one of ``num_stages`` stages gets a layer."""
+
+# ---- activation stash (csrc/stash.h)
+
+class StashSlot:
+    """What the stash keeps of one (stage, microbatch): references, never copies."""
+
+    @property
+    def inputs(self) -> list[torch.Tensor]:
+        """The stage's inputs."""
+    @property
+    def outputs(self) -> list[torch.Tensor]:
+        """The stage's outputs."""
+
+class Stash:
+    """Activations kept for backward, one slot per (stage, microbatch)."""
+
+    def __init__(self) -> None: ...
+    def push(
+        self, stage: int, mb: int, inputs: list[torch.Tensor], outputs: list[torch.Tensor]
+    ) -> None:
+        """Fills a slot; a full slot is an error."""
+    def pop(self, stage: int, mb: int) -> StashSlot:
+        """Empties a slot and returns what it held."""
+    def peek(self, stage: int, mb: int) -> StashSlot:
+        """What a slot holds, left in place."""
+    def contains(self, stage: int, mb: int) -> bool:
+        """Whether the slot is full."""
+    def __len__(self) -> int: ...
+    @property
+    def live_bytes(self) -> int:
+        """Bytes held now."""
+    @property
+    def peak_bytes(self) -> int:
+        """Most bytes held at once since the last :meth:`reset_peak`."""
+    def reset_peak(self) -> None:
+        """Sets the peak to the bytes held now."""
+    def check_empty(self) -> None:
+        """Raises ``RuntimeError`` naming the slots still full."""
+
+# ---- engine (csrc/engine.h)
+
+TIED_WEIGHT_TAG_BASE: int
+"""Transfer tags at and above this are not the engine's: tied weights use them."""
+
+def tied_weight_tag(tie: int) -> int:
+    """The first of the two transfer tags of tie number ``tie``."""
+
+RECV_LOOKAHEAD: int
+"""Receive actions a rank posts ahead of the one it waits on."""
+
+def peak_receive_buffers(schedule: Schedule) -> list[int]:
+    """Per rank, the most receive buffers alive at once during a step (the engine's rule)."""
+
+class ActionTiming(_ActionFields):
+    """When an action of the last step ran (system clock, nanoseconds)."""
+
+    @property
+    def start_ns(self) -> int:
+        """Start; for F and B, when their received inputs were there."""
+    @property
+    def end_ns(self) -> int:
+        """End."""
+
+class Failure:
+    """Where a failed step failed."""
+
+    @property
+    def stage(self) -> int:
+        """The action's stage (-1 if none)."""
+    @property
+    def microbatch(self) -> int:
+        """The action's microbatch (-1 if none)."""
+    @property
+    def peer(self) -> int:
+        """The transfer's peer rank (-1 if none)."""
+    @property
+    def action(self) -> str:
+        """The action that failed."""
+    @property
+    def aborted(self) -> bool:
+        """The step was aborted because a peer failed, not by its own error."""
+
+class Engine:
+    """Runs one rank's action list of a schedule every step."""
+
+    def __init__(
+        self, schedule: Schedule, group_name: str, timeout_ms: int, device: str = "cpu"
+    ) -> None: ...
+    def run(
+        self,
+        signature: int,
+        forward: Callable[[int, int, list[torch.Tensor]], list[torch.Tensor]],
+        grads_ready: Callable[[int], None] | None = None,
+    ) -> None:
+        """Runs one step: ``forward(stage, mb, inputs)`` per F, ``grads_ready(stage)`` per stage."""
+    def abort(self) -> None:
+        """Wakes the running step's transfer waits so that :meth:`run` fails now."""
+    def failure(self) -> Failure | None:
+        """Where the failed step failed; ``None`` while no step has failed."""
+    @property
+    def rank(self) -> int:
+        """This rank in the pipeline's group."""
+    @property
+    def schedule(self) -> Schedule:
+        """The schedule it runs."""
+    def timings(self) -> list[ActionTiming]:
+        """The last step's actions on this rank."""
+    @property
+    def stash_live_bytes(self) -> int:
+        """Bytes the stash holds now."""
+    @property
+    def stash_peak_bytes(self) -> int:
+        """Most bytes the stash held at once since the last reset."""
+    def reset_stash_peak(self) -> None:
+        """Sets the stash's peak to the bytes held now."""
+    def stash_contains(self, stage: int, mb: int) -> bool:
+        """Whether the stash holds (stage, mb)."""
+    def stash_peek(self, stage: int, mb: int) -> StashSlot:
+        """What the stash holds for (stage, mb)."""
+
+# ---- collectives on C++-owned buffers (csrc/ops/p2p.h)
+
+def all_gather_int64(
+    value: int, group_name: str, device: str, timeout_ms: int, what: str
+) -> list[int]:
+    """Every rank's ``value``, gathered on buffers that never reach Python."""
+
+def broadcast_copy(
+    tensor: torch.Tensor, root: int, group_name: str, timeout_ms: int, what: str
+) -> torch.Tensor:
+    """A copy of group rank ``root``'s tensor, broadcast on a buffer that never reaches Python."""
+
+def all_reduce_sum_copy(
+    tensor: torch.Tensor, group_name: str, timeout_ms: int, what: str
+) -> torch.Tensor:
+    """The sum of every rank's tensor, all-reduced on a buffer that never reaches Python."""
+
+# ---- counting CPU allocator (csrc/memory.h)
+
+def memory_tracker_install() -> None:
+    """Installs the counting CPU allocator (stays installed)."""
+
+def memory_stats() -> dict[str, int]:
+    """``live_bytes``, ``peak_bytes`` and ``allocations`` of the counting allocator."""
+
+def memory_reset_peak() -> None:
+    """Sets the counted peak to the live bytes now."""
+
+# ---- planner
+# Current signatures (csrc/planner.h, csrc/bindings.cpp); pippy_xla/cost_model.py re-exports the
+# classes.
+
+class LayerCost:
+    """Per-microbatch cost of one decoder layer (see [Note: planner cost model])."""
+
+    def __init__(
+        self,
+        *,
+        fwd: float,
+        bwd: float,
+        recompute: float | None = None,
+        saved_bytes: int,
+        saved_bytes_ckpt: int,
+        static_bytes: int,
+        transient_bytes: int = 0,
+    ) -> None: ...
+    fwd: float
+    bwd: float
+    recompute: float
+    saved_bytes: int
+    saved_bytes_ckpt: int
+    static_bytes: int
+    transient_bytes: int
+
+class StageExtra:
+    """Per-microbatch cost a stage has besides its layers (prologue, epilogue, buffers)."""
+
+    def __init__(
+        self,
+        *,
+        fwd: float = 0.0,
+        bwd: float = 0.0,
+        saved_bytes: int = 0,
+        static_bytes: int = 0,
+        transient_bytes: int = 0,
+        buffer_bytes: int = 0,
+    ) -> None: ...
+    fwd: float
+    bwd: float
+    saved_bytes: int
+    static_bytes: int
+    transient_bytes: int
+    buffer_bytes: int
+
+class PlanProblem:
+    """Solver input: layers, per-stage extras, in-flight microbatches and memory limits."""
+
+    def __init__(
+        self,
+        *,
+        layers: Sequence[LayerCost],
+        extras: Sequence[StageExtra],
+        inflight: Sequence[int],
+        memory_limit: Sequence[int],
+        allow_checkpoint: bool = True,
+    ) -> None: ...
+    layers: list[LayerCost]
+    extras: list[StageExtra]
+    inflight: list[int]
+    memory_limit: list[int]
+    allow_checkpoint: bool
+
+class StageEval:
+    """One stage of a solved or evaluated plan."""
+
+    @property
+    def range(self) -> tuple[int, int]:
+        """Its layers, ``(start, stop)``."""
+    @property
+    def checkpoint(self) -> list[int]:
+        """Global indices of checkpointed layers."""
+    @property
+    def forward(self) -> float: ...
+    @property
+    def backward(self) -> float:
+        """Including recomputation."""
+    @property
+    def time(self) -> float: ...
+    @property
+    def activation_bytes(self) -> int: ...
+    @property
+    def static_bytes(self) -> int: ...
+    @property
+    def transient_bytes(self) -> int: ...
+    @property
+    def buffer_bytes(self) -> int: ...
+    @property
+    def memory(self) -> int:
+        """Predicted peak bytes."""
+
+class PlanResult:
+    """The solver's answer."""
+
+    @property
+    def feasible(self) -> bool: ...
+    @property
+    def stages(self) -> list[StageEval]:
+        """Empty when infeasible."""
+    @property
+    def bottleneck(self) -> float: ...
+    @property
+    def total_time(self) -> float: ...
+    @property
+    def min_memory_limit(self) -> list[int]: ...
+
+def solve_plan(problem: PlanProblem) -> PlanResult:
+    """Exact planner: layer ranges and checkpointed layers minimizing the bottleneck stage."""
+
+def evaluate_plan(
+    problem: PlanProblem, ranges: Sequence[tuple[int, int]], checkpoint: Sequence[Sequence[int]]
+) -> list[StageEval]:
+    """The planner's cost model applied to a given plan."""
+
+# ---- end planner
