@@ -65,16 +65,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("timeline", &SimResult::timeline)
       .def_readonly("makespan", &SimResult::makespan)
       .def_readonly("bubble", &SimResult::bubble)
-      .def_readonly("peak_inflight", &SimResult::peak_inflight)
-      // sim["makespan"] as sim.makespan, for the planner's callers (planner.py, cost_model.py)
-      // until they read the fields.
-      .def("__getitem__", [](const SimResult& r, const std::string& key) -> py::object {
-        if (key == "timeline") return py::cast(r.timeline);
-        if (key == "makespan") return py::cast(r.makespan);
-        if (key == "bubble") return py::cast(r.bubble);
-        if (key == "peak_inflight") return py::cast(r.peak_inflight);
-        throw py::key_error(key);
-      });
+      .def_readonly("peak_inflight", &SimResult::peak_inflight);
 
   py::class_<Schedule>(m, "Schedule")
       .def(py::init([](std::string name, int32_t num_ranks, int32_t num_microbatches,

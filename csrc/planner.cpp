@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <limits>
 
+#include "schedule.h"
+
 namespace pippy_xla {
 
 namespace {
@@ -39,8 +41,7 @@ void check_problem(const PlanProblem& p) {
   const auto num_layers = static_cast<int64_t>(p.layers.size());
   const auto num_stages = static_cast<int64_t>(p.memory_limit.size());
   TORCH_CHECK(num_stages >= 1, "planner: need at least one stage (one memory limit per stage)");
-  TORCH_CHECK(num_stages <= num_layers, "planner: cannot split ", num_layers, " layers into ",
-              num_stages, " stages; every stage needs at least one layer");
+  check_stage_count(num_layers, num_stages);
   TORCH_CHECK(static_cast<int64_t>(p.extras.size()) == num_stages &&
                   static_cast<int64_t>(p.inflight.size()) == num_stages,
               "planner: extras (", p.extras.size(), ") and inflight (", p.inflight.size(),
@@ -144,9 +145,9 @@ struct StageCost {
   int32_t point = -1;
 };
 
-class Costs {
+class StageCosts {
  public:
-  Costs(const PlanProblem& p, const Frontiers& f) : p_(p), f_(f) {}
+  StageCosts(const PlanProblem& p, const Frontiers& f) : p_(p), f_(f) {}
 
   int64_t memory(int32_t s, int32_t i, int32_t j, const Point& q) const {
     const StageExtra& e = p_.extras[s];
@@ -254,7 +255,7 @@ PlanResult solve_plan(const PlanProblem& p) {
   const auto S = static_cast<int32_t>(p.memory_limit.size());
   const auto L = static_cast<int32_t>(p.layers.size());
   const Frontiers fr = build_frontiers(p);
-  const Costs costs(p, fr);
+  const StageCosts costs(p, fr);
   PlanResult result;
 
   // Smallest uniform shift of the limits that admits a plan (minimax over memory excess).

@@ -66,8 +66,6 @@ class SimResult:
     @property
     def peak_inflight(self) -> list[int]:
         """Per stage, the most forwards whose backward was pending (zeros without backward)."""
-    def __getitem__(self, key: str) -> object:
-        """``sim["makespan"]``: a field by name, for callers not yet reading the fields."""
 
 class Schedule:
     """Every rank's ordered action list, with the stage -> rank map."""

@@ -67,7 +67,7 @@ class ModelProfile:
     ) -> PlanProblem:
         """The solver input for ``num_stages`` stages (one per rank) under ``schedule``."""
         sched = _C.make_schedule(schedule, num_stages, num_microbatches)
-        inflight = [int(x) for x in sched.simulate()["peak_inflight"]]
+        inflight = [int(x) for x in sched.simulate().peak_inflight]
         receives = _C.peak_receive_buffers(sched)
         extras = []
         for s in range(num_stages):
@@ -129,7 +129,7 @@ def inflight_counts(schedule: str, num_stages: int, num_microbatches: int) -> li
     """Microbatches each stage holds activations for at once, from the C++ simulator's replay
     of the schedule (1F1B: ``min(stages - s, microbatches)``; GPipe: ``microbatches``)."""
     sched = _C.make_schedule(schedule, num_stages, num_microbatches)
-    return [int(x) for x in sched.simulate()["peak_inflight"]]
+    return [int(x) for x in sched.simulate().peak_inflight]
 
 
 def solve(problem: PlanProblem) -> PlanResult:

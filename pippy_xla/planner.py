@@ -184,7 +184,7 @@ def _make_plan(
             )
             for s, st in enumerate(stages)
         ],
-        step_time=float(sim["makespan"]),
+        step_time=float(sim.makespan),
         bottleneck_time=max(st.time for st in stages),
         **kw,
     )

@@ -3,7 +3,7 @@ against allocations of known sizes, in a fresh process (it stays installed once 
 
 from __future__ import annotations
 
-from _dist import run_ranks
+from pippy_xla.testing import run_ranks
 
 
 def _known_allocations(rank, world):

@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from _dist import run_ranks
+from pippy_xla.testing import run_ranks
 from models import MODELS, make_batch
 
 import pippy_xla as px
