@@ -100,6 +100,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from pippy_xla.cost_model import PLANNED_SCHEDULES
+
     parser = argparse.ArgumentParser(prog="pippy-xla", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="layers and checkpointed layers per stage under a memory limit")
@@ -122,7 +124,7 @@ def _parser() -> argparse.ArgumentParser:
         required=True,
         help="bytes per device, e.g. 20MiB; comma-separated for one per stage",
     )
-    p.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
+    p.add_argument("--schedule", choices=PLANNED_SCHEDULES, default="1f1b")
     p.add_argument("--no-checkpoint", action="store_true", help="plan layer ranges only")
     p.add_argument("--repeats", type=int, default=5, help="profiler timing runs")
     p.add_argument("--json", help="also save the plan as JSON to this path")
