@@ -9,7 +9,6 @@ import random
 
 import pytest
 import torch
-from pippy_xla.testing import run_ranks
 from models import MODELS, make_batch
 
 import pippy_xla as px
@@ -25,6 +24,7 @@ from pippy_xla.planner import (
     solve,
 )
 from pippy_xla.profiler import SavedBytes
+from pippy_xla.testing import run_ranks
 
 # Same tolerances as tests/test_pipeline.py (fp32; microbatch sums vs whole-batch reference;
 # checkpointing recomputes the same ops, so it adds no difference).
