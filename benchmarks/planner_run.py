@@ -21,18 +21,13 @@ saves ``benchmarks/results/planner_run.json`` with the machine and versions.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import json
-import os
-import pathlib
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _common import run_ranks, save
 
 
 def _model(layers: int, hidden: int):
@@ -51,12 +46,7 @@ def _model(layers: int, hidden: int):
     return LlamaForCausalLM(cfg), LlamaDecoderLayer
 
 
-def _worker(rank, world, port, args, variants, out_path):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
-    )
+def _worker(rank, world, args, variants):
     import pippy_xla as px
     from pippy_xla import _C
 
@@ -94,9 +84,7 @@ def _worker(rank, world, port, args, variants, out_path):
         results[name] = dict(step_s=statistics.median(times), peak_bytes=[int(x) for x in per_rank])
         del pipe, model, opt
         gc.collect()  # the next variant's peak must not count this one's tensors
-    if rank == 0:
-        pathlib.Path(out_path).write_text(json.dumps(results))
-    dist.destroy_process_group()
+    return results
 
 
 def main() -> None:
@@ -110,10 +98,6 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--fraction", type=float, default=0.3)
     args = ap.parse_args()
-
-    import platform
-
-    import transformers
 
     import pippy_xla as px
     from pippy_xla.planner import PlanInfeasibleError, evaluate, profile_model
@@ -165,23 +149,9 @@ def main() -> None:
     }
     if counts:
         variants["uniform_best_count"] = on_uniform(counts[0])
-    tmp = pathlib.Path("/tmp") / f"planner_run_{os.getpid()}.json"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     specs = {name: p.to_json() for name, p in variants.items()}
-    mp.spawn(_worker, args=(args.ranks, port, args, specs, str(tmp)), nprocs=args.ranks)
-    measured = json.loads(tmp.read_text())
-    tmp.unlink()
+    measured = run_ranks(args.ranks, _worker, args, specs, timeout=1200)[0]
     out = {
-        "machine": {
-            "cpu": platform.machine(),
-            "cores": os.cpu_count(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "threads_per_rank": 1,
-        },
         "args": vars(args),
         "memory_limit": limit,
         "smallest_feasible_limit": low,
@@ -211,9 +181,7 @@ def main() -> None:
             speedup = out[base]["measured_step_s"] / out["plan"]["measured_step_s"]
             out[f"plan_speedup_over_{base}"] = speedup
             print(f"plan vs {base}: {speedup:.2f}x")
-    path = pathlib.Path(__file__).parent / "results" / "planner_run.json"
-    path.parent.mkdir(exist_ok=True)
-    path.write_text(json.dumps(out, indent=1))
+    path = save("planner_run", out)
     print(f"saved {path}")
 
 

@@ -235,9 +235,9 @@ Failure Engine::failure_of(const StepState& st, std::exception_ptr error) const 
 std::vector<std::vector<size_t>> send_releases(const Schedule& s, int32_t rank) {
   const auto& mine = s.actions[rank];
   std::vector<std::vector<size_t>> out(mine.size());
-  auto position = [&](int32_t r, Op op, int32_t stage, int32_t mb, size_t from = 0) {
+  auto position = [&](int32_t r, Op op, int32_t stage, int32_t mb) {
     const auto& acts = s.actions[r];
-    for (size_t k = from; k < acts.size(); ++k)
+    for (size_t k = 0; k < acts.size(); ++k)
       if (acts[k].op == op && acts[k].stage == stage && acts[k].mb == mb) return k;
     return acts.size();
   };

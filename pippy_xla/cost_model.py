@@ -66,9 +66,8 @@ class ModelProfile:
         allow_checkpoint: bool = True,
     ) -> PlanProblem:
         """The solver input for ``num_stages`` stages (one per rank) under ``schedule``."""
-        sched = _C.make_schedule(schedule, num_stages, num_microbatches)
-        inflight = [int(x) for x in sched.simulate().peak_inflight]
-        receives = _C.peak_receive_buffers(sched)
+        inflight = inflight_counts(schedule, num_stages, num_microbatches)
+        receives = _C.peak_receive_buffers(_C.make_schedule(schedule, num_stages, num_microbatches))
         extras = []
         for s in range(num_stages):
             # Transfers: a stage other than the last keeps each in-flight microbatch's output (a
