@@ -8,6 +8,7 @@
 #include "memory.h"
 #include "planner.h"
 #include "schedule.h"
+#include "split_backward.h"
 #include "stash.h"
 
 namespace py = pybind11;
@@ -65,7 +66,11 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("timeline", &SimResult::timeline)
       .def_readonly("makespan", &SimResult::makespan)
       .def_readonly("bubble", &SimResult::bubble)
-      .def_readonly("peak_inflight", &SimResult::peak_inflight);
+      .def_readonly("peak_inflight", &SimResult::peak_inflight)
+      .def_readonly("live_states", &SimResult::live_states,
+                    "per rank, per stage of the rank: the states while it computes, counts per "
+                    "stage of the rank, [forwarded not backwarded, backwarded not weighted, "
+                    "running split B] each (see [Note: live states])");
 
   py::class_<Schedule>(m, "Schedule")
       .def(py::init([](std::string name, int32_t num_ranks, int32_t num_microbatches,
@@ -173,6 +178,30 @@ PYBIND11_MODULE(_C, m) {
       "The sum of every rank's tensor, all-reduced on a buffer that never reaches Python.");
 
   m.attr("RECV_LOOKAHEAD") = kRecvLookahead;
+  py::class_<WeightWork>(m, "WeightWork",
+                         "What a split backward's W runs for one microbatch of a stage "
+                         "(from input_gradients).")
+      .def("run", &weight_gradients, py::call_guard<py::gil_scoped_release>(),
+           "W: accumulates the weight gradients into the parameters' .grad (once).");
+  m.def(
+      "input_gradients",
+      [](const std::vector<at::Tensor>& roots, const std::vector<at::Tensor>& grads,
+         const std::vector<at::Tensor>& leaves) {
+        TORCH_CHECK_VALUE(!leaves.empty() && roots.size() == grads.size(),
+                          "input_gradients: need leaves, and one gradient per root");
+        auto work = std::make_unique<WeightWork>();
+        std::vector<at::Tensor> out;
+        {
+          py::gil_scoped_release no_gil;
+          out = input_gradients(roots, grads, leaves, *work);
+        }
+        return py::make_tuple(out, std::move(work));
+      },
+      py::arg("roots"), py::arg("grads"), py::arg("leaves"),
+      "B of a split backward, as the engine runs it for zbh1: the gradients of `leaves` from "
+      "`roots` with incoming `grads`, and the WeightWork W runs later (see [Note: split "
+      "backward] in csrc/split_backward.cpp). The profiler measures W's time and what a "
+      "microbatch keeps from B to W with it.");
   m.def("peak_receive_buffers", &peak_receive_buffers, py::arg("schedule"),
         "Per rank, the most receive buffers alive at once during a step (a replay of the "
         "engine's posting rule; see [Note: receives posted ahead]).");
@@ -259,18 +288,30 @@ PYBIND11_MODULE(_C, m) {
                         "Per-microbatch cost of one decoder layer (see [Note: planner cost "
                         "model] in csrc/planner.h).")
       .def(py::init([](double fwd, double bwd, std::optional<double> recompute, int64_t saved_bytes,
-                       int64_t saved_bytes_ckpt, int64_t static_bytes, int64_t transient_bytes) {
+                       int64_t saved_bytes_ckpt, int64_t static_bytes, int64_t transient_bytes,
+                       double weight, std::optional<double> weight_ckpt, int64_t weight_bytes,
+                       std::optional<int64_t> weight_bytes_ckpt, int64_t recorded_bytes,
+                       int64_t split_transient_bytes) {
              return LayerCost{fwd,
                               bwd,
                               recompute.value_or(fwd),
                               saved_bytes,
                               saved_bytes_ckpt,
                               static_bytes,
-                              transient_bytes};
+                              transient_bytes,
+                              weight,
+                              weight_ckpt.value_or(weight),
+                              weight_bytes,
+                              weight_bytes_ckpt.value_or(weight_bytes),
+                              recorded_bytes,
+                              split_transient_bytes};
            }),
            py::kw_only(), py::arg("fwd"), py::arg("bwd"), py::arg("recompute") = py::none(),
            py::arg("saved_bytes"), py::arg("saved_bytes_ckpt"), py::arg("static_bytes"),
-           py::arg("transient_bytes") = 0)
+           py::arg("transient_bytes") = 0, py::arg("weight") = 0.0,
+           py::arg("weight_ckpt") = py::none(), py::arg("weight_bytes") = 0,
+           py::arg("weight_bytes_ckpt") = py::none(), py::arg("recorded_bytes") = 0,
+           py::arg("split_transient_bytes") = 0)
       .def_readwrite("fwd", &LayerCost::fwd)
       .def_readwrite("bwd", &LayerCost::bwd)
       .def_readwrite("recompute", &LayerCost::recompute)
@@ -278,66 +319,105 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("saved_bytes_ckpt", &LayerCost::saved_bytes_ckpt)
       .def_readwrite("static_bytes", &LayerCost::static_bytes)
       .def_readwrite("transient_bytes", &LayerCost::transient_bytes)
+      .def_readwrite("weight", &LayerCost::weight)
+      .def_readwrite("weight_ckpt", &LayerCost::weight_ckpt)
+      .def_readwrite("weight_bytes", &LayerCost::weight_bytes)
+      .def_readwrite("weight_bytes_ckpt", &LayerCost::weight_bytes_ckpt)
+      .def_readwrite("recorded_bytes", &LayerCost::recorded_bytes)
+      .def_readwrite("split_transient_bytes", &LayerCost::split_transient_bytes)
       .def("__repr__", [](const LayerCost& l) {
         return c10::str("LayerCost(fwd=", l.fwd, ", bwd=", l.bwd, ", recompute=", l.recompute,
                         ", saved_bytes=", l.saved_bytes, ", saved_bytes_ckpt=", l.saved_bytes_ckpt,
                         ", static_bytes=", l.static_bytes, ", transient_bytes=", l.transient_bytes,
-                        ")");
+                        ", weight=", l.weight, ", weight_ckpt=", l.weight_ckpt,
+                        ", weight_bytes=", l.weight_bytes,
+                        ", weight_bytes_ckpt=", l.weight_bytes_ckpt,
+                        ", recorded_bytes=", l.recorded_bytes,
+                        ", split_transient_bytes=", l.split_transient_bytes, ")");
       });
   py::class_<StageExtra>(m, "StageExtra",
                          "Per-microbatch cost a stage has besides its layers (prologue, "
                          "epilogue, shared tensors, transfer buffers).")
       .def(py::init([](double fwd, double bwd, int64_t saved_bytes, int64_t static_bytes,
-                       int64_t transient_bytes, int64_t buffer_bytes) {
-             return StageExtra{fwd, bwd, saved_bytes, static_bytes, transient_bytes, buffer_bytes};
+                       int64_t transient_bytes, int64_t buffer_bytes, double weight,
+                       int64_t weight_bytes, int64_t recorded_bytes,
+                       int64_t split_transient_bytes, bool split_backward) {
+             return StageExtra{fwd,          bwd,          saved_bytes,    static_bytes,
+                               transient_bytes, buffer_bytes, weight,      weight_bytes,
+                               recorded_bytes,  split_transient_bytes, split_backward};
            }),
            py::kw_only(), py::arg("fwd") = 0.0, py::arg("bwd") = 0.0, py::arg("saved_bytes") = 0,
-           py::arg("static_bytes") = 0, py::arg("transient_bytes") = 0, py::arg("buffer_bytes") = 0)
+           py::arg("static_bytes") = 0, py::arg("transient_bytes") = 0, py::arg("buffer_bytes") = 0,
+           py::arg("weight") = 0.0, py::arg("weight_bytes") = 0, py::arg("recorded_bytes") = 0,
+           py::arg("split_transient_bytes") = 0, py::arg("split_backward") = false)
       .def_readwrite("fwd", &StageExtra::fwd)
       .def_readwrite("bwd", &StageExtra::bwd)
       .def_readwrite("saved_bytes", &StageExtra::saved_bytes)
       .def_readwrite("static_bytes", &StageExtra::static_bytes)
       .def_readwrite("transient_bytes", &StageExtra::transient_bytes)
       .def_readwrite("buffer_bytes", &StageExtra::buffer_bytes)
+      .def_readwrite("weight", &StageExtra::weight)
+      .def_readwrite("weight_bytes", &StageExtra::weight_bytes)
+      .def_readwrite("recorded_bytes", &StageExtra::recorded_bytes)
+      .def_readwrite("split_transient_bytes", &StageExtra::split_transient_bytes)
+      .def_readwrite("split_backward", &StageExtra::split_backward)
       .def("__repr__", [](const StageExtra& e) {
         return c10::str("StageExtra(fwd=", e.fwd, ", bwd=", e.bwd, ", saved_bytes=", e.saved_bytes,
                         ", static_bytes=", e.static_bytes, ", transient_bytes=", e.transient_bytes,
-                        ", buffer_bytes=", e.buffer_bytes, ")");
+                        ", buffer_bytes=", e.buffer_bytes, ", weight=", e.weight,
+                        ", weight_bytes=", e.weight_bytes, ", recorded_bytes=", e.recorded_bytes,
+                        ", split_transient_bytes=", e.split_transient_bytes,
+                        ", split_backward=", e.split_backward, ")");
       });
   // A list field reads as a copy (pybind11 converts vectors): assign a whole new list to change
   // it; an in-place edit such as `problem.layers.append(x)` changes only the copy.
   py::class_<PlanProblem>(m, "PlanProblem",
-                          "Solver input: layers, per-stage extras, in-flight "
-                          "microbatches and memory limits.")
+                          "Solver input: layers, per-stage extras, the stages' devices, the "
+                          "schedule's live states and memory limits per device, and optionally "
+                          "given layer ranges.")
       .def(py::init([](std::vector<LayerCost> layers, std::vector<StageExtra> extras,
-                       std::vector<int64_t> inflight, std::vector<int64_t> memory_limit,
-                       bool allow_checkpoint) {
-             TORCH_CHECK(
-                 extras.size() == memory_limit.size() && inflight.size() == memory_limit.size(),
-                 "extras (", extras.size(), "), inflight (", inflight.size(),
-                 ") and memory_limit (", memory_limit.size(), ") need one entry per stage");
-             return PlanProblem{std::move(layers), std::move(extras), std::move(inflight),
-                                std::move(memory_limit), allow_checkpoint};
+                       std::vector<std::vector<std::vector<std::vector<int32_t>>>> live_states,
+                       std::vector<int64_t> memory_limit, std::vector<int32_t> stage_device,
+                       std::vector<std::pair<int32_t, int32_t>> ranges, bool allow_checkpoint) {
+             return PlanProblem{std::move(layers),      std::move(extras),
+                                std::move(stage_device), std::move(live_states),
+                                std::move(memory_limit), std::move(ranges),
+                                allow_checkpoint};
            }),
-           py::kw_only(), py::arg("layers"), py::arg("extras"), py::arg("inflight"),
-           py::arg("memory_limit"), py::arg("allow_checkpoint") = true)
+           py::kw_only(), py::arg("layers"), py::arg("extras"), py::arg("live_states"),
+           py::arg("memory_limit"), py::arg("stage_device") = std::vector<int32_t>{},
+           py::arg("ranges") = std::vector<std::pair<int32_t, int32_t>>{},
+           py::arg("allow_checkpoint") = true)
       .def_readwrite("layers", &PlanProblem::layers)
       .def_readwrite("extras", &PlanProblem::extras)
-      .def_readwrite("inflight", &PlanProblem::inflight)
+      .def_readwrite("stage_device", &PlanProblem::stage_device)
+      .def_readwrite("live_states", &PlanProblem::live_states)
       .def_readwrite("memory_limit", &PlanProblem::memory_limit)
+      .def_readwrite("ranges", &PlanProblem::ranges)
       .def_readwrite("allow_checkpoint", &PlanProblem::allow_checkpoint);
-  py::class_<StageEval>(m, "StageEval", "One stage of a solved or evaluated plan.")
+  py::class_<StageEval>(m, "StageEval",
+                        "One stage of a solved or evaluated plan; transient_bytes, buffer_bytes "
+                        "and memory are its device's.")
       .def_property_readonly("range",
                              [](const StageEval& e) { return py::make_tuple(e.start, e.stop); })
       .def_readonly("checkpoint", &StageEval::checkpoint, "global indices of checkpointed layers")
+      .def_readonly("device", &StageEval::device)
       .def_readonly("forward", &StageEval::forward)
-      .def_readonly("backward", &StageEval::backward, "including recomputation")
+      .def_readonly("backward", &StageEval::backward, "including recomputation and W")
+      .def_readonly("weight", &StageEval::weight, "W's part of backward (a splitting stage)")
       .def_readonly("time", &StageEval::time)
+      .def_readonly("saved_bytes", &StageEval::saved_bytes, "per microbatch, forward to backward")
+      .def_readonly("weight_bytes", &StageEval::weight_bytes, "per microbatch, B to W")
+      .def_readonly("inflight", &StageEval::inflight, "at the device's peak live state")
+      .def_readonly("pending_weight", &StageEval::pending_weight, "at the device's peak")
+      .def_readonly("in_backward", &StageEval::in_backward, "its split B runs at the peak")
+      .def_readonly("recorded_bytes", &StageEval::recorded_bytes,
+                    "gradients its split B records for W")
       .def_readonly("activation_bytes", &StageEval::activation_bytes)
       .def_readonly("static_bytes", &StageEval::static_bytes)
       .def_readonly("transient_bytes", &StageEval::transient_bytes)
       .def_readonly("buffer_bytes", &StageEval::buffer_bytes)
-      .def_readonly("memory", &StageEval::memory, "predicted peak bytes");
+      .def_readonly("memory", &StageEval::memory, "predicted peak bytes of its device");
   py::class_<PlanResult>(m, "PlanResult", "The solver's answer.")
       .def_readonly("feasible", &PlanResult::feasible)
       .def_readonly("stages", &PlanResult::stages, "empty when infeasible")
@@ -346,7 +426,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("min_memory_limit", &PlanResult::min_memory_limit);
   m.def("solve_plan", &solve_plan, py::arg("problem"), py::call_guard<py::gil_scoped_release>(),
         "Exact planner: contiguous layer ranges and checkpointed layers per stage minimizing "
-        "the bottleneck stage time under per-stage memory limits (see csrc/planner.h).");
+        "the bottleneck device time under per-device memory limits (see csrc/planner.h).");
   m.def("evaluate_plan", &evaluate_plan, py::arg("problem"), py::arg("ranges"),
         py::arg("checkpoint"), "The planner's cost model applied to a given plan.");
 }

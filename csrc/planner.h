@@ -6,44 +6,74 @@
 // last). A checkpointed layer recomputes its forward during backward. For a set C of checkpointed
 // layers:
 //   forward_s  = extra.fwd + sum_i fwd_i
-//   backward_s = extra.bwd + sum_i bwd_i + sum_{i in C} recompute_i
+//   backward_s = extra.bwd + sum_i bwd_i + sum_{i in C} recompute_i              (W included)
+//                + [split] sum_{i in C} (weight_ckpt_i - weight_i)
+//   weight_s   = [split] (extra.weight + sum_{i not in C} weight_i + sum_{i in C} weight_ckpt_i)
 //   time_s     = forward_s + backward_s
-//   memory_s   = inflight_s * (extra.saved + sum_{i not in C} saved_i + sum_{i in C} saved_ckpt_i)
-//                + extra.static + sum_i static_i + extra.buffers + transient_s
+//   saved_s    = extra.saved + sum_{i not in C} saved_i + sum_{i in C} saved_ckpt_i
+//   kept_s     = split ? extra.weight_bytes + sum_{i not in C} weight_bytes_i
+//                        + sum_{i in C} weight_bytes_ckpt_i
+//                      : saved_s
+// `split` is StageExtra::split_backward: the stage runs a split backward (ZB-H1, a stage whose
+// inputs need gradients). Its W (weight_s) computes the weight gradients from what B kept; a
+// checkpointed layer's W recomputes the layer's forward once more (checkpoint's recomputation is
+// per backward call), which weight_ckpt_i measures. A stage of a split schedule that does not
+// split (the first: no input needs a gradient) runs its whole backward in W and keeps its whole
+// graph from B to W, hence kept_s = saved_s.
+//   static_s   = extra.static + sum_i static_i
 //   transient_s = max(extra.transient, max_i transient_i,
 //                     C empty ? 0 : max_i (saved_i - saved_ckpt_i + transient_i))
-// (saved_i is LayerCost::saved_bytes, saved_ckpt_i saved_bytes_ckpt, and so on; recompute_i is
-// the measured extra backward time of a checkpointed layer, about one forward.)
+// A device runs one stage, or several (interleaved). Its peak is
+//   memory_d = sum_{s on d} (static_s + extra.buffers_s)
+//              + max over stages t on d, and live states x of d while t computes, of
+//                (x.in_b_t ? split_transient_t : transient_t)
+//                + sum_{s on d} (x.forwarded_s * saved_s + x.pending_s * kept_s
+//                                + x.in_b_s * recorded_s)
+// where the live states are the schedule's counts per stage of the device ([Note: live states]
+// in schedule.h): microbatches whose activations the stage holds (forwarded, not backwarded) and,
+// under a split backward (ZB-H1), microbatches whose B has run and W not yet (pending; each keeps
+// kept_s: the weight GEMMs' inputs and the gradients B recorded for W), and whether a split B is
+// running (its recorded gradients, recorded_s = extra.recorded + sum_i recorded_i, on top of the
+// microbatch's graph; split_transient_t is like transient_t with the split B's own working sets,
+// split_transient_i, in place of the backward's). 1F1B on stage s has the single state (min(stages - s, microbatches), 0, 0),
+// GPipe (microbatches, 0, 0). Under a split backward W's
+// time is the `weight` part of backward (LayerCost::weight, StageExtra::weight).
+// (saved_i is LayerCost::saved_bytes, saved_ckpt_i saved_bytes_ckpt; recompute_i is the measured
+// extra backward time of a checkpointed layer, about one forward.)
 // transient_s is the largest working set on top of what the stage keeps: the temporaries of one
 // layer's (or the prologue's / epilogue's) forward or backward, measured by the profiler, and for
 // a stage with checkpointed layers the recomputed activations of one of them during its backward.
 // The last term takes the max over the whole range rather than over C, so that the stage's memory
-// depends on C only through (recompute time, activation bytes, C empty): exact for identical
-// layers, an upper bound otherwise. It charges the recomputation on top of all of the
+// depends on C only through (recompute time, saved bytes, kept bytes, C empty): exact for
+// identical layers, an upper bound otherwise. It charges the recomputation on top of all of the
 // microbatch's activations, which is what happens for the stage's top layer; a lower layer
 // recomputes after the layers above it have run their backward and freed theirs, so the term
 // over-estimates there (by up to 13% of a stage's peak in tests/test_planner.py). Among choices
 // equal in time and bytes the solver therefore checkpoints the later layers.
-// where inflight_s is the number of microbatches whose activations stage s holds at once under
-// the schedule (1F1B: min(stages - s, microbatches); GPipe: microbatches). The objective is the
-// bottleneck max_s time_s (with uniform per-stage work the 1F1B / GPipe step time is
-// (microbatches + stages - 1) * bottleneck); ties are broken by the smallest total time.
+// The objective is the bottleneck device time max_d sum_{s on d} time_s (with uniform per-stage
+// work the 1F1B / GPipe step time is (microbatches + stages - 1) * bottleneck); ties are broken by
+// the smallest total time.
 //
 // [Note: planner exactness]
-// For a fixed range the stage's memory and time depend on C only through the pair
-// (recompute time, activation bytes), and both are to be minimized: a point dominated in both can
-// never be better. The solver therefore keeps, per range, the exact Pareto frontier of these
-// pairs over all subsets of the range (built layer by layer: frontier(i, j+1) is the pruned union
-// of frontier(i, j) with and without layer j checkpointed). No greedy rule is involved, so it is
-// exact for heterogeneous layers too (choosing C is a knapsack; greedy by bytes-per-second is not
-// exact). With identical layers a frontier has at most (stop - start + 1) points. The best C for a
-// stage is then the fastest frontier point that fits the stage's memory limit; the stages are
-// independent given their ranges, so the minimax DP
+// For a fixed range the stage's memory and time depend on C only through (recompute time, saved
+// bytes, kept bytes, C empty), and each is to be minimized: a point dominated in all can never be
+// better (memory is non-decreasing in each byte count, as live states are non-negative). The
+// solver therefore keeps, per range, the exact Pareto frontier of these over all subsets of the
+// range (built layer by layer: frontier(i, j+1) is the pruned union of frontier(i, j) with and
+// without layer j checkpointed). No greedy rule is involved, so it is exact for heterogeneous
+// layers too (choosing C is a knapsack; greedy by bytes-per-second is not exact). With identical
+// layers a frontier has at most (stop - start + 1) points.
+// With one stage per device (1F1B, GPipe, ZB-H1) the best C for a stage is the fastest frontier
+// point that fits its device's limit; the stages are independent given their ranges, so the
+// minimax DP
 //   D[s][j] = min_{i<j} max(D[s-1][i], cost(s, i, j))
 // over (stage, layer prefix) is exact, and a second DP minimizing the sum of stage times subject
 // to cost <= D[S-1][L] breaks ties exactly. The smallest feasible memory limit is found by the
-// same minimax DP on memory excess (memory_s - limit_s with everything that helps checkpointed),
-// in exact integer arithmetic.
+// same minimax DP on memory excess (the least memory_s - limit_s over the frontier), in exact
+// integer arithmetic.
+// With several stages per device (interleaved) the layer ranges are given (the engine runs equal
+// ones), the devices are independent, and each device takes the fastest combination of its
+// stages' frontier points that fits (an exhaustive search over the product of the frontiers).
 #pragma once
 
 #include <cstdint>
@@ -62,6 +92,12 @@ struct LayerCost {
   int64_t saved_bytes_ckpt = 0;  // bytes saved for backward per microbatch, checkpointed
   int64_t static_bytes = 0;      // parameters + gradients + optimizer state
   int64_t transient_bytes = 0;   // largest working set of its forward or backward (see above)
+  double weight = 0.0;            // the part of bwd a split backward's W runs (measured)
+  double weight_ckpt = 0.0;       // W's time when checkpointed (it recomputes the forward)
+  int64_t weight_bytes = 0;       // kept from B to W per microbatch (split backward)
+  int64_t weight_bytes_ckpt = 0;  // the same, checkpointed
+  int64_t recorded_bytes = 0;     // the gradients a split B records for W (part of weight_bytes)
+  int64_t split_transient_bytes = 0;  // a split B's working set on top of what it records
 };
 
 struct StageExtra {
@@ -71,13 +107,25 @@ struct StageExtra {
   int64_t static_bytes = 0;
   int64_t transient_bytes = 0;
   int64_t buffer_bytes = 0;  // transfer buffers live during the step (receives posted ahead)
+  double weight = 0.0;       // the part of bwd W runs under a split backward
+  int64_t weight_bytes = 0;     // kept from B to W per microbatch (split backward)
+  int64_t recorded_bytes = 0;   // the gradients a split B records for W
+  int64_t split_transient_bytes = 0;  // a split B's working set on top of what it records
+  bool split_backward = false;  // the stage runs B and W apart (see the cost model)
 };
 
 struct PlanProblem {
   std::vector<LayerCost> layers;
-  std::vector<StageExtra> extras;     // per stage
-  std::vector<int64_t> inflight;      // per stage
-  std::vector<int64_t> memory_limit;  // per stage (device)
+  std::vector<StageExtra> extras;    // per stage
+  std::vector<int32_t> stage_device;  // per stage: its device (empty: stage s on device s)
+  // Per device, per stage of the device (ascending): the schedule's live states while that stage
+  // computes, each kLiveCounts counts per stage of the device: [forwarded not backwarded,
+  // backwarded not weighted, running split B] (SimResult::live_states, [Note: live states] in
+  // schedule.h).
+  std::vector<std::vector<std::vector<std::vector<int32_t>>>> live_states;
+  std::vector<int64_t> memory_limit;  // per device
+  // Given layer ranges (one per stage); empty: the solver chooses them (one stage per device).
+  std::vector<std::pair<int32_t, int32_t>> ranges;
   bool allow_checkpoint = true;
 };
 
@@ -85,14 +133,25 @@ struct StageEval {
   int32_t start = 0;
   int32_t stop = 0;
   std::vector<int32_t> checkpoint;  // global layer indices
+  int32_t device = 0;
   double forward = 0.0;
-  double backward = 0.0;
+  double backward = 0.0;  // including recomputation and W
+  double weight = 0.0;    // W's part of backward (a splitting stage; else 0)
   double time = 0.0;
-  int64_t activation_bytes = 0;  // inflight * per-microbatch saved bytes
+  int64_t saved_bytes = 0;   // per microbatch, forward to backward
+  int64_t weight_bytes = 0;  // per microbatch, B to W (split backward)
+  // At its device's peak live state: microbatches with activations, and with B done and W not.
+  int32_t inflight = 0;
+  int32_t pending_weight = 0;
+  bool in_backward = false;  // its split B runs at the device's peak
+  int64_t recorded_bytes = 0;
+  // inflight * saved_bytes + pending_weight * weight_bytes + in_backward * recorded_bytes
+  int64_t activation_bytes = 0;
   int64_t static_bytes = 0;
+  // The device's (shared by its stages): the working set at its peak, transfer buffers, peak.
   int64_t transient_bytes = 0;
   int64_t buffer_bytes = 0;
-  int64_t memory = 0;  // static + activations + buffers + transient
+  int64_t memory = 0;  // device: statics, activations and buffers of its stages + transient
 };
 
 struct PlanResult {
@@ -100,15 +159,17 @@ struct PlanResult {
   std::vector<StageEval> stages;  // empty when infeasible
   double bottleneck = 0.0;
   double total_time = 0.0;
-  // Smallest limits that admit a plan: memory_limit[s] + delta with the smallest such delta (one
+  // Smallest limits that admit a plan: memory_limit[d] + delta with the smallest such delta (one
   // shift for every device; with equal limits this is the smallest common limit).
   std::vector<int64_t> min_memory_limit;
 };
 
-// Throws c10::Error on malformed input (sizes, negative values, more stages than layers).
+// Throws c10::Error on malformed input (sizes, negative values, more stages than layers, several
+// stages on a device without given ranges).
 PlanResult solve_plan(const PlanProblem& problem);
 
-// The cost model applied to a given plan (ranges and checkpointed global layer indices).
+// The cost model applied to a given plan (ranges and checkpointed global layer indices;
+// problem.ranges is ignored).
 std::vector<StageEval> evaluate_plan(const PlanProblem& problem,
                                      const std::vector<std::pair<int32_t, int32_t>>& ranges,
                                      const std::vector<std::vector<int32_t>>& checkpoint);

@@ -382,6 +382,52 @@ SimResult simulate(const Schedule& s, const Costs& costs) {
     }
     return false;
   };
+  // Live states per rank: see [Note: live states]. The counts change only at the rank's own
+  // compute actions, so they follow its action list regardless of timing.
+  auto covers = [](const std::vector<int32_t>& x, const std::vector<int32_t>& y) {
+    for (size_t i = 0; i < x.size(); ++i)
+      if (x[i] < y[i]) return false;
+    return true;
+  };
+  res.live_states.resize(s.num_ranks);
+  for (int32_t r = 0; r < s.num_ranks; ++r) {
+    const auto mine = s.stages_of(r);
+    std::vector<int32_t> before(kLiveCounts * mine.size(), 0);
+    res.live_states[r].resize(mine.size());
+    for (const Action& a : s.actions[r]) {
+      if (!s.backward || !is_compute(a.op)) continue;
+      const size_t local = std::find(mine.begin(), mine.end(), a.stage) - mine.begin();
+      const size_t k = kLiveCounts * local;
+      std::vector<int32_t> after = before;
+      if (a.op == Op::F) {
+        ++after[k];
+      } else if (a.op == Op::B) {
+        --after[k];
+        if (s.split_backward) ++after[k + 1];
+      } else {
+        --after[k + 1];
+      }
+      std::vector<std::vector<int32_t>> during;
+      if (a.op == Op::B && s.split_backward) {
+        during = {before, after};
+        during[0][k + 2] = 1;
+      } else {
+        during.emplace_back(before.size());
+        for (size_t i = 0; i < before.size(); ++i) during[0][i] = std::max(before[i], after[i]);
+      }
+      before = std::move(after);
+      auto& states = res.live_states[r][local];
+      for (auto& x : during) {
+        if (std::any_of(states.begin(), states.end(),
+                        [&](const auto& y) { return covers(y, x); }))
+          continue;
+        states.erase(std::remove_if(states.begin(), states.end(),
+                                    [&](const auto& y) { return covers(x, y); }),
+                     states.end());
+        states.push_back(std::move(x));
+      }
+    }
+  }
   for (bool progress = true; progress;) {
     progress = false;
     for (int32_t r = 0; r < s.num_ranks; ++r) {

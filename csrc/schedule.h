@@ -73,12 +73,29 @@ struct TimedAction {
   double end;
 };
 
+// Counts per stage in a live state: [forwarded not backwarded, backwarded not weighted, running
+// split B]; see [Note: live states].
+constexpr int32_t kLiveCounts = 3;
+
 struct SimResult {
   std::vector<TimedAction> timeline;  // sorted by start time (stable: rank order on ties)
   double makespan = 0.0;
   double bubble = 0.0;                 // 1 - busy compute time / (ranks * makespan)
   std::vector<int32_t> peak_inflight;  // per stage: most forwards whose backward was pending
                                        // (all zero for a forward-only schedule)
+  // [Note: live states] Per rank, what its stages hold while each compute action runs, as
+  // kLiveCounts counts per stage of the rank (stages ascending): microbatches forwarded and not yet
+  // backwarded (their saved activations); microbatches backwarded and not yet weighted (what a
+  // split backward keeps from B to W); and 1 while a split B runs on the stage (the gradients it
+  // records for W pile up on top of the microbatch's graph until B ends). The last two are 0
+  // without a split backward. While an action runs, both what it consumes and what it produces are
+  // alive, so its state is the entrywise max of the counts before and after it; a split B, which
+  // turns the microbatch's graph into what it keeps for W (the graph freed as B ends), has two:
+  // the counts before it with the running-B count set, and the counts after it.
+  // live_states[r][k] lists the states of the actions of the rank's k-th stage that no other of
+  // them covers entrywise: the rank's peak is the largest, over k and those states, of the
+  // non-negative per-microbatch bytes weighted by the state plus stage k's working set.
+  std::vector<std::vector<std::vector<std::vector<int32_t>>>> live_states;
 };
 
 // Throws c10::Error naming the first problem: a missing, duplicated or misplaced action, a receive

@@ -38,14 +38,22 @@ struct CaptureGrads : torch::autograd::FunctionPreHook {
   std::shared_ptr<variable_list> out_;
 };
 
-// Records the gradients a node computed (its outputs) the first time it runs.
+// Records the gradients a node computed (its outputs) the first time it runs, except those along
+// `skip` (its edges into the input path: B passes them on, and keeping them until B ends would
+// hold a gradient per frontier node for nothing).
 struct CaptureOutputs : torch::autograd::FunctionPostHook {
-  explicit CaptureOutputs(std::shared_ptr<variable_list> out) : out_(std::move(out)) {}
+  CaptureOutputs(std::shared_ptr<variable_list> out, std::vector<size_t> skip)
+      : out_(std::move(out)), skip_(std::move(skip)) {}
   variable_list operator()(const variable_list& outputs, const variable_list& /*inputs*/) override {
-    if (out_->empty()) *out_ = outputs;
+    if (out_->empty()) {
+      *out_ = outputs;
+      for (size_t i : skip_)
+        if (i < out_->size()) (*out_)[i] = at::Tensor();
+    }
     return outputs;
   }
   std::shared_ptr<variable_list> out_;
+  std::vector<size_t> skip_;
 };
 
 // Backward from `edges` (with gradients `values`) into the parameters' `.grad`, freeing what
@@ -121,7 +129,7 @@ void prepare(const std::vector<at::Tensor>& roots, const std::vector<at::Tensor>
     auto hook = std::make_unique<CaptureGrads>(f.grads);
     f.pre_hook = hook.get();
     n->add_pre_hook(std::move(hook));
-    f.post_hook = n->add_post_hook(std::make_unique<CaptureOutputs>(f.outputs));
+    f.post_hook = n->add_post_hook(std::make_unique<CaptureOutputs>(f.outputs, f.input_edges));
     work.frontier.push_back(std::move(f));
   }
   // Roots outside the closure (outputs that do not depend on the inputs) start W themselves.

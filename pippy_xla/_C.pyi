@@ -66,6 +66,12 @@ class SimResult:
     @property
     def peak_inflight(self) -> list[int]:
         """Per stage, the most forwards whose backward was pending (zeros without backward)."""
+    @property
+    def live_states(self) -> list[list[list[list[int]]]]:
+        """Per rank, per stage of the rank (ascending): the states while that stage computes
+        that no other covers, each per stage of the rank: microbatches forwarded and not
+        backwarded, then backwarded and not weighted (see [Note: live states] in
+        csrc/schedule.h)."""
 
 class Schedule:
     """Every rank's ordered action list, with the stage -> rank map."""

@@ -63,14 +63,15 @@ def resolve_layout(
     if plan is not None:
         if layer_ranges is not None:
             raise ValueError("pass either plan=... or layer_ranges=..., not both")
-        made_for = (plan.schedule, plan.num_microbatches)
-        if made_for != (schedule, num_microbatches):
+        made_for = (plan.schedule, plan.num_microbatches, plan.chunks)
+        if made_for != (schedule, num_microbatches, chunks):
             raise ValueError(
                 f"the plan was made for schedule {plan.schedule!r} with "
-                f"{plan.num_microbatches} microbatches, but this pipeline runs {schedule!r} "
-                f"with {num_microbatches}: activations in flight differ, so its memory "
-                f"prediction would not hold; plan with schedule={schedule!r}, "
-                f"num_microbatches={num_microbatches}"
+                f"{plan.num_microbatches} microbatches and {plan.chunks} stage(s) per rank, but "
+                f"this pipeline runs {schedule!r} with {num_microbatches} and {chunks}: what "
+                f"each rank holds when differs, so its memory prediction would not hold; plan "
+                f"with schedule={schedule!r}, num_microbatches={num_microbatches}, "
+                f"chunks={chunks}"
             )
         if plan.num_stages != num_stages:
             raise ValueError(

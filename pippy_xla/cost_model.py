@@ -31,10 +31,9 @@ __all__ = [
     "solve",
 ]
 
-PLANNED_SCHEDULES = ("1f1b", "gpipe")
-"""Schedules whose memory the cost model describes. ZB-H1 also keeps each microbatch's
-weight-gradient inputs and recorded gradients between B and W, and interleaved stages share a
-device; neither is modeled yet, so :func:`pippy_xla.planner.plan` refuses them."""
+PLANNED_SCHEDULES = tuple(_C.train_schedule_names())
+"""Schedules the cost model describes: every training schedule (1F1B, GPipe, interleaved with
+given equal layer ranges, ZB-H1 with what B keeps for W)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -64,37 +63,62 @@ class ModelProfile:
         num_microbatches: int,
         memory_limit: Sequence[int],
         allow_checkpoint: bool = True,
+        chunks: int | None = None,
+        ranges: Sequence[tuple[int, int]] = (),
     ) -> PlanProblem:
-        """The solver input for ``num_stages`` stages (one per rank) under ``schedule``."""
-        inflight = inflight_counts(schedule, num_stages, num_microbatches)
-        receives = _C.peak_receive_buffers(_C.make_schedule(schedule, num_stages, num_microbatches))
+        """The solver input for ``num_stages`` stages under ``schedule``: ``chunks`` stages per
+        rank (default: the schedule's, 2 for interleaved), stage ``s`` on rank
+        ``s % (num_stages // chunks)``, and ``memory_limit`` per rank. ``ranges`` fixes the
+        layer ranges (needed with several stages per rank)."""
+        chunks = _C.default_chunks(schedule) if chunks is None else chunks
+        if chunks < 1 or num_stages % chunks:
+            raise ValueError(
+                f"{num_stages} stages do not split into {chunks} stages per rank; "
+                "num_stages is ranks x chunks"
+            )
+        ranks = num_stages // chunks
+        sched = _C.make_schedule(schedule, ranks, num_microbatches, chunks)
+        receives = _C.peak_receive_buffers(sched)
+        batch_bytes = 3 * 8 * num_microbatches * self.microbatch_size * self.seq_len
         extras = []
         for s in range(num_stages):
             # Transfers: a stage other than the last keeps each in-flight microbatch's output (a
-            # backward root). Receive buffers: the most alive at once under the engine's posting
-            # rule (_C.peak_receive_buffers). A stage other than the first also has up to two
-            # input gradients being sent (the previous one's send may still wait for its
-            # receiver while the next is computed). Every rank also holds the whole batch
-            # (token ids, attention mask and labels, int64).
+            # backward root). Receive buffers: the most alive at once on the rank under the
+            # engine's posting rule (_C.peak_receive_buffers), counted once per rank (on its
+            # first stage), with the whole batch every rank holds (token ids, attention mask and
+            # labels, int64). A stage other than the first also has up to two input gradients
+            # being sent (the previous one's send may still wait for its receiver while the next
+            # is computed). Under a split backward every stage but the first splits (the first
+            # has no input that needs a gradient: its W is its whole backward).
+            rank = _C.stage_rank(s, ranks)
             e = StageExtra(
                 saved_bytes=self.shared_saved_bytes
                 + (self.boundary_bytes if s < num_stages - 1 else 0),
-                buffer_bytes=self.boundary_bytes * (receives[s] + (2 if s > 0 else 0))
-                + 3 * 8 * num_microbatches * self.microbatch_size * self.seq_len,
+                buffer_bytes=(self.boundary_bytes * receives[rank] + batch_bytes if s < ranks else 0)
+                + (2 * self.boundary_bytes if s > 0 else 0),
+                split_backward=sched.split_backward and s > 0,
             )
             for part, on in ((self.prologue, s == 0), (self.epilogue, s == num_stages - 1)):
                 if on:
                     e.fwd += part.fwd
                     e.bwd += part.bwd
+                    e.weight += part.weight
                     e.saved_bytes += part.saved_bytes
+                    e.weight_bytes += part.weight_bytes
+                    e.recorded_bytes += part.recorded_bytes
                     e.static_bytes += part.static_bytes
                     e.transient_bytes = max(e.transient_bytes, part.transient_bytes)
+                    e.split_transient_bytes = max(
+                        e.split_transient_bytes, part.split_transient_bytes
+                    )
             extras.append(e)
         return PlanProblem(
             layers=list(self.layers),
             extras=extras,
-            inflight=inflight,
+            stage_device=[_C.stage_rank(s, ranks) for s in range(num_stages)],
+            live_states=sched.simulate().live_states,
             memory_limit=list(memory_limit),
+            ranges=[tuple(r) for r in ranges],
             allow_checkpoint=allow_checkpoint,
         )
 

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from torch import nn
 
 from pippy_xla import _C
+from pippy_xla._build import balanced_ranges
 from pippy_xla.cost_model import (
     PLANNED_SCHEDULES,
     LayerCost,
@@ -70,8 +71,10 @@ class StagePlan:
     backward_time: float
     """Including recomputation of checkpointed layers."""
     inflight: int
+    """Microbatches whose activations it holds at its rank's peak."""
     activation_bytes: int
-    """``inflight`` times the stage's saved-for-backward bytes per microbatch."""
+    """``inflight`` times the stage's saved-for-backward bytes per microbatch, plus
+    ``pending_weight`` times ``weight_bytes``."""
     static_bytes: int
     """Parameters, gradients and optimizer state."""
     memory_bytes: int
@@ -82,6 +85,16 @@ class StagePlan:
     model] in csrc/planner.h)."""
     buffer_bytes: int = 0
     """Transfer buffers: receives posted ahead and the sends in flight."""
+    rank: int = 0
+    """The rank (device) that runs it. With several stages per rank (interleaved),
+    ``memory_bytes``, ``transient_bytes``, ``buffer_bytes`` and ``memory_limit`` are the rank's,
+    and ``activation_bytes`` is this stage's part of the rank's peak."""
+    weight_time: float = 0.0
+    """W's part of ``backward_time`` (ZB-H1, stages that split their backward)."""
+    pending_weight: int = 0
+    """Microbatches whose B has run and W not, at the rank's peak (ZB-H1)."""
+    weight_bytes: int = 0
+    """What one such microbatch keeps from B to W (ZB-H1)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -94,16 +107,22 @@ class Plan:
     step_time: float
     """Simulated makespan of one step (``_C`` schedule simulator) with the planned stage costs."""
     bottleneck_time: float
-    """Largest per-stage forward + backward time of one microbatch (the solver's objective)."""
+    """Largest per-rank forward + backward time of one microbatch (the solver's objective)."""
     batch_size: int | None = None
     seq_len: int | None = None
     time_unit: str = "s"
+    chunks: int = 1
+    """Stages per rank (interleaved: 2 or more)."""
     meta: dict = field(default_factory=dict)
     """Free-form provenance (model name, dtype, ...)."""
 
     @property
     def num_stages(self) -> int:
         return len(self.stages)
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.stages) // self.chunks
 
     @property
     def layer_ranges(self) -> list[tuple[int, int]]:
@@ -117,24 +136,34 @@ class Plan:
         """The plan as a text table, one row per stage."""
         unit = "ms" if self.time_unit == "s" else self.time_unit
         scale = 1e3 if self.time_unit == "s" else 1.0
+        split = any(st.weight_time or st.pending_weight for st in self.stages)
         head = (
-            f"{'stage':>5} {'layers':>9} {'n':>3} {'ckpt':>4} {'inflight':>8} "
-            f"{'fwd ' + unit:>10} {'bwd ' + unit:>10} {'static':>10} {'activations':>12} "
+            f"{'stage':>5} {'rank':>4} {'layers':>9} {'n':>3} {'ckpt':>4} {'inflight':>8} "
+            + (f"{'B->W':>4} " if split else "")
+            + f"{'fwd ' + unit:>10} {'bwd ' + unit:>10} "
+            + (f"{'W ' + unit:>10} " if split else "")
+            + f"{'static':>10} {'activations':>12} "
             f"{'buffers':>9} {'transient':>10} {'peak':>10} {'limit':>10}"
         )
         rows = [head]
         for st in self.stages:
             a, b = st.layers
             rows.append(
-                f"{st.index:>5} {f'{a}-{b - 1}':>9} {b - a:>3} {len(st.checkpoint_layers):>4} "
-                f"{st.inflight:>8} {st.forward_time * scale:>10.3f} "
-                f"{st.backward_time * scale:>10.3f} {format_bytes(st.static_bytes):>10} "
+                f"{st.index:>5} {st.rank:>4} {f'{a}-{b - 1}':>9} {b - a:>3} "
+                f"{len(st.checkpoint_layers):>4} {st.inflight:>8} "
+                + (f"{st.pending_weight:>4} " if split else "")
+                + f"{st.forward_time * scale:>10.3f} {st.backward_time * scale:>10.3f} "
+                + (f"{st.weight_time * scale:>10.3f} " if split else "")
+                + f"{format_bytes(st.static_bytes):>10} "
                 f"{format_bytes(st.activation_bytes):>12} {format_bytes(st.buffer_bytes):>9} "
                 f"{format_bytes(st.transient_bytes):>10} "
                 f"{format_bytes(st.memory_bytes):>10} {format_bytes(st.memory_limit):>10}"
             )
+        per_rank = "; a rank's peak, buffers and transient are shared by its stages"
         rows.append(
-            f"schedule {self.schedule}, {self.num_microbatches} microbatches: bottleneck stage "
+            f"schedule {self.schedule}"
+            + (f" ({self.chunks} stages per rank{per_rank})" if self.chunks > 1 else "")
+            + f", {self.num_microbatches} microbatches: bottleneck rank "
             f"{self.bottleneck_time * scale:.3f} {unit}/microbatch, simulated step "
             f"{self.step_time * scale:.3f} {unit}; checkpointed layers {self.checkpoint_layers}"
         )
@@ -157,58 +186,80 @@ class Plan:
 
 
 def _make_plan(
-    problem: PlanProblem, stages: list[StageEval], schedule: str, num_microbatches: int, **kw
+    problem: PlanProblem,
+    stages: list[StageEval],
+    schedule: str,
+    num_microbatches: int,
+    chunks: int,
+    **kw,
 ) -> Plan:
+    sched = _C.make_schedule(schedule, len(stages) // chunks, num_microbatches, chunks)
     fwd = [st.forward for st in stages]
-    bwd = [st.backward for st in stages]
-    sim = _C.make_schedule(schedule, len(stages), num_microbatches).simulate(
-        forward=fwd, backward=bwd
-    )
+    if sched.split_backward:
+        # B and W apart; a stage that does not split (the first) runs its whole backward in W.
+        split = [e.split_backward for e in problem.extras]
+        weight = [st.weight if sp else st.backward for st, sp in zip(stages, split, strict=True)]
+        bwd = [st.backward - w for st, w in zip(stages, weight, strict=True)]
+        sim = sched.simulate(forward=fwd, backward=bwd, weight=weight)
+    else:
+        sim = sched.simulate(forward=fwd, backward=[st.backward for st in stages])
+    per_rank: dict[int, float] = {}
+    for st in stages:
+        per_rank[st.device] = per_rank.get(st.device, 0.0) + st.time
     return Plan(
         schedule=schedule,
         num_microbatches=num_microbatches,
+        chunks=chunks,
         stages=[
             StagePlan(
                 index=s,
+                rank=st.device,
                 layers=tuple(st.range),
                 checkpoint_layers=list(st.checkpoint),
                 forward_time=st.forward,
                 backward_time=st.backward,
-                inflight=problem.inflight[s],
+                weight_time=st.weight,
+                inflight=st.inflight,
+                pending_weight=st.pending_weight,
+                weight_bytes=st.weight_bytes if st.pending_weight else 0,
                 activation_bytes=st.activation_bytes,
                 static_bytes=st.static_bytes,
                 transient_bytes=st.transient_bytes,
                 buffer_bytes=st.buffer_bytes,
                 memory_bytes=st.memory,
-                memory_limit=problem.memory_limit[s],
+                memory_limit=problem.memory_limit[st.device],
             )
             for s, st in enumerate(stages)
         ],
         step_time=float(sim.makespan),
-        bottleneck_time=max(st.time for st in stages),
+        bottleneck_time=max(per_rank.values()),
         **kw,
     )
 
 
-def _limits(memory_limit, num_stages: int) -> list[int]:
+def _limits(memory_limit, num_ranks: int) -> list[int]:
     if isinstance(memory_limit, (list, tuple)):
-        if len(memory_limit) != num_stages:
+        if len(memory_limit) != num_ranks:
             raise ValueError(
-                f"memory_limit has {len(memory_limit)} entries; give one per stage "
-                f"({num_stages}) or a single limit"
+                f"memory_limit has {len(memory_limit)} entries; give one per rank "
+                f"({num_ranks}) or a single limit"
             )
         return [parse_bytes(x) for x in memory_limit]
-    return [parse_bytes(memory_limit)] * num_stages
+    return [parse_bytes(memory_limit)] * num_ranks
 
 
-def _check_schedule(schedule: str) -> None:
+def _layout(schedule: str, num_stages: int, chunks: int | None) -> tuple[int, int]:
+    """(chunks, ranks) of a plan for ``num_stages`` stages under ``schedule``."""
     if schedule not in PLANNED_SCHEDULES:
         known = ", ".join(repr(s) for s in PLANNED_SCHEDULES)
+        raise ValueError(f"unknown schedule {schedule!r}; the planner models {known}")
+    chunks = _C.default_chunks(schedule) if chunks is None else chunks
+    if chunks < 1 or num_stages % chunks:
         raise ValueError(
-            f"the planner models schedules {known}, not {schedule!r}: ZB-H1 keeps weight-gradient "
-            f"inputs between B and W, interleaved stages share a device, and neither is in the "
-            f"cost model yet. Plan for '1f1b' (the same in-flight activations as ZB-H1's F to B)."
+            f"num_stages {num_stages} is not a multiple of chunks {chunks}: num_stages counts "
+            f"every stage, ranks x chunks"
         )
+    return chunks, num_stages // chunks
 
 
 def plan(
@@ -221,6 +272,7 @@ def plan(
     seq_len: int,
     memory_limit: int | str | Sequence[int | str],
     schedule: str = "1f1b",
+    chunks: int | None = None,
     allow_checkpoint: bool = True,
     profile: ModelProfile | None = None,
     repeats: int = 5,
@@ -230,13 +282,16 @@ def plan(
     Args:
         model: the full model, on a real device (it is run to be profiled).
         layer_cls: the decoder-layer class.
-        num_stages: pipeline stages (ranks).
+        num_stages: pipeline stages: ranks x ``chunks``.
         num_microbatches: microbatches per step.
         batch_size: global batch size (divisible by ``num_microbatches``).
         seq_len: sequence length.
-        memory_limit: bytes per device (``int``, ``"20MiB"``, or one per stage).
-        schedule: ``"1f1b"`` or ``"gpipe"`` (sets activations in flight per stage; see
-            :data:`pippy_xla.cost_model.PLANNED_SCHEDULES`).
+        memory_limit: bytes per rank (``int``, ``"20MiB"``, or one per rank).
+        schedule: any of :data:`pippy_xla.cost_model.PLANNED_SCHEDULES` (``"1f1b"``,
+            ``"gpipe"``, ``"interleaved"``, ``"zbh1"``); it sets what each rank holds when.
+        chunks: stages per rank (default: the schedule's, 2 for ``"interleaved"``). With
+            several stages per rank the layers split into equal ranges, as the pipeline runs
+            them, and the plan chooses the checkpointed layers.
         allow_checkpoint: False plans layer ranges only.
         profile: a precomputed :func:`profile_model` result (default: profile now).
         repeats: timing runs for the profiler.
@@ -244,7 +299,7 @@ def plan(
     Raises:
         PlanInfeasibleError: nothing fits; the message names the smallest limit that would.
     """
-    _check_schedule(schedule)
+    chunks, ranks = _layout(schedule, num_stages, chunks)
     if batch_size % num_microbatches:
         raise ValueError(
             f"batch_size {batch_size} is not divisible by num_microbatches {num_microbatches}"
@@ -257,8 +312,22 @@ def plan(
             seq_len=seq_len,
             repeats=repeats,
         )
+    ranges: Sequence[tuple[int, int]] = ()
+    if chunks > 1:
+        if len(profile.layers) % num_stages:
+            raise ValueError(
+                f"schedule {schedule!r} with {chunks} stages per rank runs equal layer ranges, "
+                f"and {len(profile.layers)} layers do not split into {num_stages} equal stages"
+            )
+        ranges = balanced_ranges(len(profile.layers), num_stages)
     problem = profile.problem(
-        schedule, num_stages, num_microbatches, _limits(memory_limit, num_stages), allow_checkpoint
+        schedule,
+        num_stages,
+        num_microbatches,
+        _limits(memory_limit, ranks),
+        allow_checkpoint,
+        chunks=chunks,
+        ranges=ranges,
     )
     out = solve(problem)
     result = _make_plan(
@@ -266,6 +335,7 @@ def plan(
         out.stages,
         schedule,
         num_microbatches,
+        chunks,
         batch_size=batch_size,
         seq_len=seq_len,
         meta={"model": type(model).__name__, "dtype": profile.dtype},
@@ -282,12 +352,14 @@ def evaluate(
     num_microbatches: int,
     memory_limit: int | str | Sequence[int | str] = 0,
     schedule: str = "1f1b",
+    chunks: int | None = None,
 ) -> Plan:
     """The cost model's prediction for a given layout (for comparisons)."""
-    _check_schedule(schedule)
-    n = len(layer_ranges)
-    problem = profile.problem(schedule, n, num_microbatches, _limits(memory_limit, n))
+    chunks, ranks = _layout(schedule, len(layer_ranges), chunks)
+    problem = profile.problem(
+        schedule, len(layer_ranges), num_microbatches, _limits(memory_limit, ranks), chunks=chunks
+    )
     ck = set(checkpoint_layers)
     per_stage = [[k for k in range(a, b) if k in ck] for a, b in layer_ranges]
     stages = evaluate_stages(problem, layer_ranges, per_stage)
-    return _make_plan(problem, stages, schedule, num_microbatches)
+    return _make_plan(problem, stages, schedule, num_microbatches, chunks)

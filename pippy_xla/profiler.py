@@ -10,6 +10,7 @@ import logging
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.utils.checkpoint
@@ -154,9 +155,25 @@ class _WorkingSets:
         self._open: dict[str, list[int]] = {}  # region -> [live at open, peak seen]
         self.enabled = True
 
-    def _sync(self) -> None:
+    def synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def live(self) -> int:
+        """Live tensor bytes on the device now."""
+        self.synchronize()
+        return self._live()
+
+    def peak(self) -> int:
+        """The most live tensor bytes since the last reset."""
+        self.synchronize()
+        return self._peak()
+
+    def reset_peak(self) -> None:
+        self._reset()
+
+    def _sync(self) -> None:
+        self.synchronize()
         peak = self._peak()
         for seen in self._open.values():
             seen[1] = max(seen[1], peak)
@@ -179,6 +196,117 @@ class _WorkingSets:
 
     def get(self, region: str) -> int:
         return self.bytes.get(region, 0)
+
+
+@dataclass(slots=True)
+class _SplitCosts:
+    """What :func:`_split_backward_costs` measures, per layer and for the epilogue."""
+
+    w_time: list[list[float]]  # per layer: W time samples
+    kept: list[int]  # per layer: what W frees (kept from B to W)
+    recorded: list[int]  # per layer: what B leaves behind beyond its input gradient
+    b_transient: list[int]  # per layer: B's working set on top of that
+    epi_time: list[float]
+    epi_kept: int
+    epi_recorded: int
+    epi_b_transient: int
+
+
+def _split_backward_costs(
+    model: nn.Module, layers: Sequence[nn.Module], batch: dict, mem: _WorkingSets, runs: int
+) -> _SplitCosts:
+    """A split backward (ZB-H1's B and W, :func:`_C.input_gradients`) of each layer and of the
+    epilogue, as the engine runs it: one forward cut at every layer's input and after the last
+    layer (each segment's input a leaf), B of every segment from the top down, then W of each
+    segment alone. Measured per segment: what B leaves alive beyond its input gradient while the
+    segment's graph still exists (the gradients recorded for W), W's time, and what W frees
+    (what the segment kept from B to W: the weight GEMMs' inputs and the recorded gradients);
+    parameter gradients exist beforehand so that W accumulates in place. Stage 0 needs none of
+    this: no input of it needs a gradient, so its B is empty and its W the whole backward (see
+    Engine::do_backward)."""
+    num = len(layers)
+    leaves: dict[int, torch.Tensor] = {}
+    outs: dict[int, torch.Tensor] = {}
+
+    def pre(k: int):
+        def hook(mod, args, kwargs):
+            if not args or not isinstance(args[0], torch.Tensor):
+                raise ValueError("profile: a decoder layer got its hidden states not positionally")
+            leaves[k] = args[0].detach().requires_grad_(True)
+            return (leaves[k], *args[1:]), kwargs
+
+        return hook
+
+    def post(k: int):
+        def hook(mod, args, kwargs, out):
+            outs[k] = _first_tensor(out)
+            if k < num - 1:
+                return None
+            leaves[num] = outs[k].detach().requires_grad_(True)
+            if isinstance(out, torch.Tensor):
+                return leaves[num]
+            return (leaves[num], *out[1:])
+
+        return hook
+
+    def b_step(root: torch.Tensor, grad: torch.Tensor, leaf: torch.Tensor):
+        """B of one segment: (input gradient, its WeightWork, bytes recorded for W, B's working
+        set on top of them)."""
+        before = mem.live()
+        mem.reset_peak()
+        (g,), work = _C.input_gradients([root], [grad], [leaf])
+        top = mem.peak()
+        recorded = max(0, mem.live() - before - g.numel() * g.element_size())
+        return g, work, recorded, max(0, top - before - recorded)
+
+    handles = []
+    for k, layer in enumerate(layers):
+        handles.append(layer.register_forward_pre_hook(pre(k), with_kwargs=True))
+        handles.append(layer.register_forward_hook(post(k), with_kwargs=True))
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    out = _SplitCosts([[] for _ in range(num)], [0] * num, [0] * num, [0] * num, [], 0, 0, 0)
+    try:
+        for run in range(runs + 1):
+            res = model(**batch, use_cache=False)
+            loss = res.loss if hasattr(res, "loss") else res["loss"]
+            del res
+            grad, epi_work, rec, extra = b_step(loss, torch.ones_like(loss), leaves[num])
+            out.epi_recorded = max(out.epi_recorded, rec)
+            out.epi_b_transient = max(out.epi_b_transient, extra)
+            del loss
+            works = [(num, epi_work)]
+            for k in reversed(range(num)):
+                grad, work, rec, extra = b_step(outs.pop(k), grad, leaves.pop(k))
+                out.recorded[k] = max(out.recorded[k], rec)
+                out.b_transient[k] = max(out.b_transient[k], extra)
+                works.append((k, work))
+            del grad, epi_work, work
+            leaves.clear()
+            for k, work in works:
+                before = mem.live()
+                t0 = time.perf_counter()
+                work.run()
+                mem.synchronize()
+                seconds = time.perf_counter() - t0
+                freed = max(0, before - mem.live())
+                if k == num:
+                    out.epi_kept = max(out.epi_kept, freed)
+                    if run > 0:  # the first run warms up
+                        out.epi_time.append(seconds)
+                else:
+                    out.kept[k] = max(out.kept[k], freed)
+                    if run > 0:
+                        out.w_time[k].append(seconds)
+            del works, work
+    finally:
+        for h in handles:
+            h.remove()
+        leaves.clear()
+        outs.clear()
+        model.zero_grad(set_to_none=True)
+    return out
 
 
 _CACHE: dict[str, ModelProfile] = {}
@@ -222,6 +350,9 @@ def profile_model(
     their median, so sliding-window and full-attention layers, or layers of different widths, are
     timed apart while identical layers cost the same. Recomputation time is measured too: the same
     runs with every layer checkpointed, timing each layer's forward when it runs again in backward.
+    For split-backward schedules (ZB-H1) a split backward of each layer and of the epilogue is
+    run as the engine runs it (:func:`_split_backward_costs`), plain and checkpointed: W's time
+    and the bytes kept from B to W.
     Static bytes are parameter bytes times ``2 + optimizer_states`` (parameters, gradients, AdamW
     state). Transient bytes are each region's largest working set during forward and backward (the
     peak of live tensor bytes on top of what the region starts with and leaves behind: see
@@ -385,6 +516,11 @@ def profile_model(
         for h in handles:
             h.remove()
         handles.clear()
+        # Split backward (ZB-H1): W times and what each layer and the epilogue keep from B to W,
+        # plain and with every layer checkpointed.
+        split = _split_backward_costs(model, layers, batch, work, repeats)
+        with _checkpointed(layers, lambda k, seconds: None):
+            split_ckpt = _split_backward_costs(model, layers, batch, work, repeats)
         # Checkpointed layer: what non-reentrant checkpointing keeps (positional inputs).
         args, kwargs = state["args"]
         args = tuple(
@@ -421,15 +557,17 @@ def profile_model(
     kinds: dict[tuple, list[int]] = {}
     for k, layer in enumerate(layers):
         kinds.setdefault(_layer_kind(layer), []).append(k)
-    layer_time = [(0.0, 0.0, 0.0)] * num
+    layer_time = [(0.0, 0.0, 0.0, 0.0, 0.0)] * num
     for members in kinds.values():
         f = med([x for k in members for x in fwd_k[k]])
         b_samples = [x for k in members for x in bwd_k[k]]
         b = med(b_samples) if b_samples else 2 * f
         r_samples = [x for k in members for x in rec_k[k]]
         r = med(r_samples) if r_samples else f
+        w = min(b, med([x for k in members for x in split.w_time[k]]))
+        w_ckpt = med([x for k in members for x in split_ckpt.w_time[k]])
         for k in members:
-            layer_time[k] = (f, b, r)
+            layer_time[k] = (f, b, r, w, w_ckpt)
 
     def nbytes(params) -> int:
         return sum(p.numel() * p.element_size() for p in params)
@@ -450,6 +588,12 @@ def profile_model(
                 saved_bytes_ckpt=ckpt_saved,
                 static_bytes=static(params),
                 transient_bytes=max(work.get(f"layer{k}"), work.get(f"layer{k} backward")),
+                weight=layer_time[k][3],
+                weight_ckpt=layer_time[k][4],
+                weight_bytes=split.kept[k],
+                weight_bytes_ckpt=split_ckpt.kept[k],
+                recorded_bytes=split.recorded[k],
+                split_transient_bytes=split.b_transient[k],
             )
         )
     prof = ModelProfile(
@@ -460,6 +604,7 @@ def profile_model(
             saved_bytes=pro_saved,
             static_bytes=static(list(used["prologue"].values())),
             transient_bytes=max(work.get("prologue"), work.get("prologue backward")),
+            weight=med(pro_b),  # stage 0's W is its whole backward (see _split_backward_costs)
         ),
         epilogue=StageExtra(
             fwd=med(epi_f),
@@ -467,6 +612,10 @@ def profile_model(
             saved_bytes=epi_saved,
             static_bytes=static(list(used["epilogue"].values())),
             transient_bytes=max(work.get("epilogue"), work.get("epilogue backward")),
+            weight=min(med(epi_b), med(split.epi_time)),
+            weight_bytes=split.epi_kept,
+            recorded_bytes=split.epi_recorded,
+            split_transient_bytes=split.epi_b_transient,
         ),
         shared_saved_bytes=shared,
         boundary_bytes=state["boundary"],
