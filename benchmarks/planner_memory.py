@@ -1,5 +1,6 @@
-"""The planner's predicted peak memory per stage against the measured peak of live CPU tensor
-bytes, for each schedule the planner models, on 2 CPU ranks (gloo).
+"""The planner's predicted peak memory per rank against the measured peak of live CPU tensor
+bytes, for each schedule the planner models (1F1B, GPipe, interleaved with 2 stages per rank,
+ZB-H1), on 2 CPU ranks (gloo).
 
 A seeded Llama is profiled once in this process (``profile_model``); for each schedule and each
 layout (layer ranges from the balanced split; no layer, half of them, or every layer
@@ -15,9 +16,12 @@ allocator] in csrc/memory.h), installed before the model is built:
 - ``peak_optimizer``: the most live bytes during its AdamW step (torch's foreach AdamW allocates
   temporaries the size of the parameters), reported apart;
 - the prediction's parts: ``static`` (parameters, gradients, AdamW state), ``activations``
-  (microbatches in flight times saved bytes), ``buffers`` (receives posted ahead, sends in
+  (microbatches in flight times saved bytes, and under ZB-H1 microbatches between B and W times
+  what they keep), ``buffers`` (receives posted ahead, sends in
   flight), ``transient`` (the largest working set, see
-  [Note: planner cost model] in csrc/planner.h) and their sum ``predicted``.
+  [Note: planner cost model] in csrc/planner.h) and their sum ``predicted``. With interleaved a
+  rank runs 2 stages: each stage's row has its own static bytes and activations, and the rank's
+  buffers, transient, prediction and measurement.
 
 Run: ``python benchmarks/planner_memory.py``; results in
 ``benchmarks/results/planner_memory.json``.
@@ -47,6 +51,7 @@ def _measure(rank, world, args, plan_json):
         layer_cls=LlamaDecoderLayer,
         num_microbatches=plan.num_microbatches,
         schedule=plan.schedule,
+        chunks=plan.chunks,
         plan=plan,
     )
     del model
@@ -85,6 +90,8 @@ def main() -> None:
     from transformers import LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
+    from pippy_xla import _C
+    from pippy_xla._build import balanced_ranges
     from pippy_xla.cost_model import PLANNED_SCHEDULES
     from pippy_xla.planner import evaluate, profile_model
 
@@ -98,14 +105,14 @@ def main() -> None:
         seq_len=args.seq,
         repeats=2,
     )
-    ranges = [(0, args.layers // 2), (args.layers // 2, args.layers)]
-    layouts = {
-        "none": [],
-        "half": [k for a, b in ranges for k in range(a, a + (b - a) // 2)],
-        "all": list(range(args.layers)),
-    }
     rows = []
     for schedule in PLANNED_SCHEDULES:
+        ranges = balanced_ranges(args.layers, 2 * _C.default_chunks(schedule))
+        layouts = {
+            "none": [],
+            "half": [k for a, b in ranges for k in range(a, a + (b - a) // 2)],
+            "all": list(range(args.layers)),
+        }
         for name, ckpt in layouts.items():
             plan = evaluate(
                 prof,
@@ -115,12 +122,15 @@ def main() -> None:
                 schedule=schedule,
             )
             measured = run_ranks(2, _measure, args, plan.to_json(), timeout=600)
-            for st, m in zip(plan.stages, measured, strict=True):
+            for st in plan.stages:
+                m = measured[st.rank]
                 row = {
                     "schedule": schedule,
                     "checkpointed": name,
                     "stage": st.index,
+                    "rank": st.rank,
                     "inflight": st.inflight,
+                    "pending_weight": st.pending_weight,
                     "static": st.static_bytes,
                     "activations": st.activation_bytes,
                     "buffers": st.buffer_bytes,
@@ -131,7 +141,7 @@ def main() -> None:
                 }
                 rows.append(row)
                 print(
-                    f"{schedule:6s} ckpt={name:4s} stage {st.index}: predicted "
+                    f"{schedule:11s} ckpt={name:4s} stage {st.index} rank {st.rank}: predicted "
                     f"{st.memory_bytes / 2**20:7.2f} MiB (static {st.static_bytes / 2**20:.2f} + "
                     f"activations {st.activation_bytes / 2**20:.2f} + buffers "
                     f"{st.buffer_bytes / 2**20:.2f} + transient "

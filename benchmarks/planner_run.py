@@ -12,7 +12,10 @@ Variants, all under 1F1B at the same limit:
 
 The limit is ``--fraction`` of the way from the smallest limit any plan fits to the unconstrained
 plan's peak. Each rank measures its peak of live tensor bytes during a step with the counting
-allocator (``_C.memory_stats``); ``fits_measured`` compares the largest with the limit.
+allocator (``_C.memory_stats``), one variant at a time; ``fits_measured`` compares the largest
+with the limit. Step times are then taken with all variants built, one step of each in turn for
+``--steps`` rounds (after a warm-up round), and their medians compared: load on the machine drifts
+alike for every variant.
 
 ``python benchmarks/planner_run.py [--ranks 4] [--layers 16] [--hidden 128]``; prints a table and
 saves ``benchmarks/results/planner_run.json`` with the machine and versions.
@@ -47,16 +50,19 @@ def _model(layers: int, hidden: int):
 
 
 def _worker(rank, world, args, variants):
+    """Peak memory of each variant alone (one at a time, so no other variant's tensors count),
+    then step times with every variant built and their steps taken in turn, round after round,
+    so that the machine's load drifts alike for all of them."""
     import pippy_xla as px
     from pippy_xla import _C
 
     _C.memory_tracker_install()
 
-    results = {}
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (args.batch, args.seq), generator=g)
     batch = dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
-    for name, spec in variants.items():
+
+    def build(spec):
         with torch.device("meta"):  # as users do: no rank holds more than its stage
             model, layer_cls = _model(args.layers, args.hidden)
         pipe = px.PipelineModel(
@@ -66,24 +72,39 @@ def _worker(rank, world, args, variants):
             timeout=120,
             plan=px.Plan.from_json(spec),
         )
-        opt = torch.optim.AdamW(pipe.parameters())  # its state is part of the plan's memory
-        times, peaks = [], []
-        for step in range(args.steps + 1):
-            dist.barrier()
-            _C.memory_reset_peak()
-            t = time.perf_counter()
-            pipe.run_train(**batch)
-            dist.barrier()
-            peaks.append(_C.memory_stats()["peak_bytes"])
-            if step:
-                times.append(time.perf_counter() - t)
-            opt.step()
-            opt.zero_grad(set_to_none=False)  # gradients stay allocated (the plan counts them)
+        return pipe, torch.optim.AdamW(pipe.parameters())  # its state is part of the plan
+
+    def step(pipe, opt) -> float:
+        dist.barrier()
+        t = time.perf_counter()
+        pipe.run_train(**batch)
+        dist.barrier()
+        seconds = time.perf_counter() - t
+        opt.step()
+        opt.zero_grad(set_to_none=False)  # gradients stay allocated (the plan counts them)
+        return seconds
+
+    results = {}
+    for name, spec in variants.items():
+        pipe, opt = build(spec)
+        step(pipe, opt)  # warm-up: gradients and optimizer state now exist
+        _C.memory_reset_peak()
+        step(pipe, opt)
         per_rank = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
-        dist.all_gather(per_rank, torch.tensor([max(peaks[1:])]))
-        results[name] = dict(step_s=statistics.median(times), peak_bytes=[int(x) for x in per_rank])
-        del pipe, model, opt
+        dist.all_gather(per_rank, torch.tensor([_C.memory_stats()["peak_bytes"]]))
+        results[name] = dict(peak_bytes=[int(x) for x in per_rank])
+        del pipe, opt
         gc.collect()  # the next variant's peak must not count this one's tensors
+    built = {name: build(spec) for name, spec in variants.items()}
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for round_ in range(args.steps + 1):
+        for name, (pipe, opt) in built.items():
+            seconds = step(pipe, opt)
+            if round_:  # the first round warms up
+                times[name].append(seconds)
+    for name in variants:
+        results[name]["step_s"] = statistics.median(times[name])
+        results[name]["step_samples_s"] = times[name]
     return results
 
 
@@ -95,7 +116,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--fraction", type=float, default=0.3)
     args = ap.parse_args()
 

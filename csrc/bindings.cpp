@@ -340,11 +340,12 @@ PYBIND11_MODULE(_C, m) {
                          "epilogue, shared tensors, transfer buffers).")
       .def(py::init([](double fwd, double bwd, int64_t saved_bytes, int64_t static_bytes,
                        int64_t transient_bytes, int64_t buffer_bytes, double weight,
-                       int64_t weight_bytes, int64_t recorded_bytes,
-                       int64_t split_transient_bytes, bool split_backward) {
-             return StageExtra{fwd,          bwd,          saved_bytes,    static_bytes,
-                               transient_bytes, buffer_bytes, weight,      weight_bytes,
-                               recorded_bytes,  split_transient_bytes, split_backward};
+                       int64_t weight_bytes, int64_t recorded_bytes, int64_t split_transient_bytes,
+                       bool split_backward) {
+             return StageExtra{
+                 fwd,           bwd,    saved_bytes,  static_bytes,   transient_bytes,
+                 buffer_bytes,  weight, weight_bytes, recorded_bytes, split_transient_bytes,
+                 split_backward};
            }),
            py::kw_only(), py::arg("fwd") = 0.0, py::arg("bwd") = 0.0, py::arg("saved_bytes") = 0,
            py::arg("static_bytes") = 0, py::arg("transient_bytes") = 0, py::arg("buffer_bytes") = 0,
@@ -379,7 +380,7 @@ PYBIND11_MODULE(_C, m) {
                        std::vector<std::vector<std::vector<std::vector<int32_t>>>> live_states,
                        std::vector<int64_t> memory_limit, std::vector<int32_t> stage_device,
                        std::vector<std::pair<int32_t, int32_t>> ranges, bool allow_checkpoint) {
-             return PlanProblem{std::move(layers),      std::move(extras),
+             return PlanProblem{std::move(layers),       std::move(extras),
                                 std::move(stage_device), std::move(live_states),
                                 std::move(memory_limit), std::move(ranges),
                                 allow_checkpoint};

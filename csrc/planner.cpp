@@ -31,12 +31,12 @@ struct Frontiers {
   bool split = false;  // built for stages that split their backward
   // by_start[i][j - i - 1]: frontier of [i, j), sorted by time ascending.
   std::vector<std::vector<std::vector<Point>>> by_start;
-  std::vector<std::vector<double>> base_time;      // sum of fwd + bwd over [i, j)
-  std::vector<std::vector<double>> weight_time;    // sum of weight over [i, j)
-  std::vector<std::vector<int64_t>> static_bytes;  // sum of static bytes over [i, j)
-  std::vector<std::vector<int64_t>> transient;     // max transient_i over [i, j)
-  std::vector<std::vector<int64_t>> recompute;     // max saved_i - saved_ckpt_i + transient_i
-  std::vector<std::vector<int64_t>> recorded;      // sum of recorded bytes over [i, j)
+  std::vector<std::vector<double>> base_time;         // sum of fwd + bwd over [i, j)
+  std::vector<std::vector<double>> weight_time;       // sum of weight over [i, j)
+  std::vector<std::vector<int64_t>> static_bytes;     // sum of static bytes over [i, j)
+  std::vector<std::vector<int64_t>> transient;        // max transient_i over [i, j)
+  std::vector<std::vector<int64_t>> recompute;        // max saved_i - saved_ckpt_i + transient_i
+  std::vector<std::vector<int64_t>> recorded;         // sum of recorded bytes over [i, j)
   std::vector<std::vector<int64_t>> split_transient;  // max split_transient_i over [i, j)
 
   const std::vector<Point>& at(int32_t i, int32_t j) const { return by_start[i][j - i - 1]; }
@@ -91,11 +91,13 @@ void check_problem(const PlanProblem& p) {
   for (int64_t d = 0; d < num_devices; ++d) {
     TORCH_CHECK(!by_device[d].empty(), "planner: device ", d, " runs no stage");
     TORCH_CHECK(by_device[d].size() == 1 || !p.ranges.empty(), "planner: device ", d, " runs ",
-                by_device[d].size(), " stages; give the layer ranges (the solver chooses ranges "
+                by_device[d].size(),
+                " stages; give the layer ranges (the solver chooses ranges "
                 "only with one stage per device)");
     TORCH_CHECK(p.live_states[d].size() == by_device[d].size(), "planner: device ", d, " has ",
-                p.live_states[d].size(), " lists of live states; need one per stage of the device (",
-                by_device[d].size(), ")");
+                p.live_states[d].size(),
+                " lists of live states; need one per stage of the device (", by_device[d].size(),
+                ")");
     for (const auto& of_stage : p.live_states[d]) {
       TORCH_CHECK(!of_stage.empty(), "planner: a stage of device ", d, " has no live state");
       for (const auto& x : of_stage) {
@@ -139,8 +141,8 @@ int64_t recompute_bytes(const LayerCost& l) {
 
 // The largest working set of a stage: its extras', its layers', and with checkpointed layers the
 // recomputation's (of the backward, or of a split B with the split working sets).
-int64_t stage_transient(int64_t extra_transient, int64_t layers_transient,
-                        int64_t layers_recompute, bool any_checkpointed) {
+int64_t stage_transient(int64_t extra_transient, int64_t layers_transient, int64_t layers_recompute,
+                        bool any_checkpointed) {
   return std::max({extra_transient, layers_transient, any_checkpointed ? layers_recompute : 0});
 }
 
@@ -195,8 +197,8 @@ Frontiers build_frontiers(const PlanProblem& p, bool split) {
       for (int32_t k = 0; k < static_cast<int32_t>(prev.size()); ++k) {
         const Point& q = prev[k];
         // A stage that does not split keeps its saved bytes until W: no separate kept bytes.
-        cand.push_back({q.time, q.bytes + l.saved_bytes,
-                        q.wbytes + (split ? l.weight_bytes : 0), k, false, q.any});
+        cand.push_back({q.time, q.bytes + l.saved_bytes, q.wbytes + (split ? l.weight_bytes : 0), k,
+                        false, q.any});
         if (p.allow_checkpoint)
           cand.push_back({q.time + checkpoint_time(l, split), q.bytes + l.saved_bytes_ckpt,
                           q.wbytes + (split ? l.weight_bytes_ckpt : 0), k, true, true});
@@ -225,7 +227,7 @@ Frontiers build_frontiers(const PlanProblem& p, bool split) {
 // What one stage contributes to its device's memory for a choice of checkpointed layers.
 struct StageBytes {
   int64_t saved = 0, kept = 0, recorded = 0, fixed = 0;  // fixed: static + buffers
-  int64_t transient = 0, split_transient = 0;  // working sets: any action, a split B
+  int64_t transient = 0, split_transient = 0;            // working sets: any action, a split B
 };
 
 using LiveStates = std::vector<std::vector<std::vector<int32_t>>>;  // per stage of a device
@@ -343,10 +345,10 @@ std::optional<std::vector<std::vector<int32_t>>> solve_given_ranges(const PlanPr
     const auto& mine = by_device[d];
     int64_t combos = 1;
     for (int32_t s : mine) {
-      combos *= static_cast<int64_t>(
-          costs.frontiers(s).at(p.ranges[s].first, p.ranges[s].second).size());
-      TORCH_CHECK(combos <= kMaxCombinations, "planner: device ", d, " has over ",
-                  kMaxCombinations, " combinations of checkpointed layers to search; use fewer "
+      combos *=
+          static_cast<int64_t>(costs.frontiers(s).at(p.ranges[s].first, p.ranges[s].second).size());
+      TORCH_CHECK(combos <= kMaxCombinations, "planner: device ", d, " has over ", kMaxCombinations,
+                  " combinations of checkpointed layers to search; use fewer "
                   "layers per stage or fewer stages per device");
     }
     std::vector<int32_t> pick(mine.size(), 0), best_pick;
@@ -379,8 +381,7 @@ std::optional<std::vector<std::vector<int32_t>>> solve_given_ranges(const PlanPr
       ckpt[mine[k]] = checkpointed(costs.frontiers(mine[k]), p.ranges[mine[k]].first,
                                    p.ranges[mine[k]].second, best_pick[k]);
   }
-  for (int64_t limit : p.memory_limit)
-    result.min_memory_limit.push_back(limit + delta);
+  for (int64_t limit : p.memory_limit) result.min_memory_limit.push_back(limit + delta);
   if (!feasible) return std::nullopt;
   return ckpt;
 }
@@ -440,11 +441,13 @@ std::vector<StageEval> evaluate_plan(const PlanProblem& p,
     if (!split) ev.weight_bytes = ev.saved_bytes;  // W, if any, is the whole backward
     ev.time = ev.forward + ev.backward;
     const bool any = !ev.checkpoint.empty();
-    ev.transient_bytes = stage_transient(e.transient_bytes, layers_transient, layers_recompute, any);
+    ev.transient_bytes =
+        stage_transient(e.transient_bytes, layers_transient, layers_recompute, any);
     ev.buffer_bytes = e.buffer_bytes;
-    parts.push_back({ev.saved_bytes, ev.weight_bytes, ev.recorded_bytes,
-                     ev.static_bytes + e.buffer_bytes, ev.transient_bytes,
-                     stage_transient(e.split_transient_bytes, layers_split, layers_recompute, any)});
+    parts.push_back(
+        {ev.saved_bytes, ev.weight_bytes, ev.recorded_bytes, ev.static_bytes + e.buffer_bytes,
+         ev.transient_bytes,
+         stage_transient(e.split_transient_bytes, layers_split, layers_recompute, any)});
     out.push_back(std::move(ev));
   }
   // Device totals, and each stage's counts at its device's peak state.

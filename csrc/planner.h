@@ -1,45 +1,45 @@
 // Exact planner: contiguous layer ranges per stage and a set of checkpointed layers per stage,
-// minimizing the bottleneck stage time under per-device memory limits.
+// minimizing the bottleneck device time under per-device memory limits.
 //
 // [Note: planner cost model]
 // Stage s runs layers [start, stop) plus its extras (prologue on the first stage, epilogue on the
 // last). A checkpointed layer recomputes its forward during backward. For a set C of checkpointed
 // layers:
-//   forward_s  = extra.fwd + sum_i fwd_i
-//   backward_s = extra.bwd + sum_i bwd_i + sum_{i in C} recompute_i              (W included)
-//                + [split] sum_{i in C} (weight_ckpt_i - weight_i)
-//   weight_s   = [split] (extra.weight + sum_{i not in C} weight_i + sum_{i in C} weight_ckpt_i)
-//   time_s     = forward_s + backward_s
-//   saved_s    = extra.saved + sum_{i not in C} saved_i + sum_{i in C} saved_ckpt_i
-//   kept_s     = split ? extra.weight_bytes + sum_{i not in C} weight_bytes_i
-//                        + sum_{i in C} weight_bytes_ckpt_i
-//                      : saved_s
-// `split` is StageExtra::split_backward: the stage runs a split backward (ZB-H1, a stage whose
-// inputs need gradients). Its W (weight_s) computes the weight gradients from what B kept; a
-// checkpointed layer's W recomputes the layer's forward once more (checkpoint's recomputation is
-// per backward call), which weight_ckpt_i measures. A stage of a split schedule that does not
-// split (the first: no input needs a gradient) runs its whole backward in W and keeps its whole
-// graph from B to W, hence kept_s = saved_s.
-//   static_s   = extra.static + sum_i static_i
+//   forward_s   = extra.fwd + sum_i fwd_i
+//   backward_s  = extra.bwd + sum_i bwd_i + sum_{i in C} recompute_i     (W included)
+//                 + [split] sum_{i in C} (weight_ckpt_i - weight_i)
+//   weight_s    = [split] (extra.weight + sum_{i not in C} weight_i + sum_{i in C} weight_ckpt_i)
+//   time_s      = forward_s + backward_s
+//   saved_s     = extra.saved + sum_{i not in C} saved_i + sum_{i in C} saved_ckpt_i
+//   kept_s      = split ? extra.weight_bytes + sum_{i not in C} weight_bytes_i
+//                         + sum_{i in C} weight_bytes_ckpt_i
+//                       : saved_s
+//   recorded_s  = [split] (extra.recorded + sum_i recorded_i)
+//   static_s    = extra.static + sum_i static_i
 //   transient_s = max(extra.transient, max_i transient_i,
 //                     C empty ? 0 : max_i (saved_i - saved_ckpt_i + transient_i))
+//   split_transient_s = the same with split_transient in place of transient
+//
+// `split` is StageExtra::split_backward: the stage runs a split backward (ZB-H1, a stage whose
+// inputs need gradients). Its B records the gradients W needs (recorded_s) and keeps kept_s per
+// microbatch until W; W (weight_s) computes the weight gradients from them. A checkpointed
+// layer's W recomputes the layer's forward once more (checkpoint's recomputation is per backward
+// call), which weight_ckpt_i measures. A stage of a split schedule that does not split (the
+// first: no input needs a gradient) runs its whole backward in W and keeps its whole graph from B
+// to W, hence kept_s = saved_s.
+//
 // A device runs one stage, or several (interleaved). Its peak is
 //   memory_d = sum_{s on d} (static_s + extra.buffers_s)
 //              + max over stages t on d, and live states x of d while t computes, of
 //                (x.in_b_t ? split_transient_t : transient_t)
 //                + sum_{s on d} (x.forwarded_s * saved_s + x.pending_s * kept_s
 //                                + x.in_b_s * recorded_s)
-// where the live states are the schedule's counts per stage of the device ([Note: live states]
-// in schedule.h): microbatches whose activations the stage holds (forwarded, not backwarded) and,
-// under a split backward (ZB-H1), microbatches whose B has run and W not yet (pending; each keeps
-// kept_s: the weight GEMMs' inputs and the gradients B recorded for W), and whether a split B is
-// running (its recorded gradients, recorded_s = extra.recorded + sum_i recorded_i, on top of the
-// microbatch's graph; split_transient_t is like transient_t with the split B's own working sets,
-// split_transient_i, in place of the backward's). 1F1B on stage s has the single state (min(stages - s, microbatches), 0, 0),
-// GPipe (microbatches, 0, 0). Under a split backward W's
-// time is the `weight` part of backward (LayerCost::weight, StageExtra::weight).
-// (saved_i is LayerCost::saved_bytes, saved_ckpt_i saved_bytes_ckpt; recompute_i is the measured
-// extra backward time of a checkpointed layer, about one forward.)
+// The live states are the schedule's counts per stage of the device ([Note: live states] in
+// schedule.h): microbatches whose activations the stage holds (forwarded, not backwarded); under
+// a split backward, microbatches whose B has run and W not yet (pending), and whether a split B
+// is running (its recorded gradients pile up on the microbatch's graph until B ends). 1F1B on
+// stage s has the single state (min(stages - s, microbatches), 0, 0), GPipe (microbatches, 0, 0).
+//
 // transient_s is the largest working set on top of what the stage keeps: the temporaries of one
 // layer's (or the prologue's / epilogue's) forward or backward, measured by the profiler, and for
 // a stage with checkpointed layers the recomputed activations of one of them during its backward.
@@ -50,9 +50,11 @@
 // recomputes after the layers above it have run their backward and freed theirs, so the term
 // over-estimates there (by up to 13% of a stage's peak in tests/test_planner.py). Among choices
 // equal in time and bytes the solver therefore checkpoints the later layers.
+//
 // The objective is the bottleneck device time max_d sum_{s on d} time_s (with uniform per-stage
-// work the 1F1B / GPipe step time is (microbatches + stages - 1) * bottleneck); ties are broken by
-// the smallest total time.
+// work the 1F1B / GPipe step time is (microbatches + stages - 1) * bottleneck); ties are broken
+// by the smallest total time. (saved_i is LayerCost::saved_bytes, saved_ckpt_i saved_bytes_ckpt;
+// recompute_i is the measured extra backward time of a checkpointed layer, about one forward.)
 //
 // [Note: planner exactness]
 // For a fixed range the stage's memory and time depend on C only through (recompute time, saved
@@ -85,13 +87,13 @@ namespace pippy_xla {
 // Bound to Python with these field names (csrc/bindings.cpp, pippy_xla/_C.pyi); the Python
 // planner uses the bound classes, so there is one definition of each.
 struct LayerCost {
-  double fwd = 0.0;              // forward time
-  double bwd = 0.0;              // backward time (without recomputation)
-  double recompute = 0.0;        // extra backward time when checkpointed (measured)
-  int64_t saved_bytes = 0;       // bytes saved for backward per microbatch, not checkpointed
-  int64_t saved_bytes_ckpt = 0;  // bytes saved for backward per microbatch, checkpointed
-  int64_t static_bytes = 0;      // parameters + gradients + optimizer state
-  int64_t transient_bytes = 0;   // largest working set of its forward or backward (see above)
+  double fwd = 0.0;               // forward time
+  double bwd = 0.0;               // backward time (without recomputation)
+  double recompute = 0.0;         // extra backward time when checkpointed (measured)
+  int64_t saved_bytes = 0;        // bytes saved for backward per microbatch, not checkpointed
+  int64_t saved_bytes_ckpt = 0;   // bytes saved for backward per microbatch, checkpointed
+  int64_t static_bytes = 0;       // parameters + gradients + optimizer state
+  int64_t transient_bytes = 0;    // largest working set of its forward or backward (see above)
   double weight = 0.0;            // the part of bwd a split backward's W runs (measured)
   double weight_ckpt = 0.0;       // W's time when checkpointed (it recomputes the forward)
   int64_t weight_bytes = 0;       // kept from B to W per microbatch (split backward)
@@ -106,17 +108,17 @@ struct StageExtra {
   int64_t saved_bytes = 0;  // per microbatch
   int64_t static_bytes = 0;
   int64_t transient_bytes = 0;
-  int64_t buffer_bytes = 0;  // transfer buffers live during the step (receives posted ahead)
-  double weight = 0.0;       // the part of bwd W runs under a split backward
-  int64_t weight_bytes = 0;     // kept from B to W per microbatch (split backward)
-  int64_t recorded_bytes = 0;   // the gradients a split B records for W
+  int64_t buffer_bytes = 0;    // transfer buffers live during the step (receives posted ahead)
+  double weight = 0.0;         // the part of bwd W runs under a split backward
+  int64_t weight_bytes = 0;    // kept from B to W per microbatch (split backward)
+  int64_t recorded_bytes = 0;  // the gradients a split B records for W
   int64_t split_transient_bytes = 0;  // a split B's working set on top of what it records
-  bool split_backward = false;  // the stage runs B and W apart (see the cost model)
+  bool split_backward = false;        // the stage runs B and W apart (see the cost model)
 };
 
 struct PlanProblem {
   std::vector<LayerCost> layers;
-  std::vector<StageExtra> extras;    // per stage
+  std::vector<StageExtra> extras;     // per stage
   std::vector<int32_t> stage_device;  // per stage: its device (empty: stage s on device s)
   // Per device, per stage of the device (ascending): the schedule's live states while that stage
   // computes, each kLiveCounts counts per stage of the device: [forwarded not backwarded,

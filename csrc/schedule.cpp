@@ -418,8 +418,7 @@ SimResult simulate(const Schedule& s, const Costs& costs) {
       before = std::move(after);
       auto& states = res.live_states[r][local];
       for (auto& x : during) {
-        if (std::any_of(states.begin(), states.end(),
-                        [&](const auto& y) { return covers(y, x); }))
+        if (std::any_of(states.begin(), states.end(), [&](const auto& y) { return covers(y, x); }))
           continue;
         states.erase(std::remove_if(states.begin(), states.end(),
                                     [&](const auto& y) { return covers(x, y); }),

@@ -196,6 +196,18 @@ RECV_LOOKAHEAD: int
 def peak_receive_buffers(schedule: Schedule) -> list[int]:
     """Per rank, the most receive buffers alive at once during a step (the engine's rule)."""
 
+class WeightWork:
+    """What a split backward's W runs for one microbatch of a stage."""
+
+    def run(self) -> None:
+        """W: accumulates the weight gradients into the parameters' ``.grad`` (once)."""
+
+def input_gradients(
+    roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], leaves: Sequence[torch.Tensor]
+) -> tuple[list[torch.Tensor], WeightWork]:
+    """B of a split backward, as the engine runs it for zbh1: the gradients of ``leaves``, and
+    the WeightWork W runs later (see [Note: split backward] in csrc/split_backward.cpp)."""
+
 class ActionTiming(_ActionFields):
     """When an action of the last step ran (system clock, nanoseconds)."""
 
@@ -308,6 +320,12 @@ class LayerCost:
         saved_bytes_ckpt: int,
         static_bytes: int,
         transient_bytes: int = 0,
+        weight: float = 0.0,
+        weight_ckpt: float | None = None,
+        weight_bytes: int = 0,
+        weight_bytes_ckpt: int | None = None,
+        recorded_bytes: int = 0,
+        split_transient_bytes: int = 0,
     ) -> None: ...
     fwd: float
     bwd: float
@@ -316,6 +334,12 @@ class LayerCost:
     saved_bytes_ckpt: int
     static_bytes: int
     transient_bytes: int
+    weight: float
+    weight_ckpt: float
+    weight_bytes: int
+    weight_bytes_ckpt: int
+    recorded_bytes: int
+    split_transient_bytes: int
 
 class StageExtra:
     """Per-microbatch cost a stage has besides its layers (prologue, epilogue, buffers)."""
@@ -329,6 +353,11 @@ class StageExtra:
         static_bytes: int = 0,
         transient_bytes: int = 0,
         buffer_bytes: int = 0,
+        weight: float = 0.0,
+        weight_bytes: int = 0,
+        recorded_bytes: int = 0,
+        split_transient_bytes: int = 0,
+        split_backward: bool = False,
     ) -> None: ...
     fwd: float
     bwd: float
@@ -336,27 +365,38 @@ class StageExtra:
     static_bytes: int
     transient_bytes: int
     buffer_bytes: int
+    weight: float
+    weight_bytes: int
+    recorded_bytes: int
+    split_transient_bytes: int
+    split_backward: bool
 
 class PlanProblem:
-    """Solver input: layers, per-stage extras, in-flight microbatches and memory limits."""
+    """Solver input: layers, per-stage extras, the stages' devices, the schedule's live states
+    and memory limits per device, and optionally given layer ranges."""
 
     def __init__(
         self,
         *,
         layers: Sequence[LayerCost],
         extras: Sequence[StageExtra],
-        inflight: Sequence[int],
+        live_states: Sequence[Sequence[Sequence[Sequence[int]]]],
         memory_limit: Sequence[int],
+        stage_device: Sequence[int] = (),
+        ranges: Sequence[tuple[int, int]] = (),
         allow_checkpoint: bool = True,
     ) -> None: ...
     layers: list[LayerCost]
     extras: list[StageExtra]
-    inflight: list[int]
+    stage_device: list[int]
+    live_states: list[list[list[list[int]]]]
     memory_limit: list[int]
+    ranges: list[tuple[int, int]]
     allow_checkpoint: bool
 
 class StageEval:
-    """One stage of a solved or evaluated plan."""
+    """One stage of a solved or evaluated plan; transient_bytes, buffer_bytes and memory are its
+    device's."""
 
     @property
     def range(self) -> tuple[int, int]:
@@ -365,12 +405,35 @@ class StageEval:
     def checkpoint(self) -> list[int]:
         """Global indices of checkpointed layers."""
     @property
+    def device(self) -> int: ...
+    @property
     def forward(self) -> float: ...
     @property
     def backward(self) -> float:
-        """Including recomputation."""
+        """Including recomputation and W."""
+    @property
+    def weight(self) -> float:
+        """W's part of backward (a splitting stage)."""
     @property
     def time(self) -> float: ...
+    @property
+    def saved_bytes(self) -> int:
+        """Per microbatch, forward to backward."""
+    @property
+    def weight_bytes(self) -> int:
+        """Per microbatch, B to W."""
+    @property
+    def inflight(self) -> int:
+        """At the device's peak live state."""
+    @property
+    def pending_weight(self) -> int:
+        """At the device's peak."""
+    @property
+    def in_backward(self) -> bool:
+        """Its split B runs at the peak."""
+    @property
+    def recorded_bytes(self) -> int:
+        """Gradients its split B records for W."""
     @property
     def activation_bytes(self) -> int: ...
     @property
@@ -381,7 +444,7 @@ class StageEval:
     def buffer_bytes(self) -> int: ...
     @property
     def memory(self) -> int:
-        """Predicted peak bytes."""
+        """Predicted peak bytes of its device."""
 
 class PlanResult:
     """The solver's answer."""
@@ -399,7 +462,7 @@ class PlanResult:
     def min_memory_limit(self) -> list[int]: ...
 
 def solve_plan(problem: PlanProblem) -> PlanResult:
-    """Exact planner: layer ranges and checkpointed layers minimizing the bottleneck stage."""
+    """Exact planner: layer ranges and checkpointed layers minimizing the bottleneck device."""
 
 def evaluate_plan(
     problem: PlanProblem, ranges: Sequence[tuple[int, int]], checkpoint: Sequence[Sequence[int]]

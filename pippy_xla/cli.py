@@ -81,6 +81,7 @@ def _plan(args: argparse.Namespace) -> int:
             seq_len=args.seq_len,
             memory_limit=limit,
             schedule=args.schedule,
+            chunks=args.chunks,
             allow_checkpoint=not args.no_checkpoint,
             repeats=args.repeats,
         )
@@ -115,16 +116,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-heads", type=int, default=None, help="default: heads")
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--stages", type=int, required=True)
+    p.add_argument("--stages", type=int, required=True, help="pipeline stages: ranks x chunks")
     p.add_argument("--microbatches", type=int, required=True)
     p.add_argument("--batch-size", type=int, default=None, help="default: one row per microbatch")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument(
         "--memory-limit",
         required=True,
-        help="bytes per device, e.g. 20MiB; comma-separated for one per stage",
+        help="bytes per device, e.g. 20MiB; comma-separated for one per rank",
     )
     p.add_argument("--schedule", choices=PLANNED_SCHEDULES, default="1f1b")
+    p.add_argument("--chunks", type=int, default=None, help="stages per rank (interleaved: 2)")
     p.add_argument("--no-checkpoint", action="store_true", help="plan layer ranges only")
     p.add_argument("--repeats", type=int, default=5, help="profiler timing runs")
     p.add_argument("--json", help="also save the plan as JSON to this path")

@@ -94,7 +94,9 @@ class ModelProfile:
             e = StageExtra(
                 saved_bytes=self.shared_saved_bytes
                 + (self.boundary_bytes if s < num_stages - 1 else 0),
-                buffer_bytes=(self.boundary_bytes * receives[rank] + batch_bytes if s < ranks else 0)
+                buffer_bytes=(
+                    self.boundary_bytes * receives[rank] + batch_bytes if s < ranks else 0
+                )
                 + (2 * self.boundary_bytes if s > 0 else 0),
                 split_backward=sched.split_backward and s > 0,
             )

@@ -1,11 +1,13 @@
 """Planner: layers per stage and checkpointed layers per stage under a memory limit.
 
 Under 1F1B, stage ``s`` holds activations of ``min(stages - s, microbatches)`` microbatches, so
-equal layer counts leave memory unbalanced. :func:`plan` profiles the model once
+equal layer counts leave memory unbalanced; ZB-H1 also holds microbatches between B and W, and
+interleaved puts several stages on a rank. :func:`plan` profiles the model once
 (:func:`pippy_xla.profiler.profile_model`), builds the cost model of [Note: planner cost model]
-(``csrc/planner.h``, :mod:`pippy_xla.cost_model`) and asks the exact C++ solver for contiguous
-layer ranges and a set of checkpointed layers per stage that minimize the bottleneck stage time
-(forward + backward + recomputation) under each device's memory limit. The plan's reported step
+(``csrc/planner.h``, :mod:`pippy_xla.cost_model`) from the schedule's live states (the C++
+simulator's replay of what each rank holds when) and asks the exact C++ solver for contiguous
+layer ranges and a set of checkpointed layers per stage that minimize the bottleneck rank time
+(forward + backward + recomputation) under each rank's memory limit. The plan's reported step
 time is the C++ schedule simulator's makespan for the chosen per-stage costs.
 
 ``PipelineModel(..., plan=plan)`` applies it: its layer ranges, and its checkpointed layers run

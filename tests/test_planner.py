@@ -41,6 +41,11 @@ def test_inflight_counts():
     assert inflight_counts("gpipe", 3, 5) == [5, 5, 5]
 
 
+def _single_states(counts) -> list:
+    """Live states of one stage per device holding ``counts[d]`` microbatches (1F1B, GPipe)."""
+    return [[[[c, 0, 0]]] for c in counts]
+
+
 def _colossal(limit: int) -> PlanProblem:
     # ColossalAI issue #5509, in units of 1/1000: per layer per microbatch activation 1.25,
     # 0.125 checkpointed; time 3 per layer (fwd 1 + bwd 2), +1 (a forward) when checkpointed;
@@ -49,7 +54,7 @@ def _colossal(limit: int) -> PlanProblem:
     return PlanProblem(
         layers=[layer] * 32,
         extras=[StageExtra() for _ in range(4)],
-        inflight=inflight_counts("1f1b", 4, 8),
+        live_states=_single_states(inflight_counts("1f1b", 4, 8)),
         memory_limit=[limit] * 4,
     )
 
@@ -80,84 +85,188 @@ def test_colossalai_5509_instance():
     assert all(st.memory <= 20_000 for st in out.stages)
 
 
-def _transient(extra: StageExtra, layers: list[LayerCost], any_checkpointed: bool) -> int:
-    """[Note: planner cost model]: the largest working set, and with checkpointed layers one
-    layer's recomputation (the max over the stage's layers)."""
+def _stage_cost(problem: PlanProblem, s: int, rng: range, ck: set[int]):
+    """[Note: planner cost model] for stage ``s`` with layers ``rng``, ``ck`` checkpointed:
+    (time, saved, kept, recorded, fixed, transient, split transient), written out independently
+    of the C++ code."""
+    e = problem.extras[s]
+    split = e.split_backward
+    t, saved, fixed = e.fwd + e.bwd, e.saved_bytes, e.static_bytes + e.buffer_bytes
+    kept, recorded = e.weight_bytes, e.recorded_bytes
+    for k in rng:
+        ly = problem.layers[k]
+        c = k in ck
+        t += (
+            ly.fwd
+            + ly.bwd
+            + (ly.recompute + (ly.weight_ckpt - ly.weight if split else 0) if c else 0)
+        )
+        saved += ly.saved_bytes_ckpt if c else ly.saved_bytes
+        kept += ly.weight_bytes_ckpt if c else ly.weight_bytes
+        recorded += ly.recorded_bytes
+        fixed += ly.static_bytes
+    lays = [problem.layers[k] for k in rng]
     recompute = max(
-        max(0, ly.saved_bytes - ly.saved_bytes_ckpt) + ly.transient_bytes for ly in layers
+        max(0, ly.saved_bytes - ly.saved_bytes_ckpt) + ly.transient_bytes for ly in lays
     )
-    return max(
-        extra.transient_bytes,
-        max(ly.transient_bytes for ly in layers),
-        recompute if any_checkpointed else 0,
+    any_ck = any(k in ck for k in rng)
+    trans = max(e.transient_bytes, *(ly.transient_bytes for ly in lays), recompute if any_ck else 0)
+    split_trans = max(
+        e.split_transient_bytes,
+        *(ly.split_transient_bytes for ly in lays),
+        recompute if any_ck else 0,
     )
+    if not split:
+        kept, recorded = saved, 0
+    return t, saved, kept, recorded, fixed, trans, split_trans
+
+
+def _device_memory(problem: PlanProblem, d: int, costs: dict[int, tuple]) -> int:
+    """A device's peak: its stages' fixed bytes, plus the worst live state (weighted bytes and
+    the acting stage's working set)."""
+    mine = sorted(costs)
+    fixed = sum(costs[s][4] for s in mine)
+    worst = 0
+    for t, states in enumerate(problem.live_states[d]):
+        for x in states:
+            in_b = x[3 * t + 2]
+            v = costs[mine[t]][6] if in_b else costs[mine[t]][5]
+            for k, s in enumerate(mine):
+                v += (
+                    x[3 * k] * costs[s][1] + x[3 * k + 1] * costs[s][2] + x[3 * k + 2] * costs[s][3]
+                )
+            worst = max(worst, v)
+    return fixed + worst
+
+
+def _device_of(problem: PlanProblem, s: int) -> int:
+    return problem.stage_device[s] if problem.stage_device else s
 
 
 def _brute(problem: PlanProblem):
-    """Every composition into stages and every subset of checkpointed layers."""
-    n, S = len(problem.layers), len(problem.memory_limit)
+    """Every composition into stages (or the given ranges) and every subset of checkpointed
+    layers: (best bottleneck device time, smallest max excess over the limits)."""
+    n, S = len(problem.layers), len(problem.extras)
     best, best_excess = float("inf"), None
-    for cuts in itertools.combinations(range(1, n), S - 1):
+    if problem.ranges:
+        compositions = [[r[1] for r in problem.ranges[:-1]]]
+    else:
+        compositions = itertools.combinations(range(1, n), S - 1)
+    masks = range(1 << n) if problem.allow_checkpoint else [0]
+    for cuts in compositions:
         bounds = [0, *cuts, n]
-        for mask in range(1 << n):
-            times, excess = [], []
+        for mask in masks:
+            ck = {k for k in range(n) if mask >> k & 1}
+            per_device: dict[int, dict[int, tuple]] = {}
             for s in range(S):
-                e = problem.extras[s]
-                t, act, stat = e.fwd + e.bwd, e.saved_bytes, e.static_bytes + e.buffer_bytes
-                stage = range(bounds[s], bounds[s + 1])
-                for k in stage:
-                    lay = problem.layers[k]
-                    ck = mask >> k & 1
-                    t += lay.fwd + lay.bwd + (lay.fwd if ck else 0)
-                    act += lay.saved_bytes_ckpt if ck else lay.saved_bytes
-                    stat += lay.static_bytes
-                layers = [problem.layers[k] for k in stage]
-                stat += _transient(e, layers, any(mask >> k & 1 for k in stage))
-                times.append(t)
-                excess.append(problem.inflight[s] * act + stat - problem.memory_limit[s])
-            if best_excess is None or max(excess) < best_excess:
-                best_excess = max(excess)
-            if max(excess) <= 0:
+                c = _stage_cost(problem, s, range(bounds[s], bounds[s + 1]), ck)
+                per_device.setdefault(_device_of(problem, s), {})[s] = c
+            times = [sum(c[0] for c in costs.values()) for costs in per_device.values()]
+            excess = max(
+                _device_memory(problem, d, costs) - problem.memory_limit[d]
+                for d, costs in per_device.items()
+            )
+            if best_excess is None or excess < best_excess:
+                best_excess = excess
+            if excess <= 0:
                 best = min(best, max(times))
     return best, best_excess
 
 
+def _random_layer(rng: random.Random, split: bool) -> LayerCost:
+    bwd = rng.uniform(0.1, 5)
+    weight = rng.uniform(0, bwd) if split else 0.0
+    return LayerCost(
+        fwd=rng.uniform(0.1, 3),
+        bwd=bwd,
+        recompute=rng.uniform(0.1, 3),
+        saved_bytes=rng.randint(0, 100),
+        saved_bytes_ckpt=rng.randint(0, 40),
+        static_bytes=rng.randint(0, 50),
+        transient_bytes=rng.choice([0, rng.randint(0, 60)]),
+        weight=weight,
+        weight_ckpt=weight + rng.uniform(0, 3) if split else 0.0,
+        weight_bytes=rng.randint(0, 120) if split else 0,
+        weight_bytes_ckpt=rng.randint(0, 60) if split else 0,
+        recorded_bytes=rng.randint(0, 40) if split else 0,
+        split_transient_bytes=rng.choice([0, rng.randint(0, 60)]) if split else 0,
+    )
+
+
+def _random_extra(rng: random.Random, split: bool) -> StageExtra:
+    bwd = rng.uniform(0, 2)
+    return StageExtra(
+        fwd=rng.uniform(0, 2),
+        bwd=bwd,
+        saved_bytes=rng.randint(0, 30),
+        static_bytes=rng.randint(0, 30),
+        transient_bytes=rng.choice([0, rng.randint(0, 80)]),
+        buffer_bytes=rng.randint(0, 20),
+        weight=rng.uniform(0, bwd) if split else 0.0,
+        weight_bytes=rng.randint(0, 40) if split else 0,
+        recorded_bytes=rng.randint(0, 20) if split else 0,
+        split_transient_bytes=rng.choice([0, rng.randint(0, 80)]) if split else 0,
+        split_backward=split and rng.random() < 0.7,
+    )
+
+
+def _random_states(rng: random.Random, stages: int, split: bool) -> list:
+    """Per stage of a device, 1-3 random live states (running-B count 0 or 1)."""
+    return [
+        [
+            [
+                c
+                for _ in range(stages)
+                for c in (
+                    rng.randint(0, 4),
+                    rng.randint(0, 4) if split else 0,
+                    rng.randint(0, 1) if split else 0,
+                )
+            ]
+            for _ in range(rng.randint(1, 3))
+        ]
+        for _ in range(stages)
+    ]
+
+
 def _random_problem(rng: random.Random) -> PlanProblem:
-    n = rng.randint(1, 8)
-    S = rng.randint(1, min(3, n))
-    layers = [
-        LayerCost(
-            fwd=rng.uniform(0.1, 3),
-            bwd=rng.uniform(0.1, 5),
-            saved_bytes=rng.randint(0, 100),
-            saved_bytes_ckpt=rng.randint(0, 40),
-            static_bytes=rng.randint(0, 50),
-            transient_bytes=rng.choice([0, rng.randint(0, 60)]),
-        )
-        for _ in range(n)
-    ]
-    extras = [
-        StageExtra(
-            fwd=rng.uniform(0, 2),
-            bwd=rng.uniform(0, 2),
-            saved_bytes=rng.randint(0, 30),
-            static_bytes=rng.randint(0, 30),
-            transient_bytes=rng.choice([0, rng.randint(0, 80)]),
-            buffer_bytes=rng.randint(0, 20),
-        )
-        for _ in range(S)
-    ]
-    inflight = [rng.randint(1, 4) for _ in range(S)]
-    limits = [rng.randint(50, 900) for _ in range(S)]
+    """One stage per device and free ranges, or (a third of the time) 2 stages per device on
+    given ranges, like interleaved; half of the problems split their backward (ZB-H1)."""
+    split = rng.random() < 0.5
+    n = rng.randint(2, 8)
+    interleaved = n >= 4 and rng.random() < 0.33
+    if interleaved:
+        n = min(n, 6)  # keep the brute force small
+        D = rng.randint(1, 2)
+        S = 2 * D
+        bounds = [0, *sorted(rng.sample(range(1, n), S - 1)), n]
+        ranges = [(bounds[s], bounds[s + 1]) for s in range(S)]
+        stage_device = [s % D for s in range(S)]
+    else:
+        S = D = rng.randint(1, min(3, n))
+        ranges, stage_device = [], []
+    layers = [_random_layer(rng, split) for _ in range(n)]
+    extras = [_random_extra(rng, split) for _ in range(S)]
+    limits = [rng.randint(50, 1500) for _ in range(D)]
     if rng.random() < 0.5:
-        limits = [limits[0]] * S
-    return PlanProblem(layers=layers, extras=extras, inflight=inflight, memory_limit=limits)
+        limits = [limits[0]] * D
+    return PlanProblem(
+        layers=layers,
+        extras=extras,
+        stage_device=stage_device,
+        live_states=[_random_states(rng, S // D, split) for _ in range(D)],
+        memory_limit=limits,
+        ranges=ranges,
+        allow_checkpoint=rng.random() < 0.9,
+    )
 
 
 def test_solver_matches_brute_force():
+    """The solver against every composition and checkpoint subset, with random costs, live
+    states (split backward or not), and one or two stages per device."""
     rng = random.Random(1234)
-    feasible = 0
-    for _ in range(150):
+    feasible = interleaved = 0
+    for _ in range(200):
         problem = _random_problem(rng)
         best, best_excess = _brute(problem)
         if best == float("inf"):
@@ -166,28 +275,26 @@ def test_solver_matches_brute_force():
             assert err.value.min_memory_limit == [x + best_excess for x in problem.memory_limit]
             continue
         feasible += 1
+        interleaved += bool(problem.ranges)
         out = solve(problem)
         assert out.bottleneck == pytest.approx(best, rel=1e-9)
-        # The returned plan is feasible and its objective is what the solver says.
+        # The returned plan is feasible and its objective and memory are the model's.
         ranges = [st.range for st in out.stages]
         assert ranges[0][0] == 0 and ranges[-1][1] == len(problem.layers)
+        if problem.ranges:
+            assert ranges == [tuple(r) for r in problem.ranges]
+        ck = {k for st in out.stages for k in st.checkpoint}
+        per_device: dict[int, dict[int, tuple]] = {}
         for s, st in enumerate(out.stages):
-            assert st.memory <= problem.memory_limit[s]
-            lay = problem.layers[st.range[0] : st.range[1]]
-            ck = set(st.checkpoint)
-            act = problem.extras[s].saved_bytes + sum(
-                ly.saved_bytes_ckpt if st.range[0] + i in ck else ly.saved_bytes
-                for i, ly in enumerate(lay)
-            )
-            mem = (
-                problem.inflight[s] * act
-                + problem.extras[s].static_bytes
-                + sum(ly.static_bytes for ly in lay)
-                + problem.extras[s].buffer_bytes
-                + _transient(problem.extras[s], lay, bool(ck))
-            )
-            assert mem == st.memory
-    assert feasible > 50
+            c = _stage_cost(problem, s, range(*st.range), ck)
+            assert st.time == pytest.approx(c[0], rel=1e-9)
+            per_device.setdefault(_device_of(problem, s), {})[s] = c
+        for s, st in enumerate(out.stages):
+            d = _device_of(problem, s)
+            assert st.device == d
+            assert st.memory == _device_memory(problem, d, per_device[d])
+            assert st.memory <= problem.memory_limit[d]
+    assert feasible > 60 and interleaved > 10, (feasible, interleaved)
 
 
 def test_infeasible_reports_smallest_limit():
@@ -300,13 +407,16 @@ def _train_with_plan(rank, world, plan_json, steps=2):
     ref = copy.deepcopy(model)
     plan = px.Plan.from_json(plan_json)
     m = plan.num_microbatches
-    for schedule, mbs in (("gpipe", m), ("1f1b", 2 * m)):  # not what the plan was made for
+    # Not what the plan was made for: another schedule, microbatch count or stages per rank.
+    for schedule, mbs, chunks in (("gpipe", m, 1), ("1f1b", 2 * m, 1), ("interleaved", m, 2)):
         with pytest.raises(ValueError) as e:
             px.PipelineModel(
                 model, layer_cls=layer_cls, num_microbatches=mbs, schedule=schedule, plan=plan
             )
-        assert f"made for schedule '1f1b' with {m} microbatches" in str(e.value)
-        assert f"runs '{schedule}' with {mbs}" in str(e.value)
+        assert f"made for schedule '1f1b' with {m} microbatches and 1 stage(s) per rank" in str(
+            e.value
+        )
+        assert f"runs '{schedule}' with {mbs} and {chunks}" in str(e.value)
     pipe = px.PipelineModel(
         model, layer_cls=layer_cls, num_microbatches=plan.num_microbatches, plan=plan, timeout=60
     )
@@ -486,6 +596,7 @@ def _measured_peaks(rank, world, plan_jsons, seq):
             layer_cls=layer_cls,
             num_microbatches=plan.num_microbatches,
             schedule=plan.schedule,
+            chunks=plan.chunks,
             plan=plan,
             timeout=60,
         )
@@ -537,25 +648,30 @@ def test_predicted_peak_memory_matches_the_measured_peak():
             assert abs(got - st.memory_bytes) <= 0.10 * st.memory_bytes, (where, got, st)
 
 
+SCHEDULES = [("1f1b", 1), ("gpipe", 1), ("zbh1", 1), ("interleaved", 2)]
+
+
 @pytest.mark.parametrize("ranks,layers", [(2, 4), (4, 8)])
 def test_planned_runs_stay_under_random_limits(ranks, layers):
-    """For 1F1B and GPipe, 10 random limits each between the smallest feasible limit and the
-    unconstrained peak: every planned run's measured peak (each stage) is within 10% of the
-    prediction and under its limit."""
+    """For 1F1B, GPipe, ZB-H1 and interleaved (2 stages per rank), 10 random limits each between
+    the smallest feasible limit and the unconstrained peak: every planned run's measured peak
+    (each rank) is within 10% of the prediction and under its limit. Plans with the same layout
+    are run once."""
     torch.manual_seed(0)
     model, layer_cls = _activation_heavy_llama(layers)
     seq, batch, mbs = 128, 8, 4
     prof = profile_model(model, layer_cls, microbatch_size=batch // mbs, seq_len=seq, repeats=1)
     rng = random.Random(ranks)
     plans = []
-    for schedule in ("1f1b", "gpipe"):
+    for schedule, chunks in SCHEDULES:
         kw = dict(
             layer_cls=layer_cls,
-            num_stages=ranks,
+            num_stages=ranks * chunks,
             num_microbatches=mbs,
             batch_size=batch,
             seq_len=seq,
             schedule=schedule,
+            chunks=chunks,
             profile=prof,
         )
         with pytest.raises(PlanInfeasibleError) as info:
@@ -565,13 +681,24 @@ def test_planned_runs_stay_under_random_limits(ranks, layers):
         assert low < high
         limits = sorted(rng.randint(low, high) for _ in range(10))
         plans += [px.plan(model, memory_limit=limit, **kw) for limit in limits]
-    measured = run_ranks(ranks, _measured_peaks, [p.to_json() for p in plans], seq, timeout=600)
-    for i, plan in enumerate(plans):
+
+    def layout(p):
+        return p.schedule, tuple(p.layer_ranges), tuple(p.checkpoint_layers)
+
+    runs = {}
+    for p in plans:
+        runs.setdefault(layout(p), p)
+    order = list(runs)
+    measured = run_ranks(
+        ranks, _measured_peaks, [runs[k].to_json() for k in order], seq, timeout=600
+    )
+    for plan in plans:
+        i = order.index(layout(plan))
         for st in plan.stages:
-            got = measured[st.index][i]
+            got = measured[st.rank][i]
             where = (
                 f"{plan.schedule} limit {st.memory_limit} ranges {plan.layer_ranges} "
-                f"ckpt {plan.checkpoint_layers} stage {st.index}"
+                f"ckpt {plan.checkpoint_layers} stage {st.index} rank {st.rank}"
             )
             print(f"{where}: predicted {st.memory_bytes} measured {got}")
             assert st.memory_bytes <= st.memory_limit, where
