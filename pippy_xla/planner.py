@@ -359,7 +359,12 @@ def evaluate(
     """The cost model's prediction for a given layout (for comparisons)."""
     chunks, ranks = _layout(schedule, len(layer_ranges), chunks)
     problem = profile.problem(
-        schedule, len(layer_ranges), num_microbatches, _limits(memory_limit, ranks), chunks=chunks
+        schedule,
+        len(layer_ranges),
+        num_microbatches,
+        _limits(memory_limit, ranks),
+        chunks=chunks,
+        ranges=layer_ranges,
     )
     ck = set(checkpoint_layers)
     per_stage = [[k for k in range(a, b) if k in ck] for a, b in layer_ranges]
