@@ -182,6 +182,7 @@ def main() -> None:
         m = measured[name]
         out[name] = dict(
             measured_step_s=m["step_s"],
+            measured_step_samples_s=m["step_samples_s"],
             predicted_step_s=p.step_time,
             measured_peak_bytes=m["peak_bytes"],
             predicted_peak_bytes=[s.memory_bytes for s in p.stages],
