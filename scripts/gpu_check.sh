@@ -21,3 +21,7 @@ OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 1 examples/train_llama.
 echo "example --device cuda: exit $? $(grep -E '^step' "$out/example_cuda.log" | tail -1)"
 python3 -m pytest -q -n 8 tests --ignore=tests/test_gpu.py > "$out/cpu_suite.log" 2>&1
 echo "cpu suite: $(tail -1 "$out/cpu_suite.log")"
+# Issue 12: the planner's predicted peak memory and step time against the GPU's own counters.
+python3 benchmarks/planner_gpu.py > "$out/planner_gpu.log" 2>&1
+echo "planner_gpu: exit $? $(grep -c 'fits True' "$out/planner_gpu.log") plans fit"
+cp benchmarks/results/planner_gpu.json "$out/" 2>/dev/null
