@@ -126,7 +126,7 @@ def main() -> None:
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     import pippy_xla as px
-    from pippy_xla.planner import PlanInfeasibleError, parse_bytes, profile_model
+    from pippy_xla.planner import PlanInfeasibleError, limit_range, parse_bytes, profile_model
 
     torch.manual_seed(0)
     if args.device == "cpu":
@@ -148,11 +148,7 @@ def main() -> None:
         schedule=args.schedule,
         profile=prof,
     )
-    try:
-        px.plan(model, memory_limit=0, **kw)
-    except PlanInfeasibleError as e:
-        low = e.min_memory_limit[0]
-    high = px.plan(model, memory_limit=2**50, **kw).stages[0].memory_bytes
+    low, high = limit_range(model, **kw)
     limits = [parse_bytes(args.limit)] + [int(low + f * (high - low)) for f in (0.25, 0.5, 0.75)]
     plans = []
     for limit in limits:

@@ -121,7 +121,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import pippy_xla as px
-    from pippy_xla.planner import PlanInfeasibleError, evaluate, profile_model
+    from pippy_xla.planner import evaluate, limit_range, profile_model
 
     torch.set_num_threads(1)
     model, layer_cls = _model(args.layers, args.hidden)
@@ -136,11 +136,7 @@ def main() -> None:
         seq_len=args.seq,
         profile=prof,
     )
-    try:
-        px.plan(model, memory_limit=0, **kw)
-    except PlanInfeasibleError as e:
-        low = e.min_memory_limit[0]
-    high = max(s.memory_bytes for s in px.plan(model, memory_limit=2**40, **kw).stages)
+    low, high = limit_range(model, **kw)
     limit = int(low + args.fraction * (high - low))
     plan = px.plan(model, memory_limit=limit, **kw)
     print(plan.table())

@@ -51,6 +51,7 @@ __all__ = [
     "StagePlan",
     "evaluate",
     "inflight_counts",
+    "limit_range",
     "parse_bytes",
     "plan",
     "profile_model",
@@ -344,6 +345,19 @@ def plan(
     )
     logger.info("plan:\n%s", result.table())
     return result
+
+
+def limit_range(model: nn.Module, **plan_kwargs) -> tuple[int, int]:
+    """The smallest memory limit (per rank) any plan fits, and the largest rank peak of the plan
+    with no limit: limits between them trade speed for memory. ``plan_kwargs`` are
+    :func:`plan`'s, less ``memory_limit`` (pass ``profile=`` to profile once)."""
+    try:
+        plan(model, memory_limit=0, **plan_kwargs)
+        low = 0
+    except PlanInfeasibleError as e:
+        low = e.min_memory_limit[0]
+    free = plan(model, memory_limit=2**62, **plan_kwargs)
+    return low, max(st.memory_bytes for st in free.stages)
 
 
 def evaluate(

@@ -351,8 +351,8 @@ def profile_model(
     timed apart while identical layers cost the same. Recomputation time is measured too: the same
     runs with every layer checkpointed, timing each layer's forward when it runs again in backward.
     For split-backward schedules (ZB-H1) a split backward of each layer and of the epilogue is
-    run as the engine runs it (:func:`_split_backward_costs`), plain and checkpointed: W's time
-    and the bytes kept from B to W.
+    run as the engine runs it (:func:`_split_backward_costs`), plain and checkpointed: W's time,
+    the bytes kept from B to W, and the gradients B records for W and its working set.
     Static bytes are parameter bytes times ``2 + optimizer_states`` (parameters, gradients, AdamW
     state). Transient bytes are each region's largest working set during forward and backward (the
     peak of live tensor bytes on top of what the region starts with and leaves behind: see
