@@ -232,17 +232,18 @@ struct StageBytes {
 
 using LiveStates = std::vector<std::vector<std::vector<int32_t>>>;  // per stage of a device
 
-// The peak of a device whose stages (ascending) take `parts`: `at` gets the (stage of the device,
-// state) where it is reached.
-int64_t device_memory(const LiveStates& states, const std::vector<StageBytes>& parts,
+// The peak of a device whose `n` stages (ascending) take `parts[0..n)`: `at` gets the (stage of
+// the device, state) where it is reached. (A pointer and a count, not a vector: the solver calls
+// this for every frontier point of every range.)
+int64_t device_memory(const LiveStates& states, const StageBytes* parts, size_t n,
                       std::pair<size_t, size_t>* at = nullptr) {
   int64_t fixed = 0, live = -1;
-  for (const auto& b : parts) fixed += b.fixed;
+  for (size_t k = 0; k < n; ++k) fixed += parts[k].fixed;
   for (size_t t = 0; t < states.size(); ++t) {
     for (size_t x = 0; x < states[t].size(); ++x) {
       const bool in_b = states[t][x][kLiveCounts * t + 2] > 0;
       int64_t v = in_b ? parts[t].split_transient : parts[t].transient;
-      for (size_t k = 0; k < parts.size(); ++k)
+      for (size_t k = 0; k < n; ++k)
         v += states[t][x][kLiveCounts * k] * parts[k].saved +
              states[t][x][kLiveCounts * k + 1] * parts[k].kept +
              states[t][x][kLiveCounts * k + 2] * parts[k].recorded;
@@ -298,17 +299,21 @@ class StageCosts {
   StageCost cost(int32_t s, int32_t i, int32_t j) const {
     const int32_t d = device_of(p_, s);
     const auto& front = frontiers(s).at(i, j);
-    for (int32_t k = 0; k < static_cast<int32_t>(front.size()); ++k)
-      if (device_memory(p_.live_states[d], {bytes(s, i, j, front[k])}) <= p_.memory_limit[d])
+    for (int32_t k = 0; k < static_cast<int32_t>(front.size()); ++k) {
+      const StageBytes b = bytes(s, i, j, front[k]);
+      if (device_memory(p_.live_states[d], &b, 1) <= p_.memory_limit[d])
         return {time(s, i, j, front[k]), k};
+    }
     return {};
   }
 
   int64_t excess(int32_t s, int32_t i, int32_t j) const {
     const int32_t d = device_of(p_, s);
     int64_t best = std::numeric_limits<int64_t>::max();
-    for (const Point& q : frontiers(s).at(i, j))
-      best = std::min(best, device_memory(p_.live_states[d], {bytes(s, i, j, q)}));
+    for (const Point& q : frontiers(s).at(i, j)) {
+      const StageBytes b = bytes(s, i, j, q);
+      best = std::min(best, device_memory(p_.live_states[d], &b, 1));
+    }
     return best - p_.memory_limit[d];
   }
 
@@ -366,7 +371,7 @@ std::optional<std::vector<std::vector<int32_t>>> solve_given_ranges(const PlanPr
         parts[k] = costs.bytes(mine[k], i, j, front[pick[k]]);
         t += costs.time(mine[k], i, j, front[pick[k]]);
       }
-      const int64_t mem = device_memory(p.live_states[d], parts);
+      const int64_t mem = device_memory(p.live_states[d], parts.data(), parts.size());
       least = std::min(least, mem);
       if (mem <= p.memory_limit[d] && (t < best_time || (t == best_time && mem < best_mem))) {
         best_time = t, best_mem = mem, best_pick = pick;
@@ -457,7 +462,7 @@ std::vector<StageEval> evaluate_plan(const PlanProblem& p,
     std::vector<StageBytes> dev_parts;
     for (int32_t s : mine) dev_parts.push_back(parts[s]);
     std::pair<size_t, size_t> at{0, 0};
-    const int64_t memory = device_memory(p.live_states[d], dev_parts, &at);
+    const int64_t memory = device_memory(p.live_states[d], dev_parts.data(), dev_parts.size(), &at);
     const auto& acting = dev_parts[at.first];
     const bool in_b = p.live_states[d][at.first][at.second][kLiveCounts * at.first + 2] > 0;
     const int64_t transient = in_b ? acting.split_transient : acting.transient;
