@@ -343,7 +343,6 @@ SimResult simulate(const Schedule& s, const Costs& costs) {
   std::map<Key, double> done;  // action -> end time
   std::vector<size_t> pc(s.num_ranks, 0);
   std::vector<double> clock(s.num_ranks, 0.0);
-  std::vector<int32_t> inflight(s.num_stages, 0);
   SimResult res;
   res.peak_inflight.assign(s.num_stages, 0);
   double busy = 0.0;
@@ -426,6 +425,12 @@ SimResult simulate(const Schedule& s, const Costs& costs) {
         states.push_back(std::move(x));
       }
     }
+    // Peak in flight (forwarded, W or full backward not yet done) of each stage: right after
+    // one of its own forwards, a state of its own list.
+    for (size_t local = 0; local < mine.size(); ++local)
+      for (const auto& x : res.live_states[r][local])
+        res.peak_inflight[mine[local]] = std::max(
+            res.peak_inflight[mine[local]], x[kLiveCounts * local] + x[kLiveCounts * local + 1]);
   }
   for (bool progress = true; progress;) {
     progress = false;
@@ -440,10 +445,6 @@ SimResult simulate(const Schedule& s, const Costs& costs) {
         done[key(a.op, a.stage, a.mb)] = end;
         res.timeline.push_back({a, r, start, end});
         if (is_compute(a.op)) busy += end - start;
-        if (a.op == Op::F && s.backward) {
-          res.peak_inflight[a.stage] = std::max(res.peak_inflight[a.stage], ++inflight[a.stage]);
-        }
-        if ((a.op == Op::B && !s.split_backward) || a.op == Op::W) --inflight[a.stage];
         ++pc[r];
         progress = true;
       }
