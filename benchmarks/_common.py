@@ -64,6 +64,23 @@ def llama_and_batch(layers: int, hidden: int, batch: int, seq: int, vocab: int =
     return LlamaForCausalLM(llama_config(layers, hidden, vocab)), token_batch(batch, seq, vocab)
 
 
+def planned_pipeline(plan_json: str, model, layer_cls, **kwargs):
+    """A ``PipelineModel`` of ``model`` running the plan in ``plan_json`` (``Plan.to_json``) with
+    the schedule, microbatch count and stages per rank it was made for."""
+    import pippy_xla as px
+
+    plan = px.Plan.from_json(plan_json)
+    return px.PipelineModel(
+        model,
+        layer_cls=layer_cls,
+        num_microbatches=plan.num_microbatches,
+        schedule=plan.schedule,
+        chunks=plan.chunks,
+        plan=plan,
+        **kwargs,
+    )
+
+
 def machine() -> dict:
     import os
 

@@ -28,7 +28,7 @@ import statistics
 import time
 
 import torch
-from _common import run_ranks, save
+from _common import planned_pipeline, run_ranks, save
 
 
 def _config(args):
@@ -54,24 +54,14 @@ def _run(rank, world, args, plan_json):
     from transformers import LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    import pippy_xla as px
     from pippy_xla import _C
 
     cuda = args.device == "cuda"
     if not cuda:
         _C.memory_tracker_install()
-    plan = px.Plan.from_json(plan_json)
     with torch.device("meta"):
         model = LlamaForCausalLM(_config(args)).to(getattr(torch, args.dtype))
-    pipe = px.PipelineModel(
-        model,
-        layer_cls=LlamaDecoderLayer,
-        num_microbatches=plan.num_microbatches,
-        schedule=plan.schedule,
-        chunks=plan.chunks,
-        plan=plan,
-        device=args.device,
-    )
+    pipe = planned_pipeline(plan_json, model, LlamaDecoderLayer, device=args.device)
     del model
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-5)
     batch = _batch(args, pipe.device)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import argparse
 
-from _common import llama_config, run_ranks, save, token_batch
+from _common import llama_config, planned_pipeline, run_ranks, save, token_batch
 
 
 def _measure(rank, world, args, plan_json):
@@ -39,21 +39,12 @@ def _measure(rank, world, args, plan_json):
     from transformers import LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    import pippy_xla as px
     from pippy_xla import _C
 
     _C.memory_tracker_install()
-    plan = px.Plan.from_json(plan_json)
     with torch.device("meta"):
         model = LlamaForCausalLM(llama_config(args.layers, args.hidden, args.vocab))
-    pipe = px.PipelineModel(
-        model,
-        layer_cls=LlamaDecoderLayer,
-        num_microbatches=plan.num_microbatches,
-        schedule=plan.schedule,
-        chunks=plan.chunks,
-        plan=plan,
-    )
+    pipe = planned_pipeline(plan_json, model, LlamaDecoderLayer)
     del model
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-4)
     batch = token_batch(args.batch, args.seq, args.vocab)

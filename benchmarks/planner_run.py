@@ -30,7 +30,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from _common import run_ranks, save
+from _common import planned_pipeline, run_ranks, save
 
 
 def _model(layers: int, hidden: int):
@@ -53,7 +53,6 @@ def _worker(rank, world, args, variants):
     """Peak memory of each variant alone (one at a time, so no other variant's tensors count),
     then step times with every variant built and their steps taken in turn, round after round,
     so that the machine's load drifts alike for all of them."""
-    import pippy_xla as px
     from pippy_xla import _C
 
     _C.memory_tracker_install()
@@ -65,13 +64,7 @@ def _worker(rank, world, args, variants):
     def build(spec):
         with torch.device("meta"):  # as users do: no rank holds more than its stage
             model, layer_cls = _model(args.layers, args.hidden)
-        pipe = px.PipelineModel(
-            model,
-            layer_cls=layer_cls,
-            num_microbatches=args.microbatches,
-            timeout=120,
-            plan=px.Plan.from_json(spec),
-        )
+        pipe = planned_pipeline(spec, model, layer_cls, timeout=120)
         return pipe, torch.optim.AdamW(pipe.parameters())  # its state is part of the plan
 
     def step(pipe, opt) -> float:
