@@ -1,8 +1,7 @@
 """pippy_xla: pipeline-parallel training for PyTorch, with a C++ engine."""
 
-import torch  # noqa: F401  (loads libtorch before the extension)
-
-from pippy_xla import _C, ops  # noqa: F401
+from pippy_xla import ops  # noqa: F401  (registers the ops' fake kernels and autograd)
+from pippy_xla._native import _C  # noqa: F401
 from pippy_xla.errors import BatchMismatchError, PipelineError
 from pippy_xla.fingerprint import Fingerprint, explain_difference, fingerprint
 from pippy_xla.materialize import UninitializedTensorError, materialize

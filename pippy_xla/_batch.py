@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pippy_xla import _C
+from pippy_xla._native import _C
 from pippy_xla.errors import BatchMismatchError
 
 __all__ = [

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pippy_xla import _C
 from pippy_xla._batch import digest64
+from pippy_xla._native import _C
 from pippy_xla.partition import StageGraph
 
 if TYPE_CHECKING:

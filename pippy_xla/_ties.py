@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pippy_xla import _C, ops
+from pippy_xla import ops
+from pippy_xla._native import _C
 from pippy_xla.partition import StageGraph
 
 __all__ = ["Tie", "combine_among", "local_ties", "tied_names"]

@@ -150,13 +150,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _schedules() -> list[str]:
-    from pippy_xla import _C
+    from pippy_xla._native import _C
 
     return _C.schedule_names()
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from pippy_xla import _C, viz
+    from pippy_xla import viz
+    from pippy_xla._native import _C
 
     chunks = args.chunks or _C.default_chunks(args.schedule)
     sched = _C.make_schedule(args.schedule, args.ranks, args.microbatches, chunks)

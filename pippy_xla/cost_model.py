@@ -13,9 +13,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pippy_xla import _C
-from pippy_xla._C import LayerCost, PlanProblem, PlanResult, StageEval, StageExtra
+from pippy_xla._native import _C
 from pippy_xla.units import format_bytes
+
+LayerCost = _C.LayerCost
+PlanProblem = _C.PlanProblem
+PlanResult = _C.PlanResult
+StageEval = _C.StageEval
+StageExtra = _C.StageExtra
 
 __all__ = [
     "PLANNED_SCHEDULES",

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pippy_xla import _C
+from pippy_xla._native import _C
 
 __all__ = [
     "DATA_PARALLEL_MODES",

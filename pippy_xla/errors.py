@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from pippy_xla import _C
+    from pippy_xla._native import _C
 
 __all__ = ["BatchMismatchError", "PipelineError"]
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.fx.node import has_side_effect
 
-import pippy_xla._C  # noqa: F401  (registers the ops)
+from pippy_xla._native import _C  # noqa: F401  (registers the ops)
 
 __all__ = [
     "group_name_of",

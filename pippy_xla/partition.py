@@ -24,7 +24,8 @@ import torch
 import torch.utils.checkpoint
 from torch import fx, nn
 
-from pippy_xla import _C, hf
+from pippy_xla import hf
+from pippy_xla._native import _C
 
 __all__ = ["StageGraph", "find_layers", "partition"]
 

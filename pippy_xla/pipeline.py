@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pippy_xla import _C, _step, checkpoint
+from pippy_xla import _step, checkpoint
 from pippy_xla._batch import (
     batch_signature,
     check_same_signature,
@@ -47,6 +47,7 @@ from pippy_xla._build import (
     resolve_layout,
 )
 from pippy_xla._exit import release_at_exit
+from pippy_xla._native import _C
 from pippy_xla._recompile import RecompileWatch
 from pippy_xla._ties import combine_among, local_ties, tied_names
 from pippy_xla.data_parallel import DataParallel, assign, local_tensor, mesh_groups

@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass, field
 
 from torch import nn
 
-from pippy_xla import _C
 from pippy_xla._build import balanced_ranges
+from pippy_xla._native import _C
 from pippy_xla.cost_model import (
     PLANNED_SCHEDULES,
     LayerCost,

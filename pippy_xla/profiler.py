@@ -16,7 +16,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from pippy_xla import _C
+from pippy_xla._native import _C
 from pippy_xla.cost_model import LayerCost, ModelProfile, StageExtra
 from pippy_xla.partition import find_layers
 

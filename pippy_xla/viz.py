@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pippy_xla import _C
+    from pippy_xla._native import _C
 
 __all__ = ["Event", "write_chrome_trace", "draw_timeline", "simulated_events"]
 
