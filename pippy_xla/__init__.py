@@ -2,6 +2,7 @@
 
 from pippy_xla import ops  # noqa: F401  (registers the ops' fake kernels and autograd)
 from pippy_xla._native import _C  # noqa: F401
+from pippy_xla.config import PipelineConfig
 from pippy_xla.errors import BatchMismatchError, PipelineError
 from pippy_xla.fingerprint import Fingerprint, explain_difference, fingerprint
 from pippy_xla.materialize import UninitializedTensorError, materialize
@@ -13,6 +14,7 @@ __all__ = [
     "BatchMismatchError",
     "EvalOutput",
     "Fingerprint",
+    "PipelineConfig",
     "PipelineError",
     "PipelineModel",
     "Plan",

@@ -4,7 +4,8 @@ Every rank gets the whole batch. :func:`split_batch` checks it and cuts this rep
 microbatches; :func:`batch_signature` digests its names, shapes and dtypes, and
 :func:`gather_signatures` and :func:`check_same_signature` make sure every rank of the pipeline
 got the same before any point-to-point transfer. The signature is also the key under which the
-engine remembers the boundary shapes (see [Note: boundary specs] in csrc/engine.h).
+engine remembers the boundary shapes (see [Note: boundary specs] in csrc/boundary.h). The step
+runner (:class:`pippy_xla._step.StepRunner`) calls these in that order.
 """
 
 from __future__ import annotations

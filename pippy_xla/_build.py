@@ -1,13 +1,19 @@
-"""What building a :class:`~pippy_xla.PipelineModel` decides, one function per decision: the
-device, the stage layout, the loss, and the handshake that every rank built the same pipeline.
-Each takes what it needs as arguments and returns its result; ``PipelineModel.__init__`` calls
-them in order."""
+"""Building a pipeline: :func:`build` turns a model and a :class:`~pippy_xla.config.PipelineConfig`
+into this rank's :class:`BuiltPipeline` (its stages, ready to run), one decision per function.
+
+Order: the process groups (:func:`resolve_groups`) -> the device -> the stage layout
+(:func:`resolve_layout`) -> the schedule -> tracing and partitioning -> the handshake that every
+rank built the same pipeline (:func:`check_ranks_agree`) -> materializing the local stages -> tied
+weights across ranks -> data parallelism (with a mesh) -> engines and compiled stages.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,79 +22,266 @@ from torch import nn
 
 from pippy_xla._batch import digest64
 from pippy_xla._native import _C
-from pippy_xla.partition import StageGraph
+from pippy_xla._recompile import RecompileWatch
+from pippy_xla._state import params_named
+from pippy_xla._ties import Tie, combine_among, local_ties, tied_names
+from pippy_xla.config import LossFn, PipelineConfig
+from pippy_xla.data_parallel import DataParallel, MeshGroups, mesh_groups
+from pippy_xla.errors import AbortChannel
+from pippy_xla.materialize import materialize
+from pippy_xla.ops import group_name_of
+from pippy_xla.partition import StageGraph, find_layers, partition
 
 if TYPE_CHECKING:
-    from pippy_xla.planner import Plan
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
-    "LossFn",
-    "balanced_ranges",
-    "causal_lm_num_items",
+    "BuiltPipeline",
+    "Placement",
+    "build",
     "check_ranks_agree",
     "default_loss",
     "resolve_device",
+    "resolve_placement",
     "resolve_layout",
 ]
 
-LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+logger = logging.getLogger(__name__)
+
+# Pipelines built so far per process group: the same count on every rank (building is
+# collective), so it names one pipeline in the shared store. See [Note: failing fast].
+_INSTANCES: dict[str, int] = {}
 
 
-def balanced_ranges(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
-    """Contiguous layer ranges whose sizes differ by at most one (earlier stages get more)."""
-    _C.check_stage_count(num_layers, num_stages)
-    base, extra = divmod(num_layers, num_stages)
-    ranges, start = [], 0
-    for s in range(num_stages):
-        stop = start + base + (1 if s < extra else 0)
-        ranges.append((start, stop))
-        start = stop
-    return ranges
+@dataclass(kw_only=True, eq=False)  # no slots, identity hash: the exit hook keeps a weakref
+class Placement:
+    """Where a pipeline runs: its process groups, this rank's place in them, its device."""
+
+    group: dist.ProcessGroup | None
+    """The pipeline's process group (with a mesh: its pipeline dimension); ``None`` once the exit
+    hook let go of it (see [Note: releasing the group at exit])."""
+    group_name: str
+    """``group``'s name, by which the C++ side resolves it."""
+    mesh: MeshGroups | None
+    """The mesh's groups and this rank's coordinates on it, with a mesh."""
+    rank: int
+    """This rank in ``group``."""
+    num_ranks: int
+    """Ranks in ``group``."""
+    device: torch.device
+    """Where the local stages and every buffer the runtime allocates live."""
+    timeout_ms: int
+    """How long any single wait on a peer may take."""
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh.dp_rank if self.mesh is not None else 0
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh.dp_size if self.mesh is not None else 1
+
+
+@dataclass(kw_only=True, slots=True)
+class BuiltPipeline:
+    """What :func:`build` returns: this rank's stages of the pipeline, ready to run."""
+
+    place: Placement
+    """The process groups, ranks and device."""
+    layer_ranges: list[tuple[int, int]]
+    """Every stage's decoder-layer range."""
+    stages: list[StageGraph]
+    """Every stage's graph (only the local ones' tensors are materialized)."""
+    local_stages: list[StageGraph]
+    """This rank's stages, ascending."""
+    runners: dict[int, Callable]
+    """What runs each local stage: its graph module, or the compiled one."""
+    train_engine: _C.Engine
+    """The C++ engine of training steps."""
+    eval_engine: _C.Engine
+    """The C++ engine of forward-only steps."""
+    ties: list[tuple[Tie, list[nn.Parameter]]]
+    """Tied weights held by this rank and another, with this rank's parameters of each."""
+    aliases: dict[str, list[str]]
+    """Every name of a tied tensor -> all its names, in model order."""
+    dp: DataParallel | None
+    """The stage replicas' gradient reduction, with a mesh."""
+    loss_fn: LossFn
+    """The loss of one microbatch."""
+    abort: AbortChannel
+    """This pipeline's abort record in the job's store (see [Note: failing fast])."""
+    compile_watch: RecompileWatch | None
+    """Explains recompilations of compiled stages."""
+
+
+def build(
+    model: nn.Module,
+    layer_cls: type[nn.Module],
+    config: PipelineConfig,
+    *,
+    group: dist.ProcessGroup | None = None,
+    mesh: DeviceMesh | None = None,
+) -> BuiltPipeline:
+    """Partitions ``model`` and builds this rank's stages of it; a collective over the pipeline's
+    ranks (and the replicas, with a mesh). A configuration that does not fit the model or the
+    process groups is a ``ValueError`` before any stage is materialized."""
+    place = resolve_placement(config, group, mesh)
+    layer_ranges, stages, train_schedule = _partition(model, layer_cls, config, place)
+    local_stages = [stages[s] for s in train_schedule.stages_of(place.rank)]
+    build_key = check_ranks_agree(stages, config, place)
+    loss_fn = config.loss_fn if config.loss_fn is not None else default_loss(model)
+    tied = tied_names(model)  # before materializing replaces meta parameters
+    materialize(model, local_stages, place.device)
+    ties = _tie_weights(tied, stages, local_stages, place)
+    modules = {st.index: st.module for st in local_stages}
+    dp = _replicas(modules, config, place, build_key)
+    runners, watch = _runners(modules, config)
+    engine_args = (place.group_name, place.timeout_ms, str(place.device))
+    eval_schedule = _schedule("forward", place.num_ranks, config)
+    return BuiltPipeline(
+        place=place,
+        layer_ranges=layer_ranges,
+        stages=stages,
+        local_stages=local_stages,
+        runners=runners,
+        train_engine=_C.Engine(train_schedule, *engine_args),
+        eval_engine=_C.Engine(eval_schedule, *engine_args),
+        # After wrapping: FSDP replaces the parameters with its own (DTensors).
+        ties=[(tie, params_named(local_stages, tie.names)) for tie in ties],
+        aliases={n: names for names in tied for n in names},
+        dp=dp,
+        loss_fn=loss_fn,
+        abort=_abort_channel(place),
+        compile_watch=watch,
+    )
+
+
+def _partition(
+    model: nn.Module, layer_cls: type[nn.Module], config: PipelineConfig, place: Placement
+) -> tuple[list[tuple[int, int]], list[StageGraph], _C.Schedule]:
+    """The stage layout, every stage's graph, and the training schedule."""
+    layer_ranges, checkpoint_layers = resolve_layout(
+        config, num_layers=len(find_layers(model, layer_cls)), num_ranks=place.num_ranks
+    )
+    schedule = _schedule(config.schedule, place.num_ranks, config)
+    stages = partition(
+        model, layer_cls, layer_ranges, config.input_names, checkpoint_layers=checkpoint_layers
+    )
+    return layer_ranges, stages, schedule
+
+
+def _schedule(name: str, num_ranks: int, config: PipelineConfig) -> _C.Schedule:
+    try:
+        return _C.make_schedule(name, num_ranks, config.num_microbatches, config.chunks)
+    except RuntimeError as e:
+        raise ValueError(str(e)) from None
+
+
+def _tie_weights(
+    tied: list[list[str]],
+    stages: Sequence[StageGraph],
+    local_stages: Sequence[StageGraph],
+    place: Placement,
+) -> list[Tie]:
+    """The ties this rank shares with other ranks; the owners start from the first owner's
+    values."""
+    ties = local_ties(tied, stages, place.num_ranks, place.rank)
+    for tie in ties:
+        params = params_named(local_stages, tie.names)
+        combine_among(
+            tie,
+            [p.data for p in params],
+            add=False,
+            rank=place.rank,
+            group_name=place.group_name,
+            timeout_ms=place.timeout_ms,
+        )
+    return ties
+
+
+def _replicas(
+    modules: dict[int, nn.Module], config: PipelineConfig, place: Placement, build_key: int
+) -> DataParallel | None:
+    """With a mesh: the local stages wrapped for data parallelism over the replicas."""
+    if place.mesh is None:
+        return None
+    return DataParallel(
+        place.mesh, config.data_parallel, modules, place.timeout_ms, place.device, build_key
+    )
+
+
+def _abort_channel(place: Placement) -> AbortChannel:
+    """The abort record of the next pipeline built on ``place``'s group."""
+    _INSTANCES[place.group_name] = _INSTANCES.get(place.group_name, 0) + 1
+    return AbortChannel(place.group_name, _INSTANCES[place.group_name], place.rank)
+
+
+def _runners(
+    modules: dict[int, nn.Module], config: PipelineConfig
+) -> tuple[dict[int, Callable], RecompileWatch | None]:
+    """What runs each local stage, and the recompile watch when the stages are compiled."""
+    if not config.compile:
+        return dict(modules), None
+    options = config.compile_options or {}
+    runners = {s: torch.compile(m, **options) for s, m in modules.items()}
+    return runners, RecompileWatch(list(modules.values()))
+
+
+def resolve_placement(
+    config: PipelineConfig, group: dist.ProcessGroup | None, mesh: DeviceMesh | None
+) -> Placement:
+    """The pipeline's process group (``group``, the world, or the mesh's pipeline dimension),
+    this rank's place in it and the device."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "PipelineModel needs torch.distributed: call dist.init_process_group('gloo') "
+            "first (torchrun sets the rendezvous)"
+        )
+    groups = None
+    if mesh is not None:
+        if config.compile:
+            raise ValueError(
+                "compile=True with a data-parallel mesh is not supported yet; compile a "
+                "pipeline without mesh=..."
+            )
+        groups = mesh_groups(mesh, config.pp_dim, config.dp_dim, group)
+        group = groups.pp_group
+    group = group or dist.group.WORLD
+    return Placement(
+        group=group,
+        group_name=group_name_of(group),
+        mesh=groups,
+        rank=dist.get_rank(group),
+        num_ranks=dist.get_world_size(group),
+        device=resolve_device(config.device, group),
+        timeout_ms=int(config.timeout * 1000),
+    )
 
 
 def resolve_layout(
-    *,
-    num_layers: int,
-    num_ranks: int,
-    chunks: int,
-    schedule: str,
-    num_microbatches: int,
-    layer_ranges: Sequence[tuple[int, int]] | None,
-    plan: Plan | None,
+    config: PipelineConfig, *, num_layers: int, num_ranks: int
 ) -> tuple[list[tuple[int, int]], list[int]]:
-    """The layer range of every stage and the checkpointed layers: from ``plan``, from
+    """The layer range of every stage and the checkpointed layers: from the plan, from
     ``layer_ranges`` or balanced. Raises ``ValueError`` when they do not fit the pipeline."""
+    chunks = config.chunks
     num_stages = num_ranks * chunks
-    checkpoint_layers: list[int] = []
-    if plan is not None:
-        if layer_ranges is not None:
-            raise ValueError("pass either plan=... or layer_ranges=..., not both")
-        made_for = (plan.schedule, plan.num_microbatches, plan.chunks)
-        if made_for != (schedule, num_microbatches, chunks):
+    layer_ranges, checkpoint_layers = config.layer_ranges, list(config.checkpoint_layers)
+    if config.plan is not None:
+        if config.plan.num_stages != num_stages:
             raise ValueError(
-                f"the plan was made for schedule {plan.schedule!r} with "
-                f"{plan.num_microbatches} microbatches and {plan.chunks} stage(s) per rank, but "
-                f"this pipeline runs {schedule!r} with {num_microbatches} and {chunks}: what "
-                f"each rank holds when differs, so its memory prediction would not hold; plan "
-                f"with schedule={schedule!r}, num_microbatches={num_microbatches}, "
-                f"chunks={chunks}"
+                f"the plan has {config.plan.num_stages} stages but this pipeline has "
+                f"{num_stages} ({num_ranks} ranks x {chunks} chunks); plan for {num_stages}"
             )
-        if plan.num_stages != num_stages:
-            raise ValueError(
-                f"the plan has {plan.num_stages} stages but this pipeline has "
-                f"{num_stages} ({num_ranks} ranks x {chunks} chunks); plan for "
-                f"{num_stages}"
-            )
-        layer_ranges = plan.layer_ranges
-        checkpoint_layers = plan.checkpoint_layers
-    if schedule == "interleaved" and num_layers % num_stages:
+        layer_ranges = config.plan.layer_ranges
+        checkpoint_layers = config.plan.checkpoint_layers
+    if config.schedule == "interleaved" and num_layers % num_stages:
         raise ValueError(
             f"schedule 'interleaved' with {chunks} chunks on {num_ranks} ranks needs the "
             f"{num_layers} decoder layers to divide into {num_stages} equal stages; "
             "choose chunks so that ranks x chunks divides the layer count"
         )
     if layer_ranges is None:
-        layer_ranges = balanced_ranges(num_layers, num_stages)
+        layer_ranges = _C.balanced_ranges(num_layers, num_stages)
     elif len(layer_ranges) != num_stages:
         raise ValueError(
             f"layer_ranges has {len(layer_ranges)} stages but the process group has "
@@ -150,38 +343,26 @@ def default_loss(model: nn.Module) -> LossFn:
     return loss_fn
 
 
-def causal_lm_num_items(labels: torch.Tensor) -> torch.Tensor:
-    """The valid tokens of causal-LM labels: HF's losses shift labels left by one and ignore
-    -100."""
-    return (labels[..., 1:] != -100).sum()
-
-
 def check_ranks_agree(
-    stages: Sequence[StageGraph],
-    settings: tuple,
-    *,
-    rank: int,
-    group: dist.ProcessGroup,
-    group_name: str,
-    device: torch.device,
-    timeout_ms: int,
+    stages: Sequence[StageGraph], config: PipelineConfig, place: Placement
 ) -> int:
-    """Build-time handshake: every rank of ``group`` must have built the same stage graphs with
-    the same ``settings`` (a tuple of plain values). Returns the 64-bit digest of them (a mesh's
+    """Build-time handshake: every rank of the group must have built the same stage graphs with
+    the same schedule, microbatch count and inputs. Returns the 64-bit digest of them (a mesh's
     replicas compare it too); raises ``RuntimeError`` saying what differs."""
     digest = hashlib.sha256()
     for st in stages:
         digest.update(st.code.encode())
         digest.update(repr(sorted(st.param_names.items())).encode())
-    mine = (digest.hexdigest(), *settings)
+    mine = (digest.hexdigest(), config.schedule, config.num_microbatches, list(config.input_names))
     key = digest64(repr(mine).encode())
+    rank = place.rank
     keys = _C.all_gather_int64(
-        key, group_name, str(device), timeout_ms, f"[rank {rank}] build handshake"
+        key, place.group_name, str(place.device), place.timeout_ms, f"[rank {rank}] build handshake"
     )
     if all(k == key for k in keys):
         return key
     everyone: list = [None] * len(keys)  # only to say what differs
-    dist.all_gather_object(everyone, mine, group=group)
+    dist.all_gather_object(everyone, mine, group=place.group)
     for r, theirs in enumerate(everyone):
         if theirs != mine:
             raise RuntimeError(

@@ -1,15 +1,36 @@
-"""The stage forward the engine calls for every forward action of a step."""
+"""Running a step: :class:`StepRunner` checks and splits a batch, agrees on its signature with
+every rank, runs the C++ engine with :func:`stage_forward` as the stage's forward, sums tied-weight
+gradients and reduces the loss.
+
+A step: ``_batch.split_batch`` -> ``_batch.batch_signature`` -> ``_batch.gather_signatures`` ->
+``_batch.check_same_signature`` -> ``_C.Engine.run`` (which calls the forward of
+:func:`stage_forward` for every forward action, and with a mesh the replicas' reduction of each
+stage as soon as its gradients are complete) -> tied-gradient sums -> loss broadcast.
+"""
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 
+from pippy_xla._batch import batch_signature, check_same_signature, gather_signatures, split_batch
+from pippy_xla._build import BuiltPipeline
+from pippy_xla._native import _C
 from pippy_xla._recompile import RecompileWatch
+from pippy_xla._ties import combine_among
+from pippy_xla.config import PipelineConfig
+from pippy_xla.data_parallel import local_tensor
+from pippy_xla.errors import FailureState
 from pippy_xla.partition import StageGraph
 
-__all__ = ["StageForward", "stage_forward"]
+__all__ = ["EvalOutput", "StageForward", "StepRunner", "stage_forward"]
+
+logger = logging.getLogger(__name__)
 
 StageForward = Callable[[int, int, list[torch.Tensor]], list[torch.Tensor]]
 """``forward(stage, microbatch, boundary_inputs) -> outputs``, as ``_C.Engine.run`` calls it."""
@@ -58,3 +79,163 @@ def stage_forward(
         return [loss]
 
     return forward
+
+
+@dataclass(kw_only=True, slots=True)
+class EvalOutput:
+    """What :meth:`PipelineModel.run_eval` returns."""
+
+    loss: torch.Tensor | None
+    """The batch's mean loss on every rank, if labels were given."""
+    logits: torch.Tensor | None
+    """The whole batch's logits on the last stage's rank, ``None`` elsewhere (with a mesh: the
+    logits of this replica's share of the batch)."""
+
+
+class StepRunner:
+    """Runs one rank's training and evaluation steps of a built pipeline."""
+
+    def __init__(
+        self, built: BuiltPipeline, config: PipelineConfig, failures: FailureState
+    ) -> None:
+        self.place = built.place
+        self.config = config
+        self.failures = failures
+        self.stages = built.stages
+        self.runners = built.runners
+        self.train_engine = built.train_engine
+        self.eval_engine = built.eval_engine
+        self.ties = built.ties
+        self.dp = built.dp
+        self.watch = built.compile_watch
+        self.loss_fn = built.loss_fn
+        """The loss of one microbatch (assignable between steps)."""
+        self.last_rank = _C.stage_rank(len(built.stages) - 1, built.place.num_ranks)
+        self.last_engine = built.train_engine
+        """The engine of the last step."""
+        self.reduce_spans: list[tuple[str, int, int, int, int]] = []
+        """The last step's data-parallel reductions, as timings."""
+        self.recompiles: list[str] = []
+        """Explanations of the recompilations seen after each mode's first step."""
+
+    def train(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Forward and backward of every microbatch; the batch's mean loss on every rank."""
+        batch, microbatches, signature = self._prepare(batch, need_labels=True)
+        losses: dict[int, torch.Tensor] = {}
+        forward = self._forward(batch, microbatches, losses, logits=None)
+        self._run(self.train_engine, forward, signature)
+        with self.failures.guard("tied-weight gradient sum"):
+            for tie, params in self.ties:
+                grads = [local_tensor(p.grad) for p in params if p.grad is not None]
+                combine_among(tie, grads, add=True, **self._transport())
+        return self._reduce_loss(losses)
+
+    def evaluate(self, batch: dict[str, torch.Tensor]) -> EvalOutput:
+        """Forward only: the logits on the last stage's rank and, given labels, the loss."""
+        batch, microbatches, signature = self._prepare(batch, need_labels=False)
+        losses: dict[int, torch.Tensor] = {}
+        logits: dict[int, torch.Tensor] = {}
+        forward = self._forward(batch, microbatches, losses, logits)
+        self._run(self.eval_engine, forward, signature)
+        if self.dp is not None:
+            self.dp.after_eval()
+        is_last = self.place.rank == self.last_rank
+        all_logits = torch.cat([logits[mb] for mb in sorted(logits)]) if is_last else None
+        loss = self._reduce_loss(losses) if "labels" in batch else None
+        return EvalOutput(loss=loss, logits=all_logits)
+
+    def _transport(self) -> dict:
+        place = self.place
+        return {"rank": place.rank, "group_name": place.group_name, "timeout_ms": place.timeout_ms}
+
+    def _prepare(self, batch: dict[str, torch.Tensor], need_labels: bool):
+        """A step's batch checked and split, and its signature, agreed by every rank."""
+        self.failures.check_usable()
+        place = self.place
+        batch, microbatches = split_batch(
+            batch,
+            input_names=self.config.input_names,
+            num_microbatches=self.config.num_microbatches,
+            need_labels=need_labels,
+            device=place.device,
+            dp_rank=place.dp_rank,
+            dp_size=place.dp_size,
+        )
+        signature = batch_signature(batch)
+        with self.failures.guard("batch signature all_gather"):
+            everyone = gather_signatures(
+                signature,
+                rank=place.rank,
+                group_name=place.group_name,
+                device=place.device,
+                timeout_ms=place.timeout_ms,
+            )
+        # A mismatch leaves the pipeline usable: no transfer of the step has started.
+        check_same_signature(signature, everyone, batch, place.rank)
+        return batch, microbatches, signature
+
+    def _forward(self, batch, microbatches, losses, logits) -> StageForward:
+        labels = batch.get("labels")
+        num_items = None
+        if labels is not None:
+            num_items = self.config.num_items_fn(labels).to(self.place.device)
+        return stage_forward(
+            self.stages,
+            self.runners,
+            microbatches=microbatches,
+            labels=microbatches.get("labels"),
+            num_items=num_items,
+            loss_fn=self.loss_fn,
+            losses=losses,
+            logits=logits,
+            watch=self.watch,
+        )
+
+    def _run(self, engine: _C.Engine, forward: StageForward, signature: int) -> None:
+        """Runs one step of ``engine`` for the batch of ``signature``."""
+        # A split backward (B with retain_graph, then W) cannot use the buffers AOTAutograd
+        # donates to a compiled backward: compile those stages without donation.
+        split = self.watch is not None and engine.schedule.split_backward
+        donation = torch._functorch.config.patch(donated_buffer=False) if split else nullcontext()
+        grads_ready = None
+        self.reduce_spans.clear()
+        if self.dp is not None and engine.schedule.backward:
+            self.dp.before_step()
+            grads_ready = self._reduce_stage
+        with donation, self.failures.guard("step", engine):
+            engine.run(signature, forward, grads_ready)
+        self.last_engine = engine
+        if self.watch is not None:
+            mode = "train" if engine is self.train_engine else "eval"
+            why = self.watch.step_done(mode)
+            if why:
+                msg = f"[rank {self.place.rank}] stage recompiled: {why}"
+                logger.warning("%s", msg)
+                self.recompiles.append(msg)
+
+    def _reduce_stage(self, stage: int) -> None:
+        """The engine's ``grads_ready`` callback: reduces ``stage``'s gradients over the
+        replicas, timed for the step's timings."""
+        start = time.time_ns()  # the engine's clock (system time)
+        self.dp.reduce(stage)
+        self.reduce_spans.append(("DP", stage, -1, start, time.time_ns()))
+
+    def _reduce_loss(self, losses: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The sum of the last stage's microbatch losses, on every rank (and, with a mesh, over
+        the replicas: their shares add up to the global mean)."""
+        place = self.place
+        total = torch.zeros((), dtype=torch.float32, device=place.device)
+        if place.rank == self.last_rank:
+            total = torch.stack([losses[mb].float() for mb in sorted(losses)]).sum()
+        with self.failures.guard("loss broadcast"):
+            total = _C.broadcast_copy(
+                total,
+                self.last_rank,
+                place.group_name,
+                place.timeout_ms,
+                f"[rank {place.rank}] loss broadcast",
+            )
+        if self.dp is not None:
+            with self.failures.guard("loss all_reduce over replicas"):
+                total = self.dp.all_reduce_sum(total, f"[rank {place.rank}] loss all_reduce")
+        return total

@@ -20,9 +20,9 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -30,9 +30,6 @@ from torch import nn
 
 from pippy_xla.data_parallel import assign
 from pippy_xla.units import parse_bytes
-
-if TYPE_CHECKING:
-    from pippy_xla.pipeline import PipelineModel
 
 __all__ = [
     "latest_checkpoint",
@@ -44,6 +41,36 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+
+class Checkpointable(Protocol):
+    """What checkpoints read of a :class:`~pippy_xla.PipelineModel` (a protocol, so that this
+    module does not import the pipeline, which calls it)."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def num_ranks(self) -> int: ...
+    @property
+    def dp_rank(self) -> int: ...
+    @property
+    def dp_size(self) -> int: ...
+    @property
+    def schedule(self) -> str: ...
+    @property
+    def group(self) -> dist.ProcessGroup | None: ...
+    @property
+    def checkpoint_group(self) -> dist.ProcessGroup | None: ...
+
+    config: Any
+    generation_config: Any
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...
+    def state_dict(self, keep_vars: bool = False) -> dict[str, torch.Tensor]: ...
+    def aliases(self, name: str) -> list[str]: ...
+    def all_state_names(self) -> set[str]: ...
+    def non_persistent_names(self) -> set[str]: ...
+
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -71,7 +98,7 @@ def _weight_map(path: Path) -> tuple[dict[str, Path], Path]:
     )
 
 
-def load_pretrained(pipe: PipelineModel, path: str | os.PathLike) -> None:
+def load_pretrained(pipe: Checkpointable, path: str | os.PathLike) -> None:
     """Loads this rank's stage from a HF safetensors checkpoint directory.
 
     Only the local stage's tensors are read (one at a time, from the shards the index names), so a
@@ -135,7 +162,7 @@ def _shards(tensors: dict[str, torch.Tensor], max_bytes: int | None) -> list[lis
 
 
 def save_pretrained(
-    pipe: PipelineModel, path: str | os.PathLike, max_shard_size: int | str | None = None
+    pipe: Checkpointable, path: str | os.PathLike, max_shard_size: int | str | None = None
 ) -> None:
     """Writes the model in HF's safetensors layout; a collective over the pipeline's ranks.
 
@@ -243,11 +270,11 @@ def _set_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, st
     set_optimizer_state_dict(module, optimizer, state, options=_optim_options())
 
 
-def _view(pipe: PipelineModel) -> _ParamView:
+def _view(pipe: Checkpointable) -> _ParamView:
     return _ParamView({pipe.aliases(name)[0]: p for name, p in pipe.named_parameters()})
 
 
-def _rng_key(pipe: PipelineModel) -> str:
+def _rng_key(pipe: Checkpointable) -> str:
     group = pipe.checkpoint_group
     return f"rng.rank{dist.get_rank(group)}-of-{dist.get_world_size(group)}"
 
@@ -265,7 +292,7 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
 
 
 def save(
-    pipe: PipelineModel,
+    pipe: Checkpointable,
     directory: str | os.PathLike,
     optimizer: torch.optim.Optimizer | None = None,
     step: int | None = None,
@@ -318,7 +345,7 @@ def _resolve(directory: str | os.PathLike) -> Path:
 
 
 def load(
-    pipe: PipelineModel,
+    pipe: Checkpointable,
     directory: str | os.PathLike,
     optimizer: torch.optim.Optimizer | None = None,
 ) -> int | None:

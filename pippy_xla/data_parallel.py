@@ -73,8 +73,6 @@ def mesh_groups(mesh, pp_dim: str, dp_dim: str, group: dist.ProcessGroup | None)
         f"build it with init_device_mesh(device_type, (dp, pp), mesh_dim_names=({dp_dim!r}, "
         f"{pp_dim!r})), or name its dims with pp_dim=... and dp_dim=..."
     )
-    if pp_dim == dp_dim:
-        raise ValueError(f"pp_dim and dp_dim must differ, both are {pp_dim!r}")
     if not names or pp_dim not in names or dp_dim not in names:
         raise ValueError(
             f"the mesh's dims are {names}, but the pipeline needs a pipeline dim {pp_dim!r} and "
@@ -116,8 +114,6 @@ class DataParallel:
     ) -> None:
         """``build_key``: a digest of this rank's pipeline (graphs, schedule, microbatches); the
         replicas must agree on it and on ``mode`` before any of their tensors are exchanged."""
-        if mode not in DATA_PARALLEL_MODES:
-            raise ValueError(f"data_parallel must be one of {DATA_PARALLEL_MODES}, got {mode!r}")
         from torch.distributed._composable.replicate_with_fsdp import replicate
         from torch.distributed.fsdp import fully_shard
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from pippy_xla._native import _C
 
-__all__ = ["BatchMismatchError", "PipelineError"]
+__all__ = ["AbortChannel", "BatchMismatchError", "FailureState", "PipelineError"]
 
 """[Note: failing fast]
 
@@ -194,3 +194,59 @@ class AbortChannel:
             aborted=aborted,
             **where,
         )
+
+
+class FailureState:
+    """Failure handling of one pipeline: turns an exception on this rank into the
+    :class:`PipelineError` every rank raises (posting this rank's failure first; see [Note:
+    failing fast]) and, once a step failed, refuses further steps (the peers were left mid-step).
+    """
+
+    def __init__(self, abort: AbortChannel, rank: int) -> None:
+        self.abort = abort
+        """This pipeline's abort record in the job's store."""
+        self.rank = rank
+        self.failed: PipelineError | None = None
+        """The error that made the pipeline unusable, if any."""
+
+    def check_usable(self) -> None:
+        """Raises if an earlier step failed."""
+        if self.failed is not None:
+            raise PipelineError(
+                rank=self.rank,
+                failed_rank=self.failed.failed_rank,
+                action="step",
+                cause=(
+                    f"the pipeline failed in an earlier step and its peers were left mid-step "
+                    f"({self.failed}); restart the job"
+                ),
+            )
+
+    def error(self, exc: BaseException, action: str, engine=None) -> BaseException:
+        """The error to raise for ``exc`` raised while running ``action`` (in ``engine``'s step,
+        if given); the pipeline is then unusable. Non-``Exception`` errors
+        (``KeyboardInterrupt``) keep their type."""
+        err = self.abort.error(exc, action, engine.failure() if engine is not None else None)
+        self.failed = err
+        if not isinstance(exc, Exception):
+            return exc
+        logger.error("%s", err)
+        return err
+
+    @contextmanager
+    def guard(self, action: str, engine=None) -> Iterator[None]:
+        """Runs the block as ``action`` of a step: any failure becomes :meth:`error`'s.
+        Communication outside the engine (collectives, tied weights) fails through the transport
+        or the process group's timeout; an engine step (``engine`` given) is also aborted early
+        by a peer's record, see :meth:`AbortChannel.watch`."""
+        try:
+            if engine is None:
+                yield
+            else:
+                with self.abort.watch(engine):
+                    yield
+        except BaseException as e:
+            err = self.error(e, action, engine)
+            if err is e:
+                raise
+            raise err from e

@@ -1,0 +1,65 @@
+"""Reporting on a pipeline's last step: measured action timings, the merged timeline of every
+rank (Chrome trace, Gantt chart), and the activation stash's byte counts."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from pippy_xla._step import StepRunner
+
+__all__ = ["Report"]
+
+Timing = tuple[str, int, int, int, int]
+"""``(op, stage, microbatch, start_ns, end_ns)``."""
+
+
+class Report:
+    """What one rank's last step did, read from its engines and the step runner."""
+
+    def __init__(self, runner: StepRunner) -> None:
+        self._runner = runner
+
+    def timings(self) -> list[Timing]:
+        """The last step's actions on this rank: ``(op, stage, microbatch, start_ns, end_ns)``,
+        in system-clock nanoseconds. With a mesh, each stage's data-parallel gradient reduction
+        is there too, as op ``"DP"`` with microbatch -1."""
+        engine = self._runner.last_engine
+        measured = [(t.op, t.stage, t.mb, t.start_ns, t.end_ns) for t in engine.timings()]
+        return measured + self._runner.reduce_spans
+
+    def timeline(self, json_path: str | None = None, png_path: str | None = None) -> list:
+        """Gathers the last step's measured actions of every rank (a collective over the
+        pipeline's group) and, on its first rank, writes a Chrome/Perfetto trace (``json_path``)
+        and a Gantt chart (``png_path``). Returns the merged events ``(rank, op, stage,
+        microbatch, start_s, end_s)`` on every rank."""
+        from pippy_xla import viz
+
+        place, config = self._runner.place, self._runner.config
+        mine = [(place.rank, op, s, mb, t0 / 1e9, t1 / 1e9) for op, s, mb, t0, t1 in self.timings()]
+        everyone: list = [None] * place.num_ranks
+        dist.all_gather_object(everyone, mine, group=place.group)
+        events = sorted((e for rank_events in everyone for e in rank_events), key=lambda e: e[4])
+        if place.rank == 0:
+            title = (
+                f"{config.schedule}: {place.num_ranks} ranks, {config.num_microbatches} "
+                "microbatches"
+            )
+            if json_path:
+                viz.write_chrome_trace(events, json_path)
+            if png_path:
+                viz.draw_timeline(events, png_path, title=title)
+        return events
+
+    @property
+    def stash_peak_bytes(self) -> int:
+        """Most bytes the activation stash held at once since the last :meth:`reset_stash_peak`."""
+        return self._runner.train_engine.stash_peak_bytes
+
+    @property
+    def stash_live_bytes(self) -> int:
+        """Bytes the activation stash holds now (0 between steps)."""
+        return self._runner.train_engine.stash_live_bytes
+
+    def reset_stash_peak(self) -> None:
+        """Sets :attr:`stash_peak_bytes` to the bytes held now."""
+        self._runner.train_engine.reset_stash_peak()

@@ -1,0 +1,164 @@
+"""``PipelineConfig``: how a model is pipelined, validated once.
+
+Everything :class:`~pippy_xla.PipelineModel` takes besides the model, its decoder-layer class and
+the process groups is a field here, with its default and its meaning in one place. ``PipelineModel``
+accepts either a config (``config=PipelineConfig(...)``) or the same fields as keyword arguments.
+What can be checked without the process group is checked in ``__post_init__``; what needs the
+group or the model (the stage count, the layer count, the device) is checked by
+:func:`pippy_xla._build.build`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
+
+import torch
+
+from pippy_xla._native import _C
+from pippy_xla.data_parallel import DATA_PARALLEL_MODES
+
+if TYPE_CHECKING:
+    from pippy_xla.planner import Plan
+
+__all__ = ["LossFn", "PipelineConfig", "causal_lm_num_items"]
+
+LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``loss_fn(logits, labels, num_items) -> loss`` of one microbatch."""
+
+
+def causal_lm_num_items(labels: torch.Tensor) -> torch.Tensor:
+    """The valid tokens of causal-LM labels: HF's losses shift labels left by one and ignore
+    -100."""
+    return (labels[..., 1:] != -100).sum()
+
+
+@dataclass(kw_only=True, slots=True)
+class PipelineConfig:
+    """How a model is pipelined: schedule, microbatches, stage layout, checkpointing, loss,
+    timeouts, device, compilation and data parallelism."""
+
+    num_microbatches: int
+    """Microbatches per step; the batch size must be divisible by it (on a mesh: by it times the
+    number of replicas)."""
+    schedule: str = "1f1b"
+    """``"1f1b"``, ``"gpipe"``, ``"interleaved"`` (``chunks`` stages per rank, stage ``s`` on rank
+    ``s % ranks``) or ``"zbh1"`` (zero-bubble ZB-H1: backward split into input- and
+    weight-gradient steps). The C++ schedule table lists them (``_C.train_schedule_names()``)."""
+    chunks: int | None = None
+    """Stages per rank; ``None`` means the schedule's default (2 for ``"interleaved"``, else 1)."""
+    layer_ranges: Sequence[tuple[int, int]] | None = None
+    """An explicit half-open ``(start, stop)`` decoder-layer range per stage (default: balanced,
+    earlier stages get the extra layers). Exclusive with ``plan``."""
+    plan: Plan | None = None
+    """A :class:`~pippy_xla.planner.Plan` (from :func:`pippy_xla.plan`) made for this schedule,
+    microbatch count and chunk count: its layer ranges and its checkpointed layers."""
+    checkpoint_layers: Sequence[int] = ()
+    """Decoder layers (global indices) run under activation checkpointing: their activations are
+    recomputed in backward instead of kept. Exclusive with ``plan``, which chooses its own."""
+    input_names: Sequence[str] = ("input_ids", "attention_mask")
+    """The model keyword inputs a batch provides (besides ``labels``)."""
+    loss_fn: LossFn | None = None
+    """``loss_fn(logits, labels, num_items) -> loss`` of one microbatch, summed over its tokens and
+    divided by ``num_items`` (the batch's count of valid tokens), so that the microbatch losses add
+    up to the batch mean. ``None``: the HF model's own loss."""
+    num_items_fn: Callable[[torch.Tensor], torch.Tensor] = causal_lm_num_items
+    """Counts the valid tokens of the whole batch's labels (default: causal-LM labels other than
+    -100 after the shift)."""
+    timeout: float = 300.0
+    """Seconds any single wait on a peer may take before the step fails."""
+    device: torch.device | str | None = None
+    """Where the local stage and every buffer the runtime allocates live. ``None``:
+    ``cuda:LOCAL_RANK`` when the group's backend is NCCL, else the CPU (gloo)."""
+    compile: bool = False
+    """Compile each local stage with ``torch.compile``; steps after the first reuse the compiled
+    code, and a recompilation is logged with its cause (see [Note: stable stage graphs])."""
+    compile_options: dict | None = None
+    """Keyword arguments for ``torch.compile`` (used with ``compile=True``)."""
+    data_parallel: str = "replicate"
+    """With a mesh: ``"replicate"`` (every replica holds its stage whole) or ``"shard"`` (FSDP2's
+    ``fully_shard``: parameters, gradients and optimizer state sharded over the replicas)."""
+    pp_dim: str = "pp"
+    """The mesh's pipeline dimension."""
+    dp_dim: str = "dp"
+    """The mesh's data-parallel dimension."""
+
+    def __post_init__(self) -> None:
+        m = self.num_microbatches
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(f"num_microbatches must be a positive int, got {m!r}")
+        schedules = _C.train_schedule_names()
+        if self.schedule not in schedules:
+            raise ValueError(f"schedule must be one of {schedules}, got {self.schedule!r}")
+        if self.chunks is None:
+            self.chunks = _C.default_chunks(self.schedule)
+        if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1:
+            raise ValueError(f"chunks must be a positive int, got {self.chunks!r}")
+        if not (isinstance(self.timeout, int | float) and 0 < self.timeout < math.inf):
+            raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
+        if isinstance(self.input_names, str) or not self.input_names:
+            raise ValueError(
+                f"input_names must be a non-empty list of names, got {self.input_names!r}"
+            )
+        self.input_names = tuple(self.input_names)
+        self.checkpoint_layers = tuple(self.checkpoint_layers)
+        if self.layer_ranges is not None:
+            self.layer_ranges = tuple(tuple(r) for r in self.layer_ranges)
+        if self.plan is not None:
+            self._check_plan()
+        for name in ("loss_fn", "num_items_fn"):
+            fn = getattr(self, name)
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
+        if self.data_parallel not in DATA_PARALLEL_MODES:
+            raise ValueError(
+                f"data_parallel must be one of {DATA_PARALLEL_MODES}, got {self.data_parallel!r}"
+            )
+        if self.pp_dim == self.dp_dim:
+            raise ValueError(f"pp_dim and dp_dim must differ, both are {self.pp_dim!r}")
+
+    def _check_plan(self) -> None:
+        plan = self.plan
+        if self.layer_ranges is not None:
+            raise ValueError("pass either plan=... or layer_ranges=..., not both")
+        if self.checkpoint_layers:
+            raise ValueError(
+                "pass either plan=... or checkpoint_layers=..., not both (the plan chooses the "
+                "checkpointed layers)"
+            )
+        made_for = (plan.schedule, plan.num_microbatches, plan.chunks)
+        if made_for != (self.schedule, self.num_microbatches, self.chunks):
+            raise ValueError(
+                f"the plan was made for schedule {plan.schedule!r} with "
+                f"{plan.num_microbatches} microbatches and {plan.chunks} stage(s) per rank, but "
+                f"this pipeline runs {self.schedule!r} with {self.num_microbatches} and "
+                f"{self.chunks}: what each rank holds when differs, so its memory prediction "
+                f"would not hold; plan with schedule={self.schedule!r}, "
+                f"num_microbatches={self.num_microbatches}, chunks={self.chunks}"
+            )
+
+    @classmethod
+    def from_options(cls, config: PipelineConfig | None, options: dict) -> PipelineConfig:
+        """``config``, or a config made from keyword ``options`` (``PipelineModel``'s keyword
+        arguments); both, or an option that is no field, is an error naming the fields."""
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            raise TypeError(
+                f"PipelineModel got unexpected keyword argument(s) {unknown}; the options are "
+                f"{names} (the fields of PipelineConfig)"
+            )
+        if config is None:
+            if "num_microbatches" not in options:
+                raise TypeError("PipelineModel needs num_microbatches=... (or config=...)")
+            return cls(**options)
+        if options:
+            raise TypeError(
+                f"pass either config=PipelineConfig(...) or keyword options, not both (got "
+                f"config and {sorted(options)})"
+            )
+        if not isinstance(config, cls):
+            raise TypeError(f"config must be a PipelineConfig, got {type(config).__name__}")
+        return config
