@@ -56,6 +56,9 @@ def main() -> None:
     p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument(
+        "--max-grad-norm", type=float, default=1.0, help="global gradient clipping (0: off)"
+    )
+    p.add_argument(
         "--device", default="cpu", choices=["cpu", "cuda"], help="cuda: NCCL, GPU LOCAL_RANK"
     )
     p.add_argument("--checkpoint-dir", default="checkpoints", help="where --save-every saves")
@@ -104,6 +107,8 @@ def main() -> None:
             continue
         start = time.perf_counter()
         loss = pipe.run_train(**batch)
+        if args.max_grad_norm > 0:  # the whole model's norm, not this stage's
+            pipe.clip_grad_norm_(args.max_grad_norm)
         opt.step()
         opt.zero_grad()
         elapsed = time.perf_counter() - start

@@ -20,6 +20,7 @@ import torch
 
 from pippy_xla._batch import batch_signature, check_same_signature, gather_signatures, split_batch
 from pippy_xla._build import BuiltPipeline
+from pippy_xla._grads import clip_, global_norm, local_gradients
 from pippy_xla._native import _C
 from pippy_xla._recompile import RecompileWatch
 from pippy_xla._ties import combine_among
@@ -143,6 +144,37 @@ class StepRunner:
         all_logits = torch.cat([logits[mb] for mb in sorted(logits)]) if is_last else None
         loss = self._reduce_loss(losses) if "labels" in batch else None
         return EvalOutput(loss=loss, logits=all_logits)
+
+    def clip_grad_norm_(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        max_norm: float,
+        norm_type: float,
+        error_if_nonfinite: bool,
+    ) -> torch.Tensor:
+        """Clips this rank's gradients by the global gradient norm, which it returns (see
+        [Note: global gradient clipping])."""
+        self.failures.check_usable()
+        place, norm_type = self.place, float(norm_type)
+        scaled, counted = local_gradients(params, self.ties, place.rank)
+
+        def pipeline_sum(t: torch.Tensor, what: str) -> torch.Tensor:
+            where = f"[rank {place.rank}] {what}"
+            return _C.all_reduce_sum_copy(t, place.group_name, place.timeout_ms, where)
+
+        reductions = [(pipeline_sum, place.rank, place.num_ranks)]
+        if self.dp is not None and self.dp.sharded:
+            reductions.append((self.dp.all_reduce_sum, place.dp_rank, place.dp_size))
+        with self.failures.guard("gradient norm all_reduce"):
+            total = global_norm(counted, norm_type, place.device, reductions)
+        clip_(
+            scaled,
+            total,
+            max_norm=max_norm,
+            norm_type=norm_type,
+            error_if_nonfinite=error_if_nonfinite,
+        )
+        return total
 
     def _transport(self) -> dict:
         place = self.place

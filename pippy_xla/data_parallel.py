@@ -178,6 +178,11 @@ class DataParallel:
         for module in self.modules.values():
             module.reshard()
 
+    @property
+    def sharded(self) -> bool:
+        """Whether each replica holds a shard of every gradient (``"shard"``), not all of it."""
+        return self.mode == "shard"
+
     def all_reduce_sum(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
         return _C.all_reduce_sum_copy(tensor, self._group_name, self._timeout_ms, what)
 

@@ -320,6 +320,22 @@ class PipelineModel:
         mean loss on every rank."""
         return self._runner.evaluate(batch)
 
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+    ) -> torch.Tensor:
+        """Clips the gradients of the whole pipeline by their global norm, and returns that norm
+        on every rank: what ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` does in
+        one process (every stage, tied weights counted once, data-parallel shards and replicas
+        included). A collective: call it on every rank after ``run_train``. Calling torch's own
+        function on ``pipe.parameters()`` would clip each stage by its own norm. See [Note:
+        global gradient clipping] in ``_grads.py``."""
+        return self._runner.clip_grad_norm_(
+            list(self.parameters()), max_norm, norm_type, error_if_nonfinite
+        )
+
     # ----------------------------------------------------------------------------- reporting
 
     @property
