@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 
 from pippy_xla.data_parallel import assign
 from pippy_xla.units import parse_bytes
@@ -76,6 +77,7 @@ SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
 LATEST = "latest"
 META = "pippy_xla.json"
+SCHEDULER = "scheduler.pt"
 
 # ----------------------------------------------------------------------------- HF safetensors
 
@@ -296,11 +298,13 @@ def save(
     directory: str | os.PathLike,
     optimizer: torch.optim.Optimizer | None = None,
     step: int | None = None,
+    scheduler: LRScheduler | None = None,
 ) -> Path:
     """Saves the pipeline's parameters, persistent buffers, ``optimizer``'s state, each rank's
-    RNG state and ``step`` as ``directory/step-<step>`` with ``torch.distributed.checkpoint``; a
-    collective over the pipeline's ranks (on a mesh: over every rank of the mesh; sharded
-    tensors are saved as DCP shards). Atomic: see [Note: atomic checkpoints]."""
+    RNG state, ``step`` and the learning-rate ``scheduler``'s state (the same on every rank) as
+    ``directory/step-<step>`` with ``torch.distributed.checkpoint``; a collective over the
+    pipeline's ranks (on a mesh: over every rank of the mesh; sharded tensors are saved as DCP
+    shards). Atomic: see [Note: atomic checkpoints]."""
     import torch.distributed.checkpoint as dcp
 
     directory = Path(directory)
@@ -323,6 +327,8 @@ def save(
             "replicas": pipe.dp_size,
             "schedule": pipe.schedule,
         }
+        if scheduler is not None:
+            torch.save(scheduler.state_dict(), partial / SCHEDULER)
         (partial / META).write_text(json.dumps(meta) + "\n")
         shutil.rmtree(final, ignore_errors=True)
         os.rename(partial, final)
@@ -332,6 +338,20 @@ def save(
     dist.barrier(group=group)
     logger.info("[rank %d] saved %s", pipe.rank, final)
     return final
+
+
+def _load_scheduler(path: Path, scheduler: LRScheduler | None) -> None:
+    """Restores ``scheduler`` from the checkpoint at ``path`` (before anything else is loaded,
+    so that a checkpoint without one fails with nothing half-loaded)."""
+    if scheduler is None:
+        return
+    file = path / SCHEDULER
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"the checkpoint {path} holds no learning-rate scheduler state ({SCHEDULER}): it was "
+            "saved without scheduler=...; load without scheduler=... or save with it"
+        )
+    scheduler.load_state_dict(torch.load(file, weights_only=True))
 
 
 def _resolve(directory: str | os.PathLike) -> Path:
@@ -348,14 +368,16 @@ def load(
     pipe: Checkpointable,
     directory: str | os.PathLike,
     optimizer: torch.optim.Optimizer | None = None,
+    scheduler: LRScheduler | None = None,
 ) -> int | None:
     """Loads the checkpoint that :func:`save` wrote (the latest in ``directory``) into this
-    pipeline and ``optimizer``, whatever rank count, mesh or schedule saved it; a collective
-    (on a mesh: over every rank of the mesh). Restores each rank's RNG state when the rank count
-    is the one saved. Returns the saved step."""
+    pipeline, ``optimizer`` and ``scheduler``, whatever rank count, mesh or schedule saved it; a
+    collective (on a mesh: over every rank of the mesh). Restores each rank's RNG state when the
+    rank count is the one saved. Returns the saved step."""
     import torch.distributed.checkpoint as dcp
 
     path = _resolve(directory)
+    _load_scheduler(path, scheduler)
     keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     state: dict = {"model": pipe.state_dict()}
     view = None
@@ -379,13 +401,16 @@ def load_into_module(
     module: nn.Module,
     directory: str | os.PathLike,
     optimizer: torch.optim.Optimizer | None = None,
+    scheduler: LRScheduler | None = None,
 ) -> int | None:
-    """Loads a checkpoint that :func:`save` wrote into a plain (not pipelined) model and its
-    optimizer, in one process or on every rank of a data-parallel job. Returns the saved step."""
+    """Loads a checkpoint that :func:`save` wrote into a plain (not pipelined) model, its
+    optimizer and its learning-rate scheduler, in one process or on every rank of a
+    data-parallel job. Returns the saved step."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     path = _resolve(directory)
+    _load_scheduler(path, scheduler)
     state: dict = {"model": get_model_state_dict(module)}
     if optimizer is not None:
         state["optim"] = _optimizer_state(module, optimizer)

@@ -277,18 +277,23 @@ class PipelineModel:
         directory: str | os.PathLike,
         optimizer: torch.optim.Optimizer | None = None,
         step: int | None = None,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     ) -> Path:
-        """Saves parameters, buffers, optimizer state and ``step`` with
-        ``torch.distributed.checkpoint``, atomically; a collective. See
+        """Saves parameters, buffers, optimizer and learning-rate scheduler state and ``step``
+        with ``torch.distributed.checkpoint``, atomically; a collective. See
         :func:`pippy_xla.checkpoint.save`."""
-        return checkpoint.save(self, directory, optimizer, step)
+        return checkpoint.save(self, directory, optimizer, step, scheduler)
 
     def load(
-        self, directory: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None
+        self,
+        directory: str | os.PathLike,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     ) -> int | None:
-        """Loads the latest checkpoint in ``directory`` (any rank count or schedule saved it);
-        returns its step; a collective. See :func:`pippy_xla.checkpoint.load`."""
-        return checkpoint.load(self, directory, optimizer)
+        """Loads the latest checkpoint in ``directory`` (any rank count or schedule saved it)
+        into this pipeline, ``optimizer`` and ``scheduler``; returns its step; a collective. See
+        :func:`pippy_xla.checkpoint.load`."""
+        return checkpoint.load(self, directory, optimizer, scheduler)
 
     # ----------------------------------------------------------------------------- running
 

@@ -4,7 +4,9 @@ resume exactly, reshard, and survive a rank killed while saving."""
 from __future__ import annotations
 
 import json
+import math
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -151,10 +153,23 @@ def _snapshot(pipe):
     return {k: v.detach().numpy().copy() for k, v in pipe.state_dict().items()}
 
 
+def _warmup_cosine(opt, warmup=2, total=6):
+    """Linear warmup, then cosine decay (the HF Trainer's default shape): the learning rate
+    differs at every step, so a resume that restarted the curve would change the losses."""
+
+    def factor(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - warmup)))
+
+    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
 def _train(rank, world, schedule, steps, directory, save_at=None, resume=False, family="gpt2"):
-    """Trains ``steps`` (global step numbers) and returns per-step losses and the final local
-    state; saves after step ``save_at``; with ``resume``, starts from the latest checkpoint of a
-    model built on meta (everything it trains with comes from the checkpoint)."""
+    """Trains ``steps`` (global step numbers) with a warmup + cosine learning rate and returns
+    per-step losses and the final local state; saves after step ``save_at``; with ``resume``,
+    starts from the latest checkpoint of a model built on meta (everything it trains with,
+    the scheduler's position included, comes from the checkpoint)."""
     if resume:
         pipe = _meta_pipe(family, num_microbatches=2, schedule=schedule)
     else:
@@ -164,15 +179,18 @@ def _train(rank, world, schedule, steps, directory, save_at=None, resume=False, 
             model, layer_cls=layer_cls, num_microbatches=2, schedule=schedule, timeout=60
         )
     opt = torch.optim.AdamW(pipe.parameters(), **ADAM)
+    sched = _warmup_cosine(opt)
     if resume:
-        assert pipe.load(directory, optimizer=opt) == steps[0]
+        assert pipe.load(directory, optimizer=opt, scheduler=sched) == steps[0]
     losses = {}
     for step in steps:
+        assert sched.last_epoch == step  # the curve continues where the saved run was
         losses[step] = float(pipe.run_train(**make_batch(seed=step)))  # exact: fp32 in a float
         opt.step()
+        sched.step()
         opt.zero_grad()
         if step + 1 == save_at:
-            pipe.save(directory, optimizer=opt, step=step + 1)
+            pipe.save(directory, optimizer=opt, step=step + 1, scheduler=sched)
     return losses, _snapshot(pipe)
 
 
@@ -215,11 +233,14 @@ def test_checkpoint_loads_into_a_plain_model(gpt2_run):
     model.to_empty(device="cpu")
     model.tie_weights()
     opt = torch.optim.AdamW(model.parameters(), **ADAM)
-    assert load_into_module(model, directory, optimizer=opt) == 3
+    sched = _warmup_cosine(opt)
+    assert load_into_module(model, directory, optimizer=opt, scheduler=sched) == 3
     for step in (3, 4, 5):
+        assert sched.last_epoch == step
         loss = model(**make_batch(seed=step), use_cache=False).loss
         loss.backward()
         opt.step()
+        sched.step()
         opt.zero_grad()
         assert float(loss) == pytest.approx(full[0][0][step], rel=1e-5, abs=1e-6)
     final = {**full[0][1], **full[1][1]}
@@ -264,6 +285,19 @@ def test_save_interrupted_by_a_killed_rank_keeps_the_previous_checkpoint(tmp_pat
     assert not (tmp_path / "step-00000002").exists()
     model = _hf_reference("llama", seed=1)
     assert load_into_module(model, tmp_path) == 1
+
+
+def test_a_checkpoint_without_a_scheduler_refuses_one(gpt2_run, tmp_path):
+    directory, _ = gpt2_run
+    torch.manual_seed(0)
+    model, _ = MODELS["gpt2"]()
+    opt = torch.optim.AdamW(model.parameters(), **ADAM)
+    load_into_module(model, directory, optimizer=opt, scheduler=_warmup_cosine(opt))
+    step = tmp_path / "no-scheduler"
+    shutil.copytree(latest_checkpoint(directory), step)
+    (step / "scheduler.pt").unlink()
+    with pytest.raises(FileNotFoundError, match="holds no learning-rate scheduler state"):
+        load_into_module(model, step, optimizer=opt, scheduler=_warmup_cosine(opt))
 
 
 def test_no_checkpoint_is_a_clear_error(tmp_path):
