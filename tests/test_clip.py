@@ -59,11 +59,15 @@ def _clipping_equals_one_process(rank, world, family, schedule):
     return out
 
 
-@pytest.mark.parametrize(("family", "schedule"), [("llama", "1f1b"), ("gpt2", "zbh1")])
-def test_clip_grad_norm_equals_one_process(family, schedule):
-    # GPT-2's tied lm_head / wte is held by both ranks: counted once, scaled on both.
-    out = run_ranks(2, _clipping_equals_one_process, family, schedule)
-    assert out[0] == out[1]  # the same norms on every rank
+@pytest.mark.parametrize(
+    ("world", "family", "schedule"),
+    [(2, "llama", "1f1b"), (2, "gpt2", "zbh1"), (4, "gpt2", "1f1b"), (4, "qwen2", "gpipe")],
+)
+def test_clip_grad_norm_equals_one_process(world, family, schedule):
+    # GPT-2's tied lm_head / wte is held by the first and last ranks: counted once, scaled on
+    # both.
+    out = run_ranks(world, _clipping_equals_one_process, family, schedule)
+    assert all(o == out[0] for o in out)  # the same norms on every rank
 
 
 def _stage_and_global_norms(rank, world):
