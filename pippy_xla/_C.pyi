@@ -297,8 +297,23 @@ def all_reduce_sum_copy(
 def memory_tracker_install() -> None:
     """Installs the counting CPU allocator (stays installed)."""
 
-def memory_stats() -> dict[str, int]:
-    """``live_bytes``, ``peak_bytes`` and ``allocations`` of the counting allocator."""
+class MemoryStats:
+    """What the counting CPU allocator counted (picklable)."""
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes of counted storages alive now."""
+    @property
+    def peak_bytes(self) -> int:
+        """Most live bytes since install or the last :func:`memory_reset_peak`."""
+    @property
+    def allocations(self) -> int:
+        """Storages counted since install."""
+    def __getstate__(self) -> tuple[int, int, int]: ...
+    def __setstate__(self, state: tuple[int, int, int], /) -> None: ...
+
+def memory_stats() -> MemoryStats:
+    """The counting allocator's counts now; ``RuntimeError`` unless it is installed."""
 
 def memory_reset_peak() -> None:
     """Sets the counted peak to the live bytes now."""

@@ -148,8 +148,8 @@ class _WorkingSets:
             self._reset = lambda: torch.cuda.reset_peak_memory_stats(device)
         else:
             _C.memory_tracker_install()
-            self._live = lambda: _C.memory_stats()["live_bytes"]
-            self._peak = lambda: _C.memory_stats()["peak_bytes"]
+            self._live = lambda: _C.memory_stats().live_bytes
+            self._peak = lambda: _C.memory_stats().peak_bytes
             self._reset = _C.memory_reset_peak
         self.bytes: dict[str, int] = {}
         self._open: dict[str, list[int]] = {}  # region -> [live at open, peak seen]
