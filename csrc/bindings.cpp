@@ -144,6 +144,7 @@ PYBIND11_MODULE(_C, m) {
       "The sum of every rank's tensor, all-reduced on a buffer that never reaches Python.");
 
   m.attr("RECV_LOOKAHEAD") = kRecvLookahead;
+  m.attr("DEFAULT_TIMEOUT_MS") = kDefaultTimeoutMs;
   py::class_<WeightWork>(m, "WeightWork",
                          "What a split backward's W runs for one microbatch of a stage "
                          "(from input_gradients).")

@@ -193,6 +193,9 @@ def tied_weight_tag(tie: int) -> int:
 RECV_LOOKAHEAD: int
 """Receive actions a rank posts ahead of the one it waits on."""
 
+DEFAULT_TIMEOUT_MS: int
+"""How long a transfer waits when no timeout is given (the engine's and the ops' default)."""
+
 def peak_receive_buffers(schedule: Schedule) -> list[int]:
     """Per rank, the most receive buffers alive at once during a step (the engine's rule)."""
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.fx.node import has_side_effect
 
-from pippy_xla._native import _C  # noqa: F401  (registers the ops)
+from pippy_xla._native import _C  # registers the ops
 
 __all__ = [
     "group_name_of",
@@ -155,7 +155,7 @@ def recv(
     return _ops.recv(dep, list(shape), dtype, torch.device(device), peer, tag, group_name)
 
 
-def wait_send(token: torch.Tensor, timeout_ms: int = 300_000) -> torch.Tensor:
+def wait_send(token: torch.Tensor, timeout_ms: int = _C.DEFAULT_TIMEOUT_MS) -> torch.Tensor:
     """Waits for the send behind ``token``; returns a completion token."""
     return _ops.wait_send(token, timeout_ms)
 
@@ -165,13 +165,15 @@ def wait_recv(
     shape: Sequence[int],
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
-    timeout_ms: int = 300_000,
+    timeout_ms: int = _C.DEFAULT_TIMEOUT_MS,
 ) -> torch.Tensor:
     """Waits for the receive behind ``token``; returns the received tensor."""
     return _ops.wait_recv(token, list(shape), dtype, torch.device(device), timeout_ms)
 
 
-def send_wait(x: torch.Tensor, peer: int, tag: int, group_name: str, timeout_ms: int = 300_000):
+def send_wait(
+    x: torch.Tensor, peer: int, tag: int, group_name: str, timeout_ms: int = _C.DEFAULT_TIMEOUT_MS
+):
     """Sends ``x`` to ``peer`` and waits; returns a 0-d float sink whose gradient flows back
     as a receive of ``x``'s gradient from ``peer``."""
     return _ops.send_wait(x, peer, tag, group_name, timeout_ms)
@@ -185,7 +187,7 @@ def recv_wait(
     group_name: str,
     device: torch.device | str = "cpu",
     anchor: torch.Tensor | None = None,
-    timeout_ms: int = 300_000,
+    timeout_ms: int = _C.DEFAULT_TIMEOUT_MS,
 ) -> torch.Tensor:
     """Receives a tensor from ``peer`` and waits. With an ``anchor`` that requires grad, the
     result requires grad and its gradient is sent back to ``peer`` in backward."""
