@@ -88,6 +88,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("default_chunks", &default_chunks, py::arg("name"));
   m.def("stage_rank", &stage_rank, py::arg("stage"), py::arg("num_ranks"));
   m.def("check_stage_count", &check_stage_count, py::arg("num_layers"), py::arg("num_stages"));
+  m.def("balanced_ranges", &balanced_ranges, py::arg("num_layers"), py::arg("num_stages"),
+        "Contiguous layer ranges (start, stop) whose sizes differ by at most one (earlier stages "
+        "get more); ValueError as check_stage_count.");
   m.attr("TIED_WEIGHT_TAG_BASE") = kTiedWeightTagBase;
   m.def("tied_weight_tag", &tied_weight_tag, py::arg("tie"));
 

@@ -214,6 +214,20 @@ void check_stage_count(int64_t num_layers, int64_t num_stages) {
       " decoder layers; use at most ", num_layers, " stages (ranks x chunks)");
 }
 
+std::vector<std::pair<int32_t, int32_t>> balanced_ranges(int32_t num_layers, int32_t num_stages) {
+  check_stage_count(num_layers, num_stages);
+  TORCH_CHECK_VALUE(num_stages >= 1, "need at least one stage, got ", num_stages);
+  const int32_t base = num_layers / num_stages, extra = num_layers % num_stages;
+  std::vector<std::pair<int32_t, int32_t>> out;
+  int32_t start = 0;
+  for (int32_t s = 0; s < num_stages; ++s) {
+    const int32_t stop = start + base + (s < extra ? 1 : 0);
+    out.emplace_back(start, stop);
+    start = stop;
+  }
+  return out;
+}
+
 Schedule make_schedule(const std::string& name, int32_t num_ranks, int32_t num_microbatches,
                        int32_t chunks) {
   const bool multi = name == "interleaved" || name == "forward";

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <variant>
 #include <vector>
 
@@ -71,6 +72,9 @@ int32_t stage_rank(int32_t stage, int32_t num_ranks);
 // Throws c10::ValueError unless `num_layers` decoder layers split into `num_stages` stages of at
 // least one layer each.
 void check_stage_count(int64_t num_layers, int64_t num_stages);
+// Contiguous layer ranges [start, stop) of `num_stages` stages whose sizes differ by at most one
+// (earlier stages get more). Throws c10::ValueError as check_stage_count does, or for no stage.
+std::vector<std::pair<int32_t, int32_t>> balanced_ranges(int32_t num_layers, int32_t num_stages);
 Schedule make_schedule(const std::string& name, int32_t num_ranks, int32_t num_microbatches,
                        int32_t chunks = 1);
 

@@ -144,6 +144,10 @@ def stage_rank(stage: int, num_ranks: int) -> int:
 def check_stage_count(num_layers: int, num_stages: int) -> None:
     """Raises ``ValueError`` unless every one of ``num_stages`` stages gets a layer."""
 
+def balanced_ranges(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+    """Contiguous layer ranges ``(start, stop)`` whose sizes differ by at most one (earlier
+    stages get more); ``ValueError`` as :func:`check_stage_count`, or without stages."""
+
 # ---- activation stash (csrc/stash.h)
 
 class StashSlot:

@@ -24,7 +24,6 @@ from dataclasses import asdict, dataclass, field
 
 from torch import nn
 
-from pippy_xla._build import balanced_ranges
 from pippy_xla._native import _C
 from pippy_xla.cost_model import (
     PLANNED_SCHEDULES,
@@ -322,7 +321,7 @@ def plan(
                 f"schedule {schedule!r} with {chunks} stages per rank runs equal layer ranges, "
                 f"and {len(profile.layers)} layers do not split into {num_stages} equal stages"
             )
-        ranges = balanced_ranges(len(profile.layers), num_stages)
+        ranges = _C.balanced_ranges(len(profile.layers), num_stages)
     problem = profile.problem(
         schedule,
         num_stages,
