@@ -619,6 +619,7 @@ def profile_model(
         ),
         shared_saved_bytes=shared,
         boundary_bytes=state["boundary"],
+        batch_bytes_per_row=sum(t[0].numel() * t.element_size() for t in batch.values()),
         microbatch_size=microbatch_size,
         seq_len=seq_len,
         dtype=str(dtype),
