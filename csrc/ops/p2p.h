@@ -53,7 +53,6 @@ class Transfer {
   Transfer& operator=(const Transfer&) = delete;
   ~Transfer();
 
-  bool valid() const { return static_cast<bool>(work_); }
   bool completed() const;
   // Waits up to `timeout`; on failure throws a TransferError that starts with `what` (which
   // names rank, stage, microbatch and action). Returns the tensor (the received data for a
