@@ -85,7 +85,7 @@ def _run(rank, world, args, plan_json):
         pipe.run_train(**batch)
         sync()
         times.append(time.perf_counter() - t)
-    peak = torch.cuda.max_memory_allocated() if cuda else _C.memory_stats()["peak_bytes"]
+    peak = torch.cuda.max_memory_allocated() if cuda else _C.memory_stats().peak_bytes
     return {"peak_measured": int(peak), "step_measured_s": statistics.median(times), "steps": times}
 
 

@@ -56,13 +56,13 @@ def _measure(rank, world, args, plan_json):
 
     for _ in range(args.warmup):
         step()
-    static = _C.memory_stats()["live_bytes"]
+    static = _C.memory_stats().live_bytes
     _C.memory_reset_peak()
     pipe.run_train(**batch)
-    peak = _C.memory_stats()["peak_bytes"]
+    peak = _C.memory_stats().peak_bytes
     _C.memory_reset_peak()
     opt.step()
-    peak_optimizer = _C.memory_stats()["peak_bytes"]
+    peak_optimizer = _C.memory_stats().peak_bytes
     return {"static_measured": static, "peak_measured": peak, "peak_optimizer": peak_optimizer}
 
 

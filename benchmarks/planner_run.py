@@ -84,7 +84,7 @@ def _worker(rank, world, args, variants):
         _C.memory_reset_peak()
         step(pipe, opt)
         per_rank = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
-        dist.all_gather(per_rank, torch.tensor([_C.memory_stats()["peak_bytes"]]))
+        dist.all_gather(per_rank, torch.tensor([_C.memory_stats().peak_bytes]))
         results[name] = dict(peak_bytes=[int(x) for x in per_rank])
         del pipe, opt
         gc.collect()  # the next variant's peak must not count this one's tensors

@@ -2,8 +2,6 @@
 #include <pybind11/operators.h>
 #include <torch/extension.h>
 
-#include <optional>
-
 #include "engine.h"
 #include "memory.h"
 #include "planner.h"
@@ -15,19 +13,6 @@ namespace py = pybind11;
 using namespace pippy_xla;
 
 namespace {
-
-Op parse_op(const std::string& name) {
-  for (Op op : {Op::F, Op::B, Op::W, Op::SEND_F, Op::RECV_F, Op::SEND_B, Op::RECV_B})
-    if (name == op_name(op)) return op;
-  TORCH_CHECK(false, "unknown action '", name, "'; expected one of F B W SF RF SB RB");
-}
-
-// An Action, or an (op, stage, microbatch) tuple as schedule tables are written.
-Action to_action(const py::handle& h) {
-  if (py::isinstance<Action>(h)) return h.cast<Action>();
-  auto [op, stage, mb] = h.cast<std::tuple<std::string, int32_t, int32_t>>();
-  return {parse_op(op), stage, mb};
-}
 
 // The fields of `T::action` (op, stage, mb) as fields of `T`.
 template <typename T>
@@ -43,10 +28,7 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "pippy_xla C++ core: schedules, stash, engine, planner (see _C.pyi for the types)";
 
   py::class_<Action>(m, "Action", "One action of a rank's list: op, stage and microbatch.")
-      .def(py::init([](const std::string& op, int32_t stage, int32_t mb) {
-             return Action{parse_op(op), stage, mb};
-           }),
-           py::arg("op"), py::arg("stage"), py::arg("mb"))
+      .def(py::init(&parse_action), py::arg("op"), py::arg("stage"), py::arg("mb"))
       .def_property_readonly("op", [](const Action& a) { return op_name(a.op); })
       .def_readonly("stage", &Action::stage)
       .def_readonly("mb", &Action::mb)
@@ -72,28 +54,12 @@ PYBIND11_MODULE(_C, m) {
                     "stage of the rank, [forwarded not backwarded, backwarded not weighted, "
                     "running split B] each (see [Note: live states])");
 
+  const Schedule schedule_defaults;
   py::class_<Schedule>(m, "Schedule")
-      .def(py::init([](std::string name, int32_t num_ranks, int32_t num_microbatches,
-                       std::vector<int32_t> stage_rank,
-                       const std::vector<std::vector<py::object>>& actions, bool backward,
-                       bool split_backward) {
-             Schedule s;
-             s.name = std::move(name);
-             s.num_ranks = num_ranks;
-             s.num_stages = static_cast<int32_t>(stage_rank.size());
-             s.num_microbatches = num_microbatches;
-             s.stage_rank = std::move(stage_rank);
-             s.backward = backward;
-             s.split_backward = split_backward;
-             for (const auto& rank : actions) {
-               s.actions.emplace_back();
-               for (const auto& a : rank) s.actions.back().push_back(to_action(a));
-             }
-             return s;
-           }),
-           py::arg("name"), py::arg("num_ranks"), py::arg("num_microbatches"),
-           py::arg("stage_rank"), py::arg("actions"), py::arg("backward") = true,
-           py::arg("split_backward") = false)
+      .def(py::init(&Schedule::from_parts), py::arg("name"), py::arg("num_ranks"),
+           py::arg("num_microbatches"), py::arg("stage_rank"), py::arg("actions"),
+           py::arg("backward") = schedule_defaults.backward,
+           py::arg("split_backward") = schedule_defaults.split_backward)
       .def_readonly("name", &Schedule::name)
       .def_readonly("num_ranks", &Schedule::num_ranks)
       .def_readonly("num_stages", &Schedule::num_stages)
@@ -113,7 +79,7 @@ PYBIND11_MODULE(_C, m) {
                 s, Costs{std::move(forward), std::move(backward), std::move(weight), comm});
           },
           py::arg("forward") = std::vector<double>{}, py::arg("backward") = std::vector<double>{},
-          py::arg("weight") = std::vector<double>{}, py::arg("comm") = 0.0);
+          py::arg("weight") = std::vector<double>{}, py::arg("comm") = Costs{}.comm);
 
   m.def("make_schedule", &make_schedule, py::arg("name"), py::arg("num_ranks"),
         py::arg("num_microbatches"), py::arg("chunks") = 1);
@@ -122,6 +88,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("default_chunks", &default_chunks, py::arg("name"));
   m.def("stage_rank", &stage_rank, py::arg("stage"), py::arg("num_ranks"));
   m.def("check_stage_count", &check_stage_count, py::arg("num_layers"), py::arg("num_stages"));
+  m.def("balanced_ranges", &balanced_ranges, py::arg("num_layers"), py::arg("num_stages"),
+        "Contiguous layer ranges (start, stop) whose sizes differ by at most one (earlier stages "
+        "get more); ValueError as check_stage_count.");
   m.attr("TIED_WEIGHT_TAG_BASE") = kTiedWeightTagBase;
   m.def("tied_weight_tag", &tied_weight_tag, py::arg("tie"));
 
@@ -178,47 +147,40 @@ PYBIND11_MODULE(_C, m) {
       "The sum of every rank's tensor, all-reduced on a buffer that never reaches Python.");
 
   m.attr("RECV_LOOKAHEAD") = kRecvLookahead;
+  m.attr("DEFAULT_TIMEOUT_MS") = kDefaultTimeoutMs;
   py::class_<WeightWork>(m, "WeightWork",
                          "What a split backward's W runs for one microbatch of a stage "
                          "(from input_gradients).")
       .def("run", &weight_gradients, py::call_guard<py::gil_scoped_release>(),
            "W: accumulates the weight gradients into the parameters' .grad (once).");
-  m.def(
-      "input_gradients",
-      [](const std::vector<at::Tensor>& roots, const std::vector<at::Tensor>& grads,
-         const std::vector<at::Tensor>& leaves) {
-        TORCH_CHECK_VALUE(!leaves.empty() && roots.size() == grads.size(),
-                          "input_gradients: need leaves, and one gradient per root");
-        auto work = std::make_unique<WeightWork>();
-        std::vector<at::Tensor> out;
-        {
-          py::gil_scoped_release no_gil;
-          out = input_gradients(roots, grads, leaves, *work);
-        }
-        return py::make_tuple(out, std::move(work));
-      },
-      py::arg("roots"), py::arg("grads"), py::arg("leaves"),
-      "B of a split backward, as the engine runs it for zbh1: the gradients of `leaves` from "
-      "`roots` with incoming `grads`, and the WeightWork W runs later (see [Note: split "
-      "backward] in csrc/split_backward.cpp). The profiler measures W's time and what a "
-      "microbatch keeps from B to W with it.");
+  m.def("input_gradients",
+        py::overload_cast<const std::vector<at::Tensor>&, const std::vector<at::Tensor>&,
+                          const std::vector<at::Tensor>&>(&input_gradients),
+        py::arg("roots"), py::arg("grads"), py::arg("leaves"),
+        py::call_guard<py::gil_scoped_release>(),
+        "B of a split backward, as the engine runs it for zbh1: the gradients of `leaves` from "
+        "`roots` with incoming `grads`, and the WeightWork W runs later (see [Note: split "
+        "backward] in csrc/split_backward.cpp). The profiler measures W's time and what a "
+        "microbatch keeps from B to W with it.");
   m.def("peak_receive_buffers", &peak_receive_buffers, py::arg("schedule"),
         "Per rank, the most receive buffers alive at once during a step (a replay of the "
         "engine's posting rule; see [Note: receives posted ahead]).");
   // See [Note: counting CPU allocator] in memory.h.
   m.def("memory_tracker_install", &MemoryTracker::install,
         "Installs the counting CPU allocator (for tests and benchmarks; stays installed).");
-  m.def("memory_stats", [] {
-    if (!MemoryTracker::installed())
-      throw std::runtime_error(
-          "the CPU memory tracker is not installed: call _C.memory_tracker_install() first");
-    const MemoryStats s = MemoryTracker::stats();
-    py::dict d;
-    d["live_bytes"] = s.live_bytes;
-    d["peak_bytes"] = s.peak_bytes;
-    d["allocations"] = s.allocations;
-    return d;
-  });
+  py::class_<MemoryStats>(m, "MemoryStats", "What the counting CPU allocator counted.")
+      .def_readonly("live_bytes", &MemoryStats::live_bytes)
+      .def_readonly("peak_bytes", &MemoryStats::peak_bytes)
+      .def_readonly("allocations", &MemoryStats::allocations)
+      .def(py::pickle(  // results of spawned test processes travel pickled
+          [](const MemoryStats& s) {
+            return py::make_tuple(s.live_bytes, s.peak_bytes, s.allocations);
+          },
+          [](const py::tuple& t) {
+            return MemoryStats{t[0].cast<int64_t>(), t[1].cast<int64_t>(), t[2].cast<int64_t>()};
+          }));
+  m.def("memory_stats", &MemoryTracker::stats,
+        "The counting allocator's counts now (RuntimeError unless installed).");
   m.def("memory_reset_peak", &MemoryTracker::reset_peak,
         "Sets the counted peak to the live bytes now.");
 
@@ -242,7 +204,7 @@ PYBIND11_MODULE(_C, m) {
                  EngineOptions{std::move(group_name), timeout_ms, c10::Device(device)});
            }),
            py::arg("schedule"), py::arg("group_name"), py::arg("timeout_ms"),
-           py::arg("device") = "cpu")
+           py::arg("device") = EngineOptions{}.device.str())
       .def(
           "run",
           [](Engine& e, int64_t signature, py::function forward, py::object grads_ready) {
@@ -284,34 +246,18 @@ PYBIND11_MODULE(_C, m) {
 
   // Planner types: the structs of planner.h with their field names, keyword-only constructors.
   // The Python planner uses these classes (pippy_xla/cost_model.py re-exports them).
+  const LayerCost layer_defaults;
   py::class_<LayerCost>(m, "LayerCost",
                         "Per-microbatch cost of one decoder layer (see [Note: planner cost "
                         "model] in csrc/planner.h).")
-      .def(py::init([](double fwd, double bwd, std::optional<double> recompute, int64_t saved_bytes,
-                       int64_t saved_bytes_ckpt, int64_t static_bytes, int64_t transient_bytes,
-                       double weight, std::optional<double> weight_ckpt, int64_t weight_bytes,
-                       std::optional<int64_t> weight_bytes_ckpt, int64_t recorded_bytes,
-                       int64_t split_transient_bytes) {
-             return LayerCost{fwd,
-                              bwd,
-                              recompute.value_or(fwd),
-                              saved_bytes,
-                              saved_bytes_ckpt,
-                              static_bytes,
-                              transient_bytes,
-                              weight,
-                              weight_ckpt.value_or(weight),
-                              weight_bytes,
-                              weight_bytes_ckpt.value_or(weight_bytes),
-                              recorded_bytes,
-                              split_transient_bytes};
-           }),
-           py::kw_only(), py::arg("fwd"), py::arg("bwd"), py::arg("recompute") = py::none(),
-           py::arg("saved_bytes"), py::arg("saved_bytes_ckpt"), py::arg("static_bytes"),
-           py::arg("transient_bytes") = 0, py::arg("weight") = 0.0,
-           py::arg("weight_ckpt") = py::none(), py::arg("weight_bytes") = 0,
-           py::arg("weight_bytes_ckpt") = py::none(), py::arg("recorded_bytes") = 0,
-           py::arg("split_transient_bytes") = 0)
+      .def(py::init(&make_layer_cost), py::kw_only(), py::arg("fwd"), py::arg("bwd"),
+           py::arg("recompute") = py::none(), py::arg("saved_bytes"), py::arg("saved_bytes_ckpt"),
+           py::arg("static_bytes"), py::arg("transient_bytes") = layer_defaults.transient_bytes,
+           py::arg("weight") = layer_defaults.weight, py::arg("weight_ckpt") = py::none(),
+           py::arg("weight_bytes") = layer_defaults.weight_bytes,
+           py::arg("weight_bytes_ckpt") = py::none(),
+           py::arg("recorded_bytes") = layer_defaults.recorded_bytes,
+           py::arg("split_transient_bytes") = layer_defaults.split_transient_bytes)
       .def_readwrite("fwd", &LayerCost::fwd)
       .def_readwrite("bwd", &LayerCost::bwd)
       .def_readwrite("recompute", &LayerCost::recompute)
@@ -325,32 +271,23 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("weight_bytes_ckpt", &LayerCost::weight_bytes_ckpt)
       .def_readwrite("recorded_bytes", &LayerCost::recorded_bytes)
       .def_readwrite("split_transient_bytes", &LayerCost::split_transient_bytes)
-      .def("__repr__", [](const LayerCost& l) {
-        return c10::str("LayerCost(fwd=", l.fwd, ", bwd=", l.bwd, ", recompute=", l.recompute,
-                        ", saved_bytes=", l.saved_bytes, ", saved_bytes_ckpt=", l.saved_bytes_ckpt,
-                        ", static_bytes=", l.static_bytes, ", transient_bytes=", l.transient_bytes,
-                        ", weight=", l.weight, ", weight_ckpt=", l.weight_ckpt,
-                        ", weight_bytes=", l.weight_bytes,
-                        ", weight_bytes_ckpt=", l.weight_bytes_ckpt,
-                        ", recorded_bytes=", l.recorded_bytes,
-                        ", split_transient_bytes=", l.split_transient_bytes, ")");
-      });
+      .def("__repr__", py::overload_cast<const LayerCost&>(&to_string));
+  const StageExtra extra_defaults;
   py::class_<StageExtra>(m, "StageExtra",
                          "Per-microbatch cost a stage has besides its layers (prologue, "
                          "epilogue, shared tensors, transfer buffers).")
-      .def(py::init([](double fwd, double bwd, int64_t saved_bytes, int64_t static_bytes,
-                       int64_t transient_bytes, int64_t buffer_bytes, double weight,
-                       int64_t weight_bytes, int64_t recorded_bytes, int64_t split_transient_bytes,
-                       bool split_backward) {
-             return StageExtra{
-                 fwd,           bwd,    saved_bytes,  static_bytes,   transient_bytes,
-                 buffer_bytes,  weight, weight_bytes, recorded_bytes, split_transient_bytes,
-                 split_backward};
-           }),
-           py::kw_only(), py::arg("fwd") = 0.0, py::arg("bwd") = 0.0, py::arg("saved_bytes") = 0,
-           py::arg("static_bytes") = 0, py::arg("transient_bytes") = 0, py::arg("buffer_bytes") = 0,
-           py::arg("weight") = 0.0, py::arg("weight_bytes") = 0, py::arg("recorded_bytes") = 0,
-           py::arg("split_transient_bytes") = 0, py::arg("split_backward") = false)
+      .def(py::init<double, double, int64_t, int64_t, int64_t, int64_t, double, int64_t, int64_t,
+                    int64_t, bool>(),
+           py::kw_only(), py::arg("fwd") = extra_defaults.fwd, py::arg("bwd") = extra_defaults.bwd,
+           py::arg("saved_bytes") = extra_defaults.saved_bytes,
+           py::arg("static_bytes") = extra_defaults.static_bytes,
+           py::arg("transient_bytes") = extra_defaults.transient_bytes,
+           py::arg("buffer_bytes") = extra_defaults.buffer_bytes,
+           py::arg("weight") = extra_defaults.weight,
+           py::arg("weight_bytes") = extra_defaults.weight_bytes,
+           py::arg("recorded_bytes") = extra_defaults.recorded_bytes,
+           py::arg("split_transient_bytes") = extra_defaults.split_transient_bytes,
+           py::arg("split_backward") = extra_defaults.split_backward)
       .def_readwrite("fwd", &StageExtra::fwd)
       .def_readwrite("bwd", &StageExtra::bwd)
       .def_readwrite("saved_bytes", &StageExtra::saved_bytes)
@@ -362,33 +299,22 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("recorded_bytes", &StageExtra::recorded_bytes)
       .def_readwrite("split_transient_bytes", &StageExtra::split_transient_bytes)
       .def_readwrite("split_backward", &StageExtra::split_backward)
-      .def("__repr__", [](const StageExtra& e) {
-        return c10::str("StageExtra(fwd=", e.fwd, ", bwd=", e.bwd, ", saved_bytes=", e.saved_bytes,
-                        ", static_bytes=", e.static_bytes, ", transient_bytes=", e.transient_bytes,
-                        ", buffer_bytes=", e.buffer_bytes, ", weight=", e.weight,
-                        ", weight_bytes=", e.weight_bytes, ", recorded_bytes=", e.recorded_bytes,
-                        ", split_transient_bytes=", e.split_transient_bytes,
-                        ", split_backward=", e.split_backward, ")");
-      });
+      .def("__repr__", py::overload_cast<const StageExtra&>(&to_string));
   // A list field reads as a copy (pybind11 converts vectors): assign a whole new list to change
   // it; an in-place edit such as `problem.layers.append(x)` changes only the copy.
+  const PlanProblem problem_defaults;
   py::class_<PlanProblem>(m, "PlanProblem",
                           "Solver input: layers, per-stage extras, the stages' devices, the "
                           "schedule's live states and memory limits per device, and optionally "
                           "given layer ranges.")
-      .def(py::init([](std::vector<LayerCost> layers, std::vector<StageExtra> extras,
-                       std::vector<std::vector<std::vector<std::vector<int32_t>>>> live_states,
-                       std::vector<int64_t> memory_limit, std::vector<int32_t> stage_device,
-                       std::vector<std::pair<int32_t, int32_t>> ranges, bool allow_checkpoint) {
-             return PlanProblem{std::move(layers),       std::move(extras),
-                                std::move(stage_device), std::move(live_states),
-                                std::move(memory_limit), std::move(ranges),
-                                allow_checkpoint};
-           }),
+      .def(py::init<std::vector<LayerCost>, std::vector<StageExtra>,
+                    std::vector<std::vector<std::vector<std::vector<int32_t>>>>,
+                    std::vector<int64_t>, std::vector<int32_t>,
+                    std::vector<std::pair<int32_t, int32_t>>, bool>(),
            py::kw_only(), py::arg("layers"), py::arg("extras"), py::arg("live_states"),
-           py::arg("memory_limit"), py::arg("stage_device") = std::vector<int32_t>{},
-           py::arg("ranges") = std::vector<std::pair<int32_t, int32_t>>{},
-           py::arg("allow_checkpoint") = true)
+           py::arg("memory_limit"), py::arg("stage_device") = problem_defaults.stage_device,
+           py::arg("ranges") = problem_defaults.ranges,
+           py::arg("allow_checkpoint") = problem_defaults.allow_checkpoint)
       .def_readwrite("layers", &PlanProblem::layers)
       .def_readwrite("extras", &PlanProblem::extras)
       .def_readwrite("stage_device", &PlanProblem::stage_device)

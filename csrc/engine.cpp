@@ -1,3 +1,13 @@
+// Engine::run, the per-step loop of engine.h: walks this rank's action list, posts receives in
+// order and a few ahead of a blocked wait ([Note: receives posted ahead]), posts sends
+// asynchronously and drops them once causally complete ([Note: send release]), calls the stage's
+// forward on F and stashes what B needs, runs B (and W) with the C++ autograd API, reports a
+// stage's gradients ready early ([Note: gradients ready]), and turns a failure into a Failure
+// that abort() can also cause. Also peak_receive_buffers, the replay of the receive posting rule
+// that the planner counts buffers with. What the engine builds on lives beside it: the boundary
+// header protocol in boundary.cpp ([Note: boundary specs] in boundary.h), the split backward of
+// zero-bubble schedules in split_backward.cpp ([Note: split backward]), the transfers in
+// ops/p2p.cpp ([Note: one send/recv implementation] in ops/p2p.h).
 #include "engine.h"
 
 #include <ATen/ops/empty.h>

@@ -54,7 +54,7 @@ using GradsReadyFn = std::function<void(int64_t)>;
 
 struct EngineOptions {
   std::string group_name;
-  int64_t timeout_ms = 300000;
+  int64_t timeout_ms = kDefaultTimeoutMs;
   c10::Device device = c10::Device(c10::kCPU);
 };
 

@@ -2,6 +2,7 @@
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/util/Exception.h>
 
 #include <atomic>
 #include <mutex>
@@ -69,7 +70,11 @@ void MemoryTracker::install() {
 
 bool MemoryTracker::installed() { return is_installed; }
 
-MemoryStats MemoryTracker::stats() { return {live.load(), peak.load(), count.load()}; }
+MemoryStats MemoryTracker::stats() {
+  TORCH_CHECK(installed(),
+              "the CPU memory tracker is not installed: call _C.memory_tracker_install() first");
+  return {live.load(), peak.load(), count.load()};
+}
 
 void MemoryTracker::reset_peak() { peak = live.load(); }
 

@@ -29,6 +29,7 @@ class MemoryTracker {
   // Installs the counting allocator as c10's CPU allocator (idempotent).
   static void install();
   static bool installed();
+  // Throws c10::Error unless installed.
   static MemoryStats stats();
   // Sets the peak to the live bytes now.
   static void reset_peak();

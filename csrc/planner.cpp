@@ -393,6 +393,45 @@ std::optional<std::vector<std::vector<int32_t>>> solve_given_ranges(const PlanPr
 
 }  // namespace
 
+LayerCost make_layer_cost(double fwd, double bwd, std::optional<double> recompute,
+                          int64_t saved_bytes, int64_t saved_bytes_ckpt, int64_t static_bytes,
+                          int64_t transient_bytes, double weight, std::optional<double> weight_ckpt,
+                          int64_t weight_bytes, std::optional<int64_t> weight_bytes_ckpt,
+                          int64_t recorded_bytes, int64_t split_transient_bytes) {
+  return LayerCost{fwd,
+                   bwd,
+                   recompute.value_or(fwd),
+                   saved_bytes,
+                   saved_bytes_ckpt,
+                   static_bytes,
+                   transient_bytes,
+                   weight,
+                   weight_ckpt.value_or(weight),
+                   weight_bytes,
+                   weight_bytes_ckpt.value_or(weight_bytes),
+                   recorded_bytes,
+                   split_transient_bytes};
+}
+
+std::string to_string(const LayerCost& l) {
+  return c10::str("LayerCost(fwd=", l.fwd, ", bwd=", l.bwd, ", recompute=", l.recompute,
+                  ", saved_bytes=", l.saved_bytes, ", saved_bytes_ckpt=", l.saved_bytes_ckpt,
+                  ", static_bytes=", l.static_bytes, ", transient_bytes=", l.transient_bytes,
+                  ", weight=", l.weight, ", weight_ckpt=", l.weight_ckpt,
+                  ", weight_bytes=", l.weight_bytes, ", weight_bytes_ckpt=", l.weight_bytes_ckpt,
+                  ", recorded_bytes=", l.recorded_bytes,
+                  ", split_transient_bytes=", l.split_transient_bytes, ")");
+}
+
+std::string to_string(const StageExtra& e) {
+  return c10::str("StageExtra(fwd=", e.fwd, ", bwd=", e.bwd, ", saved_bytes=", e.saved_bytes,
+                  ", static_bytes=", e.static_bytes, ", transient_bytes=", e.transient_bytes,
+                  ", buffer_bytes=", e.buffer_bytes, ", weight=", e.weight,
+                  ", weight_bytes=", e.weight_bytes, ", recorded_bytes=", e.recorded_bytes,
+                  ", split_transient_bytes=", e.split_transient_bytes,
+                  ", split_backward=", e.split_backward, ")");
+}
+
 std::vector<StageEval> evaluate_plan(const PlanProblem& p,
                                      const std::vector<std::pair<int32_t, int32_t>>& ranges,
                                      const std::vector<std::vector<int32_t>>& checkpoint) {

@@ -79,13 +79,15 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
 namespace pippy_xla {
 
-// Bound to Python with these field names (csrc/bindings.cpp, pippy_xla/_C.pyi); the Python
-// planner uses the bound classes, so there is one definition of each.
+// Bound to Python with these field names and defaults (csrc/bindings.cpp, pippy_xla/_C.pyi); the
+// Python planner uses the bound classes, so there is one definition of each.
 struct LayerCost {
   double fwd = 0.0;               // forward time
   double bwd = 0.0;               // backward time (without recomputation)
@@ -102,6 +104,16 @@ struct LayerCost {
   int64_t split_transient_bytes = 0;  // a split B's working set on top of what it records
 };
 
+// A LayerCost from its fields, those not given (nullopt) derived from the others: recompute is
+// fwd (a checkpointed layer runs its forward once more), weight_ckpt is weight and
+// weight_bytes_ckpt is weight_bytes (checkpointing changes nothing of W). A default-constructed
+// LayerCost follows the same rule. Bound as LayerCost's constructor, in this argument order.
+LayerCost make_layer_cost(double fwd, double bwd, std::optional<double> recompute,
+                          int64_t saved_bytes, int64_t saved_bytes_ckpt, int64_t static_bytes,
+                          int64_t transient_bytes, double weight, std::optional<double> weight_ckpt,
+                          int64_t weight_bytes, std::optional<int64_t> weight_bytes_ckpt,
+                          int64_t recorded_bytes, int64_t split_transient_bytes);
+
 struct StageExtra {
   double fwd = 0.0;
   double bwd = 0.0;
@@ -116,16 +128,19 @@ struct StageExtra {
   bool split_backward = false;        // the stage runs B and W apart (see the cost model)
 };
 
+std::string to_string(const LayerCost& l);
+std::string to_string(const StageExtra& e);
+
 struct PlanProblem {
   std::vector<LayerCost> layers;
-  std::vector<StageExtra> extras;     // per stage
-  std::vector<int32_t> stage_device;  // per stage: its device (empty: stage s on device s)
+  std::vector<StageExtra> extras;  // per stage
   // Per device, per stage of the device (ascending): the schedule's live states while that stage
   // computes, each kLiveCounts counts per stage of the device: [forwarded not backwarded,
   // backwarded not weighted, running split B] (SimResult::live_states, [Note: live states] in
   // schedule.h).
   std::vector<std::vector<std::vector<std::vector<int32_t>>>> live_states;
   std::vector<int64_t> memory_limit;  // per device
+  std::vector<int32_t> stage_device;  // per stage: its device (empty: stage s on device s)
   // Given layer ranges (one per stage); empty: the solver chooses them (one stage per device).
   std::vector<std::pair<int32_t, int32_t>> ranges;
   bool allow_checkpoint = true;

@@ -29,10 +29,49 @@ const char* op_name(Op op) {
   return "?";
 }
 
+Op parse_op(const std::string& name) {
+  constexpr Op kOps[] = {Op::F, Op::B, Op::W, Op::SEND_F, Op::RECV_F, Op::SEND_B, Op::RECV_B};
+  std::string names;
+  for (Op op : kOps) {
+    if (name == op_name(op)) return op;
+    names += c10::str(" ", op_name(op));
+  }
+  TORCH_CHECK(false, "unknown action '", name, "'; expected one of", names);
+}
+
+Action parse_action(const std::string& op, int32_t stage, int32_t mb) {
+  return {parse_op(op), stage, mb};
+}
+
+Action to_action(const ActionSpec& spec) {
+  if (const auto* a = std::get_if<Action>(&spec)) return *a;
+  const auto& [op, stage, mb] = std::get<ActionRow>(spec);
+  return parse_action(op, stage, mb);
+}
+
 std::string to_string(const Action& a) {
   std::ostringstream os;
   os << op_name(a.op) << a.stage << "." << a.mb;
   return os.str();
+}
+
+Schedule Schedule::from_parts(std::string name, int32_t num_ranks, int32_t num_microbatches,
+                              std::vector<int32_t> stage_rank,
+                              const std::vector<std::vector<ActionSpec>>& actions, bool backward,
+                              bool split_backward) {
+  Schedule s;
+  s.name = std::move(name);
+  s.num_ranks = num_ranks;
+  s.num_stages = static_cast<int32_t>(stage_rank.size());
+  s.num_microbatches = num_microbatches;
+  s.stage_rank = std::move(stage_rank);
+  s.backward = backward;
+  s.split_backward = split_backward;
+  for (const auto& rank : actions) {
+    s.actions.emplace_back();
+    for (const auto& a : rank) s.actions.back().push_back(to_action(a));
+  }
+  return s;
 }
 
 std::vector<int32_t> Schedule::stages_of(int32_t rank) const {
@@ -173,6 +212,20 @@ void check_stage_count(int64_t num_layers, int64_t num_stages) {
       num_stages <= num_layers, "cannot split ", num_layers, " decoder layers into ", num_stages,
       " stages: every stage needs at least one layer, and the model has only ", num_layers,
       " decoder layers; use at most ", num_layers, " stages (ranks x chunks)");
+}
+
+std::vector<std::pair<int32_t, int32_t>> balanced_ranges(int32_t num_layers, int32_t num_stages) {
+  check_stage_count(num_layers, num_stages);
+  TORCH_CHECK_VALUE(num_stages >= 1, "need at least one stage, got ", num_stages);
+  const int32_t base = num_layers / num_stages, extra = num_layers % num_stages;
+  std::vector<std::pair<int32_t, int32_t>> out;
+  int32_t start = 0;
+  for (int32_t s = 0; s < num_stages; ++s) {
+    const int32_t stop = start + base + (s < extra ? 1 : 0);
+    out.emplace_back(start, stop);
+    start = stop;
+  }
+  return out;
 }
 
 Schedule make_schedule(const std::string& name, int32_t num_ranks, int32_t num_microbatches,

@@ -5,6 +5,9 @@
 
 #include <cstdint>
 #include <string>
+#include <tuple>
+#include <utility>
+#include <variant>
 #include <vector>
 
 namespace pippy_xla {
@@ -23,7 +26,16 @@ struct Action {
 };
 
 const char* op_name(Op op);
+// The op named `name` (op_name's inverse); throws c10::Error naming the valid names otherwise.
+Op parse_op(const std::string& name);
 std::string to_string(const Action& a);
+
+// An action as schedule tables write it: (op name, stage, microbatch).
+using ActionRow = std::tuple<std::string, int32_t, int32_t>;
+Action parse_action(const std::string& op, int32_t stage, int32_t mb);
+// An Action, or a row of a schedule table.
+using ActionSpec = std::variant<Action, ActionRow>;
+Action to_action(const ActionSpec& spec);
 
 struct Schedule {
   std::string name;
@@ -34,6 +46,12 @@ struct Schedule {
   bool split_backward = false;      // B computes input gradients only; W computes weight gradients
   std::vector<int32_t> stage_rank;  // stage -> rank
   std::vector<std::vector<Action>> actions;  // rank -> ordered actions
+
+  // A hand-written schedule: `stage_rank` gives the number of stages.
+  static Schedule from_parts(std::string name, int32_t num_ranks, int32_t num_microbatches,
+                             std::vector<int32_t> stage_rank,
+                             const std::vector<std::vector<ActionSpec>>& actions,
+                             bool backward = true, bool split_backward = false);
 
   std::vector<int32_t> stages_of(int32_t rank) const;
   // One line per rank, e.g. "rank 0: F0.0 SF0.0 F0.1 ..." (stage.microbatch).
@@ -54,6 +72,9 @@ int32_t stage_rank(int32_t stage, int32_t num_ranks);
 // Throws c10::ValueError unless `num_layers` decoder layers split into `num_stages` stages of at
 // least one layer each.
 void check_stage_count(int64_t num_layers, int64_t num_stages);
+// Contiguous layer ranges [start, stop) of `num_stages` stages whose sizes differ by at most one
+// (earlier stages get more). Throws c10::ValueError as check_stage_count does, or for no stage.
+std::vector<std::pair<int32_t, int32_t>> balanced_ranges(int32_t num_layers, int32_t num_stages);
 Schedule make_schedule(const std::string& name, int32_t num_ranks, int32_t num_microbatches,
                        int32_t chunks = 1);
 

@@ -186,6 +186,8 @@ void finish(WeightWork& work) {
 std::vector<at::Tensor> input_gradients(const std::vector<at::Tensor>& roots,
                                         const std::vector<at::Tensor>& grads,
                                         const std::vector<at::Tensor>& leaves, WeightWork& work) {
+  TORCH_CHECK_VALUE(!leaves.empty() && roots.size() == grads.size(),
+                    "input_gradients: need leaves, and one gradient per root");
   prepare(roots, grads, leaves, work);
   // Input gradients only: autograd runs just the nodes on paths to the stage inputs and skips
   // their weight-gradient outputs; the frontier hooks record what W needs.
@@ -193,6 +195,14 @@ std::vector<at::Tensor> input_gradients(const std::vector<at::Tensor>& roots,
                                            /*create_graph=*/false, /*allow_unused=*/true);
   finish(work);
   return input_grads;
+}
+
+std::pair<std::vector<at::Tensor>, std::unique_ptr<WeightWork>> input_gradients(
+    const std::vector<at::Tensor>& roots, const std::vector<at::Tensor>& grads,
+    const std::vector<at::Tensor>& leaves) {
+  auto work = std::make_unique<WeightWork>();
+  auto out = input_gradients(roots, grads, leaves, *work);
+  return {std::move(out), std::move(work)};
 }
 
 void weight_gradients(WeightWork& work) {

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "compat.h"
@@ -29,10 +30,15 @@ struct WeightWork {
 
 // B: the gradients of `leaves` (the stage inputs that require grad) from `roots` with incoming
 // `grads` (undefined for a leaf no root depends on). Fills `work` with what W needs and frees the
-// rest of the graph below `roots`.
+// rest of the graph below `roots`. Throws c10::ValueError without leaves, or unless there is one
+// gradient per root.
 std::vector<at::Tensor> input_gradients(const std::vector<at::Tensor>& roots,
                                         const std::vector<at::Tensor>& grads,
                                         const std::vector<at::Tensor>& leaves, WeightWork& work);
+// The same with a WeightWork of its own, returned with the gradients.
+std::pair<std::vector<at::Tensor>, std::unique_ptr<WeightWork>> input_gradients(
+    const std::vector<at::Tensor>& roots, const std::vector<at::Tensor>& grads,
+    const std::vector<at::Tensor>& leaves);
 
 // W: accumulates the weight gradients B left in `work` into the parameters' `.grad`.
 void weight_gradients(WeightWork& work);

@@ -4,12 +4,31 @@ solver. The ``pippy_xla::send/recv/...`` custom ops are registered with ``torch.
 here (see ``pippy_xla/ops.py``)."""
 
 from collections.abc import Callable, Sequence
+from typing import type_check_only
 
 import torch
+from typing_extensions import Never
+
+# ---- pybind11's classes (stub-only names for what every class of the module derives from)
+
+@type_check_only
+class _pybind11_type(type):
+    """The metaclass of every class of the module (``pybind11_builtins.pybind11_type``)."""
+
+@type_check_only
+class _pybind11_object(metaclass=_pybind11_type):
+    """The base of every class of the module (``pybind11_builtins.pybind11_object``)."""
+
+@type_check_only
+class _NoConstructor(_pybind11_object):
+    """A class whose instances only the module makes: it binds no constructor, and calling the
+    class raises ``TypeError``."""
+
+    def __init__(self, *args: Never, **kwargs: Never) -> None: ...
 
 # ---- schedules (csrc/schedule.h)
 
-class Action:
+class Action(_pybind11_object):
     """One action of a rank's list: op (``F B W SF RF SB RB``), stage and microbatch."""
 
     def __init__(self, op: str, stage: int, mb: int) -> None: ...
@@ -22,10 +41,11 @@ class Action:
     @property
     def mb(self) -> int:
         """The microbatch."""
-    def __eq__(self, other: object) -> bool: ...
+    def __eq__(self, other: object, /) -> bool: ...
     def __hash__(self) -> int: ...
 
-class _ActionFields:
+@type_check_only
+class _ActionFields(_NoConstructor):
     """Stub-only base: the op, stage and microbatch of the action a record is about."""
 
     @property
@@ -51,7 +71,7 @@ class TimedAction(_ActionFields):
     def end(self) -> float:
         """When it ends."""
 
-class SimResult:
+class SimResult(_NoConstructor):
     """What :meth:`Schedule.simulate` predicts."""
 
     @property
@@ -69,11 +89,11 @@ class SimResult:
     @property
     def live_states(self) -> list[list[list[list[int]]]]:
         """Per rank, per stage of the rank (ascending): the states while that stage computes
-        that no other covers, each per stage of the rank: microbatches forwarded and not
-        backwarded, then backwarded and not weighted (see [Note: live states] in
-        csrc/schedule.h)."""
+        that no other covers, each three counts per stage of the rank: microbatches forwarded
+        and not backwarded, backwarded and not weighted, and 1 while a split B runs (see
+        [Note: live states] in csrc/schedule.h)."""
 
-class Schedule:
+class Schedule(_pybind11_object):
     """Every rank's ordered action list, with the stage -> rank map."""
 
     def __init__(
@@ -113,7 +133,7 @@ class Schedule:
         """Every rank's ordered actions."""
     def table(self) -> str:
         """One line per rank, e.g. ``rank 0: F0.0 SF0.0 F0.1 ...`` (stage.microbatch)."""
-    def stages_of(self, rank: int) -> list[int]:
+    def stages_of(self, rank: int, /) -> list[int]:
         """The stages ``rank`` runs, ascending."""
     def validate(self) -> None:
         """Raises ``RuntimeError`` naming the first missing, misplaced or deadlocked action."""
@@ -144,9 +164,13 @@ def stage_rank(stage: int, num_ranks: int) -> int:
 def check_stage_count(num_layers: int, num_stages: int) -> None:
     """Raises ``ValueError`` unless every one of ``num_stages`` stages gets a layer."""
 
+def balanced_ranges(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+    """Contiguous layer ranges ``(start, stop)`` whose sizes differ by at most one (earlier
+    stages get more); ``ValueError`` as :func:`check_stage_count`, or without stages."""
+
 # ---- activation stash (csrc/stash.h)
 
-class StashSlot:
+class StashSlot(_NoConstructor):
     """What the stash keeps of one (stage, microbatch): references, never copies."""
 
     @property
@@ -156,19 +180,19 @@ class StashSlot:
     def outputs(self) -> list[torch.Tensor]:
         """The stage's outputs."""
 
-class Stash:
+class Stash(_pybind11_object):
     """Activations kept for backward, one slot per (stage, microbatch)."""
 
     def __init__(self) -> None: ...
     def push(
-        self, stage: int, mb: int, inputs: list[torch.Tensor], outputs: list[torch.Tensor]
+        self, stage: int, mb: int, inputs: list[torch.Tensor], outputs: list[torch.Tensor], /
     ) -> None:
         """Fills a slot; a full slot is an error."""
-    def pop(self, stage: int, mb: int) -> StashSlot:
+    def pop(self, stage: int, mb: int, /) -> StashSlot:
         """Empties a slot and returns what it held."""
-    def peek(self, stage: int, mb: int) -> StashSlot:
+    def peek(self, stage: int, mb: int, /) -> StashSlot:
         """What a slot holds, left in place."""
-    def contains(self, stage: int, mb: int) -> bool:
+    def contains(self, stage: int, mb: int, /) -> bool:
         """Whether the slot is full."""
     def __len__(self) -> int: ...
     @property
@@ -193,10 +217,13 @@ def tied_weight_tag(tie: int) -> int:
 RECV_LOOKAHEAD: int
 """Receive actions a rank posts ahead of the one it waits on."""
 
+DEFAULT_TIMEOUT_MS: int
+"""How long a transfer waits when no timeout is given (the engine's and the ops' default)."""
+
 def peak_receive_buffers(schedule: Schedule) -> list[int]:
     """Per rank, the most receive buffers alive at once during a step (the engine's rule)."""
 
-class WeightWork:
+class WeightWork(_NoConstructor):
     """What a split backward's W runs for one microbatch of a stage."""
 
     def run(self) -> None:
@@ -218,7 +245,7 @@ class ActionTiming(_ActionFields):
     def end_ns(self) -> int:
         """End."""
 
-class Failure:
+class Failure(_NoConstructor):
     """Where a failed step failed."""
 
     @property
@@ -237,7 +264,7 @@ class Failure:
     def aborted(self) -> bool:
         """The step was aborted because a peer failed, not by its own error."""
 
-class Engine:
+class Engine(_pybind11_object):
     """Runs one rank's action list of a schedule every step."""
 
     def __init__(
@@ -270,9 +297,9 @@ class Engine:
         """Most bytes the stash held at once since the last reset."""
     def reset_stash_peak(self) -> None:
         """Sets the stash's peak to the bytes held now."""
-    def stash_contains(self, stage: int, mb: int) -> bool:
+    def stash_contains(self, stage: int, mb: int, /) -> bool:
         """Whether the stash holds (stage, mb)."""
-    def stash_peek(self, stage: int, mb: int) -> StashSlot:
+    def stash_peek(self, stage: int, mb: int, /) -> StashSlot:
         """What the stash holds for (stage, mb)."""
 
 # ---- collectives on C++-owned buffers (csrc/ops/p2p.h)
@@ -297,17 +324,30 @@ def all_reduce_sum_copy(
 def memory_tracker_install() -> None:
     """Installs the counting CPU allocator (stays installed)."""
 
-def memory_stats() -> dict[str, int]:
-    """``live_bytes``, ``peak_bytes`` and ``allocations`` of the counting allocator."""
+class MemoryStats(_NoConstructor):
+    """What the counting CPU allocator counted (picklable)."""
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes of counted storages alive now."""
+    @property
+    def peak_bytes(self) -> int:
+        """Most live bytes since install or the last :func:`memory_reset_peak`."""
+    @property
+    def allocations(self) -> int:
+        """Storages counted since install."""
+    def __getstate__(self) -> tuple[int, int, int]: ...
+    def __setstate__(self, state: tuple[int, int, int], /) -> None: ...
+
+def memory_stats() -> MemoryStats:
+    """The counting allocator's counts now; ``RuntimeError`` unless it is installed."""
 
 def memory_reset_peak() -> None:
     """Sets the counted peak to the live bytes now."""
 
-# ---- planner
-# Current signatures (csrc/planner.h, csrc/bindings.cpp); pippy_xla/cost_model.py re-exports the
-# classes.
+# ---- planner (csrc/planner.h); pippy_xla/cost_model.py re-exports the classes
 
-class LayerCost:
+class LayerCost(_pybind11_object):
     """Per-microbatch cost of one decoder layer (see [Note: planner cost model])."""
 
     def __init__(
@@ -341,7 +381,7 @@ class LayerCost:
     recorded_bytes: int
     split_transient_bytes: int
 
-class StageExtra:
+class StageExtra(_pybind11_object):
     """Per-microbatch cost a stage has besides its layers (prologue, epilogue, buffers)."""
 
     def __init__(
@@ -371,7 +411,7 @@ class StageExtra:
     split_transient_bytes: int
     split_backward: bool
 
-class PlanProblem:
+class PlanProblem(_pybind11_object):
     """Solver input: layers, per-stage extras, the stages' devices, the schedule's live states
     and memory limits per device, and optionally given layer ranges."""
 
@@ -394,7 +434,7 @@ class PlanProblem:
     ranges: list[tuple[int, int]]
     allow_checkpoint: bool
 
-class StageEval:
+class StageEval(_NoConstructor):
     """One stage of a solved or evaluated plan; transient_bytes, buffer_bytes and memory are its
     device's."""
 
@@ -446,7 +486,7 @@ class StageEval:
     def memory(self) -> int:
         """Predicted peak bytes of its device."""
 
-class PlanResult:
+class PlanResult(_NoConstructor):
     """The solver's answer."""
 
     @property

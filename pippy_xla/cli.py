@@ -101,6 +101,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from pippy_xla._native import _C
     from pippy_xla.cost_model import PLANNED_SCHEDULES
 
     parser = argparse.ArgumentParser(prog="pippy-xla", description=__doc__.splitlines()[0])
@@ -133,7 +134,7 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_plan)
 
     p = sub.add_parser("simulate", help="predicted timeline of a schedule, without a model")
-    p.add_argument("--schedule", default="1f1b", help="one of: " + ", ".join(_schedules()))
+    p.add_argument("--schedule", choices=_C.schedule_names(), default="1f1b")
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--chunks", type=int, default=None, help="stages per rank (interleaved: 2)")
@@ -149,12 +150,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _schedules() -> list[str]:
-    from pippy_xla._native import _C
-
-    return _C.schedule_names()
-
-
 def _simulate(args: argparse.Namespace) -> int:
     from pippy_xla import viz
     from pippy_xla._native import _C
@@ -162,14 +157,13 @@ def _simulate(args: argparse.Namespace) -> int:
     chunks = args.chunks or _C.default_chunks(args.schedule)
     sched = _C.make_schedule(args.schedule, args.ranks, args.microbatches, chunks)
     n = sched.num_stages
-    weight = args.backward / 2 if args.weight is None else args.weight
-    # A split backward's B is the input-gradient part: the full backward minus W.
-    backward = args.backward - weight if sched.split_backward else args.backward
+    backward, weight = args.backward, []
+    if sched.split_backward:
+        # B is the input-gradient part: the full backward minus W.
+        w = args.backward / 2 if args.weight is None else args.weight
+        backward, weight = args.backward - w, [w] * n
     sim = sched.simulate(
-        forward=[args.forward] * n,
-        backward=[backward] * n,
-        weight=[weight] * n if sched.split_backward else [],
-        comm=args.comm,
+        forward=[args.forward] * n, backward=[backward] * n, weight=weight, comm=args.comm
     )
     print(
         f"{args.schedule}: {args.ranks} ranks x {chunks} chunks, {args.microbatches} "

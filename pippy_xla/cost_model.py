@@ -57,6 +57,10 @@ class ModelProfile:
     boundary_bytes: int
     """Bytes of one microbatch's hidden states (a decoder layer's output): what crosses a stage
     boundary, forward as activations and backward as gradients."""
+    batch_bytes_per_row: int
+    """Bytes of one row (sample) of the batch the model was profiled with, over all its input
+    tensors (token ids, attention mask and labels): what every rank holds of the batch, per
+    row."""
     microbatch_size: int
     seq_len: int
     dtype: str
@@ -84,17 +88,17 @@ class ModelProfile:
         ranks = num_stages // chunks
         sched = _C.make_schedule(schedule, ranks, num_microbatches, chunks)
         receives = _C.peak_receive_buffers(sched)
-        batch_bytes = 3 * 8 * num_microbatches * self.microbatch_size * self.seq_len
+        batch_bytes = num_microbatches * self.microbatch_size * self.batch_bytes_per_row
         extras = []
         for s in range(num_stages):
             # Transfers: a stage other than the last keeps each in-flight microbatch's output (a
             # backward root). Receive buffers: the most alive at once on the rank under the
             # engine's posting rule (_C.peak_receive_buffers), counted once per rank (on its
-            # first stage), with the whole batch every rank holds (token ids, attention mask and
-            # labels, int64). A stage other than the first also has up to two input gradients
-            # being sent (the previous one's send may still wait for its receiver while the next
-            # is computed). Under a split backward every stage but the first splits (the first
-            # has no input that needs a gradient: its W is its whole backward).
+            # first stage), with the whole batch every rank holds (batch_bytes_per_row per row).
+            # A stage other than the first also has up to two input gradients being sent (the
+            # previous one's send may still wait for its receiver while the next is computed).
+            # Under a split backward every stage but the first splits (the first has no input
+            # that needs a gradient: its W is its whole backward).
             rank = _C.stage_rank(s, ranks)
             e = StageExtra(
                 saved_bytes=self.shared_saved_bytes

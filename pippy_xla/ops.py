@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.fx.node import has_side_effect
 
-from pippy_xla._native import _C  # noqa: F401  (registers the ops)
+from pippy_xla._native import _C  # registers the ops
 
 __all__ = [
     "group_name_of",
@@ -37,49 +37,32 @@ __all__ = [
 ]
 
 _ops = torch.ops.pippy_xla
-OPS = (
-    _ops.send.default,
-    _ops.recv.default,
-    _ops.wait_send.default,
-    _ops.wait_recv.default,
-    _ops.send_wait.default,
-    _ops.recv_wait.default,
-)
-
-for _op in OPS:
-    has_side_effect(_op)
 
 
 def _token() -> torch.Tensor:
     return torch.empty((), dtype=torch.long)
 
 
-@torch.library.register_fake("pippy_xla::send")
 def _send_fake(x, dep, peer, tag, group_name):
     return _token()
 
 
-@torch.library.register_fake("pippy_xla::recv")
 def _recv_fake(dep, shape, dtype, device, peer, tag, group_name):
     return _token()
 
 
-@torch.library.register_fake("pippy_xla::wait_send")
 def _wait_send_fake(token, timeout_ms):
     return _token()
 
 
-@torch.library.register_fake("pippy_xla::wait_recv")
 def _wait_recv_fake(token, shape, dtype, device, timeout_ms):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-@torch.library.register_fake("pippy_xla::send_wait")
 def _send_wait_fake(x, peer, tag, group_name, timeout_ms):
     return x.new_empty((), dtype=torch.float32)
 
 
-@torch.library.register_fake("pippy_xla::recv_wait")
 def _recv_wait_fake(anchor, shape, dtype, device, peer, tag, group_name, timeout_ms):
     return torch.empty(shape, dtype=dtype, device=device)
 
@@ -122,12 +105,24 @@ def _recv_wait_backward(ctx, grad):
     return anchor_grad, None, None, None, None, None, None, None
 
 
-torch.library.register_autograd(
-    "pippy_xla::send_wait", _send_wait_backward, setup_context=_send_wait_setup
-)
-torch.library.register_autograd(
-    "pippy_xla::recv_wait", _recv_wait_backward, setup_context=_recv_wait_setup
-)
+# Every op of csrc/ops/p2p.cpp's TORCH_LIBRARY(pippy_xla), by name: its fake kernel and, for the
+# differentiable ones, its autograd formula (backward, setup_context).
+_KERNELS = {
+    "send": (_send_fake, None),
+    "recv": (_recv_fake, None),
+    "wait_send": (_wait_send_fake, None),
+    "wait_recv": (_wait_recv_fake, None),
+    "send_wait": (_send_wait_fake, (_send_wait_backward, _send_wait_setup)),
+    "recv_wait": (_recv_wait_fake, (_recv_wait_backward, _recv_wait_setup)),
+}
+OPS = tuple(getattr(_ops, name).default for name in _KERNELS)
+"""The overloads of every ``pippy_xla`` op, in the order of ``_KERNELS``."""
+
+for _op, (_fake, _autograd) in zip(OPS, _KERNELS.values(), strict=True):
+    has_side_effect(_op)
+    torch.library.register_fake(_op, _fake)
+    if _autograd is not None:
+        torch.library.register_autograd(_op, _autograd[0], setup_context=_autograd[1])
 
 
 def group_name_of(group: dist.ProcessGroup | None) -> str:
@@ -155,7 +150,7 @@ def recv(
     return _ops.recv(dep, list(shape), dtype, torch.device(device), peer, tag, group_name)
 
 
-def wait_send(token: torch.Tensor, timeout_ms: int = 300_000) -> torch.Tensor:
+def wait_send(token: torch.Tensor, timeout_ms: int = _C.DEFAULT_TIMEOUT_MS) -> torch.Tensor:
     """Waits for the send behind ``token``; returns a completion token."""
     return _ops.wait_send(token, timeout_ms)
 
@@ -165,13 +160,15 @@ def wait_recv(
     shape: Sequence[int],
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
-    timeout_ms: int = 300_000,
+    timeout_ms: int = _C.DEFAULT_TIMEOUT_MS,
 ) -> torch.Tensor:
     """Waits for the receive behind ``token``; returns the received tensor."""
     return _ops.wait_recv(token, list(shape), dtype, torch.device(device), timeout_ms)
 
 
-def send_wait(x: torch.Tensor, peer: int, tag: int, group_name: str, timeout_ms: int = 300_000):
+def send_wait(
+    x: torch.Tensor, peer: int, tag: int, group_name: str, timeout_ms: int = _C.DEFAULT_TIMEOUT_MS
+):
     """Sends ``x`` to ``peer`` and waits; returns a 0-d float sink whose gradient flows back
     as a receive of ``x``'s gradient from ``peer``."""
     return _ops.send_wait(x, peer, tag, group_name, timeout_ms)
@@ -185,7 +182,7 @@ def recv_wait(
     group_name: str,
     device: torch.device | str = "cpu",
     anchor: torch.Tensor | None = None,
-    timeout_ms: int = 300_000,
+    timeout_ms: int = _C.DEFAULT_TIMEOUT_MS,
 ) -> torch.Tensor:
     """Receives a tensor from ``peer`` and waits. With an ``anchor`` that requires grad, the
     result requires grad and its gradient is sent back to ``peer`` in backward."""

@@ -148,8 +148,8 @@ class _WorkingSets:
             self._reset = lambda: torch.cuda.reset_peak_memory_stats(device)
         else:
             _C.memory_tracker_install()
-            self._live = lambda: _C.memory_stats()["live_bytes"]
-            self._peak = lambda: _C.memory_stats()["peak_bytes"]
+            self._live = lambda: _C.memory_stats().live_bytes
+            self._peak = lambda: _C.memory_stats().peak_bytes
             self._reset = _C.memory_reset_peak
         self.bytes: dict[str, int] = {}
         self._open: dict[str, list[int]] = {}  # region -> [live at open, peak seen]
@@ -619,6 +619,7 @@ def profile_model(
         ),
         shared_saved_bytes=shared,
         boundary_bytes=state["boundary"],
+        batch_bytes_per_row=sum(t[0].numel() * t.element_size() for t in batch.values()),
         microbatch_size=microbatch_size,
         seq_len=seq_len,
         dtype=str(dtype),

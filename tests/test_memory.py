@@ -37,15 +37,15 @@ def _known_allocations(rank, world):
 
 def test_tracker_counts_known_allocations_on_every_thread():
     base, after_x, after_y, after_thread, after_view, end = run_ranks(1, _known_allocations)[0]
-    assert after_x["live_bytes"] - base["live_bytes"] == 4_000_000
-    assert after_x["allocations"] - base["allocations"] == 1
+    assert after_x.live_bytes - base.live_bytes == 4_000_000
+    assert after_x.allocations - base.allocations == 1
     # y came and went: the peak saw it, the live count does not.
-    assert after_y["live_bytes"] == after_x["live_bytes"]
-    assert after_y["peak_bytes"] - after_x["live_bytes"] == 3_000_000
+    assert after_y.live_bytes == after_x.live_bytes
+    assert after_y.peak_bytes - after_x.live_bytes == 3_000_000
     # Allocated on another thread, still alive.
-    assert after_thread["live_bytes"] - after_y["live_bytes"] == 4_000_000
-    assert after_view["live_bytes"] == after_thread["live_bytes"]
-    assert end["live_bytes"] == base["live_bytes"]
+    assert after_thread.live_bytes - after_y.live_bytes == 4_000_000
+    assert after_view.live_bytes == after_thread.live_bytes
+    assert end.live_bytes == base.live_bytes
 
 
 def _step_peaks(rank, world, microbatch_counts, seq):
@@ -67,10 +67,10 @@ def _step_peaks(rank, world, microbatch_counts, seq):
         pipe = px.PipelineModel(model, layer_cls=layer_cls, num_microbatches=m, timeout=60)
         batch = make_batch(0, batch=2 * m, seq=seq)
         pipe.run_train(**batch)  # gradients exist from here on
-        base = _C.memory_stats()["live_bytes"]
+        base = _C.memory_stats().live_bytes
         _C.memory_reset_peak()
         pipe.run_train(**batch)
-        out.append(_C.memory_stats()["peak_bytes"] - base)
+        out.append(_C.memory_stats().peak_bytes - base)
         boundary = 2 * seq * model.config.hidden_size * 4
         del pipe, model, batch
         gc.collect()

@@ -610,7 +610,7 @@ def _measured_peaks(rank, world, plan_jsons, seq):
         opt.step()
         _C.memory_reset_peak()
         pipe.run_train(**batch)
-        peaks.append(_C.memory_stats()["peak_bytes"])
+        peaks.append(_C.memory_stats().peak_bytes)
         del pipe, opt
         gc.collect()  # the next plan's peak must not count this one's tensors
     return peaks

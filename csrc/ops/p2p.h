@@ -19,6 +19,11 @@ class Work;
 
 namespace pippy_xla {
 
+// How long a transfer waits when the caller names no timeout: the engine's default
+// (EngineOptions::timeout_ms) and the ops' Python wrappers' (pippy_xla/ops.py, which reads it as
+// _C.DEFAULT_TIMEOUT_MS).
+constexpr int64_t kDefaultTimeoutMs = 300000;
+
 // What a transfer is part of, for errors: set by the engine (the ops leave it empty).
 struct TransferContext {
   int64_t stage = -1;
@@ -48,7 +53,6 @@ class Transfer {
   Transfer& operator=(const Transfer&) = delete;
   ~Transfer();
 
-  bool valid() const { return static_cast<bool>(work_); }
   bool completed() const;
   // Waits up to `timeout`; on failure throws a TransferError that starts with `what` (which
   // names rank, stage, microbatch and action). Returns the tensor (the received data for a
