@@ -67,7 +67,7 @@ class PipelineConfig:
     num_items_fn: Callable[[torch.Tensor], torch.Tensor] = causal_lm_num_items
     """Counts the valid tokens of the whole batch's labels (default: causal-LM labels other than
     -100 after the shift)."""
-    timeout: float = 300.0
+    timeout: float = _C.DEFAULT_TIMEOUT_MS / 1000
     """Seconds any single wait on a peer may take before the step fails."""
     device: torch.device | str | None = None
     """Where the local stage and every buffer the runtime allocates live. ``None``:

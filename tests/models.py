@@ -13,6 +13,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     OPTConfig,
     OPTForCausalLM,
     Phi3Config,
@@ -24,6 +26,7 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXLayer
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from transformers.models.mistral.modeling_mistral import MistralDecoderLayer
+from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
 from transformers.models.opt.modeling_opt import OPTDecoderLayer
 from transformers.models.phi3.modeling_phi3 import Phi3DecoderLayer
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
@@ -161,6 +164,27 @@ def phi3(attn: str | None = None, layers: int = 4) -> tuple[nn.Module, type[nn.M
     return Phi3ForCausalLM(cfg), Phi3DecoderLayer
 
 
+def mixtral(attn: str | None = None, layers: int = 4) -> tuple[nn.Module, type[nn.Module]]:
+    """A mixture of experts: 4 experts, 2 per token, no router jitter."""
+    cfg = MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        router_jitter_noise=0.0,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    _set_attn(cfg, attn)
+    return MixtralForCausalLM(cfg), MixtralDecoderLayer
+
+
 MODELS = {
     "llama": llama,
     "gpt2": gpt2,
@@ -169,6 +193,7 @@ MODELS = {
     "gpt_neox": gpt_neox,
     "opt": opt,
     "phi3": phi3,
+    "mixtral": mixtral,
 }
 
 
