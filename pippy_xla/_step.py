@@ -23,7 +23,7 @@ from pippy_xla._build import BuiltPipeline
 from pippy_xla._grads import clip_, global_norm, local_gradients
 from pippy_xla._native import _C
 from pippy_xla._recompile import RecompileWatch
-from pippy_xla._ties import combine_among
+from pippy_xla._ties import add_back_grads, combine_among, set_aside_grads
 from pippy_xla.config import PipelineConfig
 from pippy_xla.data_parallel import local_tensor
 from pippy_xla.errors import FailureState
@@ -124,11 +124,15 @@ class StepRunner:
         batch, microbatches, signature = self._prepare(batch, need_labels=True)
         losses: dict[int, torch.Tensor] = {}
         forward = self._forward(batch, microbatches, losses, logits=None)
-        self._run(self.train_engine, forward, signature)
-        with self.failures.guard("tied-weight gradient sum"):
-            for tie, params in self.ties:
-                grads = [local_tensor(p.grad) for p in params if p.grad is not None]
-                combine_among(tie, grads, add=True, **self._transport())
+        earlier = set_aside_grads(self.ties)  # [Note: tied gradients accumulate once]
+        try:
+            self._run(self.train_engine, forward, signature)
+            with self.failures.guard("tied-weight gradient sum"):
+                for tie, params in self.ties:
+                    grads = [local_tensor(p.grad) for p in params if p.grad is not None]
+                    combine_among(tie, grads, add=True, **self._transport())
+        finally:
+            add_back_grads(self.ties, earlier)
         return self._reduce_loss(losses)
 
     def evaluate(self, batch: dict[str, torch.Tensor]) -> EvalOutput:

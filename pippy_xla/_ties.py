@@ -4,6 +4,14 @@ A parameter that appears under several names of the model stays one parameter on
 stages on different ranks hold it, those ranks (its owners) start from the first owner's values
 and sum its gradient every step, over point-to-point transfers of the pipeline's group tagged
 above every engine tag (see [Note: transfer tags] in csrc/engine.h).
+
+[Note: tied gradients accumulate once]
+
+Gradients accumulate across ``run_train`` calls (two calls, then one optimizer step), as they do
+across ``backward`` calls. A tied parameter's gradient is summed over its owners after each call,
+so after the first call every owner holds the sum S; summing again after the second would count S
+once per owner. So each call sets the earlier gradients aside (:func:`set_aside_grads`), sums only
+its own contributions, and adds the earlier ones back (:func:`add_back_grads`).
 """
 
 from __future__ import annotations
@@ -18,7 +26,15 @@ from pippy_xla import ops
 from pippy_xla._native import _C
 from pippy_xla.partition import StageGraph
 
-__all__ = ["Tie", "combine_among", "local_ties", "tied_names"]
+__all__ = [
+    "Tie",
+    "TiedParams",
+    "add_back_grads",
+    "combine_among",
+    "local_ties",
+    "set_aside_grads",
+    "tied_names",
+]
 
 
 def tied_names(model: nn.Module) -> list[list[str]]:
@@ -85,3 +101,31 @@ def combine_among(
                 t.copy_(
                     ops.recv_wait(t.shape, t.dtype, first, tag + 1, name, t.device, None, timeout)
                 )
+
+
+TiedParams = Sequence[tuple[Tie, list[nn.Parameter]]]
+"""This rank's ties, each with its parameters on this rank."""
+
+
+def set_aside_grads(ties: TiedParams) -> list[torch.Tensor | None]:
+    """Takes the tied parameters' gradients off them (``None`` in their place), in order; see
+    [Note: tied gradients accumulate once]."""
+    held = []
+    for _, params in ties:
+        for p in params:
+            held.append(p.grad)
+            p.grad = None
+    return held
+
+
+def add_back_grads(ties: TiedParams, held: Sequence[torch.Tensor | None]) -> None:
+    """Adds the gradients :func:`set_aside_grads` took back onto the tied parameters."""
+    earlier = iter(held)
+    with torch.no_grad():
+        for _, params in ties:
+            for p in params:
+                old = next(earlier)
+                if old is not None:
+                    if p.grad is not None:
+                        old.add_(p.grad)
+                    p.grad = old

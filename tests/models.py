@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from transformers import (
@@ -209,3 +211,22 @@ def make_batch(seed: int, batch: int = 8, seq: int = 16, pad: bool = True) -> di
             mask[i, keep:] = 0
     labels = ids.masked_fill(mask == 0, -100)
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def warmup_cosine(opt, warmup=2, total=6):
+    """Linear warmup, then cosine decay (the HF Trainer's default shape): the learning rate
+    differs at every step, so a resume that restarted the curve would change the losses."""
+
+    def factor(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - warmup)))
+
+    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole of ``t``, gathered if it is a DTensor (a data-parallel shard)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t

@@ -4,14 +4,13 @@ resume exactly, reshard, and survive a rank killed while saving."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from models import MODELS, make_batch
+from models import MODELS, make_batch, warmup_cosine
 
 import pippy_xla as px
 from pippy_xla._ties import tied_names
@@ -153,18 +152,6 @@ def _snapshot(pipe):
     return {k: v.detach().numpy().copy() for k, v in pipe.state_dict().items()}
 
 
-def _warmup_cosine(opt, warmup=2, total=6):
-    """Linear warmup, then cosine decay (the HF Trainer's default shape): the learning rate
-    differs at every step, so a resume that restarted the curve would change the losses."""
-
-    def factor(step):
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - warmup)))
-
-    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
-
-
 def _train(rank, world, schedule, steps, directory, save_at=None, resume=False, family="gpt2"):
     """Trains ``steps`` (global step numbers) with a warmup + cosine learning rate and returns
     per-step losses and the final local state; saves after step ``save_at``; with ``resume``,
@@ -179,7 +166,7 @@ def _train(rank, world, schedule, steps, directory, save_at=None, resume=False, 
             model, layer_cls=layer_cls, num_microbatches=2, schedule=schedule, timeout=60
         )
     opt = torch.optim.AdamW(pipe.parameters(), **ADAM)
-    sched = _warmup_cosine(opt)
+    sched = warmup_cosine(opt)
     if resume:
         assert pipe.load(directory, optimizer=opt, scheduler=sched) == steps[0]
     losses = {}
@@ -233,7 +220,7 @@ def test_checkpoint_loads_into_a_plain_model(gpt2_run):
     model.to_empty(device="cpu")
     model.tie_weights()
     opt = torch.optim.AdamW(model.parameters(), **ADAM)
-    sched = _warmup_cosine(opt)
+    sched = warmup_cosine(opt)
     assert load_into_module(model, directory, optimizer=opt, scheduler=sched) == 3
     for step in (3, 4, 5):
         assert sched.last_epoch == step
@@ -292,12 +279,12 @@ def test_a_checkpoint_without_a_scheduler_refuses_one(gpt2_run, tmp_path):
     torch.manual_seed(0)
     model, _ = MODELS["gpt2"]()
     opt = torch.optim.AdamW(model.parameters(), **ADAM)
-    load_into_module(model, directory, optimizer=opt, scheduler=_warmup_cosine(opt))
+    load_into_module(model, directory, optimizer=opt, scheduler=warmup_cosine(opt))
     step = tmp_path / "no-scheduler"
     shutil.copytree(latest_checkpoint(directory), step)
     (step / "scheduler.pt").unlink()
     with pytest.raises(FileNotFoundError, match="holds no learning-rate scheduler state"):
-        load_into_module(model, step, optimizer=opt, scheduler=_warmup_cosine(opt))
+        load_into_module(model, step, optimizer=opt, scheduler=warmup_cosine(opt))
 
 
 def test_no_checkpoint_is_a_clear_error(tmp_path):

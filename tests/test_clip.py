@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from models import MODELS, make_batch
+from models import MODELS, full, make_batch
 
 import pippy_xla as px
 from pippy_xla.testing import run_ranks
@@ -17,12 +17,6 @@ from pippy_xla.testing import run_ranks
 # so the totals differ by rounding only; gradients as in test_pipeline.py.
 NORM_TOL = {"rtol": 1e-5, "atol": 1e-7}
 GRAD_TOL = {"rtol": 1e-5, "atol": 1e-6}
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _clip_matches(pipe, ref, batch, norm_type, where):
@@ -38,7 +32,7 @@ def _clip_matches(pipe, ref, batch, norm_type, where):
     n = 0
     for name, p in pipe.named_parameters():
         torch.testing.assert_close(
-            _full(p.grad), ref.get_parameter(name).grad, **GRAD_TOL, msg=f"{where}: {name}"
+            full(p.grad), ref.get_parameter(name).grad, **GRAD_TOL, msg=f"{where}: {name}"
         )
         n += 1
     assert n > 0

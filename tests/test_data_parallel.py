@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from models import MODELS, make_batch
+from models import MODELS, full, make_batch
 from test_pipeline import ADAM, GRAD_TOL, LOSS_TOL, PARAM_TOL
 
 import pippy_xla as px
@@ -20,12 +20,6 @@ def _mesh(dp: int, pp: int):
     return init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def _build(family: str, seed: int):
     torch.manual_seed(seed)
     return MODELS[family]()
@@ -35,7 +29,7 @@ def _assert_params_equal(pipe, ref, where: str) -> int:
     n = 0
     for name, p in pipe.named_parameters():
         torch.testing.assert_close(
-            _full(p).detach(),
+            full(p).detach(),
             ref.get_parameter(name).detach(),
             **PARAM_TOL,
             msg=lambda m, name=name: f"{where}: param {name}\n{m}",
@@ -87,7 +81,7 @@ def _mesh_trains_like_one_process(rank, world, schedule, families, steps=3):
                 for name, p in params.items():
                     assert p.grad is not None, f"{where}: {name} got no gradient"
                     torch.testing.assert_close(
-                        _full(p.grad),
+                        full(p.grad),
                         ref.get_parameter(name).grad,
                         **GRAD_TOL,
                         msg=lambda m, name=name, where=where: f"{where}: grad {name}\n{m}",
