@@ -107,7 +107,8 @@ def _recipe_step(run, params, clip, opt, sched, seeds, bf16):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             losses.append(float(run(make_batch(seed=seed)).detach()))
     for p in params:
-        p.grad.div_(ACCUM)
+        if p.grad is not None:
+            p.grad.div_(ACCUM)
     norm = float(clip(1.0))
     opt.step()
     sched.step()
