@@ -116,15 +116,18 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "all_gather_int64",
-      [](int64_t value, const std::string& group_name, const std::string& device,
-         int64_t timeout_ms, std::string what) {
-        return all_gather_int64(value, group_name, c10::Device(device),
+      [](const std::vector<int64_t>& values, const std::string& group_name,
+         const std::string& device, int64_t timeout_ms, std::string what) {
+        return all_gather_int64(values, group_name, c10::Device(device),
                                 std::chrono::milliseconds(timeout_ms), std::move(what));
       },
-      py::arg("value"), py::arg("group_name"), py::arg("device"), py::arg("timeout_ms"),
+      py::arg("values"), py::arg("group_name"), py::arg("device"), py::arg("timeout_ms"),
       py::arg("what"), py::call_guard<py::gil_scoped_release>(),
-      "Every rank's value, gathered on buffers that never reach Python (see [Note: collectives "
-      "on C++-owned buffers] in csrc/ops/p2p.h).");
+      "Every rank's values (the same count on every rank), gathered on buffers that never reach "
+      "Python (see [Note: collectives on C++-owned buffers] in csrc/ops/p2p.h).");
+  m.def("content_digest", &content_digest, py::arg("tensor"),
+        py::call_guard<py::gil_scoped_release>(),
+        "A 64-bit fingerprint of the tensor's bytes (not a cryptographic hash).");
   m.def(
       "broadcast_copy",
       [](const at::Tensor& tensor, int64_t root, const std::string& group_name, int64_t timeout_ms,

@@ -305,9 +305,13 @@ class Engine(_pybind11_object):
 # ---- collectives on C++-owned buffers (csrc/ops/p2p.h)
 
 def all_gather_int64(
-    value: int, group_name: str, device: str, timeout_ms: int, what: str
-) -> list[int]:
-    """Every rank's ``value``, gathered on buffers that never reach Python."""
+    values: Sequence[int], group_name: str, device: str, timeout_ms: int, what: str
+) -> list[list[int]]:
+    """Every rank's ``values`` (the same count on every rank), gathered on buffers that never
+    reach Python."""
+
+def content_digest(tensor: torch.Tensor) -> int:
+    """A 64-bit fingerprint of the tensor's bytes (not a cryptographic hash)."""
 
 def broadcast_copy(
     tensor: torch.Tensor, root: int, group_name: str, timeout_ms: int, what: str

@@ -1,11 +1,22 @@
-"""Batches of a pipeline step: checking and splitting them, and the per-step signature handshake.
+"""Batches of a pipeline step: checking and splitting them, and the per-step handshake.
 
 Every rank gets the whole batch. :func:`split_batch` checks it and cuts this replica's rows into
-microbatches; :func:`batch_signature` digests its names, shapes and dtypes, and
-:func:`gather_signatures` and :func:`check_same_signature` make sure every rank of the pipeline
-got the same before any point-to-point transfer. The signature is also the key under which the
-engine remembers the boundary shapes (see [Note: boundary specs] in csrc/boundary.h). The step
-runner (:class:`pippy_xla._step.StepRunner`) calls these in that order.
+microbatches; :func:`step_key` and :func:`agree_on_step` make sure every rank of the pipeline runs
+the same kind of step on the same batch before any point-to-point transfer. The batch signature is
+also the key under which the engine remembers the boundary shapes (see [Note: boundary specs] in
+csrc/boundary.h). The step runner (:class:`pippy_xla._step.StepRunner`) calls these in that order.
+
+[Note: step handshake]
+
+Before a step's first transfer, every rank of the pipeline all_gathers three 64-bit words: the
+step's kind (train or eval), the batch signature (input names, shapes, dtypes) and a digest of the
+batch's values (C++ ``content_digest`` of each input; ``check_batch_content=False`` turns it off).
+Any difference raises :class:`BatchMismatchError` on every rank at once, naming the ranks and what
+differs (for values, a second all_gather of the per-input digests names the inputs): a rank that
+evaluates while another trains, or ranks that were given other rows (a data-parallel habit: a
+seed per rank, a sharding sampler), would otherwise pair wrong transfers, train on mismatched
+inputs and labels, or hang until the timeout. No transfer has started, so the pipeline stays
+usable.
 """
 
 from __future__ import annotations
@@ -13,6 +24,8 @@ from __future__ import annotations
 import hashlib
 import zlib
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -21,11 +34,14 @@ from pippy_xla.errors import BatchMismatchError
 
 __all__ = [
     "MAX_DIMS",
+    "STEP_KINDS",
+    "StepKey",
+    "agree_on_step",
     "batch_signature",
-    "check_same_signature",
+    "content_digests",
     "digest64",
-    "gather_signatures",
     "split_batch",
+    "step_key",
 ]
 
 MAX_DIMS = 8
@@ -107,35 +123,106 @@ def batch_signature(batch: Batch) -> int:
     for k in sorted(batch):
         v = batch[k]
         dims = list(v.shape) + [-1] * (MAX_DIMS - v.dim())
-        rows.append([zlib.crc32(k.encode()), zlib.crc32(str(v.dtype).encode()), v.dim(), *dims])
-    return digest64(torch.tensor(rows, dtype=torch.long).numpy().tobytes())
+        rows.extend([zlib.crc32(k.encode()), zlib.crc32(str(v.dtype).encode()), v.dim(), *dims])
+    return _digest_ints(rows)
 
 
-def gather_signatures(
-    signature: int, *, rank: int, group_name: str, device: torch.device, timeout_ms: int
-) -> list[int]:
-    """Every rank's batch signature: one all_gather of 64 bits over the pipeline's group, before
-    any point-to-point transfer of the step."""
-    return _C.all_gather_int64(
-        signature, group_name, str(device), timeout_ms, f"[rank {rank}] batch signature all_gather"
+def _digest_ints(values: Sequence[int]) -> int:
+    return digest64(torch.tensor(values, dtype=torch.long).numpy().tobytes())
+
+
+def content_digests(batch: Batch) -> list[int]:
+    """A 64-bit fingerprint of each input's values, in sorted name order (computed in C++)."""
+    return [_C.content_digest(batch[k]) for k in sorted(batch)]
+
+
+@dataclass(frozen=True, slots=True)
+class StepKey:
+    """What every rank of the pipeline must agree on before a step's first transfer (see
+    [Note: step handshake])."""
+
+    kind: str
+    """``"train"`` or ``"eval"``."""
+    signature: int
+    """:func:`batch_signature` of the batch."""
+    content: int
+    """A digest of :func:`content_digests`, or 0 when the content check is off."""
+
+    def words(self) -> list[int]:
+        return [STEP_KINDS.index(self.kind), self.signature, self.content]
+
+
+STEP_KINDS = ("train", "eval")
+_RUN = {"train": "run_train", "eval": "run_eval"}
+
+
+def step_key(kind: str, batch: Batch, check_content: bool) -> tuple[StepKey, list[int]]:
+    """This rank's :class:`StepKey` for a step of ``kind`` on ``batch``, and the per-input
+    content digests behind it (empty when ``check_content`` is off)."""
+    contents = content_digests(batch) if check_content else []
+    content = _digest_ints(contents) if contents else 0
+    return StepKey(kind=kind, signature=batch_signature(batch), content=content), contents
+
+
+class Gather(Protocol):
+    def __call__(self, values: Sequence[int], what: str) -> list[list[int]]: ...
+
+
+def agree_on_step(
+    key: StepKey, contents: Sequence[int], batch: Batch, rank: int, gather: Gather
+) -> None:
+    """The step handshake: one all_gather of every rank's :class:`StepKey` (through ``gather``,
+    an all_gather of int64s over the pipeline's group). Raises :class:`BatchMismatchError` on
+    every rank, naming what differs, if any rank's key differs; see [Note: step handshake]."""
+    everyone = gather(key.words(), "step handshake all_gather")
+    if all(words == everyone[0] for words in everyone):
+        return
+    keys = [StepKey(STEP_KINDS[w[0]], w[1], w[2]) for w in everyone]
+    peer = next((r for r, k in enumerate(keys) if k.kind != key.kind), None)
+    if peer is not None:
+        _mismatch(
+            rank,
+            peer,
+            f"rank {peer} called {_RUN[keys[peer].kind]} while this rank called "
+            f"{_RUN[key.kind]}; every rank of the pipeline must run the same steps in the same "
+            "order (an evaluation on one rank only cannot run: call run_eval on every rank)",
+        )
+    peer = next((r for r, k in enumerate(keys) if k.signature != key.signature), None)
+    if peer is not None:
+        describe = {k: (tuple(batch[k].shape), batch[k].dtype) for k in sorted(batch)}
+        _mismatch(
+            rank,
+            peer,
+            f"rank {peer} got a batch with other inputs, shapes or dtypes than this rank's "
+            f"{describe}; every rank must get the same batch shapes (the whole batch goes to "
+            "every rank)",
+        )
+    # Equal shapes but other values: every rank gathers its per-input digests to name them.
+    per_input = gather(contents, "batch content digests all_gather")
+    differ = [
+        f"'{name}' (ranks {_groups([d[i] for d in per_input])})"
+        for i, name in enumerate(sorted(batch))
+        if len({d[i] for d in per_input}) > 1
+    ]
+    peer = next(r for r, k in enumerate(keys) if k.content != key.content)
+    _mismatch(
+        rank,
+        peer,
+        f"rank {peer} got a batch with the same shapes but other values in {', '.join(differ)}; "
+        "every rank of a pipeline must pass the same batch (the same data, seed and order on "
+        "every rank; a sampler that shards the data belongs to the data-parallel dimension only)",
     )
 
 
-def check_same_signature(signature: int, everyone: Sequence[int], batch: Batch, rank: int) -> None:
-    """Every rank must see the same batch shapes and dtypes, or the boundary transfers would
-    disagree: raises :class:`BatchMismatchError` naming a rank whose signature (in ``everyone``,
-    from :func:`gather_signatures`) differs from this rank's ``signature`` of ``batch``."""
-    for r, theirs in enumerate(everyone):
-        if theirs != signature:
-            describe = {k: (tuple(batch[k].shape), batch[k].dtype) for k in sorted(batch)}
-            raise BatchMismatchError(
-                rank=rank,
-                failed_rank=rank,
-                peer=r,
-                action="batch signature check",
-                cause=(
-                    f"rank {r} got a batch with other inputs, shapes or dtypes than this "
-                    f"rank's {describe}; every rank must get the same batch shapes (the "
-                    "whole batch goes to every rank)"
-                ),
-            )
+def _groups(values: Sequence[int]) -> str:
+    """Ranks grouped by equal value: ``"0, 2 vs 1"``."""
+    by: dict[int, list[int]] = {}
+    for r, v in enumerate(values):
+        by.setdefault(v, []).append(r)
+    return " vs ".join(", ".join(map(str, rs)) for rs in by.values())
+
+
+def _mismatch(rank: int, peer: int, cause: str) -> None:
+    raise BatchMismatchError(
+        rank=rank, failed_rank=rank, peer=peer, action="step handshake", cause=cause
+    )

@@ -356,10 +356,9 @@ def check_ranks_agree(
     mine = (digest.hexdigest(), config.schedule, config.num_microbatches, list(config.input_names))
     key = digest64(repr(mine).encode())
     rank = place.rank
-    keys = _C.all_gather_int64(
-        key, place.group_name, str(place.device), place.timeout_ms, f"[rank {rank}] build handshake"
-    )
-    if all(k == key for k in keys):
+    what = f"[rank {rank}] build handshake"
+    keys = _C.all_gather_int64([key], place.group_name, str(place.device), place.timeout_ms, what)
+    if all(k == [key] for k in keys):
         return key
     everyone: list = [None] * len(keys)  # only to say what differs
     dist.all_gather_object(everyone, mine, group=place.group)

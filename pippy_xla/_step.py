@@ -2,8 +2,8 @@
 every rank, runs the C++ engine with :func:`stage_forward` as the stage's forward, sums tied-weight
 gradients and reduces the loss.
 
-A step: ``_batch.split_batch`` -> ``_batch.batch_signature`` -> ``_batch.gather_signatures`` ->
-``_batch.check_same_signature`` -> ``_C.Engine.run`` (which calls the forward of
+A step: ``_batch.split_batch`` -> ``_batch.step_key`` -> ``_batch.agree_on_step`` (the step
+handshake) -> ``_C.Engine.run`` (which calls the forward of
 :func:`stage_forward` for every forward action, and with a mesh the replicas' reduction of each
 stage as soon as its gradients are complete) -> tied-gradient sums -> loss broadcast.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pippy_xla._batch import batch_signature, check_same_signature, gather_signatures, split_batch
+from pippy_xla._batch import agree_on_step, split_batch, step_key
 from pippy_xla._build import BuiltPipeline
 from pippy_xla._grads import clip_, global_norm, local_gradients
 from pippy_xla._native import _C
@@ -121,7 +121,7 @@ class StepRunner:
 
     def train(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Forward and backward of every microbatch; the batch's mean loss on every rank."""
-        batch, microbatches, signature = self._prepare(batch, need_labels=True)
+        batch, microbatches, signature = self._prepare(batch, "train")
         losses: dict[int, torch.Tensor] = {}
         forward = self._forward(batch, microbatches, losses, logits=None)
         earlier = set_aside_grads(self.ties)  # [Note: tied gradients accumulate once]
@@ -137,7 +137,7 @@ class StepRunner:
 
     def evaluate(self, batch: dict[str, torch.Tensor]) -> EvalOutput:
         """Forward only: the logits on the last stage's rank and, given labels, the loss."""
-        batch, microbatches, signature = self._prepare(batch, need_labels=False)
+        batch, microbatches, signature = self._prepare(batch, "eval")
         losses: dict[int, torch.Tensor] = {}
         logits: dict[int, torch.Tensor] = {}
         forward = self._forward(batch, microbatches, losses, logits)
@@ -184,31 +184,35 @@ class StepRunner:
         place = self.place
         return {"rank": place.rank, "group_name": place.group_name, "timeout_ms": place.timeout_ms}
 
-    def _prepare(self, batch: dict[str, torch.Tensor], need_labels: bool):
-        """A step's batch checked and split, and its signature, agreed by every rank."""
+    def _prepare(self, batch: dict[str, torch.Tensor], kind: str):
+        """A step's batch checked and split, and its signature, after every rank agreed on the
+        step (see [Note: step handshake])."""
         self.failures.check_usable()
         place = self.place
         batch, microbatches = split_batch(
             batch,
             input_names=self.config.input_names,
             num_microbatches=self.config.num_microbatches,
-            need_labels=need_labels,
+            need_labels=kind == "train",
             device=place.device,
             dp_rank=place.dp_rank,
             dp_size=place.dp_size,
         )
-        signature = batch_signature(batch)
-        with self.failures.guard("batch signature all_gather"):
-            everyone = gather_signatures(
-                signature,
-                rank=place.rank,
-                group_name=place.group_name,
-                device=place.device,
-                timeout_ms=place.timeout_ms,
-            )
+        key, contents = step_key(kind, batch, self.config.check_batch_content)
+
+        def gather(values: Sequence[int], what: str) -> list[list[int]]:
+            with self.failures.guard(what):
+                return _C.all_gather_int64(
+                    values,
+                    place.group_name,
+                    str(place.device),
+                    place.timeout_ms,
+                    f"[rank {place.rank}] {what}",
+                )
+
         # A mismatch leaves the pipeline usable: no transfer of the step has started.
-        check_same_signature(signature, everyone, batch, place.rank)
-        return batch, microbatches, signature
+        agree_on_step(key, contents, batch, place.rank, gather)
+        return batch, microbatches, key.signature
 
     def _forward(self, batch, microbatches, losses, logits) -> StageForward:
         labels = batch.get("labels")

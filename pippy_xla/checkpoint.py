@@ -354,9 +354,15 @@ def _load_scheduler(path: Path, scheduler: LRScheduler | None) -> None:
     scheduler.load_state_dict(torch.load(file, weights_only=True))
 
 
-def _resolve(directory: str | os.PathLike) -> Path:
+def _complete(directory: str | os.PathLike) -> Path | None:
+    """The checkpoint :func:`latest_checkpoint` names, if it is complete."""
     path = latest_checkpoint(directory)
-    if path is None or not (path / ".metadata").is_file():
+    return path if path is not None and (path / ".metadata").is_file() else None
+
+
+def _resolve(directory: str | os.PathLike) -> Path:
+    path = _complete(directory)
+    if path is None:
         raise FileNotFoundError(
             f"no complete checkpoint in {directory}: neither a '{LATEST}' file naming one nor "
             "DCP's .metadata (save with pippy_xla's save())"
@@ -369,13 +375,30 @@ def load(
     directory: str | os.PathLike,
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: LRScheduler | None = None,
+    missing_ok: bool = False,
 ) -> int | None:
     """Loads the checkpoint that :func:`save` wrote (the latest in ``directory``) into this
     pipeline, ``optimizer`` and ``scheduler``, whatever rank count, mesh or schedule saved it; a
     collective (on a mesh: over every rank of the mesh). Restores each rank's RNG state when the
-    rank count is the one saved. Returns the saved step."""
+    rank count is the one saved. Returns the saved step.
+
+    With ``missing_ok``, a ``directory`` that holds no complete checkpoint yet (a fresh run) loads
+    nothing and returns ``None``. Every rank must see the same checkpoint: ranks that disagree
+    (a folder that is not shared between the machines) raise on every rank."""
     import torch.distributed.checkpoint as dcp
 
+    found = _complete(directory)
+    seen: list = [None] * dist.get_world_size(pipe.checkpoint_group)
+    dist.all_gather_object(seen, found is not None, group=pipe.checkpoint_group)
+    if any(seen) and not all(seen):
+        have = [r for r, s in enumerate(seen) if s]
+        raise FileNotFoundError(
+            f"[rank {pipe.rank}] a complete checkpoint in {directory} is visible to ranks {have} "
+            f"of the {len(seen)} ranks that load it, not to the others; every rank must read the "
+            "same checkpoint (a folder on a file system that every machine shares)"
+        )
+    if found is None and missing_ok:
+        return None
     path = _resolve(directory)
     _load_scheduler(path, scheduler)
     keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata

@@ -69,6 +69,11 @@ class PipelineConfig:
     -100 after the shift)."""
     timeout: float = _C.DEFAULT_TIMEOUT_MS / 1000
     """Seconds any single wait on a peer may take before the step fails."""
+    check_batch_content: bool = True
+    """Before each step, compare a 64-bit digest of the batch's values between the ranks (besides
+    its shapes and the kind of step), so that ranks given other rows fail at once instead of
+    training on mismatched inputs and labels (see [Note: step handshake]). Costs one pass over
+    the batch's bytes per step (``benchmarks/batch_digest.py``); ``False`` turns it off."""
     device: torch.device | str | None = None
     """Where the local stage and every buffer the runtime allocates live. ``None``:
     ``cuda:LOCAL_RANK`` when the group's backend is NCCL, else the CPU (gloo)."""

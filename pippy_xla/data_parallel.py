@@ -188,8 +188,10 @@ class DataParallel:
 
     def agree(self, key: int, what: str) -> bool:
         """Whether every replica passed the same 64-bit ``key``."""
-        keys = _C.all_gather_int64(key, self._group_name, self._device, self._timeout_ms, what)
-        return all(k == key for k in keys)
+        everyone = _C.all_gather_int64(
+            [key], self._group_name, self._device, self._timeout_ms, what
+        )
+        return all(k == [key] for k in everyone)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

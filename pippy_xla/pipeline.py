@@ -289,11 +289,13 @@ class PipelineModel:
         directory: str | os.PathLike,
         optimizer: torch.optim.Optimizer | None = None,
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        missing_ok: bool = False,
     ) -> int | None:
         """Loads the latest checkpoint in ``directory`` (any rank count or schedule saved it)
-        into this pipeline, ``optimizer`` and ``scheduler``; returns its step; a collective. See
+        into this pipeline, ``optimizer`` and ``scheduler``; returns its step (``None`` with
+        ``missing_ok`` when there is none yet); a collective. See
         :func:`pippy_xla.checkpoint.load`."""
-        return checkpoint.load(self, directory, optimizer, scheduler)
+        return checkpoint.load(self, directory, optimizer, scheduler, missing_ok)
 
     # ----------------------------------------------------------------------------- running
 

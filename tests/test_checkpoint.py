@@ -290,3 +290,25 @@ def test_a_checkpoint_without_a_scheduler_refuses_one(gpt2_run, tmp_path):
 def test_no_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
         load_into_module(_hf_reference("llama"), Path(tmp_path))
+
+
+def _load_fresh_or_partly_visible(rank, world, directory):
+    torch.manual_seed(0)
+    model, layer_cls = MODELS["llama"]()
+    pipe = px.PipelineModel(model, layer_cls=layer_cls, num_microbatches=2, timeout=30)
+    fresh = Path(directory) / "fresh"
+    out = {"fresh": pipe.load(fresh, missing_ok=True)}  # a first run: nothing to resume
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        pipe.load(fresh)
+    pipe.save(Path(directory) / "saved", step=3)
+    # Rank 1 looks elsewhere (a folder that is not shared): every rank refuses, none hangs.
+    mine = Path(directory) / ("saved" if rank == 0 else "elsewhere")
+    with pytest.raises(FileNotFoundError, match=r"visible to ranks \[0\] of the 2 ranks"):
+        pipe.load(mine, missing_ok=True)
+    out["saved"] = pipe.load(Path(directory) / "saved", missing_ok=True)
+    return out
+
+
+def test_missing_ok_resumes_or_starts_fresh_on_every_rank(tmp_path):
+    out = run_ranks(2, _load_fresh_or_partly_visible, str(tmp_path), pg_timeout=30)
+    assert out == [{"fresh": None, "saved": 3}] * 2

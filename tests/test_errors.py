@@ -13,6 +13,7 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
 import pippy_xla as px
 from pippy_xla._exit import release_groups_at_exit
+from pippy_xla._native import _C
 from pippy_xla.testing import run_ranks
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -121,6 +122,21 @@ def _bad_input(rank, world):
         r"rank \d got a batch",
         lambda: pipe.run_train(**skewed),
     )
+    # A data-parallel habit: a seed (or a sharding sampler) per rank gives each rank other rows
+    # of the same shapes. Without the content check the pipeline would pair rank 0's inputs with
+    # rank 1's labels.
+    expect(
+        "ranks given other rows of the same shapes (a seed per rank)",
+        px.BatchMismatchError,
+        r"rank \d got a batch with the same shapes but other values in .*'labels' \(ranks 0 vs 1\)",
+        lambda: pipe.run_train(**make_batch(seed=rank)),
+    )
+    expect(
+        "`run_eval` on one rank while the others train",
+        px.BatchMismatchError,
+        r"rank \d called run_(train|eval) while this rank called run_(eval|train)",
+        lambda: pipe.run_eval(**batch) if rank == 0 else pipe.run_train(**batch),
+    )
     # The pipeline still works after refused batches.
     loss = float(pipe.run_train(**make_batch(seed=0)))
 
@@ -175,6 +191,34 @@ def test_bad_input_is_refused_before_communication():
     if os.environ.get("PIPPY_WRITE_README") == "1":
         README.write_text(text[:begin] + table + text[end:])
     assert text[begin:end] == table, "README error table is stale: rerun with PIPPY_WRITE_README=1"
+
+
+def test_content_digest_sees_one_changed_value():
+    t = torch.arange(8 * 513).reshape(8, 513)
+    base = _C.content_digest(t)
+    assert _C.content_digest(t.clone()) == base
+    changed = t.clone()
+    changed[7, 512] += 1  # the last word
+    assert _C.content_digest(changed) != base
+    assert _C.content_digest(t.t()) == _C.content_digest(t.t().contiguous())  # values, not layout
+    odd = torch.arange(13, dtype=torch.int8)  # a tail shorter than a word
+    flipped = odd.clone()
+    flipped[12] = -1
+    assert _C.content_digest(odd) != _C.content_digest(flipped)
+
+
+def _content_check_off(rank, world):
+    torch.manual_seed(0)
+    model, layer_cls = llama()
+    pipe = px.PipelineModel(
+        model, layer_cls=layer_cls, num_microbatches=2, timeout=30, check_batch_content=False
+    )
+    return float(pipe.run_train(**make_batch(seed=rank)))  # other rows per rank: not checked
+
+
+def test_the_content_check_can_be_turned_off():
+    losses = run_ranks(2, _content_check_off)
+    assert losses[0] == losses[1] and losses[0] > 0
 
 
 def _shape_changes(rank, world):
@@ -310,7 +354,7 @@ def test_faults_raise_pipeline_error_on_every_rank(case, world):
         assert o["rank"] == r
     if case in ("shape", "dtype"):
         for o in survivors:
-            assert o["type"] == "BatchMismatchError" and o["action"] == "batch signature check"
+            assert o["type"] == "BatchMismatchError" and o["action"] == "step handshake"
             assert o["peer"] == (last if o["rank"] != last else 0), o
             assert "other inputs, shapes or dtypes" in o["cause"]
         assert len({o["next_loss"] for o in survivors}) == 1

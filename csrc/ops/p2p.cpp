@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <cstring>
 #include <mutex>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -89,18 +90,47 @@ Transfer irecv(at::Tensor buffer, int64_t peer, int64_t tag, const std::string& 
   return Transfer(std::move(work), std::move(buffer), std::move(what), std::move(context));
 }
 
-std::vector<int64_t> all_gather_int64(int64_t value, const std::string& group_name,
-                                      c10::Device device, std::chrono::milliseconds timeout,
-                                      std::string what) {
+std::vector<std::vector<int64_t>> all_gather_int64(const std::vector<int64_t>& values,
+                                                   const std::string& group_name,
+                                                   c10::Device device,
+                                                   std::chrono::milliseconds timeout,
+                                                   std::string what) {
   auto pg = group(group_name);
+  const auto n = static_cast<int64_t>(values.size());
   const auto options = at::TensorOptions().dtype(at::kLong).device(device);
-  std::vector<at::Tensor> input{at::scalar_tensor(value, options).reshape({1})};
+  auto host = at::empty({n}, at::TensorOptions().dtype(at::kLong));
+  std::memcpy(host.data_ptr<int64_t>(), values.data(), n * sizeof(int64_t));
+  std::vector<at::Tensor> input{host.to(device)};
   std::vector<std::vector<at::Tensor>> outputs(1);
-  for (int r = 0; r < pg->getSize(); ++r) outputs[0].push_back(at::empty({1}, options));
+  for (int r = 0; r < pg->getSize(); ++r) outputs[0].push_back(at::empty({n}, options));
   Transfer(pg->allgather(outputs, input), input[0], std::move(what)).wait(timeout);
-  std::vector<int64_t> out;
-  for (const auto& t : outputs[0]) out.push_back(t.item<int64_t>());
+  std::vector<std::vector<int64_t>> out;
+  for (const auto& t : outputs[0]) {
+    const auto gathered = t.cpu();
+    const auto* data = gathered.data_ptr<int64_t>();
+    out.emplace_back(data, data + n);
+  }
   return out;
+}
+
+int64_t content_digest(const at::Tensor& tensor) {
+  // FNV-1a over 64-bit words, then a final mix: a fingerprint to compare batches between ranks,
+  // not a cryptographic hash.
+  const auto t = tensor.detach().cpu().contiguous();
+  const auto* bytes = static_cast<const uint8_t*>(t.data_ptr());
+  const size_t size = t.numel() * t.element_size();
+  uint64_t h = 0xcbf29ce484222325ULL;
+  size_t i = 0;
+  for (; i + 8 <= size; i += 8) {
+    uint64_t word;
+    std::memcpy(&word, bytes + i, 8);
+    h = (h ^ word) * 0x100000001b3ULL;
+  }
+  for (; i < size; ++i) h = (h ^ bytes[i]) * 0x100000001b3ULL;
+  h ^= h >> 33;
+  h *= 0xff51afd7ed558ccdULL;
+  h ^= h >> 33;
+  return static_cast<int64_t>(h);
 }
 
 namespace {

@@ -84,10 +84,16 @@ Transfer irecv(at::Tensor buffer, int64_t peer, int64_t tag, const std::string& 
 // the collectives a step runs go through these two functions: their buffers are created here and
 // never reach Python, and what they return is a copy made after the wait.
 
-// Every rank's `value`, in group rank order, gathered on `device` (the group's backend's device).
-std::vector<int64_t> all_gather_int64(int64_t value, const std::string& group_name,
-                                      c10::Device device, std::chrono::milliseconds timeout,
-                                      std::string what);
+// Every rank's `values` (the same count on every rank), in group rank order, gathered on `device`
+// (the group's backend's device).
+std::vector<std::vector<int64_t>> all_gather_int64(const std::vector<int64_t>& values,
+                                                   const std::string& group_name,
+                                                   c10::Device device,
+                                                   std::chrono::milliseconds timeout,
+                                                   std::string what);
+// A 64-bit fingerprint of `tensor`'s bytes (copied to the host first if it lives elsewhere), to
+// compare the batches that ranks were given; not a cryptographic hash.
+int64_t content_digest(const at::Tensor& tensor);
 // A copy of group-local rank `root`'s `tensor` (every rank passes a tensor of the same shape and
 // dtype).
 at::Tensor broadcast_copy(const at::Tensor& tensor, int64_t root, const std::string& group_name,
