@@ -3,13 +3,18 @@
 ``pippy-xla plan --model llama --layers 8 --hidden 64 --stages 4 --microbatches 8
 --memory-limit 20MiB`` builds the model (random weights, on CPU), profiles it and prints the plan
 table with predicted memory and time per stage. ``--config path.json`` takes an HF config file
-instead of ``--model`` and its size flags.
+instead of ``--model`` and its size flags. ``pippy-xla simulate`` prints a schedule's predicted
+step, and draws it with ``--png PATH``. Also ``python -m pippy_xla``.
+
+A mistake (a bad size, a plan that cannot be made, an output folder that cannot be written) is one
+line on stderr and exit status 2, not a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -70,7 +75,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     model, layer_cls = _build_model(args)
     batch = args.batch_size or args.microbatches
-    limit = args.memory_limit.split(",") if "," in args.memory_limit else args.memory_limit
+    limit = args.memory_limit if len(args.memory_limit) > 1 else args.memory_limit[0]
     try:
         plan = px.plan(
             model,
@@ -86,7 +91,7 @@ def _plan(args: argparse.Namespace) -> int:
             repeats=args.repeats,
         )
     except PlanInfeasibleError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"pippy-xla plan: error: {e}", file=sys.stderr)
         return 2
     print(
         f"{type(model).__name__}, {len(px.find_layers(model, layer_cls))} layers, batch "
@@ -94,17 +99,19 @@ def _plan(args: argparse.Namespace) -> int:
     )
     print(plan.table())
     if args.json:
-        with open(args.json, "w") as f:
+        with open(_output(args.json), "w") as f:
             f.write(plan.to_json())
         print(f"plan saved to {args.json} (load with pippy_xla.Plan.from_json)")
     return 0
 
 
 def _parser() -> argparse.ArgumentParser:
+    from pippy_xla import __version__
     from pippy_xla._native import _C
     from pippy_xla.cost_model import PLANNED_SCHEDULES
 
     parser = argparse.ArgumentParser(prog="pippy-xla", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"pippy_xla {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="layers and checkpointed layers per stage under a memory limit")
     src = p.add_mutually_exclusive_group()
@@ -124,7 +131,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--memory-limit",
         required=True,
-        help="bytes per device, e.g. 20MiB; comma-separated for one per rank",
+        type=_memory_limits,
+        help="memory per device with a unit, e.g. 20GiB or 512MiB; comma-separated for one per "
+        "rank",
     )
     p.add_argument("--schedule", choices=PLANNED_SCHEDULES, default="1f1b")
     p.add_argument("--chunks", type=int, default=None, help="stages per rank (interleaved: 2)")
@@ -144,7 +153,7 @@ def _parser() -> argparse.ArgumentParser:
         "--weight", type=float, default=None, help="split backward: W cost (default: half of B)"
     )
     p.add_argument("--comm", type=float, default=0.0, help="transfer latency")
-    p.add_argument("--png", default="timeline.png", help="where to draw the Gantt chart")
+    p.add_argument("--png", default=None, help="draw the Gantt chart to this PNG file")
     p.add_argument("--trace", default=None, help="also write a Chrome/Perfetto trace JSON")
     p.set_defaults(func=_simulate)
     return parser
@@ -172,15 +181,51 @@ def _simulate(args: argparse.Namespace) -> int:
     )
     events = viz.simulated_events(sim)
     title = f"{args.schedule} (simulated), {args.ranks} ranks, {args.microbatches} microbatches"
-    print(f"timeline drawn to {viz.draw_timeline(events, args.png, title=title, unit='units')}")
+    if args.png:
+        drawn = viz.draw_timeline(events, _output(args.png), title=title, unit="units")
+        print(f"timeline drawn to {drawn}")
     if args.trace:
-        print(f"trace written to {viz.write_chrome_trace(events, args.trace)}")
+        print(f"trace written to {viz.write_chrome_trace(events, _output(args.trace))}")
     return 0
+
+
+def _memory_limits(text: str) -> list[int]:
+    """``--memory-limit``: sizes with units, comma-separated; a bare number is bytes and must be
+    at least 1 MiB (``20`` meaning 20 bytes is a mistake, not a limit)."""
+    from pippy_xla.units import parse_bytes
+
+    limits = []
+    for part in text.split(","):
+        try:
+            n = parse_bytes(part)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        if part.strip().replace(".", "", 1).isdigit() and n < 2**20:
+            raise argparse.ArgumentTypeError(
+                f"{part.strip()!r} would be {n} bytes; give a unit, e.g. {part.strip()}GiB or "
+                f"{part.strip()}MiB"
+            )
+        limits.append(n)
+    return limits
+
+
+def _output(path: str) -> str:
+    """An output path whose folder exists (created if missing)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    return path
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, RuntimeError, OSError) as e:
+        # A user's mistake: one line, no traceback (PIPPY_XLA_TRACEBACK=1 shows it).
+        if os.environ.get("PIPPY_XLA_TRACEBACK") == "1":
+            raise
+        print(f"pippy-xla {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
