@@ -8,7 +8,7 @@ from pippy_xla.config import PipelineConfig
 from pippy_xla.errors import BatchMismatchError, PipelineError
 from pippy_xla.fingerprint import Fingerprint, explain_difference, fingerprint
 from pippy_xla.materialize import UninitializedTensorError, materialize
-from pippy_xla.partition import StageGraph, find_layers, partition
+from pippy_xla.partition import StageGraph, UnsupportedModelError, find_layers, partition
 from pippy_xla.pipeline import EvalOutput, PipelineModel, balanced_ranges
 from pippy_xla.planner import Plan, PlanInfeasibleError, plan
 
@@ -28,6 +28,7 @@ __all__ = [
     "PlanInfeasibleError",
     "StageGraph",
     "UninitializedTensorError",
+    "UnsupportedModelError",
     "balanced_ranges",
     "explain_difference",
     "find_layers",

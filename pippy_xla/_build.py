@@ -10,6 +10,7 @@ weights across ranks -> data parallelism (with a mesh) -> engines and compiled s
 from __future__ import annotations
 
 import hashlib
+import inspect
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -30,7 +31,7 @@ from pippy_xla.data_parallel import DataParallel, MeshGroups, mesh_groups
 from pippy_xla.errors import AbortChannel
 from pippy_xla.materialize import materialize
 from pippy_xla.ops import group_name_of
-from pippy_xla.partition import StageGraph, find_layers, partition
+from pippy_xla.partition import StageGraph, UnsupportedModelError, find_layers, partition
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -126,10 +127,10 @@ def build(
     ranks (and the replicas, with a mesh). A configuration that does not fit the model or the
     process groups is a ``ValueError`` before any stage is materialized."""
     place = resolve_placement(config, group, mesh)
+    loss_fn = config.loss_fn if config.loss_fn is not None else default_loss(model)
     layer_ranges, stages, train_schedule = _partition(model, layer_cls, config, place)
     local_stages = [stages[s] for s in train_schedule.stages_of(place.rank)]
     build_key = check_ranks_agree(stages, config, place)
-    loss_fn = config.loss_fn if config.loss_fn is not None else default_loss(model)
     tied = tied_names(model)  # before materializing replaces meta parameters
     materialize(model, local_stages, place.device)
     ties = _tie_weights(tied, stages, local_stages, place)
@@ -328,12 +329,33 @@ def resolve_device(device: torch.device | str | None, group: dist.ProcessGroup) 
     raise ValueError(f"device type {device.type!r} is not supported; use 'cpu' or 'cuda'")
 
 
+_LOSS_ARGS = ("logits", "labels", "vocab_size", "num_items_in_batch")
+"""What the last stage passes to an HF model's ``loss_function``."""
+
+
 def default_loss(model: nn.Module) -> LossFn:
     """The HF model's own loss as a ``loss_fn(logits, labels, num_items)``."""
     if not hasattr(model, "loss_function") or not hasattr(model, "config"):
         raise ValueError(f"{type(model).__name__} has no HF loss_function; pass loss_fn=...")
     loss_function = model.loss_function
     vocab_size = model.config.vocab_size
+    params = inspect.signature(loss_function).parameters.values()
+    needs = [
+        p.name
+        for p in params
+        if p.default is p.empty
+        and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        and p.name not in _LOSS_ARGS
+    ]
+    if needs:
+        name = getattr(loss_function, "__name__", type(loss_function).__name__)
+        raise UnsupportedModelError(
+            f"{type(model).__name__}'s own loss ({name}) needs {needs}, but the last stage "
+            f"computes a microbatch's loss from {list(_LOSS_ARGS)}; pass loss_fn=(logits, "
+            "labels, num_items) -> the microbatch's summed loss / num_items, and num_items_fn="
+            "(the whole batch's labels) -> their count (for sequence classification: "
+            "cross_entropy(logits, labels, reduction='sum') / num_items and labels.numel())"
+        )
 
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor, num_items: torch.Tensor):
         return loss_function(

@@ -27,7 +27,7 @@ from torch import fx, nn
 from pippy_xla import hf
 from pippy_xla._native import _C
 
-__all__ = ["StageGraph", "find_layers", "partition"]
+__all__ = ["StageGraph", "UnsupportedModelError", "find_layers", "partition"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,11 @@ _ROOT_PREFIX = "model."
 
 _META_ATTRS = ("shape", "dtype", "device", "ndim", "is_cuda", "layout")
 _META_METHODS = ("size", "dim", "get_device")
+
+
+class UnsupportedModelError(ValueError):
+    """A model the partitioner cannot split into pipeline stages (refused at construction)."""
+
 
 """[Note: replicated prologue]
 
@@ -102,20 +107,35 @@ def find_layers(model: nn.Module, layer_cls: type[nn.Module]) -> list[str]:
         raise ValueError(f"layer_cls must be an nn.Module subclass, got {layer_cls!r}")
     names = _outermost(model, layer_cls)
     if not names:
-        in_lists: list[str] = []
-        for _, mod in model.named_modules():
-            if isinstance(mod, nn.ModuleList):
-                for child in mod:
-                    cls = type(child).__name__
-                    if cls not in in_lists:
-                        in_lists.append(cls)
-        no_split = list(getattr(model, "_no_split_modules", None) or [])
         raise ValueError(
-            f"{type(model).__name__} contains no {layer_cls.__qualname__} module. Classes found "
-            f"in its ModuleLists: {in_lists}; model._no_split_modules: {no_split}. Pass the "
-            "decoder-layer class of this model as layer_cls."
+            f"{type(model).__name__} contains no {layer_cls.__qualname__} module. "
+            + _layer_hint(model)
+        )
+    parents = {n.rpartition(".")[0] for n in names}
+    stack = model.get_submodule(next(iter(parents)))
+    if len(parents) > 1 or not isinstance(stack, (nn.ModuleList, nn.Sequential)):
+        raise UnsupportedModelError(
+            f"layer_cls={layer_cls.__qualname__}: its {len(names)} instances in "
+            f"{type(model).__name__} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) "
+            "are not the entries of one nn.ModuleList; the pipeline splits a model between the "
+            "repeated layers of one stack. " + _layer_hint(model)
         )
     return names
+
+
+def _layer_hint(model: nn.Module) -> str:
+    in_lists: list[str] = []
+    for _, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList):
+            for child in mod:
+                cls = type(child).__name__
+                if cls not in in_lists:
+                    in_lists.append(cls)
+    no_split = list(getattr(model, "_no_split_modules", None) or [])
+    return (
+        f"Classes found in its ModuleLists: {in_lists}; model._no_split_modules: {no_split}. "
+        "Pass the decoder-layer class of this model as layer_cls."
+    )
 
 
 def _check_ranges(layer_ranges: Sequence[tuple[int, int]], num_layers: int) -> None:
@@ -151,8 +171,22 @@ class _Root(nn.Module):
         setattr(self, hf.MASKS_ATTR, leaves)
 
     def _run(self, **inputs: Any) -> Any:
-        out = self.model(**inputs, use_cache=False, return_dict=True)
-        return out["logits"]
+        params = inspect.signature(self.model.forward).parameters
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        for flag, value in (("use_cache", False), ("return_dict", True)):
+            if flag in params or takes_any:
+                inputs[flag] = value
+        out = self.model(**inputs)
+        if isinstance(out, (torch.Tensor, fx.Proxy)):
+            return out  # a plain module: its output is the logits
+        logits = out.get("logits") if hasattr(out, "get") else getattr(out, "logits", None)
+        if logits is None:
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__}'s forward returned {type(out).__name__} without "
+                "logits; pippy_xla pipelines models whose output is the logits (a tensor, or an "
+                "output with .logits, as HF's *ForCausalLM models return)"
+            )
+        return logits
 
 
 def _root_forward(input_names: Sequence[str]) -> Any:
@@ -204,9 +238,39 @@ def _trace(root: _Root, model: nn.Module, layer_cls: type[nn.Module]) -> fx.Grap
     try:
         with hf.patch_mask_functions(model, getattr(root, hf.MASKS_ATTR)):
             return _Tracer(layer_cls).trace(root)
+    except UnsupportedModelError:
+        raise
+    except Exception as e:  # noqa: BLE001  (any failure of the model's Python under the tracer)
+        raise UnsupportedModelError(
+            f"cannot trace {type(model).__name__} into a pipeline: {type(e).__name__}: {e}"
+            f"{_model_line(e)}. {SUPPORTED}"
+        ) from e
     finally:
         for m, mode in modes:
             m.training = mode
+
+
+SUPPORTED = (
+    "pippy_xla pipelines models torch.fx can trace outside their repeated layers: HF decoder-only "
+    "causal LMs (*ForCausalLM, decoder layers of one class in one nn.ModuleList) with their own "
+    "loss, and other models whose output is the logits given a loss_fn=...; the code outside the "
+    "layers must not branch on tensor values or sizes"
+)
+"""What the partitioner can split, for the errors of models it cannot."""
+
+
+def _model_line(e: BaseException) -> str:
+    """`` (at file:line in function: `source`)`` for the deepest frame of ``e``'s traceback in
+    the model's own code (not torch's nor pippy_xla's), or ``""``."""
+    import os
+    import traceback
+
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(skip)]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f" (at {f.filename}:{f.lineno} in {f.name}: `{(f.line or '').strip()}`)"
 
 
 def _producers(node: fx.Node) -> list[tuple[fx.Node, bool]]:
@@ -297,7 +361,8 @@ def partition(
     input_names: Sequence[str] = ("input_ids", "attention_mask"),
     checkpoint_layers: Sequence[int] = (),
 ) -> list[StageGraph]:
-    """Trace ``model`` (an HF ``*ForCausalLM``) and split it into one graph per stage.
+    """Trace ``model`` (an HF ``*ForCausalLM``, or a module whose output is the logits) and split
+    it into one graph per stage.
 
     Works on ``meta``-device models: tracing reads no data. The trace uses ``use_cache=False``,
     ``return_dict=True``, no labels, with the model in eval mode (modes restored afterwards); the
