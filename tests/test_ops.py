@@ -30,8 +30,6 @@ def fake_group():
 def test_opcheck_every_op(fake_group):
     g = fake_group
     x = torch.randn(3, 4)
-    token = P.send(x, None, 1, 0, g)
-    rtoken = P.recv(token, [3, 4], torch.float32, torch.device("cpu"), 1, 0, g)
     cases = [
         (P.send.default, (x, None, 1, 0, g)),
         (P.recv.default, (None, [3, 4], torch.float32, torch.device("cpu"), 1, 0, g)),
@@ -57,22 +55,47 @@ def test_opcheck_every_op(fake_group):
     structural = ("test_schema", "test_autograd_registration", "test_faketensor")
     for op, args in cases:
         torch.library.opcheck(op, args, test_utils=structural)
-    # wait_* consume their token, so each opcheck run needs fresh ones: check schema and fake
-    # kernel against a single real run.
-    out = P.wait_recv(rtoken, [3, 4], torch.float32, torch.device("cpu"), 1000)
-    assert out.shape == (3, 4) and out.dtype == torch.float32
-    assert P.wait_send(token, 1000).shape == ()
+    # wait_* consume their token, so opcheck (which runs an op several times) cannot check their
+    # fake kernels: compare each fake kernel's output with one real run's, on a shape and dtype
+    # that no default would produce.
+    cpu = torch.device("cpu")
+    real_recv = P.wait_recv(
+        P.recv(None, [5, 2], torch.float64, cpu, 1, 0, g), [5, 2], torch.float64, cpu, 1000
+    )
+    real_send = P.wait_send(P.send(torch.randn(5, 2, dtype=torch.float64), None, 1, 0, g), 1000)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        token = mode.from_tensor(torch.zeros((), dtype=torch.long))
+        fake_recv = P.wait_recv(token, [5, 2], torch.float64, cpu, 1000)
+        fake_send = P.wait_send(token, 1000)
+    for real, fake in ((real_recv, fake_recv), (real_send, fake_send)):
+        assert (fake.shape, fake.dtype, fake.device, fake.stride()) == (
+            real.shape,
+            real.dtype,
+            real.device,
+            real.stride(),
+        )
+    assert real_recv.shape == (5, 2) and real_recv.dtype == torch.float64
     torch.library.opcheck(
         P.wait_recv.default,
-        (
-            P.recv(None, [3, 4], torch.float32, torch.device("cpu"), 1, 0, g),
-            [3, 4],
-            torch.float32,
-            torch.device("cpu"),
-            1000,
-        ),
+        (P.recv(None, [3, 4], torch.float32, cpu, 1, 0, g), [3, 4], torch.float32, cpu, 1000),
         test_utils=("test_schema",),
     )
+
+
+def _async_transfer(rank, world):
+    """send / recv / wait_*: the receiver gets the sender's values, shape and dtype."""
+    group = ops.group_name_of(None)
+    x = torch.arange(10, dtype=torch.float64).reshape(5, 2) + 0.5
+    if rank == 0:
+        done = ops.wait_send(ops.send(x, 1, 3, group), 30_000)
+        return (tuple(done.shape), str(done.dtype))
+    y = ops.wait_recv(ops.recv([5, 2], torch.float64, 0, 3, group), [5, 2], torch.float64)
+    assert torch.equal(y, x), y
+    return (tuple(y.shape), str(y.dtype))
+
+
+def test_async_send_and_recv_move_the_values():
+    assert run_ranks(2, _async_transfer) == [((), "torch.int64"), ((5, 2), "torch.float64")]
 
 
 def test_ops_trace_with_make_fx_in_order_and_survive_dce():

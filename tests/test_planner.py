@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 import random
 
 import pytest
@@ -81,9 +82,11 @@ def test_colossalai_5509_instance():
     # its backward (1250 - 125): 7/8/8/9 layers with 4/4/0/0 checkpointed (without that term the
     # issue's own model allows 4/3/0/0 and 27.0).
     assert out.bottleneck <= 1.17 * free.bottleneck
-    assert out.bottleneck == 28.0
+    assert out.bottleneck == _colossal_best_bottleneck(20_000) == 28.0
     assert ckpt == [4, 4, 0, 0] and ranges == [(0, 7), (7, 15), (15, 23), (23, 32)]
-    assert all(st.memory <= 20_000 for st in out.stages)
+    for d, st in enumerate(out.stages):
+        n = st.range[1] - st.range[0]
+        assert st.memory == _colossal_memory(d, n, len(st.checkpoint)) <= 20_000
 
 
 def _stage_cost(problem: PlanProblem, s: int, rng: range, ck: set[int]):
@@ -298,10 +301,52 @@ def test_solver_matches_brute_force():
     assert feasible > 60 and interleaved > 10, (feasible, interleaved)
 
 
+def _colossal_memory(d: int, n: int, c: int) -> int:
+    """:func:`_colossal` by hand: device ``d`` holds ``4 - d`` microbatches; ``n`` layers with
+    ``c`` checkpointed keep ``125 c + 1250 (n - c)`` each, plus one layer's recomputed
+    activations (1250 - 125) while a checkpointed layer's backward runs."""
+    return (4 - d) * (125 * c + 1250 * (n - c)) + (1125 if c else 0)
+
+
+def _colossal_splits():
+    return (
+        (a, b, c, 32 - a - b - c)
+        for a in range(1, 30)
+        for b in range(1, 31 - a)
+        for c in range(1, 32 - a - b)
+    )
+
+
+def _colossal_smallest_limit() -> int:
+    """The least over every split of the 32 layers of the largest device's least memory."""
+    return min(
+        max(min(_colossal_memory(d, n, c) for c in range(n + 1)) for d, n in enumerate(split))
+        for split in _colossal_splits()
+    )
+
+
+def _colossal_best_bottleneck(limit: int) -> float:
+    """The least bottleneck time under ``limit`` by exhaustive search: a stage of ``n`` layers,
+    ``c`` checkpointed, takes ``3 n + c`` (a recomputed forward per checkpointed layer)."""
+    best = math.inf
+    for split in _colossal_splits():
+        times = []
+        for d, n in enumerate(split):
+            fits = [c for c in range(n + 1) if _colossal_memory(d, n, c) <= limit]
+            if not fits:
+                break
+            times.append(3 * n + min(fits))
+        else:
+            best = min(best, max(times))
+    return best
+
+
 def test_infeasible_reports_smallest_limit():
     with pytest.raises(PlanInfeasibleError, match="smallest memory limit that fits") as err:
         solve(_colossal(1_000))
     need = err.value.min_memory_limit[0]
+    # Everything checkpointed, 3125 admits 4 + 5 + 8 + 16 >= 32 layers; 3124 only 3 + 5 + 7 + 15.
+    assert need == _colossal_smallest_limit() == 3_125
     assert str(need) in str(err.value)
     solve(_colossal(need))  # fits
     with pytest.raises(PlanInfeasibleError):
