@@ -259,11 +259,11 @@ def test_partly_meta_model_keeps_its_real_tensors():
 TINY = ("--layers", "2", "--hidden", "64", "--vocab", "128", "--seq", "32", "--lr", "1e-2")
 
 
-def _example(ranks: int, *flags: str, cwd: Path = ROOT) -> str:
-    """Runs ``examples/train_llama.py`` under torchrun as the README does; returns its stdout."""
+def run_example(ranks: int, *flags: str, cwd: Path = ROOT, script: str = "train_llama.py") -> str:
+    """Runs ``examples/<script>`` under torchrun as the README does; returns its stdout."""
     cmd = [
         *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
-        *("--nproc-per-node", str(ranks), str(ROOT / "examples" / "train_llama.py"), *flags),
+        *("--nproc-per-node", str(ranks), str(ROOT / "examples" / script), *flags),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
@@ -282,7 +282,7 @@ def test_readme_main_job_learns():
     """The README's main job, run as the README runs it (torchrun, 2 ranks), with tiny flags:
     the first loss is near ln(vocab) and the last is below 70% of it."""
     vocab = 128
-    losses = list(_losses(_example(2, "--steps", "20", *TINY)).values())
+    losses = list(_losses(run_example(2, "--steps", "20", *TINY)).values())
     assert len(losses) >= 2, losses
     assert abs(losses[0] - math.log(vocab)) < 0.2 * math.log(vocab), losses
     assert losses[-1] < 0.7 * losses[0], losses
@@ -294,14 +294,16 @@ def test_readme_checkpoint_round_trip(tmp_path):
     from transformers import AutoModelForCausalLM
 
     tiny = (*TINY, "--layers", "4")  # 4 layers: one per rank on 4 ranks
-    full = _losses(_example(2, "--steps", "12", *tiny))
-    _example(2, "--steps", "6", "--save-every", "3", "--checkpoint-dir", "ck", *tiny, cwd=tmp_path)
+    full = _losses(run_example(2, "--steps", "12", *tiny))
+    run_example(
+        2, "--steps", "6", "--save-every", "3", "--checkpoint-dir", "ck", *tiny, cwd=tmp_path
+    )
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [
         "latest",
         "step-00000003",
         "step-00000006",
     ]
-    out = _example(4, "--steps", "12", "--resume", "ck", "--export", "hf", *tiny, cwd=tmp_path)
+    out = run_example(4, "--steps", "12", "--resume", "ck", "--export", "hf", *tiny, cwd=tmp_path)
     assert "resumed from ck at step 6" in out
     resumed = _losses(out)
     assert min(resumed) == 10 and 11 in resumed  # it started at step 6 (prints every 10)
