@@ -198,19 +198,24 @@ def agree_on_step(
             "every rank)",
         )
     # Equal shapes but other values: every rank gathers its per-input digests to name them.
-    per_input = gather(contents, "batch content digests all_gather")
+    peer = next(r for r, k in enumerate(keys) if k.content != key.content)
+    _mismatch(
+        rank,
+        peer,
+        _content_cause(peer, gather(contents, "batch content digests all_gather"), batch),
+    )
+
+
+def _content_cause(peer: int, per_input: Sequence[Sequence[int]], batch: Batch) -> str:
     differ = [
         f"'{name}' (ranks {_groups([d[i] for d in per_input])})"
         for i, name in enumerate(sorted(batch))
         if len({d[i] for d in per_input}) > 1
     ]
-    peer = next(r for r, k in enumerate(keys) if k.content != key.content)
-    _mismatch(
-        rank,
-        peer,
+    return (
         f"rank {peer} got a batch with the same shapes but other values in {', '.join(differ)}; "
         "every rank of a pipeline must pass the same batch (the same data, seed and order on "
-        "every rank; a sampler that shards the data belongs to the data-parallel dimension only)",
+        "every rank; a sampler that shards the data belongs to the data-parallel dimension only)"
     )
 
 
