@@ -1,10 +1,11 @@
 """The ``pippy-xla`` command line.
 
 ``pippy-xla plan --model llama --layers 8 --hidden 64 --stages 4 --microbatches 8
---memory-limit 20MiB`` builds the model (random weights, on CPU), profiles it and prints the plan
-table with predicted memory and time per stage. ``--config path.json`` takes an HF config file
-instead of ``--model`` and its size flags. ``pippy-xla simulate`` prints a schedule's predicted
-step, and draws it with ``--png PATH``. Also ``python -m pippy_xla``.
+--memory-limit 20MiB`` builds the model on ``meta``, profiles it on the CPU (holding one layer of
+each kind) and prints the plan table with predicted memory and time per stage. ``--config
+path.json`` takes an HF config file instead of ``--model`` and its size flags. ``pippy-xla
+simulate`` prints a schedule's predicted step, and draws it with ``--png PATH``. Also ``python -m
+pippy_xla``.
 
 A mistake (a bad size, a plan that cannot be made, an output folder that cannot be written) is one
 line on stderr and exit status 2, not a traceback.
@@ -61,7 +62,10 @@ def _build_model(args: argparse.Namespace):
             )
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype)
+    # On meta: the planner profiles one layer per kind (see [Note: profiling a meta model]), so
+    # a model larger than this machine can be planned.
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype)
     names = list(getattr(model, "_no_split_modules", None) or [])
     layer_cls = next((type(m) for m in model.modules() if type(m).__name__ in names), None)
     if layer_cls is None:

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
 
 from pippy_xla.partition import StageGraph
 
-__all__ = ["UninitializedTensorError", "materialize"]
+__all__ = ["UninitializedTensorError", "materialize", "materialize_tensors"]
 
 """[Note: materialization through the model's own modules]
 
@@ -141,7 +141,25 @@ def materialize(model: nn.Module, stages: Sequence[StageGraph], device: torch.de
     names: dict[str, None] = {}
     for st in stages:
         names.update(dict.fromkeys(st.param_names.values()))
+    owners = materialize_tensors(model, names, device)
 
+    # The stage graphs use the owners' tensors (see [Note: materialization through ...]).
+    for st in stages:
+        for stage_name, name in st.param_names.items():
+            attr = _split(name)[1]
+            owner_tensor = _slot(owners[name], attr)[attr]
+            container_name, stage_attr = _split(stage_name)
+            slot = _slot(st.module.get_submodule(container_name), stage_attr)
+            if slot[stage_attr] is not owner_tensor:
+                slot[stage_attr] = owner_tensor
+
+
+def materialize_tensors(
+    model: nn.Module, names: Iterable[str], device: torch.device
+) -> dict[str, nn.Module]:
+    """:func:`materialize` for the model's tensors ``names`` (parameters and buffers, by their
+    names in the model): meta ones created on ``device`` and initialized by the model's own
+    initialization, real ones moved there. Returns the owning module of each name."""
     replaced: dict[int, torch.Tensor] = {}  # id(meta tensor) -> its replacement
     fresh: dict[str, torch.Tensor] = {}  # original name -> fresh tensor (first name of a tie)
     versions: dict[int, int] = {}
@@ -176,16 +194,7 @@ def materialize(model: nn.Module, stages: Sequence[StageGraph], device: torch.de
         for t in fresh.values():
             del t._pippy_fresh
         _check_initialized(fresh, owners, versions, model)
-
-    # The stage graphs use the owners' tensors (see [Note: materialization through ...]).
-    for st in stages:
-        for stage_name, name in st.param_names.items():
-            attr = _split(name)[1]
-            owner_tensor = _slot(owners[name], attr)[attr]
-            container_name, stage_attr = _split(stage_name)
-            slot = _slot(st.module.get_submodule(container_name), stage_attr)
-            if slot[stage_attr] is not owner_tensor:
-                slot[stage_attr] = owner_tensor
+    return owners
 
 
 def _initialize(model: nn.Module, owner_modules: set[nn.Module]) -> None:

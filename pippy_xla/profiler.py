@@ -5,6 +5,7 @@ transient working sets per layer, prologue and epilogue, in one process."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import statistics
@@ -93,6 +94,52 @@ def _layer_kind(layer: nn.Module) -> tuple:
         for attr in ("attention_type", "sliding_window", "is_sliding"):
             kind.append((attr, repr(getattr(mod, attr, None))))
     return tuple(kind)
+
+
+def _stand_in(
+    model: nn.Module, layer_cls: type[nn.Module], device: torch.device
+) -> tuple[nn.Module, dict[int, int]]:
+    """[Note: profiling a meta model]
+
+    A model built on ``meta`` has no values to run. Its stand-in is a copy (still on ``meta``,
+    so nothing is copied) in which the tensors outside the decoder layers and one layer of each
+    kind (:func:`_layer_kind`) are materialized on ``device`` by the model's own initialization,
+    and every other layer of a kind holds that layer's tensors (the same ``Parameter`` objects).
+    It runs the model's forward and backward through every layer, with the activations, times
+    and working sets of the real model, while holding one layer per kind: a model too large for
+    any one device can be profiled where its prologue, epilogue and one layer per kind fit.
+
+    One difference remains: a shared parameter's gradient accumulates, where a layer of the real
+    model allocates its own and leaves it behind, so a sharing layer's backward working set
+    would count that gradient. The kind's last layer runs its backward first (the real way), so
+    each layer reports its kind's last layer's backward working set: the second value returned
+    maps each layer to that layer (by index)."""
+    from pippy_xla.materialize import materialize_tensors
+
+    stand_in = copy.deepcopy(model)
+    layer_names = find_layers(stand_in, layer_cls)
+    layers = [stand_in.get_submodule(n) for n in layer_names]
+    last_of_kind: dict[tuple, int] = {}
+    for k, layer in enumerate(layers):
+        last_of_kind[_layer_kind(layer)] = k
+    reps = set(last_of_kind.values())
+    sharing = {k: last_of_kind[_layer_kind(layer)] for k, layer in enumerate(layers)}
+    skip = tuple(f"{n}." for k, n in enumerate(layer_names) if k not in reps)
+    tensors = [
+        *(n for n, _ in stand_in.named_parameters(remove_duplicate=False)),
+        *(n for n, _ in stand_in.named_buffers(remove_duplicate=False)),
+    ]
+    materialize_tensors(stand_in, [n for n in tensors if not n.startswith(skip)], device)
+    for k, layer in enumerate(layers):
+        rep = layers[sharing[k]]
+        if rep is layer:
+            continue
+        for name, t in [*rep.named_parameters(), *rep.named_buffers()]:
+            owner, _, attr = name.rpartition(".")
+            target = layer.get_submodule(owner)
+            slot = target._parameters if attr in target._parameters else target._buffers
+            slot[attr] = t
+    return stand_in, sharing
 
 
 @contextlib.contextmanager
@@ -334,6 +381,7 @@ def profile_model(
     optimizer_states: int = ADAMW_STATES,
     vocab_size: int | None = None,
     cache: bool = True,
+    device: torch.device | str | None = None,
 ) -> ModelProfile:
     """Profiles ``model`` on random token batches of shape ``[microbatch_size, seq_len]`` in one
     process (no distributed needed).
@@ -358,11 +406,18 @@ def profile_model(
     peak of live tensor bytes on top of what the region starts with and leaves behind: see
     :class:`_WorkingSets`); on CPU this installs the counting allocator for the rest of the process.
     Results are cached in memory per (model config, shape, dtype).
+
+    A model built on ``meta`` is profiled through a stand-in (see [Note: profiling a meta
+    model]) on ``device`` (default: the CPU), so a model that fits on no single device can be
+    planned; a real model is profiled where it is (``device`` is ignored).
     """
     dtype = next(model.parameters()).dtype
     key = _cache_key(model, layer_cls, microbatch_size, seq_len, dtype, repeats)
     if cache and key in _CACHE:
         return _CACHE[key]
+    shared_backward: dict[int, int] = {}
+    if any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()]):
+        model, shared_backward = _stand_in(model, layer_cls, torch.device(device or "cpu"))
     names = find_layers(model, layer_cls)
     layers = [model.get_submodule(n) for n in names]
     num = len(layers)
@@ -587,7 +642,10 @@ def profile_model(
                 saved_bytes=layer_saved[k],
                 saved_bytes_ckpt=ckpt_saved,
                 static_bytes=static(params),
-                transient_bytes=max(work.get(f"layer{k}"), work.get(f"layer{k} backward")),
+                transient_bytes=max(
+                    work.get(f"layer{k}"),
+                    work.get(f"layer{shared_backward.get(k, k)} backward"),
+                ),
                 weight=layer_time[k][3],
                 weight_ckpt=layer_time[k][4],
                 weight_bytes=split.kept[k],

@@ -13,7 +13,7 @@ import torch
 from models import MODELS, make_batch
 
 import pippy_xla as px
-from pippy_xla.partition import partition
+from pippy_xla.partition import find_layers, partition
 from pippy_xla.planner import (
     LayerCost,
     PlanInfeasibleError,
@@ -747,3 +747,67 @@ def test_planned_runs_stay_under_random_limits(ranks, layers):
             assert st.memory_bytes <= st.memory_limit, where
             assert got <= st.memory_limit, (where, got)
             assert abs(got - st.memory_bytes) <= 0.10 * st.memory_bytes, (where, got)
+
+
+BYTE_FIELDS = (
+    "saved_bytes",
+    "saved_bytes_ckpt",
+    "static_bytes",
+    "transient_bytes",
+    "weight_bytes",
+    "weight_bytes_ckpt",
+    "recorded_bytes",
+    "split_transient_bytes",
+)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gpt2"])  # two layer kinds; tied weights
+def test_a_meta_model_profiles_like_the_real_one(family):
+    """A model built on ``meta`` is profiled through a stand-in that holds one layer per kind
+    ([Note: profiling a meta model]): every byte the planner uses equals the real model's."""
+    from pippy_xla.profiler import _stand_in
+
+    torch.manual_seed(0)
+    real, layer_cls = MODELS[family](layers=6)
+    with torch.device("meta"):
+        meta, _ = MODELS[family](layers=6)
+    kw = dict(microbatch_size=2, seq_len=16, repeats=1, cache=False)
+    want = profile_model(real, layer_cls, **kw)
+    got = profile_model(meta, layer_cls, **kw)
+    for k, (a, b) in enumerate(zip(want.layers, got.layers, strict=True)):
+        for f in BYTE_FIELDS:
+            assert getattr(a, f) == getattr(b, f), (family, k, f)
+    for part in ("prologue", "epilogue"):
+        a, b = getattr(want, part), getattr(got, part)
+        for f in ("saved_bytes", "static_bytes", "transient_bytes", "weight_bytes"):
+            assert getattr(a, f) == getattr(b, f), (family, part, f)
+    assert (want.shared_saved_bytes, want.boundary_bytes) == (
+        got.shared_saved_bytes,
+        got.boundary_bytes,
+    )
+    assert all(p.device.type == "meta" for p in meta.parameters())  # the model is untouched
+    stand_in, sharing = _stand_in(meta, layer_cls, torch.device("cpu"))
+    kinds = len(set(sharing.values()))
+    per_layer = sum(
+        p.numel() for p in real.get_submodule(find_layers(real, layer_cls)[0]).parameters()
+    )
+    held = sum(p.numel() for p in stand_in.parameters())  # each Parameter once
+    assert held == sum(p.numel() for p in real.parameters()) - (6 - kinds) * per_layer
+    assert kinds == (2 if family == "qwen2" else 1)
+
+
+def test_a_meta_model_can_be_planned():
+    torch.manual_seed(0)
+    real, layer_cls = MODELS["llama"](layers=4)
+    with torch.device("meta"):
+        meta, _ = MODELS["llama"](layers=4)
+    kw = dict(layer_cls=layer_cls, num_stages=2, num_microbatches=2, batch_size=4, seq_len=16)
+    plan = px.plan(meta, memory_limit="1GiB", repeats=1, **kw)
+    prof = profile_model(real, layer_cls, microbatch_size=2, seq_len=16, repeats=1, cache=False)
+    same = evaluate(
+        prof,
+        layer_ranges=plan.layer_ranges,
+        checkpoint_layers=plan.checkpoint_layers,
+        num_microbatches=2,
+    )
+    assert [st.memory_bytes for st in plan.stages] == [st.memory_bytes for st in same.stages]
