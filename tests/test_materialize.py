@@ -261,9 +261,14 @@ TINY = ("--layers", "2", "--hidden", "64", "--vocab", "128", "--seq", "32", "--l
 
 def run_example(ranks: int, *flags: str, cwd: Path = ROOT, script: str = "train_llama.py") -> str:
     """Runs ``examples/<script>`` under torchrun as the README does; returns its stdout."""
+    return torchrun(ranks, ROOT / "examples" / script, *flags, cwd=cwd)
+
+
+def torchrun(ranks: int, script: Path, *flags: str, cwd: Path = ROOT) -> str:
+    """Runs ``script`` under torchrun on ``ranks`` CPU ranks; returns its stdout."""
     cmd = [
         *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
-        *("--nproc-per-node", str(ranks), str(ROOT / "examples" / script), *flags),
+        *("--nproc-per-node", str(ranks), str(script), *flags),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
