@@ -1,9 +1,8 @@
 """pippy_xla: pipeline-parallel training for PyTorch, with a C++ engine."""
 
-from importlib.metadata import PackageNotFoundError, version
-
 from pippy_xla import ops  # noqa: F401  (registers the ops' fake kernels and autograd)
 from pippy_xla._native import _C  # noqa: F401
+from pippy_xla._version import __version__  # noqa: F401
 from pippy_xla.config import PipelineConfig
 from pippy_xla.errors import BatchMismatchError, PipelineError
 from pippy_xla.fingerprint import Fingerprint, explain_difference, fingerprint
@@ -11,11 +10,6 @@ from pippy_xla.materialize import UninitializedTensorError, materialize
 from pippy_xla.partition import StageGraph, UnsupportedModelError, find_layers, partition
 from pippy_xla.pipeline import EvalOutput, PipelineModel, balanced_ranges
 from pippy_xla.planner import Plan, PlanInfeasibleError, plan
-
-try:
-    __version__ = version("pippy_xla")
-except PackageNotFoundError:  # a source tree that was never installed
-    __version__ = "0+unknown"
 
 __all__ = [
     "BatchMismatchError",

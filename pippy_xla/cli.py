@@ -110,8 +110,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from pippy_xla import __version__
     from pippy_xla._native import _C
+    from pippy_xla._version import __version__
     from pippy_xla.cost_model import PLANNED_SCHEDULES
 
     parser = argparse.ArgumentParser(prog="pippy-xla", description=__doc__.splitlines()[0])
