@@ -26,6 +26,9 @@ py::class_<T> def_action_fields(py::class_<T> c) {
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "pippy_xla C++ core: schedules, stash, engine, planner (see _C.pyi for the types)";
+  // A failed or timed-out transfer or collective (as opposed to an error of the stage's own
+  // code): Python tells a dead peer apart by it (see [Note: naming a dead rank] in errors.py).
+  py::register_exception<TransferError>(m, "TransferError", PyExc_RuntimeError);
 
   py::class_<Action>(m, "Action", "One action of a rank's list: op, stage and microbatch.")
       .def(py::init(&parse_action), py::arg("op"), py::arg("stage"), py::arg("mb"))

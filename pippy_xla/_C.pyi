@@ -302,6 +302,9 @@ class Engine(_pybind11_object):
     def stash_peek(self, stage: int, mb: int, /) -> StashSlot:
         """What the stash holds for (stage, mb)."""
 
+class TransferError(RuntimeError):
+    """A transfer or collective that failed or timed out (csrc/ops/p2p.h)."""
+
 # ---- collectives on C++-owned buffers (csrc/ops/p2p.h)
 
 def all_gather_int64(

@@ -214,7 +214,9 @@ def _replicas(
 def _abort_channel(place: Placement) -> AbortChannel:
     """The abort record of the next pipeline built on ``place``'s group."""
     _INSTANCES[place.group_name] = _INSTANCES.get(place.group_name, 0) + 1
-    return AbortChannel(place.group_name, _INSTANCES[place.group_name], place.rank)
+    group = place.group or dist.group.WORLD
+    members = [dist.get_global_rank(group, r) for r in range(place.num_ranks)]
+    return AbortChannel(place.group_name, _INSTANCES[place.group_name], place.rank, members)
 
 
 def _runners(

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from pippy_xla._native import _C
+from pippy_xla._native import _C
 
 __all__ = ["AbortChannel", "BatchMismatchError", "FailureState", "PipelineError"]
 
@@ -56,6 +56,8 @@ class PipelineError(RuntimeError):
         cause: the underlying error's text (the failing rank's exception, or the transport's).
         aborted: this rank's step was stopped by a peer's abort record (see [Note: failing
             fast]), not by its own error, a timeout or the transport.
+        died: ``failed_rank`` died: the transport failed and that rank stopped answering the
+            job's store (see [Note: naming a dead rank]).
     """
 
     def __init__(
@@ -69,9 +71,11 @@ class PipelineError(RuntimeError):
         microbatch: int | None = None,
         peer: int | None = None,
         aborted: bool = False,
+        died: bool = False,
     ) -> None:
         self.rank, self.failed_rank, self.action, self.cause = rank, failed_rank, action, cause
         self.stage, self.microbatch, self.peer, self.aborted = stage, microbatch, peer, aborted
+        self.died = died
         where = f"[rank {rank}"
         if stage is not None:
             where += f" stage {stage}"
@@ -80,7 +84,12 @@ class PipelineError(RuntimeError):
             where += f" microbatch {microbatch}"
         if peer is not None:
             where += f" (peer rank {peer})"
-        origin = "failed" if failed_rank == rank else f"aborted: rank {failed_rank} failed"
+        if died:
+            origin = f"failed: rank {failed_rank} died (it stopped answering the job's store)"
+        elif failed_rank == rank:
+            origin = "failed"
+        else:
+            origin = f"aborted: rank {failed_rank} failed"
         super().__init__(f"{where} {origin}: {cause}")
 
     def __reduce__(self):
@@ -97,7 +106,17 @@ class BatchMismatchError(PipelineError, ValueError):
         return (_rebuild_mismatch, (kwargs,))
 
 
-_FIELDS = ("rank", "failed_rank", "action", "cause", "stage", "microbatch", "peer", "aborted")
+_FIELDS = (
+    "rank",
+    "failed_rank",
+    "action",
+    "cause",
+    "stage",
+    "microbatch",
+    "peer",
+    "aborted",
+    "died",
+)
 
 
 def _rebuild(kwargs: dict) -> PipelineError:
@@ -112,37 +131,138 @@ def _none_if_negative(x: int) -> int | None:
     return None if x < 0 else x
 
 
+def _cause(exc: BaseException) -> str:
+    """``exc``'s text for a :class:`PipelineError`'s cause. A transfer's error starts with
+    where it failed (``[rank 0] step handshake all_gather failed: ...``), which the
+    :class:`PipelineError` already says: only what follows is kept."""
+    text = str(exc)
+    if isinstance(exc, _C.TransferError) and text.startswith("[rank ") and "] " in text:
+        return text.split("] ", 1)[1].partition(": ")[2] or text
+    return f"{type(exc).__name__}: {text}"
+
+
+"""[Note: naming a dead rank]
+
+When a rank dies (killed, out of memory, a crashed node), its peers' transfers fail with the
+transport's words (gloo: "Connection reset by peer"), and the first survivor to fail would post
+its own failure: the dead rank would be named nowhere and a survivor blamed. So every rank that
+builds a pipeline runs one heartbeat thread per process, which adds 1 to its counter
+``pippy_xla/alive/<global rank>`` in the job's store every ``HEARTBEAT_S`` seconds. A rank whose
+transfer or collective fails (:class:`_C.TransferError`, not an error of its own stage's code)
+watches its pipeline's counters for ``SILENT_S`` seconds before posting: if a rank's counter does
+not move, that rank died, and the abort record (and every survivor's :class:`PipelineError`) names
+it, with ``died=True``. A peer that is alive but slow or stuck keeps beating, so a timeout still
+reads as a timeout.
+"""
+
+HEARTBEAT_S = 0.25
+"""How often each rank adds to its liveness counter (see [Note: naming a dead rank])."""
+SILENT_S = 1.5
+"""How long a counter must stand still for its rank to count as dead."""
+
+
+class _Heartbeat:
+    """This process's liveness counter in the job's store: one daemon thread, stopped at exit."""
+
+    _current: _Heartbeat | None = None
+
+    def __init__(self, store, global_rank: int) -> None:
+        self._store, self._key = store, self.key(global_rank)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="pippy_xla-heartbeat", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def key(global_rank: int) -> str:
+        return f"pippy_xla/alive/{global_rank}"
+
+    @classmethod
+    def ensure(cls, store, global_rank: int) -> None:
+        """Starts the heartbeat unless one is beating for this rank."""
+        beat = cls._current
+        if beat is not None and beat._thread.is_alive() and beat._key == cls.key(global_rank):
+            return
+        if beat is not None:
+            beat.stop()
+        cls._current = cls(store, global_rank)
+
+    def _beat(self) -> None:
+        try:
+            self._store.add(self._key, 1)
+            while not self._stop.wait(HEARTBEAT_S):
+                self._store.add(self._key, 1)
+        except Exception:  # noqa: BLE001  (the store is gone: the job is over)
+            return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2 * HEARTBEAT_S)
+
+
+@atexit.register
+def _stop_heartbeat() -> None:
+    if _Heartbeat._current is not None:
+        _Heartbeat._current.stop()
+
+
 class AbortChannel:
     """The abort record of one pipeline in the job's c10d store. See [Note: failing fast]."""
 
-    def __init__(self, group_name: str, instance: int, rank: int) -> None:
+    def __init__(
+        self, group_name: str, instance: int, rank: int, global_ranks: Sequence[int] = ()
+    ) -> None:
+        """``global_ranks``: the job-wide rank of each rank of the pipeline's group (whose
+        liveness counters name a dead rank)."""
         self.key = f"pippy_xla/{group_name}/{instance}/abort"
         self.rank = rank
+        self.global_ranks = list(global_ranks)
         try:
             self._store = dist.distributed_c10d._get_default_store()
         except Exception:  # noqa: BLE001  (no store: failing fast is off, timeouts remain)
             self._store = None
+        if self._store is not None and self.global_ranks:
+            _Heartbeat.ensure(self._store, self.global_ranks[rank])
 
-    def announce(self, text: str) -> None:
-        """Posts this rank's failure unless another rank's came first."""
+    def announce(self, text: str, origin: int | None = None, died: bool = False) -> None:
+        """Posts a failure (this rank's, or the death of rank ``origin``) unless another came
+        first."""
         if self._store is None:
             return
+        origin = self.rank if origin is None else origin
+        record = f"{origin}\n{'died' if died else 'failed'}\n{text}"
         try:
-            self._store.compare_set(self.key, "", f"{self.rank}\n{text}")
+            self._store.compare_set(self.key, "", record)
         except Exception as e:  # noqa: BLE001
             logger.warning("[rank %d] could not post the abort record: %s", self.rank, e)
 
-    def read(self) -> tuple[int, str] | None:
-        """The first failure any rank posted: ``(rank, text)``, or ``None``."""
+    def read(self) -> tuple[int, bool, str] | None:
+        """The first failure any rank posted: ``(rank, died, text)``, or ``None``."""
         if self._store is None:
             return None
         try:
             if not self._store.check([self.key]):
                 return None
-            rank, _, text = self._store.get(self.key).decode().partition("\n")
-            return int(rank), text
+            rank, kind, text = self._store.get(self.key).decode().split("\n", 2)
+            return int(rank), kind == "died", text
         except Exception:  # noqa: BLE001  (an unreachable store says nothing)
             return None
+
+    def dead_ranks(self) -> list[int]:
+        """The pipeline's ranks whose liveness counter did not move for ``SILENT_S`` seconds
+        (see [Note: naming a dead rank])."""
+        if self._store is None or not self.global_ranks:
+            return []
+        keys = [_Heartbeat.key(g) for g in self.global_ranks]
+        try:
+            start = [self._store.add(k, 0) for k in keys]
+            silent = set(range(len(keys)))
+            deadline = time.monotonic() + SILENT_S
+            while silent and time.monotonic() < deadline:
+                time.sleep(HEARTBEAT_S)
+                silent = {r for r in silent if self._store.add(keys[r], 0) == start[r]}
+        except Exception:  # noqa: BLE001  (an unreachable store says nothing)
+            return []
+        return sorted(silent)
 
     @contextmanager
     def watch(self, engine) -> Iterator[None]:
@@ -181,17 +301,24 @@ class AbortChannel:
                 "microbatch": _none_if_negative(failure.microbatch),
                 "peer": _none_if_negative(failure.peer),
             }
-        own = f"{type(exc).__name__}: {exc}"
+        own = _cause(exc)
         if not aborted:
-            self.announce(own)
+            transport = isinstance(exc, _C.TransferError) and self.read() is None
+            dead = self.dead_ranks() if transport else []
+            if dead:
+                self.announce(own, origin=dead[0], died=True)
+            else:
+                self.announce(own)
         origin = self.read()
-        if origin is None or origin[0] == self.rank:
+        if origin is None or (origin[0] == self.rank and not origin[1]):
             return PipelineError(rank=self.rank, failed_rank=self.rank, cause=own, **where)
+        failed_rank, died, text = origin
         return PipelineError(
             rank=self.rank,
-            failed_rank=origin[0],
-            cause=origin[1],
+            failed_rank=failed_rank,
+            cause=own if died and not aborted else text,
             aborted=aborted,
+            died=died,
             **where,
         )
 

@@ -296,7 +296,17 @@ def test_dead_or_silent_peer_fails_fast_with_a_clear_error(how):
 
 
 def _fields(err: px.PipelineError) -> dict:
-    fields = ("rank", "failed_rank", "stage", "microbatch", "action", "peer", "cause", "aborted")
+    fields = (
+        "rank",
+        "failed_rank",
+        "stage",
+        "microbatch",
+        "action",
+        "peer",
+        "cause",
+        "aborted",
+        "died",
+    )
     return {k: getattr(err, k) for k in fields}
 
 
@@ -318,6 +328,8 @@ def _fault(rank, world, case):
 
         pipe.loss_fn = faulty_loss
         del loss_fn
+    if rank == last and case == "kill_between":
+        os._exit(1)  # killed between steps: its peers fail in the next step's handshake
     if rank == last and case == "shape":
         batch = make_batch(seed=0, seq=12)
     if rank == last and case == "dtype":
@@ -328,7 +340,7 @@ def _fault(rank, world, case):
     except px.PipelineError as e:
         raised = e
     assert raised is not None, "the faulty step did not fail"
-    out = {"type": type(raised).__name__, **_fields(raised)}
+    out = {"type": type(raised).__name__, "message": str(raised), **_fields(raised)}
     if case in ("shape", "dtype"):
         # Refused before any transfer: the pipeline stays usable.
         out["next_loss"] = float(pipe.run_train(**make_batch(seed=1)))
@@ -344,12 +356,13 @@ def _fault(rank, world, case):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("case", ["kill", "raise", "shape", "dtype"])
+@pytest.mark.parametrize("case", ["kill", "kill_between", "raise", "shape", "dtype"])
 def test_faults_raise_pipeline_error_on_every_rank(case, world):
     last = world - 1
-    out = run_ranks(world, _fault, case, may_exit=(last,) if case == "kill" else (), pg_timeout=30)
+    killed = case.startswith("kill")
+    out = run_ranks(world, _fault, case, may_exit=(last,) if killed else (), pg_timeout=30)
     survivors = [o for o in out if o is not None]
-    assert len(survivors) == (world - 1 if case == "kill" else world)
+    assert len(survivors) == (world - 1 if killed else world)
     for r, o in enumerate(survivors):
         assert o["rank"] == r
     if case in ("shape", "dtype"):
@@ -362,6 +375,18 @@ def test_faults_raise_pipeline_error_on_every_rank(case, world):
     origins = {o["failed_rank"] for o in survivors}
     assert len(origins) == 1, survivors  # every rank names the same origin
     origin = origins.pop()
+    if killed:
+        # [Note: naming a dead rank]: every survivor names the rank that died, in its headline,
+        # and says where it failed once.
+        assert origin == last, survivors
+        for o in survivors:
+            headline = o["message"].split(": ", 1)[0]
+            assert o["died"] and f"failed: rank {last} died" in o["message"], o
+            assert o["message"].count(headline) == 1, o
+            assert "did not complete within" not in o["cause"], o
+    if case == "kill_between":
+        assert all(o["action"] == "step handshake all_gather" for o in survivors), survivors
+        return
     for o in survivors:
         assert o["type"] == "PipelineError" and o["action"] in ("RF", "RB", "SF", "SB", "F"), o
         assert o["stage"] is not None and o["microbatch"] is not None, o
@@ -374,10 +399,8 @@ def test_faults_raise_pipeline_error_on_every_rank(case, world):
         assert all(o["aborted"] for o in survivors[:last]), survivors
         assert survivors[last]["action"] == "F" and survivors[last]["stage"] == last
     else:
-        # The rank next to the killed one saw its connection close and reported it, naming it.
-        assert origin == last - 1, survivors
-        assert survivors[origin]["peer"] == last, survivors
-        assert f"rank {last}" in survivors[0]["cause"], survivors
+        # The rank next to the killed one saw its connection close and reported its death.
+        assert survivors[last - 1]["peer"] == last and not survivors[last - 1]["aborted"]
 
 
 def _abort_after_returning(rank, world):
