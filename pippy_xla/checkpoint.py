@@ -82,6 +82,17 @@ SCHEDULER = "scheduler.pt"
 # ----------------------------------------------------------------------------- HF safetensors
 
 
+def _open_safetensors(file: Path):
+    """``safe_open`` of ``file``; a damaged file (truncated, not safetensors) is a ValueError
+    naming it."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(file, framework="pt", device="cpu")
+    except Exception as e:  # noqa: BLE001  (safetensors' own error type)
+        raise ValueError(f"cannot read {file}: {e}") from e
+
+
 def _weight_map(path: Path) -> tuple[dict[str, Path], Path]:
     """``{key: file}`` of a HF checkpoint directory, and the file that says so."""
     index = path / SAFE_INDEX
@@ -90,9 +101,7 @@ def _weight_map(path: Path) -> tuple[dict[str, Path], Path]:
         return {k: path / f for k, f in weight_map.items()}, index
     single = path / SAFE_WEIGHTS
     if single.is_file():
-        from safetensors import safe_open
-
-        with safe_open(single, framework="pt") as f:
+        with _open_safetensors(single) as f:
             return dict.fromkeys(f.keys(), single), single
     raise FileNotFoundError(
         f"{path} holds neither {SAFE_INDEX} nor {SAFE_WEIGHTS}; pass the directory that "
@@ -108,15 +117,56 @@ def load_pretrained(pipe: Checkpointable, path: str | os.PathLike) -> None:
     pipeline's tensors (build the model in the dtype you want). Tied weights are found under any
     of their names.
 
+    A collective: every rank checks its part first (keys, shapes, whole files), and if any
+    rank cannot load, every rank raises before any tensor is written.
+
     Raises:
         FileNotFoundError: ``path`` is not a safetensors checkpoint.
         KeyError: a tensor of this stage is missing, or a checkpoint key belongs to no tensor of
-            the model; the message names the key and the file.
-        ValueError: a tensor has another shape than the model's; names the key and the file.
+            the model; the message names the key and the file (on the other ranks: which rank
+            and why).
+        ValueError: a tensor has another shape than the model's, or a file is damaged
+            (truncated); names the key or the file.
     """
-    from safetensors import safe_open
+    try:
+        by_file = _pretrained_entries(pipe, Path(path))
+        failure = None
+    except (KeyError, ValueError, OSError) as e:
+        by_file, failure = {}, e
+    # Every rank checks its part before any rank writes a tensor: one rank's bad key or file is
+    # an error on every rank, and no rank is left half-loaded.
+    reports: list = [None] * dist.get_world_size(pipe.checkpoint_group)
+    mine = None if failure is None else (type(failure).__name__, _text(failure))
+    dist.all_gather_object(reports, mine, group=pipe.checkpoint_group)
+    if failure is not None:
+        raise failure
+    bad = next(((r, rep) for r, rep in enumerate(reports) if rep is not None), None)
+    if bad is not None:
+        rank, (kind, text) = bad
+        error = KeyError if kind == "KeyError" else ValueError
+        raise error(
+            f"[rank {pipe.rank}] nothing loaded: rank {rank} of the pipeline cannot load its part "
+            f"of {path}: {kind}: {text}"
+        )
+    with torch.no_grad():
+        for file, entries in sorted(by_file.items()):
+            with _open_safetensors(file) as f:
+                for _, key, target in entries:
+                    assign(target, f.get_tensor(key))
 
-    path = Path(path)
+
+def _text(e: BaseException) -> str:
+    """An exception's message (``str`` of a ``KeyError`` is its message quoted)."""
+    return str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+
+
+def _pretrained_entries(
+    pipe: Checkpointable, path: Path
+) -> dict[Path, list[tuple[str, str, torch.Tensor]]]:
+    """This rank's tensors in the safetensors checkpoint at ``path``, by file, checked (every
+    key known, every local tensor present with the model's shape, every file whole) without
+    reading any tensor's values."""
+
     files, listing = _weight_map(path)
     known = pipe.all_state_names()
     ignored = pipe.non_persistent_names()
@@ -137,17 +187,16 @@ def load_pretrained(pipe: Checkpointable, path: str | os.PathLike) -> None:
                 f"{listing.name})"
             )
         by_file.setdefault(files[key], []).append((name, key, target))
-    with torch.no_grad():
-        for file, entries in sorted(by_file.items()):
-            with safe_open(file, framework="pt", device="cpu") as f:
-                for name, key, target in entries:
-                    shape = tuple(f.get_slice(key).get_shape())
-                    if shape != tuple(target.shape):
-                        raise ValueError(
-                            f"[rank {pipe.rank}] '{key}' in {file.name} has shape {shape}, the "
-                            f"model's '{name}' has {tuple(target.shape)}"
-                        )
-                    assign(target, f.get_tensor(key))
+    for file, entries in sorted(by_file.items()):
+        with _open_safetensors(file) as f:
+            for name, key, target in entries:
+                shape = tuple(f.get_slice(key).get_shape())
+                if shape != tuple(target.shape):
+                    raise ValueError(
+                        f"[rank {pipe.rank}] '{key}' in {file.name} has shape {shape}, the "
+                        f"model's '{name}' has {tuple(target.shape)}"
+                    )
+    return by_file
 
 
 def _shards(tensors: dict[str, torch.Tensor], max_bytes: int | None) -> list[list[str]]:
@@ -340,18 +389,53 @@ def save(
     return final
 
 
-def _load_scheduler(path: Path, scheduler: LRScheduler | None) -> None:
-    """Restores ``scheduler`` from the checkpoint at ``path`` (before anything else is loaded,
-    so that a checkpoint without one fails with nothing half-loaded)."""
+def _scheduler_state(path: Path, scheduler: LRScheduler | None) -> dict | None:
+    """The saved state for ``scheduler`` (read before anything is loaded, so that a checkpoint
+    without one fails with nothing half-loaded; applied once the rest has loaded)."""
     if scheduler is None:
-        return
+        return None
     file = path / SCHEDULER
     if not file.is_file():
         raise FileNotFoundError(
             f"the checkpoint {path} holds no learning-rate scheduler state ({SCHEDULER}): it was "
             "saved without scheduler=...; load without scheduler=... or save with it"
         )
-    scheduler.load_state_dict(torch.load(file, weights_only=True))
+    return torch.load(file, weights_only=True)
+
+
+def _dcp_load(state: dict, path: Path, group: dist.ProcessGroup | None, rank: int) -> None:
+    """``torch.distributed.checkpoint.load`` of ``state`` from ``path``, after checking that every
+    file the checkpoint's metadata names is there and long enough (so that a damaged checkpoint
+    loads nothing on any rank). DCP's ``CheckpointException`` (a ``BaseException`` that names
+    only the failing ranks) becomes a ``ValueError`` with each failing rank's error."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    need: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    damaged = [
+        f"{name} ({'missing' if not (path / name).is_file() else 'truncated'})"
+        for name, size in sorted(need.items())
+        if not (path / name).is_file() or (path / name).stat().st_size < size
+    ]
+    if damaged:
+        raise FileNotFoundError(
+            f"[rank {rank}] the checkpoint {path} is damaged: {', '.join(damaged)}; nothing was "
+            "loaded (load an earlier checkpoint)"
+        )
+    try:
+        dcp.load(state, checkpoint_id=path, process_group=group)
+    except CheckpointException as e:
+        details = "; ".join(f"rank {r}: {_describe(f)}" for r, f in sorted(e.failures.items()))
+        raise ValueError(f"[rank {rank}] cannot load {path}: {details}") from None
+
+
+def _describe(failure) -> str:
+    exc = failure[0] if isinstance(failure, tuple) else failure
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) < 400 else text[:400] + " ..."
 
 
 def _complete(directory: str | os.PathLike) -> Path | None:
@@ -400,7 +484,7 @@ def load(
     if found is None and missing_ok:
         return None
     path = _resolve(directory)
-    _load_scheduler(path, scheduler)
+    scheduler_state = _scheduler_state(path, scheduler)
     keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     state: dict = {"model": pipe.state_dict()}
     view = None
@@ -410,9 +494,11 @@ def load(
     rng = _rng_key(pipe)
     if rng in keys:
         state[rng] = torch.get_rng_state()
-    dcp.load(state, checkpoint_id=path, process_group=pipe.checkpoint_group)
+    _dcp_load(state, path, pipe.checkpoint_group, pipe.rank)
     if optimizer is not None:
         _set_optimizer_state(view, optimizer, state["optim"])
+    if scheduler_state is not None:
+        scheduler.load_state_dict(scheduler_state)
     if rng in state:
         torch.set_rng_state(state[rng])
     meta = json.loads((path / META).read_text()) if (path / META).is_file() else {}
@@ -429,17 +515,19 @@ def load_into_module(
     """Loads a checkpoint that :func:`save` wrote into a plain (not pipelined) model, its
     optimizer and its learning-rate scheduler, in one process or on every rank of a
     data-parallel job. Returns the saved step."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     path = _resolve(directory)
-    _load_scheduler(path, scheduler)
+    scheduler_state = _scheduler_state(path, scheduler)
     state: dict = {"model": get_model_state_dict(module)}
     if optimizer is not None:
         state["optim"] = _optimizer_state(module, optimizer)
-    dcp.load(state, checkpoint_id=path)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    _dcp_load(state, path, None, rank)
     set_model_state_dict(module, state["model"])
     if optimizer is not None:
         _set_optimizer_state(module, optimizer, state["optim"])
+    if scheduler_state is not None:
+        scheduler.load_state_dict(scheduler_state)
     meta = json.loads((path / META).read_text()) if (path / META).is_file() else {}
     return meta.get("step")

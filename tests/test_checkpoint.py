@@ -66,6 +66,7 @@ def test_load_pretrained_from_hf_shards_equals_from_pretrained(tmp_path, family,
 
 def _bad_checkpoints(rank, world, paths):
     pipe = _meta_pipe("llama", num_microbatches=2)
+    before = {k: v.clone() for k, v in pipe.state_dict().items()}
     errors = {}
     for what, path in paths.items():
         try:
@@ -73,6 +74,8 @@ def _bad_checkpoints(rank, world, paths):
             errors[what] = "loaded"
         except (KeyError, ValueError, FileNotFoundError) as e:
             errors[what] = f"{type(e).__name__}: {e}"
+        # Nothing half-loaded: a refused checkpoint wrote no tensor on any rank.
+        assert all(torch.equal(v, before[k]) for k, v in pipe.state_dict().items()), what
     return errors
 
 
@@ -81,7 +84,7 @@ def test_load_pretrained_errors_name_key_and_file(tmp_path):
 
     sd = {k: v.contiguous() for k, v in _hf_reference("llama").state_dict().items()}
     paths = {}
-    for what in ("missing", "unexpected", "shape"):
+    for what in ("missing", "unexpected", "shape", "truncated"):
         d = tmp_path / what
         d.mkdir()
         bad = dict(sd)
@@ -92,15 +95,23 @@ def test_load_pretrained_errors_name_key_and_file(tmp_path):
         else:
             bad["model.layers.0.mlp.up_proj.weight"] = torch.zeros(3, 3)
         save_file(bad, str(d / "model.safetensors"), metadata={"format": "pt"})
+        if what == "truncated":  # a copy cut short (a full disk, an interrupted download)
+            with open(d / "model.safetensors", "r+b") as f:
+                f.truncate((d / "model.safetensors").stat().st_size - 4096)
         paths[what] = str(d)
     paths["empty"] = str(tmp_path)
     out = run_ranks(2, _bad_checkpoints, paths)
-    # Only the rank whose stage holds the missing tensor misses it.
-    assert out[0]["missing"] == "loaded"
-    assert out[1]["missing"].startswith("KeyError")
-    assert "no tensor 'model.layers.3.mlp.up_proj.weight'" in out[1]["missing"]
-    assert "model.safetensors" in out[1]["missing"]
-    assert out[1]["shape"] == "loaded"
+    # The rank whose stage holds the missing tensor names it; the other refuses too, naming it.
+    for rank in (0, 1):
+        assert out[rank]["missing"].startswith("KeyError"), out[rank]["missing"]
+        assert "no tensor 'model.layers.3.mlp.up_proj.weight'" in out[rank]["missing"]
+        assert "model.safetensors" in out[rank]["missing"]
+        assert (
+            "cannot read" in out[rank]["truncated"]
+            and "model.safetensors" in (out[rank]["truncated"])
+        )
+    assert "nothing loaded: rank 1 of the pipeline" in out[0]["missing"]
+    assert "nothing loaded: rank 0 of the pipeline" in out[1]["shape"]
     for rank in (0, 1):
         assert (
             "'model.layers.9.mlp.up_proj.weight' (in model.safetensors)" in out[rank]["unexpected"]
@@ -312,3 +323,57 @@ def _load_fresh_or_partly_visible(rank, world, directory):
 def test_missing_ok_resumes_or_starts_fresh_on_every_rank(tmp_path):
     out = run_ranks(2, _load_fresh_or_partly_visible, str(tmp_path), pg_timeout=30)
     assert out == [{"fresh": None, "saved": 3}] * 2
+
+
+def _refused_checkpoints(rank, world, directory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model, layer_cls = MODELS["llama"]()
+    pipe = px.PipelineModel(model, layer_cls=layer_cls, num_microbatches=2, timeout=30)
+    opt = torch.optim.AdamW(pipe.parameters())
+    pipe.run_train(**make_batch(seed=0))
+    opt.step()
+    saved = pipe.save(Path(directory) / "good", optimizer=opt, step=1)
+    torch.distributed.barrier()
+    if rank == 0:  # a damaged copy: one rank's DCP file deleted, another cut short
+        for name, how in (("deleted", "delete"), ("truncated", "truncate")):
+            copy = Path(directory) / name
+            shutil.copytree(saved, copy)
+            victim = sorted(copy.glob("*.distcp"))[-1]
+            if how == "delete":
+                victim.unlink()
+            else:
+                with open(victim, "r+b") as f:
+                    f.truncate(victim.stat().st_size // 2)
+    torch.distributed.barrier()
+    pipe.run_train(**make_batch(seed=1))  # the live values now differ from the saved ones
+    opt.step()
+    before = {k: v.clone() for k, v in pipe.state_dict().items()}
+    errors = {}
+    for name in ("deleted", "truncated"):
+        with pytest.raises(FileNotFoundError) as e:
+            pipe.load(Path(directory) / name, optimizer=opt)
+        errors[name] = str(e.value)
+    # A checkpoint of another configuration (hidden 32, not 64).
+    cfg = LlamaConfig(**{**model.config.to_dict(), "hidden_size": 32, "intermediate_size": 64})
+    other = px.PipelineModel(
+        LlamaForCausalLM(cfg), layer_cls=layer_cls, num_microbatches=2, timeout=30
+    )
+    with pytest.raises(ValueError) as e:
+        other.load(Path(directory) / "good")
+    errors["other config"] = str(e.value)
+    assert all(torch.equal(v, before[k]) for k, v in pipe.state_dict().items())  # untouched
+    return errors
+
+
+def test_damaged_or_foreign_checkpoints_are_refused_on_every_rank(tmp_path):
+    out = run_ranks(2, _refused_checkpoints, str(tmp_path))
+    for rank, errors in enumerate(out):
+        assert "is damaged: __" in errors["deleted"] and "(missing)" in errors["deleted"], errors
+        assert "(truncated)" in errors["truncated"], errors
+        assert "nothing was loaded" in errors["deleted"]
+        # DCP's error, from the ranks that failed, names the tensor and both sizes.
+        assert errors["other config"].startswith(f"[rank {rank}] cannot load"), errors
+        assert "rank 0:" in errors["other config"] and "rank 1:" in errors["other config"], errors
+        assert "size" in errors["other config"].lower(), errors
