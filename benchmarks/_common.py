@@ -46,11 +46,11 @@ def llama_config(layers: int, hidden: int, vocab: int = 512):
     )
 
 
-def token_batch(batch: int, seq: int, vocab: int) -> dict:
+def token_batch(batch: int, seq: int, vocab: int, seed: int = 0) -> dict:
     """A seeded random token batch (no padding; labels are the inputs)."""
     import torch
 
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch, seq), generator=g)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
 

@@ -10,11 +10,12 @@ death by a signal, is seen directly.
 
 - ``stress``: normal runs (build, train 3 steps, evaluate, ``all_gather_object``,
   ``destroy_process_group``, exit) on 2 and 4 ranks; counts non-zero exits and signal deaths.
-- ``faults``: each fault on 2 ranks, ``--trials`` times: the last rank killed mid-step, the last
-  rank's loss raising while its process lives on (8 s), and ranks given batches of another
-  sequence length or dtype. Reports hangs (a rank still running after 120 s), signal deaths
-  other than the killed rank, the error each survivor raised, and the time from the fault to the
-  last survivor's exit.
+- ``faults``: each fault on 2 and 4 ranks (``--worlds``), ``--trials`` times: the last rank
+  killed (SIGKILL) mid-step or between steps, the last rank's loss raising while its process
+  lives on (8 s), and ranks given batches of another sequence length or dtype. Reports hangs (a
+  rank still running after 120 s), signal deaths other than the killed rank, the error each
+  survivor raised, how many survivors named the faulty rank (a killed one with ``died``), and
+  the time from the fault to the last survivor's exit.
 - ``soak``: ``--steps`` training steps on 2 ranks; resident memory, threads and open files at
   step 100 and at the end.
 - ``exit``: ``--runs`` times per arm (see ``_exit_after_collective``), rank 0 exits right after
@@ -39,7 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import RESULTS, ROOT, save
+from _common import RESULTS, ROOT, llama_config, save, token_batch
 
 HANG_S = 120.0
 
@@ -118,14 +119,17 @@ def _worker(mode: str, arg: str, out: str) -> None:
         _exit_after_collective(rank, arg)
         return
 
-    sys.path.insert(0, str(ROOT / "tests"))
-    from models import llama, make_batch
+    from transformers import LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     import pippy_xla as px
 
+    def make_batch(seed: int, seq: int = 16) -> dict:
+        return token_batch(8, seq, 256, seed=seed)
+
     torch.manual_seed(0)
-    model, layer_cls = llama()
-    pipe = px.PipelineModel(model, layer_cls=layer_cls, num_microbatches=2, timeout=60)
+    model = LlamaForCausalLM(llama_config(layers=4, hidden=64, vocab=256))
+    pipe = px.PipelineModel(model, layer_cls=LlamaDecoderLayer, num_microbatches=2, timeout=60)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
     report: dict = {}
 
@@ -145,6 +149,9 @@ def _worker(mode: str, arg: str, out: str) -> None:
         batch = make_batch(seed=0)
         pipe.run_train(**batch)
         last = world - 1
+        if rank == last and arg == "kill_between":  # killed between steps
+            Path(out + ".fault").write_text(str(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
         if rank == last and arg in ("kill", "raise"):
 
             def faulty(*a):
@@ -166,6 +173,8 @@ def _worker(mode: str, arg: str, out: str) -> None:
         except px.PipelineError as e:
             report["error"] = type(e).__name__
             report["failed_rank"] = e.failed_rank
+            report["died"] = e.died
+            report["peer"] = e.peer
         fault_file = Path(out.rsplit("_", 1)[0] + f"_{last}.json.fault")
         if fault_file.exists():
             report["fault_time"] = float(fault_file.read_text())
@@ -273,40 +282,56 @@ def _stress(runs2: int, runs4: int) -> dict:
     return summary
 
 
-def _faults(trials: int) -> dict:
-    summary = {}
-    for case in ("kill", "raise", "shape", "dtype"):
-        hangs = signals = 0
-        delays, errors = [], {}
-        for _ in range(trials):
-            results = _launch(2, "faults", case)
-            survivors = [r for r in results if not (case == "kill" and r["rank"] == 1)]
-            if case == "raise":
-                survivors = [r for r in results if r["rank"] == 0]  # rank 1 lives on, 8 s
-            hangs += sum(r["hung"] for r in results)
-            signals += sum(
-                1 for r in results if r["signal"] and not (case == "kill" and r["rank"] == 1)
-            )
-            for r in survivors:
-                key = f"{r['report'].get('error')} (failed_rank {r['report'].get('failed_rank')})"
-                errors[key] = errors.get(key, 0) + 1
-            fault = next(
-                (r["report"]["fault_time"] for r in survivors if "fault_time" in r["report"]), None
-            )
-            ends = [r["exit_time"] for r in survivors if r["exit_time"] is not None]
-            if fault is not None and ends:
-                delays.append(max(ends) - fault)
-        summary[case] = {
-            "trials": trials,
-            "hangs": hangs,
-            "signal_deaths": signals,
-            "survivor_errors": errors,
-            "fault_to_last_survivor_exit_s": {
-                "median": statistics.median(delays) if delays else None,
-                "max": max(delays) if delays else None,
-            },
-        }
-        print(case, json.dumps(summary[case]), flush=True)
+FAULTS = ("kill", "kill_between", "raise", "shape", "dtype")
+
+
+def _faults(trials: int, worlds: list[int]) -> dict:
+    summary: dict = {}
+    for world in worlds:
+        last = world - 1
+        for case in FAULTS:
+            killed = case.startswith("kill")
+            hangs = signals = named = counted = 0
+            delays, errors = [], {}
+            for _ in range(trials):
+                results = _launch(world, "faults", case)
+                survivors = [r for r in results if not (killed and r["rank"] == last)]
+                if case == "raise":
+                    survivors = [r for r in results if r["rank"] != last]  # it lives on, 8 s
+                hangs += sum(r["hung"] for r in results)
+                signals += sum(
+                    1 for r in results if r["signal"] and not (killed and r["rank"] == last)
+                )
+                for r in survivors:
+                    rep = r["report"]
+                    key = f"{rep.get('error')} (failed_rank {rep.get('failed_rank')})"
+                    errors[key] = errors.get(key, 0) + 1
+                    counted += 1
+                    if case in ("shape", "dtype"):  # each rank names the other side
+                        named += r["rank"] == last or rep.get("peer") == last
+                    else:
+                        named += rep.get("failed_rank") == last and (rep.get("died") or not killed)
+                fault = next(
+                    (r["report"]["fault_time"] for r in survivors if "fault_time" in r["report"]),
+                    None,
+                )
+                ends = [r["exit_time"] for r in survivors if r["exit_time"] is not None]
+                if fault is not None and ends:
+                    delays.append(max(ends) - fault)
+            result = {
+                "ranks": world,
+                "trials": trials,
+                "hangs": hangs,
+                "signal_deaths": signals,
+                "survivors_naming_the_faulty_rank": f"{named} of {counted}",
+                "survivor_errors": errors,
+                "fault_to_last_survivor_exit_s": {
+                    "median": statistics.median(delays) if delays else None,
+                    "max": max(delays) if delays else None,
+                },
+            }
+            summary[f"{case} ({world} ranks)"] = result
+            print(case, json.dumps(result), flush=True)
     return summary
 
 
@@ -338,6 +363,7 @@ def main() -> None:
     p.add_argument("--runs2", type=int, default=100)
     p.add_argument("--runs4", type=int, default=50)
     p.add_argument("--trials", type=int, default=20)
+    p.add_argument("--worlds", default="2,4", help="faults: rank counts")
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--runs", type=int, default=100)
     p.add_argument(
@@ -347,7 +373,7 @@ def main() -> None:
     if args.mode == "stress":
         result = _stress(args.runs2, args.runs4)
     elif args.mode == "faults":
-        result = _faults(args.trials)
+        result = _faults(args.trials, [int(w) for w in args.worlds.split(",")])
     elif args.mode == "exit":
         arms = args.arms.split(",")
         # Arms run separately keep each other's results.
