@@ -166,7 +166,12 @@ def _partition(
     )
     schedule = _schedule(config.schedule, place.num_ranks, config)
     stages = partition(
-        model, layer_cls, layer_ranges, config.input_names, checkpoint_layers=checkpoint_layers
+        model,
+        layer_cls,
+        layer_ranges,
+        config.input_names,
+        checkpoint_layers=checkpoint_layers,
+        device_type=place.device.type,
     )
     return layer_ranges, stages, schedule
 

@@ -48,6 +48,8 @@ def stage_forward(
     losses: dict[int, torch.Tensor],
     logits: dict[int, torch.Tensor] | None,
     watch: RecompileWatch | None = None,
+    added_losses: dict[int, torch.Tensor] | None = None,
+    added_scale: float = 1.0,
 ) -> StageForward:
     """The callable the engine runs for each forward action of one step.
 
@@ -61,6 +63,9 @@ def stage_forward(
         losses: filled on the last stage with the detached microbatch losses.
         logits: filled on the last stage with each microbatch's logits, when not ``None``.
         watch: told every stage's inputs (compiled stages).
+        added_losses: filled on the last stage with the detached terms the model adds to its
+            loss, scaled (see [Note: added loss terms per microbatch]).
+        added_scale: the added terms' weight in a microbatch's loss.
     """
     last = len(stages) - 1
 
@@ -76,6 +81,11 @@ def stage_forward(
         if labels is None:
             return []
         loss = loss_fn(out[0], labels[mb], num_items)
+        if stages[last].added_loss:
+            added = out[1] * added_scale
+            loss = loss + added
+            if added_losses is not None:
+                added_losses[mb] = added.detach()
         losses[mb] = loss.detach()
         return [loss]
 
@@ -91,6 +101,18 @@ class EvalOutput:
     logits: torch.Tensor | None
     """The whole batch's logits on the last stage's rank, ``None`` elsewhere (with a mesh: the
     logits of this replica's share of the batch)."""
+
+
+"""[Note: added loss terms per microbatch]
+
+A microbatch's loss is HF's loss of that microbatch: ``loss_fn`` (its tokens' summed loss over the
+whole batch's token count, so that the microbatches' losses add up to the batch's mean) plus the
+terms the model adds to its loss (MoE load balancing over every layer's router statistics, see
+[Note: terms added to the loss]), computed over the microbatch and weighted by one over the
+number of microbatches in the step (times the replicas, on a mesh): the step's loss adds up to the
+mean of HF's losses of the microbatches. With one microbatch and one replica it is HF's loss of
+the batch.
+"""
 
 
 class StepRunner:
@@ -118,12 +140,16 @@ class StepRunner:
         """The last step's data-parallel reductions, as timings."""
         self.recompiles: list[str] = []
         """Explanations of the recompilations seen after each mode's first step."""
+        self.last_losses: dict[str, float] = {}
+        """The last step's loss (``total``) and its parts: ``main`` (``loss_fn``'s) and
+        ``aux`` (what the model adds, see [Note: added loss terms per microbatch])."""
 
     def train(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Forward and backward of every microbatch; the batch's mean loss on every rank."""
         batch, microbatches, signature = self._prepare(batch, "train")
         losses: dict[int, torch.Tensor] = {}
-        forward = self._forward(batch, microbatches, losses, logits=None)
+        added: dict[int, torch.Tensor] = {}
+        forward = self._forward(batch, microbatches, losses, added, logits=None)
         earlier = set_aside_grads(self.ties)  # [Note: tied gradients accumulate once]
         try:
             self._run(self.train_engine, forward, signature)
@@ -133,20 +159,21 @@ class StepRunner:
                     combine_among(tie, grads, add=True, **self._transport())
         finally:
             add_back_grads(self.ties, earlier)
-        return self._reduce_loss(losses)
+        return self._reduce_loss(losses, added)
 
     def evaluate(self, batch: dict[str, torch.Tensor]) -> EvalOutput:
         """Forward only: the logits on the last stage's rank and, given labels, the loss."""
         batch, microbatches, signature = self._prepare(batch, "eval")
         losses: dict[int, torch.Tensor] = {}
+        added: dict[int, torch.Tensor] = {}
         logits: dict[int, torch.Tensor] = {}
-        forward = self._forward(batch, microbatches, losses, logits)
+        forward = self._forward(batch, microbatches, losses, added, logits)
         self._run(self.eval_engine, forward, signature)
         if self.dp is not None:
             self.dp.after_eval()
         is_last = self.place.rank == self.last_rank
         all_logits = torch.cat([logits[mb] for mb in sorted(logits)]) if is_last else None
-        loss = self._reduce_loss(losses) if "labels" in batch else None
+        loss = self._reduce_loss(losses, added) if "labels" in batch else None
         return EvalOutput(loss=loss, logits=all_logits)
 
     def clip_grad_norm_(
@@ -214,7 +241,7 @@ class StepRunner:
         agree_on_step(key, contents, batch, place.rank, gather)
         return batch, microbatches, key.signature
 
-    def _forward(self, batch, microbatches, losses, logits) -> StageForward:
+    def _forward(self, batch, microbatches, losses, added, logits) -> StageForward:
         labels = batch.get("labels")
         num_items = None
         if labels is not None:
@@ -229,6 +256,8 @@ class StepRunner:
             losses=losses,
             logits=logits,
             watch=self.watch,
+            added_losses=added,
+            added_scale=1.0 / (self.config.num_microbatches * self.place.dp_size),
         )
 
     def _run(self, engine: _C.Engine, forward: StageForward, signature: int) -> None:
@@ -260,13 +289,17 @@ class StepRunner:
         self.dp.reduce(stage)
         self.reduce_spans.append(("DP", stage, -1, start, time.time_ns()))
 
-    def _reduce_loss(self, losses: dict[int, torch.Tensor]) -> torch.Tensor:
+    def _reduce_loss(
+        self, losses: dict[int, torch.Tensor], added: dict[int, torch.Tensor]
+    ) -> torch.Tensor:
         """The sum of the last stage's microbatch losses, on every rank (and, with a mesh, over
-        the replicas: their shares add up to the global mean)."""
+        the replicas: their shares add up to the global mean); sets :attr:`last_losses`."""
         place = self.place
-        total = torch.zeros((), dtype=torch.float32, device=place.device)
+        total = torch.zeros(2, dtype=torch.float32, device=place.device)
         if place.rank == self.last_rank:
-            total = torch.stack([losses[mb].float() for mb in sorted(losses)]).sum()
+            for part, values in enumerate((losses, added)):
+                if values:
+                    total[part] = torch.stack([values[mb].float() for mb in sorted(values)]).sum()
         with self.failures.guard("loss broadcast"):
             total = _C.broadcast_copy(
                 total,
@@ -278,4 +311,6 @@ class StepRunner:
         if self.dp is not None:
             with self.failures.guard("loss all_reduce over replicas"):
                 total = self.dp.all_reduce_sum(total, f"[rank {place.rank}] loss all_reduce")
-        return total
+        aux = float(total[1])
+        self.last_losses = {"total": float(total[0]), "main": float(total[0]) - aux, "aux": aux}
+        return total[0].clone()

@@ -9,7 +9,11 @@ module and relies on three facts kept here:
   because they take a config object fx cannot record (:func:`patch_mask_functions`);
 - some inputs of those leaves are only read for their shape, dtype and device: the mask
   factories' :data:`META_ONLY_MASK_KWARGS`, and a rotary module's first argument (the
-  partitioner's ``_producers`` reads both).
+  partitioner's ``_producers`` reads both);
+- outputs that HF records inside a layer with forward hooks (``output_router_logits``) become
+  outputs of the layer's call (:func:`call_recording`), and the model's ``loss_function`` is a
+  leaf while tracing (:class:`LossMarker`), so that what the model adds to it (MoE router
+  losses) is found in the graph.
 """
 
 from __future__ import annotations
@@ -17,16 +21,22 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 __all__ = [
+    "LOSS_ATTR",
     "MASKS_ATTR",
     "META_ONLY_MASK_KWARGS",
+    "LossMarker",
     "MaskLeaf",
+    "call_recording",
+    "deliver",
+    "patch_loss_function",
+    "recorded_outputs",
     "find_configs",
     "is_mask_function_name",
     "is_rotary_module",
@@ -36,6 +46,9 @@ __all__ = [
 
 MASKS_ATTR = "pippy_masks"
 """Attribute of the partitioner's root module holding the :class:`MaskLeaf` modules."""
+
+LOSS_ATTR = "pippy_loss"
+"""Attribute of the partitioner's root module holding the :class:`LossMarker`."""
 
 META_ONLY_MASK_KWARGS = ("inputs_embeds", "encoder_hidden_states")
 """Keyword arguments of the mask factories that are read only for shape, dtype and device
@@ -181,3 +194,103 @@ def patch_mask_functions(model: nn.Module, leaves: nn.ModuleDict) -> Iterator[No
     finally:
         for pymod, name, fn in saved:
             setattr(pymod, name, fn)
+
+
+"""[Note: outputs recorded inside layers]
+
+transformers 5.x collects some outputs with forward hooks that ``capture_outputs`` installs on
+submodules and activates through a context variable: MoE routers' logits
+(``output_router_logits=True``) are recorded this way, from inside the decoder layers, which the
+partitioner traces as leaves. So while tracing, a layer holding an active recording hook is called
+through :func:`call_recording`, which runs the layer under its own collector and returns what the
+hooks recorded as extra outputs; :func:`deliver` hands those to the model's collector, so that
+the model's code after the layers (the load-balancing loss) reads them as graph values. They cross
+stage boundaries like any other value, and their gradients flow back to every stage's router.
+"""
+
+
+def _collector() -> Any:
+    from transformers.utils import output_capturing
+
+    return output_capturing._active_collector
+
+
+def recorded_outputs(layer: nn.Module) -> tuple[str, ...]:
+    """The keys recorded by the active output-capturing hooks inside ``layer``, one per hook,
+    in module order; empty when nothing is being recorded. See [Note: outputs recorded inside
+    layers]."""
+    try:
+        collected = _collector().get()
+    except ImportError:  # pragma: no cover - transformers is optional for non-HF models
+        return ()
+    if not collected:
+        return ()
+    keys = []
+    for mod in layer.modules():
+        for hook in mod._forward_hooks.values():
+            if getattr(hook, "__name__", "") != "output_capturing_hook":
+                continue
+            key = inspect.getclosurevars(hook).nonlocals.get("key")
+            if key in collected and key != "hidden_states":
+                keys.append(key)
+    return tuple(keys)
+
+
+def call_recording(layer: nn.Module, keys: tuple[str, ...], *args: Any, **kwargs: Any) -> Any:
+    """``(layer(*args, **kwargs), *recorded)``: the layer's output and what its hooks recorded
+    for ``keys`` (see :func:`recorded_outputs`), in order."""
+    collector = _collector()
+    collected: dict[str, list[Any]] = {k: [] for k in keys}
+    token = collector.set(collected)
+    try:
+        out = layer(*args, **kwargs)
+    finally:
+        collector.reset(token)
+    recorded = [v for k in collected for v in collected[k]]
+    if len(recorded) != len(keys):
+        raise RuntimeError(
+            f"{type(layer).__name__} recorded {len(recorded)} outputs {list(collected)} but "
+            f"{len(keys)} were traced ({list(keys)}): a layer must call each recording "
+            "submodule once per forward"
+        )
+    return (out, *recorded)
+
+
+def deliver(keys: tuple[str, ...], values: Sequence[Any]) -> None:
+    """Appends the traced ``values`` of ``keys`` to the model's active collector."""
+    collected = _collector().get()
+    for key, value in zip(keys, values, strict=True):
+        collected[key].append(value)
+
+
+"""[Note: terms added to the loss]
+
+An HF model computes its loss as ``self.loss_function(logits, labels, ...)`` and may add terms to
+it (``loss += router_aux_loss_coef * aux_loss``). The partitioner traces the model with a
+``labels`` input and the loss function replaced by a leaf, :class:`LossMarker`; the graph's loss
+is then the marker plus the added terms, which the last stage returns beside the logits (the
+pipeline computes the marker's part, the loss function's, with ``loss_fn`` per microbatch).
+"""
+
+
+class LossMarker(nn.Module):
+    """fx leaf standing for the model's ``loss_function`` while tracing; never run."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise RuntimeError("LossMarker only marks the loss function in a trace")
+
+
+@contextlib.contextmanager
+def patch_loss_function(model: nn.Module, marker: LossMarker) -> Iterator[None]:
+    """``model.loss_function`` calls ``marker`` inside the block (HF's property setter)."""
+    had = "_loss_function" in vars(model)
+    saved = vars(model).get("_loss_function")
+    # A plain function: assigning the module itself would register it under the model.
+    vars(model)["_loss_function"] = lambda *args, **kwargs: marker(*args, **kwargs)
+    try:
+        yield
+    finally:
+        if had:
+            vars(model)["_loss_function"] = saved
+        else:
+            del vars(model)["_loss_function"]

@@ -84,6 +84,9 @@ class StageGraph:
     buffer of ``module`` (tied weights appear under every name the stage uses)."""
     code: str
     """``module.code``, for determinism checks."""
+    added_loss: bool = False
+    """The last stage returns ``(logits, added)``: the terms the model adds to its loss function's
+    result (see [Note: terms added to the loss])."""
 
 
 def _outermost(model: nn.Module, layer_cls: type[nn.Module]) -> list[str]:
@@ -169,6 +172,7 @@ class _Root(nn.Module):
         super().__init__()
         self.model = model
         setattr(self, hf.MASKS_ATTR, leaves)
+        setattr(self, hf.LOSS_ATTR, hf.LossMarker())
 
     def _run(self, **inputs: Any) -> Any:
         params = inspect.signature(self.model.forward).parameters
@@ -176,17 +180,29 @@ class _Root(nn.Module):
         for flag, value in (("use_cache", False), ("return_dict", True)):
             if flag in params or takes_any:
                 inputs[flag] = value
-        out = self.model(**inputs)
+        if "labels" in inputs:
+            with hf.patch_loss_function(self.model, getattr(self, hf.LOSS_ATTR)):
+                out = self.model(**inputs)
+        else:
+            out = self.model(**inputs)
         if isinstance(out, (torch.Tensor, fx.Proxy)):
             return out  # a plain module: its output is the logits
-        logits = out.get("logits") if hasattr(out, "get") else getattr(out, "logits", None)
+        get = out.get if hasattr(out, "get") else lambda key: getattr(out, key, None)
+        logits = get("logits")
         if logits is None:
             raise UnsupportedModelError(
                 f"{type(self.model).__name__}'s forward returned {type(out).__name__} without "
                 "logits; pippy_xla pipelines models whose output is the logits (a tensor, or an "
                 "output with .logits, as HF's *ForCausalLM models return)"
             )
-        return logits
+        loss = get("loss")
+        return (logits, loss) if isinstance(loss, fx.Proxy) else logits
+
+
+def _traces_loss(model: nn.Module, input_names: Sequence[str]) -> bool:
+    """Whether to trace ``model`` with labels (see [Note: terms added to the loss])."""
+    params = inspect.signature(model.forward).parameters
+    return "labels" in params and "labels" not in input_names and hasattr(model, "loss_function")
 
 
 def _root_forward(input_names: Sequence[str]) -> Any:
@@ -197,8 +213,19 @@ def _root_forward(input_names: Sequence[str]) -> Any:
     return namespace["forward"]
 
 
+"""[Note: one device]
+
+Every tensor of a stage lives on the pipeline's device. While tracing, ``x.device`` of any value
+is therefore read from the first batch input, not from ``x``: a device read then never ties a
+replicated value to a parameter-dependent one (``aux_loss.to(loss.device)``, ``torch.arange(...,
+device=inputs_embeds.device)``), and ``x.device.type`` is the pipeline's device type as a string,
+so models may branch on it (``if device.type != "mps"``).
+"""
+
+
 class _Proxy(fx.Proxy):
-    """A proxy whose ``ndim`` is concrete when known (batch inputs are 2-D token tensors).
+    """A proxy whose ``ndim`` is concrete when known (batch inputs are 2-D token tensors), and
+    whose ``device`` is the batch's (see [Note: one device]).
 
     GPT-2 branches on ``attention_mask.ndim < 4``.
     """
@@ -209,18 +236,45 @@ class _Proxy(fx.Proxy):
             return self.node.meta["pippy_ndim"]
         return fx.proxy.Attribute(self, "ndim")
 
+    @property
+    def device(self) -> Any:
+        tracer = self.tracer
+        if tracer.first_input is None:
+            return fx.proxy.Attribute(self, "device")
+        return _Device(tracer.first_input, "device")
+
+
+class _Device(fx.proxy.Attribute):
+    """The batch's device while tracing: its ``type`` is a concrete string."""
+
+    @property
+    def type(self) -> str:
+        return self.tracer.device_type
+
 
 class _Tracer(fx.Tracer):
-    def __init__(self, layer_cls: type[nn.Module]) -> None:
+    def __init__(self, layer_cls: type[nn.Module], device_type: str) -> None:
         super().__init__()
         self.layer_cls = layer_cls
+        self.device_type = device_type
+        self.first_input: fx.Proxy | None = None
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return (
-            isinstance(m, (self.layer_cls, hf.MaskLeaf))
+            isinstance(m, (self.layer_cls, hf.MaskLeaf, hf.LossMarker))
             or hf.is_rotary_module(m)
             or super().is_leaf_module(m, module_qualified_name)
         )
+
+    def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
+        # See [Note: outputs recorded inside layers]
+        keys = hf.recorded_outputs(m) if isinstance(m, self.layer_cls) else ()
+        if not keys:
+            return super().call_module(m, forward, args, kwargs)
+        layer = self.create_proxy("get_attr", self.path_of_module(m), (), {})
+        out = self.create_proxy("call_function", hf.call_recording, (layer, keys, *args), kwargs)
+        hf.deliver(keys, [out[i + 1] for i in range(len(keys))])
+        return out[0]
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _Proxy(node, self)
@@ -229,15 +283,17 @@ class _Tracer(fx.Tracer):
         p = super().create_proxy(kind, target, args, kwargs, *a, **k)
         if kind == "placeholder":
             p.node.meta["pippy_ndim"] = 2
+            if self.first_input is None:
+                self.first_input = p
         return p
 
 
-def _trace(root: _Root, model: nn.Module, layer_cls: type[nn.Module]) -> fx.Graph:
+def _trace(root: _Root, model: nn.Module, layer_cls: type[nn.Module], device_type: str) -> fx.Graph:
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
         with hf.patch_mask_functions(model, getattr(root, hf.MASKS_ATTR)):
-            return _Tracer(layer_cls).trace(root)
+            return _canonical(_Tracer(layer_cls, device_type).trace(root))
     except UnsupportedModelError:
         raise
     except Exception as e:  # noqa: BLE001  (any failure of the model's Python under the tracer)
@@ -248,6 +304,42 @@ def _trace(root: _Root, model: nn.Module, layer_cls: type[nn.Module]) -> fx.Grap
     finally:
         for m, mode in modes:
             m.training = mode
+
+
+"""[Note: canonical graphs]
+
+The order in which the model's Python creates nodes may depend on more than the model: Olmo 3
+iterates over a ``set`` of layer types, whose order depends on ``PYTHONHASHSEED``, which differs
+between torchrun's ranks. The traced graph is therefore rebuilt in an order that depends only on
+its data flow: placeholders in input order, then a depth-first walk from the output that visits
+each node's inputs in argument order, with node names made afresh in that order. Two traces that
+compute the same values give the same code, byte for byte, on every rank.
+"""
+
+
+def _canonical(graph: fx.Graph) -> fx.Graph:
+    """``graph`` in data-flow order with fresh names. See [Note: canonical graphs]."""
+    order: dict[fx.Node, None] = {n: None for n in graph.nodes if n.op == "placeholder"}
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    stack: list[tuple[fx.Node, bool]] = [(output, False)]
+    while stack:
+        node, expanded = stack.pop()
+        if node in order:
+            continue
+        if expanded:
+            order[node] = None
+            continue
+        stack.append((node, True))
+        stack.extend((p, False) for p in reversed(node.all_input_nodes) if p not in order)
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in order:
+        name = n.target if n.op == "placeholder" else None
+        args = fx.node.map_arg(n.args, lambda a: env[a])
+        kwargs = fx.node.map_arg(n.kwargs, lambda a: env[a])
+        env[n] = new.create_node(n.op, n.target, args, kwargs, name=name, type_expr=n.type)
+        env[n].meta = dict(n.meta)
+    return new
 
 
 SUPPORTED = (
@@ -331,16 +423,28 @@ def _check_checkpoint_layers(checkpoint_layers: Sequence[int], num_layers: int) 
 
 def _emit_checkpoint(graph: fx.Graph, node: fx.Node, arg_transform: Any) -> fx.Node:
     # See [Note: checkpointed layers]
-    layer = graph.create_node("get_attr", node.target, name=f"{node.name}_module")
     args = fx.node.map_arg(node.args, arg_transform)
     kwargs = fx.node.map_arg(node.kwargs, arg_transform)
+    if node.op == "call_module":
+        fn: Any = graph.create_node("get_attr", node.target, name=f"{node.name}_module")
+    else:  # a layer called through hf.call_recording
+        fn = node.target
     return graph.create_node(
         "call_function",
         torch.utils.checkpoint.checkpoint,
-        (layer, *args),
+        (fn, *args),
         {**kwargs, "use_reentrant": False},
         name=node.name,
     )
+
+
+def _layer_target(node: fx.Node) -> str | None:
+    """The module path of the layer that ``node`` calls, if it calls one."""
+    if node.op == "call_module":
+        return node.target
+    if node.op == "call_function" and node.target is hf.call_recording:
+        return node.args[0].target
+    return None
 
 
 def _emit_embedding_stub(graph: fx.Graph, emb_node: fx.Node, emb: nn.Embedding, ids: fx.Node):
@@ -354,12 +458,83 @@ def _emit_embedding_stub(graph: fx.Graph, emb_node: fx.Node, emb: nn.Embedding, 
     return graph.create_node("call_method", "expand", (full, size), name=f"{emb_node.name}_meta")
 
 
+def _separate_added_loss(graph: fx.Graph, output: fx.Node, model_name: str) -> bool:
+    """Rewrites a traced ``(logits, loss)`` output into ``(logits, added)`` or ``logits``; whether
+    the model adds terms to its loss. See [Note: terms added to the loss]."""
+    result = output.args[0]
+    if not isinstance(result, tuple):
+        return False
+    logits, loss = result
+    marker = next(
+        (n for n in graph.nodes if n.op == "call_module" and n.target == hf.LOSS_ATTR), None
+    )
+    after_marker: dict[fx.Node, None] = {}
+    if marker is not None:
+        for n in graph.nodes:
+            if n is marker or any(p in after_marker for p in n.all_input_nodes):
+                after_marker[n] = None
+    terms: list[Any] = []
+    node = loss
+    while node is not marker and node in after_marker:
+        if not (
+            node.op == "call_function"
+            and node.target in (operator.add, operator.iadd, torch.add)
+            and len(node.args) == 2
+            and not node.kwargs
+            and sum(a in after_marker for a in node.args) == 1
+        ):
+            raise UnsupportedModelError(
+                f"{model_name} combines its loss function's result with other values by "
+                f"{node.format_node()}; the pipeline supports a loss that is the loss function's "
+                "result plus added terms (pass loss_fn=... to compute the whole loss yourself)"
+            )
+        on_path = next(a for a in node.args if a in after_marker)
+        terms.extend(a for a in node.args if a is not on_path and isinstance(a, fx.Node))
+        node = on_path
+    if node is not marker or not terms:
+        output.args = (logits,)  # no terms, or a loss computed without the loss function
+        return False
+    inputs: dict[fx.Node, None] = {}
+    stack = list(terms)
+    while stack:
+        n = stack.pop()
+        if n not in inputs:
+            inputs[n] = None
+            stack.extend(n.all_input_nodes)
+    bad = [n.name for n in inputs if n in after_marker or n.target == "labels"]
+    if bad:
+        raise UnsupportedModelError(
+            f"{model_name} adds terms to its loss that read the labels or the loss itself "
+            f"({bad}); the pipeline supports added terms computed from the model's own values "
+            "(pass loss_fn=... to compute the whole loss yourself)"
+        )
+    with graph.inserting_before(output):
+        added = terms[0]
+        for t in terms[1:]:
+            added = graph.call_function(operator.add, (added, t))
+    output.args = ((logits, added),)
+    return True
+
+
+def _emit_standin(graph: fx.Graph, node: fx.Node, param: nn.Parameter) -> fx.Node:
+    # See [Note: replicated prologue]: a parameter read only for its metadata.
+    first = next(n for n in graph.nodes if n.op == "placeholder")
+    device = graph.call_function(getattr, (first, "device"))
+    full = graph.call_function(
+        torch.full, ((), float("nan")), {"dtype": param.dtype, "device": device}
+    )
+    return graph.create_node(
+        "call_method", "expand", (full, tuple(param.shape)), name=f"{node.name}_standin"
+    )
+
+
 def partition(
     model: nn.Module,
     layer_cls: type[nn.Module],
     layer_ranges: list[tuple[int, int]],
     input_names: Sequence[str] = ("input_ids", "attention_mask"),
     checkpoint_layers: Sequence[int] = (),
+    device_type: str = "cpu",
 ) -> list[StageGraph]:
     """Trace ``model`` (an HF ``*ForCausalLM``, or a module whose output is the logits) and split
     it into one graph per stage.
@@ -377,6 +552,7 @@ def partition(
             tensor.
         checkpoint_layers: decoder-layer indices to run under non-reentrant activation
             checkpointing. See [Note: checkpointed layers].
+        device_type: the type of the device the stages run on (see [Note: one device]).
 
     Raises:
         ValueError: bad ``layer_cls``, ``layer_ranges`` or ``input_names``, or a model the
@@ -402,14 +578,16 @@ def partition(
     stage_of_layer = [s for s, (a, b) in enumerate(layer_ranges) for _ in range(a, b)]
     layer_index = {_ROOT_PREFIX + n: i for i, n in enumerate(layer_names)}
 
-    root_cls = type("PippyRoot", (_Root,), {"forward": _root_forward(input_names)})
+    traced_inputs = [*input_names, "labels"] if _traces_loss(model, input_names) else input_names
+    root_cls = type("PippyRoot", (_Root,), {"forward": _root_forward(traced_inputs)})
     root = root_cls(model, hf.make_mask_leaves(model))
-    graph = _trace(root, model, layer_cls)
+    graph = _trace(root, model, layer_cls, device_type)
     graph.owning_module = root
-    nodes = list(graph.nodes)
-    output = nodes[-1]
+    output = next(reversed(graph.nodes))
     if output.op != "output":
         raise ValueError("traced graph does not end in an output node")
+    added_loss = _separate_added_loss(graph, output, type(model).__name__)
+    nodes = list(graph.nodes)
 
     # Liveness: only nodes the logits depend on.
     live: dict[fx.Node, None] = {output: None}
@@ -422,8 +600,8 @@ def partition(
     # Layer calls, in trace order.
     called: list[int] = []
     for n in live_nodes:
-        if n.op == "call_module" and n.target in layer_index:
-            called.append(layer_index[n.target])
+        if _layer_target(n) in layer_index:
+            called.append(layer_index[_layer_target(n)])
     if called != list(range(len(layer_names))):
         raise ValueError(
             f"decoder layers must each be called once in registration order; the trace calls "
@@ -443,8 +621,8 @@ def partition(
             home[n] = num_stages - 1
             continue
         mod = root.get_submodule(n.target) if n.op == "call_module" else None
-        if mod is not None and n.target in layer_index:
-            d = stage_of_layer[layer_index[n.target]]
+        if _layer_target(n) in layer_index:
+            d = stage_of_layer[layer_index[_layer_target(n)]]
         else:
             d = max((depth[p] for p, _ in prods), default=-1)
         depth[n] = d
@@ -453,7 +631,7 @@ def partition(
             continue
         own_params = False
         if n.op == "get_attr":
-            own_params = isinstance(_fetch(root, n.target), nn.Parameter)
+            own_params = _is_parameter(root, n)
         elif mod is not None:
             own_params = any(True for _ in mod.parameters())
         dp[n] = own_params or any(dp[p] for p, meta in prods if not meta)
@@ -464,6 +642,8 @@ def partition(
                 and isinstance(n.args[0], fx.Node)
                 and replicable[n.args[0]]
             )
+        elif n.op == "get_attr":
+            metarep[n] = True  # a stand-in has its shape, dtype and device
         else:
             metarep[n] = not own_params and all(replicable[p] or metarep[p] for p, _ in prods)
         replicable[n] = not dp[n] and all(
@@ -471,6 +651,7 @@ def partition(
         )
         # A get_attr is a reference, not a computation: every stage using it holds its own.
         home[n] = None if replicable[n] or n.op == "get_attr" else 0
+    _move_values_of_parameters(live_nodes, home, depth)
 
     # Boundaries: a value crosses s -> s+1 when computed on a stage <= s and used on one > s.
     last_use: dict[fx.Node, int] = {}
@@ -512,6 +693,7 @@ def partition(
                 layer_ranges[s],
                 layer_index,
                 checkpoint_set,
+                added_loss,
             )
         )
     for st in stages:
@@ -544,6 +726,8 @@ def _value_kind(root: nn.Module, node: fx.Node) -> str:
         return "meta" if node.target in _META_METHODS else "tensor"
     if node.op == "call_module":
         return "tuple" if hf.is_rotary_module(root.get_submodule(node.target)) else "tensor"
+    if node.op == "call_function" and node.target is hf.call_recording:
+        return "tuple"
     if node.op == "call_function" and node.target is operator.getitem:
         return "meta" if _value_kind(root, node.args[0]) == "meta" else "tensor"
     if node.op == "call_function" and getattr(node.target, "__module__", None) in (
@@ -567,6 +751,37 @@ def _fetch(root: nn.Module, target: str) -> Any:
     return obj
 
 
+def _is_parameter(root: nn.Module, node: fx.Node) -> bool:
+    return node.op == "get_attr" and isinstance(_fetch(root, node.target), nn.Parameter)
+
+
+"""[Note: values of parameters only]
+
+A prologue value computed from parameters alone (no batch input upstream), such as Gemma's final
+norm factor ``1 + weight``, would be computed on stage 0 and sent to its users every microbatch.
+Such a value is computed instead on the stage of its users, when they are all on one stage: the
+parameters it reads then live there (and are tied across ranks like any other shared weight).
+"""
+
+
+def _move_values_of_parameters(
+    live_nodes: list[fx.Node], home: dict[fx.Node, int | None], depth: dict[fx.Node, int]
+) -> None:
+    """See [Note: values of parameters only]."""
+    of_params: dict[fx.Node, bool] = {}
+    for n in live_nodes:
+        if n.op in ("get_attr", "placeholder", "output"):
+            of_params[n] = n.op == "get_attr"
+            continue
+        of_params[n] = bool(n.all_input_nodes) and all(of_params[p] for p in n.all_input_nodes)
+    for n in reversed(live_nodes):
+        if not of_params[n] or n.op == "get_attr" or depth.get(n, 0) >= 0 or home[n] is None:
+            continue
+        stages = {home.get(u) for u in n.users if u in home}
+        if len(stages) == 1 and None not in stages:
+            home[n] = stages.pop()
+
+
 def _build_stage(
     s: int,
     root: nn.Module,
@@ -579,6 +794,7 @@ def _build_stage(
     layer_range: tuple[int, int],
     layer_index: dict[str, int],
     checkpoint_set: frozenset[int] = frozenset(),
+    added_loss: bool = False,
 ) -> StageGraph:
     num_stages = len(boundaries) + 1
     received = boundaries[s - 1] if s > 0 else []
@@ -588,7 +804,7 @@ def _build_stage(
     # What this stage computes: its homed nodes plus the replicated closure they need.
     # "meta" nodes are recomputed from embedding stand-ins only for their shape/dtype/device.
     # See [Note: replicated prologue].
-    local: dict[fx.Node, str] = {}  # node -> "compute" | "meta" | "stub" | "input"
+    local: dict[fx.Node, str] = {}  # node -> "compute" | "meta" | "stub" | "standin" | "input"
     stack = [n for n in live_nodes if home.get(n) == s]
     for n in stack:
         local[n] = "compute"
@@ -596,10 +812,16 @@ def _build_stage(
         n = stack.pop()
         replicated = home.get(n) is None or local[n] == "meta"
         for p, meta in _producers(n):
-            if p in local or p in received_set or home.get(p) == s:
+            if p in received_set or home.get(p) == s:
+                continue
+            if p in local:
+                if local[p] == "standin" and not (meta or local[n] == "meta"):
+                    local[p] = "compute"  # also read for its values
                 continue
             if p.op == "placeholder":
                 local[p] = "input"
+            elif _is_parameter(root, p) and (meta or local[n] == "meta"):
+                local[p] = "standin"
             elif home.get(p) is None:
                 local[p] = "compute"
                 stack.append(p)
@@ -626,14 +848,18 @@ def _build_stage(
         env[v] = graph.placeholder(v.name)
     for n in live_nodes:
         kind = local.get(n)
-        if kind == "compute" and layer_index.get(n.target) in checkpoint_set:
+        if kind == "compute" and layer_index.get(_layer_target(n)) in checkpoint_set:
             env[n] = _emit_checkpoint(graph, n, lambda a: env[a])
         elif kind in ("compute", "meta") and n.op != "output":
             env[n] = graph.node_copy(n, lambda a: env[a])
         elif kind == "stub":
             env[n] = _emit_embedding_stub(graph, n, root.get_submodule(n.target), env[n.args[0]])
+        elif kind == "standin":
+            env[n] = _emit_standin(graph, n, _fetch(root, n.target))
     if s == num_stages - 1:
-        graph.output((fx.node.map_arg(live_nodes[-1].args[0], lambda a: env[a]),))
+        results = live_nodes[-1].args[0]
+        results = results if isinstance(results, tuple) else (results,)
+        graph.output(tuple(fx.node.map_arg(results, lambda a: env[a])))
     else:
         graph.output(tuple(env[v] for v in sent))
     graph.lint()
@@ -657,4 +883,5 @@ def _build_stage(
         layers=list(range(start, stop)),
         param_names=param_names,
         code=gm.code,
+        added_loss=added_loss and s == num_stages - 1,
     )

@@ -346,6 +346,14 @@ class PipelineModel:
     # ----------------------------------------------------------------------------- reporting
 
     @property
+    def last_losses(self) -> dict[str, float]:
+        """The last step's loss on every rank: ``total`` (what ``run_train`` returned), ``main``
+        (``loss_fn``'s part) and ``aux`` (what the model adds to its loss, such as an MoE
+        router's load-balancing loss times ``router_aux_loss_coef``; 0 for other models). See
+        [Note: added loss terms per microbatch] in ``_step.py``."""
+        return dict(self._runner.last_losses)
+
+    @property
     def recompiles(self) -> list[str]:
         """Explanations of the recompilations of compiled stages seen after each mode's first
         step."""

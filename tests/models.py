@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     GPTNeoXConfig,
@@ -166,9 +168,14 @@ def phi3(attn: str | None = None, layers: int = 4) -> tuple[nn.Module, type[nn.M
     return Phi3ForCausalLM(cfg), Phi3DecoderLayer
 
 
-def mixtral(attn: str | None = None, layers: int = 4) -> tuple[nn.Module, type[nn.Module]]:
-    """A mixture of experts: 4 experts, 2 per token, no router jitter."""
+def mixtral(
+    attn: str | None = None, layers: int = 4, router_loss: bool = False
+) -> tuple[nn.Module, type[nn.Module]]:
+    """A mixture of experts: 4 experts, 2 per token, no router jitter; with ``router_loss``, HF
+    adds the routers' load-balancing loss (``output_router_logits``) to the loss."""
     cfg = MixtralConfig(
+        output_router_logits=router_loss,
+        router_aux_loss_coef=0.5,
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=64,
@@ -187,6 +194,58 @@ def mixtral(attn: str | None = None, layers: int = 4) -> tuple[nn.Module, type[n
     return MixtralForCausalLM(cfg), MixtralDecoderLayer
 
 
+def decoder_layers(model: nn.Module) -> type[nn.Module]:
+    """The class of the entries of the model's longest ``nn.ModuleList`` (its decoder layers)."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    return type(max(lists, key=len)[0])
+
+
+_TINY = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 128,
+    "pad_token_id": 0,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+}
+
+
+def tiny(model_type: str, attn: str | None = None, layers: int = 4, **overrides):
+    """A tiny ``model_type`` causal LM from its HF config with small sizes (``overrides`` win),
+    and its decoder-layer class."""
+    cfg = AutoConfig.for_model(model_type, **{**_TINY, "num_hidden_layers": layers, **overrides})
+    _set_attn(cfg, attn)
+    model = AutoModelForCausalLM.from_config(cfg)
+    return model, decoder_layers(model)
+
+
+# Families the issues named, each with what sets it apart (see the README's families table).
+_WINDOW = {"sliding_window": 3}
+_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+_ROUTER_LOSS = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
+TINY_FAMILIES = {
+    # Scaled word embeddings (an nn.Embedding subclass or embedding * sqrt(hidden)) read by the
+    # rotary module for its dtype; Gemma 2 soft-caps attention and logits; Gemma 3 has a rotary
+    # table per layer type.
+    "gemma": {},
+    "gemma2": {**_WINDOW, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
+    "gemma3_text": {**_WINDOW, "sliding_window_pattern": 2},
+    # Iterates over a set of layer types (the trace must not depend on the hash seed).
+    "olmo3": {**_WINDOW},
+    "qwen3_moe": {**_MOE, "norm_topk_prob": True},
+    "qwen3_moe_router_loss": {**_MOE, **_ROUTER_LOSS, "tie_word_embeddings": True},
+}
+
+
+def _tiny_family(name: str):
+    model_type = name.removesuffix("_router_loss")
+    return lambda attn=None, layers=4: tiny(model_type, attn, layers, **TINY_FAMILIES[name])
+
+
 MODELS = {
     "llama": llama,
     "gpt2": gpt2,
@@ -196,6 +255,8 @@ MODELS = {
     "opt": opt,
     "phi3": phi3,
     "mixtral": mixtral,
+    "mixtral_router_loss": lambda attn=None, layers=4: mixtral(attn, layers, router_loss=True),
+    **{name: _tiny_family(name) for name in TINY_FAMILIES},
 }
 
 
@@ -230,3 +291,30 @@ def full(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def reference_step(
+    ref: nn.Module, batch: dict, num_microbatches: int
+) -> tuple[torch.Tensor, float]:
+    """One process's training step as the pipeline defines it (see [Note: added loss terms per
+    microbatch]): for each microbatch, HF's loss function over the whole batch's token count plus
+    what the model adds to it (HF's loss of the microbatch minus the loss function's part) over
+    ``num_microbatches``; backward. Returns the summed loss and the summed added part."""
+    from pippy_xla.config import causal_lm_num_items
+
+    num_items = causal_lm_num_items(batch["labels"])
+    total = torch.zeros(())
+    added_total = 0.0
+    for mb in range(num_microbatches):
+        part = {k: v.chunk(num_microbatches)[mb] for k, v in batch.items()}
+        out = ref(**part, use_cache=False)
+        main = ref.loss_function(
+            out.logits, part["labels"], ref.config.vocab_size, num_items_in_batch=num_items
+        )
+        own = ref.loss_function(out.logits, part["labels"], ref.config.vocab_size)
+        added = (out.loss - own) / num_microbatches
+        loss = main + added
+        loss.backward()
+        total = total + loss.detach()
+        added_total += float(added.detach())
+    return total, added_total

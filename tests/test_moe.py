@@ -1,0 +1,121 @@
+"""MoE router losses across stages: HF's load-balancing loss over every layer's router, added
+to each microbatch's loss as HF adds it, equal to one process (loss, aux part, every gradient,
+parameters after AdamW) for every schedule, tied weights, compiled stages, 2 and 4 ranks and a
+2x2 mesh; with one microbatch the pipeline's loss is HF's own loss of the batch."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from models import MODELS, full, make_batch, reference_step
+
+import pippy_xla as px
+from pippy_xla.testing import run_ranks
+
+LOSS_TOL = {"rtol": 1e-5, "atol": 1e-6}
+GRAD_TOL = {"rtol": 1e-4, "atol": 1e-6}
+PARAM_TOL = {"rtol": 1e-5, "atol": 2e-5}
+
+
+def _mesh(shape):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", shape, mesh_dim_names=("dp", "pp"))
+
+
+def _case(rank, world, family, schedule, mbs, layers=4, compile_=False, mesh_shape=None):
+    """Two AdamW steps against :func:`reference_step`; returns the aux parts seen."""
+    torch.manual_seed(0)
+    model, layer_cls = MODELS[family](layers=layers)
+    ref = copy.deepcopy(model)
+    options = {}
+    if mesh_shape is not None:
+        options = {"mesh": _mesh(mesh_shape), "data_parallel": "shard"}
+    chunks = 2 if schedule == "interleaved" else 1
+    pipe = px.PipelineModel(
+        model,
+        layer_cls=layer_cls,
+        num_microbatches=mbs,
+        schedule=schedule,
+        chunks=chunks,
+        compile=compile_,
+        timeout=60,
+        **options,
+    )
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3, eps=1e-6)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
+    replicas = mesh_shape[0] if mesh_shape else 1
+    seen = []
+    for step in range(2):
+        batch = make_batch(seed=step)
+        where = f"{family} {schedule} mbs={mbs} compile={compile_} mesh={mesh_shape} step={step}"
+        loss = pipe.run_train(**batch)
+        ref_loss, ref_aux = reference_step(ref, batch, mbs * replicas)
+        torch.testing.assert_close(loss, ref_loss, **LOSS_TOL, msg=where)
+        parts = pipe.last_losses
+        assert parts["aux"] > 0, where
+        assert parts["aux"] == pytest.approx(ref_aux, rel=1e-5), where
+        assert parts["total"] == pytest.approx(float(loss), rel=1e-6), where
+        assert parts["main"] + parts["aux"] == pytest.approx(parts["total"], rel=1e-6), where
+        routers = 0
+        for name, p in pipe.named_parameters():
+            grad = ref.get_parameter(name).grad
+            torch.testing.assert_close(full(p.grad), grad, **GRAD_TOL, msg=f"{where}: {name}")
+            routers += ".gate." in name or name.endswith(".gate.weight")
+        assert routers > 0, where  # this rank's routers got their share of the aux gradient
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for name, p in pipe.named_parameters():
+            torch.testing.assert_close(full(p), ref.get_parameter(name), **PARAM_TOL, msg=name)
+        seen.append(parts["aux"])
+    return seen
+
+
+def _hf_own_loss(rank, world, family):
+    """One microbatch: the pipeline's loss (train and eval) is HF's own loss of the batch."""
+    torch.manual_seed(0)
+    model, layer_cls = MODELS[family]()
+    ref = copy.deepcopy(model)
+    pipe = px.PipelineModel(model, layer_cls=layer_cls, num_microbatches=1, timeout=60)
+    batch = make_batch(seed=3)
+    out = ref(**batch, use_cache=False)
+    assert out.aux_loss is not None and float(out.aux_loss) > 0
+    evaluated = pipe.run_eval(**batch).loss
+    torch.testing.assert_close(evaluated, out.loss.detach(), **LOSS_TOL)
+    loss = pipe.run_train(**batch)
+    torch.testing.assert_close(loss, out.loss.detach(), **LOSS_TOL)
+    coef = ref.config.router_aux_loss_coef
+    assert pipe.last_losses["aux"] == pytest.approx(coef * float(out.aux_loss), rel=1e-5)
+    return float(loss)
+
+
+CASES = {
+    2: [
+        ("mixtral_router_loss", "1f1b", 4),
+        ("qwen3_moe_router_loss", "zbh1", 4),  # tied embeddings
+        ("mixtral_router_loss", "gpipe", 2, 4, True),  # compiled
+    ],
+    4: [
+        ("mixtral_router_loss", "interleaved", 4, 8),
+        ("qwen3_moe_router_loss", "gpipe", 2, 4, False, (2, 2)),
+    ],
+}
+
+
+def _cases(rank, world):
+    return [_case(rank, world, *case) for case in CASES[world]]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_router_losses_equal_one_process(world):
+    out = run_ranks(world, _cases, timeout=600)
+    assert all(o == out[0] for o in out)  # every rank reports the same aux parts
+
+
+def test_one_microbatch_is_hf_own_loss():
+    out = run_ranks(2, _hf_own_loss, "qwen3_moe_router_loss")
+    assert out[0] == out[1]
