@@ -12,6 +12,7 @@ factories as leaves (see :mod:`pippy_xla.hf`), and every node of the trace is as
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import keyword
 import logging
@@ -236,6 +237,12 @@ class _Proxy(fx.Proxy):
             return self.node.meta["pippy_ndim"]
         return fx.proxy.Attribute(self, "ndim")
 
+    def __len__(self) -> int:
+        # Unpacking (``*x.shape[1:]``) asks for the length first: see [Note: branches on
+        # metadata].
+        length = self.tracer.sample_length(self)
+        return length if length is not None else super().__len__()
+
     @property
     def device(self) -> Any:
         tracer = self.tracer
@@ -252,12 +259,106 @@ class _Device(fx.proxy.Attribute):
         return self.tracer.device_type
 
 
+"""[Note: branches on metadata]
+
+Some models' Python outside the layers branches on the metadata of a value (Falcon with ALiBi:
+``if causal_mask.ndim == 4``, ``if causal_mask.dtype == torch.bool``) or unpacks a shape
+(``*alibi.shape[1:]``). Those branches depend on the config and the attention implementation,
+not on the batch: the tracer evaluates the value on the ``meta`` device, from a sample batch of
+2-D token tensors, and follows the branch it takes (``to_bool``, ``iter``). A value whose sample
+cannot be computed, or a branch on tensor data, is still an error naming the model's line.
+``torch.finfo`` of a traced dtype becomes a graph value (:class:`_FInfo`), so the dtype stays
+symbolic (autocast may change it at run time).
+"""
+
+
+class _NoSample(Exception):
+    """A traced value has no sample value on the meta device."""
+
+
+def _finfo_attr(dtype: torch.dtype, attr: str) -> float:
+    return getattr(torch.finfo(dtype), attr)
+
+
+class _FInfo:
+    """``torch.finfo`` of a traced dtype: each attribute a graph value."""
+
+    def __init__(self, dtype: fx.Proxy) -> None:
+        self._dtype = dtype
+
+    def __getattr__(self, attr: str) -> fx.Proxy:
+        return self._dtype.tracer.create_proxy(
+            "call_function", _finfo_attr, (self._dtype, attr), {}
+        )
+
+
 class _Tracer(fx.Tracer):
     def __init__(self, layer_cls: type[nn.Module], device_type: str) -> None:
         super().__init__()
         self.layer_cls = layer_cls
         self.device_type = device_type
         self.first_input: fx.Proxy | None = None
+        self._samples: dict[fx.Node, Any] = {}
+
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        # See [Note: branches on metadata]
+        try:
+            value = self._sample(obj.node)
+        except _NoSample:
+            value = None
+        if isinstance(value, bool):
+            return value
+        return super().to_bool(obj)
+
+    def iter(self, obj: fx.Proxy) -> Any:
+        length = self.sample_length(obj)
+        if length is not None:
+            return iter([obj[i] for i in range(length)])
+        return super().iter(obj)
+
+    def sample_length(self, obj: fx.Proxy) -> int | None:
+        """The length of ``obj``'s sample value if it is a sequence (a shape)."""
+        try:
+            value = self._sample(obj.node)
+        except _NoSample:
+            return None
+        return len(value) if isinstance(value, (tuple, list, torch.Size)) else None
+
+    def _sample(self, node: fx.Node) -> Any:
+        """``node``'s value on the meta device for a sample batch (see [Note: branches on
+        metadata]); raises :class:`_NoSample`."""
+        if node in self._samples:
+            return self._samples[node]
+        args = fx.node.map_arg(node.args, self._sample)
+        kwargs = fx.node.map_arg(node.kwargs, self._sample)
+        try:
+            if node.op == "placeholder":
+                value = torch.ones((2, 4), dtype=torch.long, device="meta")
+            elif node.op == "get_attr":
+                value = _fetch(self.root, node.target)
+                if isinstance(value, torch.Tensor):
+                    value = torch.empty_like(value, device="meta")
+            elif node.op == "call_function":
+                value = node.target(*args, **kwargs)
+            elif node.op == "call_method":
+                value = getattr(args[0], node.target)(*args[1:], **kwargs)
+            elif node.op == "call_module":
+                mod = self.root.get_submodule(node.target)
+                tensors = {**dict(mod.named_parameters()), **dict(mod.named_buffers())}
+                meta = {k: torch.empty_like(t, device="meta") for k, t in tensors.items()}
+                # forward, not __call__: the tracer routes module calls into the graph.
+                with torch.nn.utils.stateless._reparametrize_module(mod, meta):
+                    value = mod.forward(*args, **kwargs)
+            else:
+                raise _NoSample(node.name)
+            if any(isinstance(v, fx.Proxy) for v in torch.utils._pytree.tree_leaves(value)):
+                raise _NoSample(node.name)  # it called a submodule
+        except _NoSample:
+            raise
+        except Exception as e:  # noqa: BLE001  (any op that cannot run on meta tensors)
+            raise _NoSample(node.name) from e
+        self._samples[node] = value
+        return value
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return (
@@ -292,7 +393,7 @@ def _trace(root: _Root, model: nn.Module, layer_cls: type[nn.Module], device_typ
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
-        with hf.patch_mask_functions(model, getattr(root, hf.MASKS_ATTR)):
+        with hf.patch_mask_functions(model, getattr(root, hf.MASKS_ATTR)), _traced_finfo():
             return _canonical(_Tracer(layer_cls, device_type).trace(root))
     except UnsupportedModelError:
         raise
@@ -304,6 +405,24 @@ def _trace(root: _Root, model: nn.Module, layer_cls: type[nn.Module], device_typ
     finally:
         for m, mode in modes:
             m.training = mode
+
+
+@contextlib.contextmanager
+def _traced_finfo() -> Any:
+    """``torch.finfo`` accepts a traced dtype inside the block (see [Note: branches on
+    metadata])."""
+    finfo = torch.finfo
+
+    def traced(dtype: Any = None) -> Any:
+        if isinstance(dtype, fx.Proxy):
+            return _FInfo(dtype)
+        return finfo() if dtype is None else finfo(dtype)
+
+    torch.finfo = traced  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.finfo = finfo
 
 
 """[Note: canonical graphs]

@@ -81,11 +81,13 @@ def run_ranks(
     pg_timeout: float = PG_TIMEOUT_S,
     may_exit: tuple[int, ...] = (),
     backend: str = "gloo",
+    rank_env: dict[int, dict[str, str]] | None = None,
 ) -> list[Any]:
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` ranks; returns their results.
 
     Ranks listed in ``may_exit`` may end their process without reporting (tests of dead
-    peers); their result is ``None``.
+    peers); their result is ``None``. ``rank_env[r]`` is added to rank ``r``'s environment
+    before its interpreter starts (``PYTHONHASHSEED``, as torchrun's ranks each have their own).
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -96,8 +98,18 @@ def run_ranks(
         )
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
+    for r, p in enumerate(procs):
+        extra = (rank_env or {}).get(r, {})
+        saved = {k: os.environ.get(k) for k in extra}
+        os.environ.update(extra)
+        try:
+            p.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    del os.environ[k]
+                else:
+                    os.environ[k] = v
     outs: dict[int, tuple[str, Any]] = {}
     deadline = time.monotonic() + timeout
     try:

@@ -9,6 +9,8 @@ from torch import nn
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    FalconConfig,
+    FalconForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     GPTNeoXConfig,
@@ -26,6 +28,7 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
 )
+from transformers.models.falcon.modeling_falcon import FalconDecoderLayer
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXLayer
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
@@ -241,6 +244,26 @@ TINY_FAMILIES = {
 }
 
 
+def falcon_alibi(attn: str | None = None, layers: int = 4) -> tuple[nn.Module, type[nn.Module]]:
+    """Falcon with ALiBi: its Python outside the layers branches on the mask's metadata and
+    unpacks a shape (see [Note: branches on metadata])."""
+    cfg = FalconConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        alibi=True,
+        new_decoder_architecture=False,
+        multi_query=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    _set_attn(cfg, attn)
+    return FalconForCausalLM(cfg), FalconDecoderLayer
+
+
 def _tiny_family(name: str):
     model_type = name.removesuffix("_router_loss")
     return lambda attn=None, layers=4: tiny(model_type, attn, layers, **TINY_FAMILIES[name])
@@ -257,6 +280,7 @@ MODELS = {
     "mixtral": mixtral,
     "mixtral_router_loss": lambda attn=None, layers=4: mixtral(attn, layers, router_loss=True),
     **{name: _tiny_family(name) for name in TINY_FAMILIES},
+    "falcon_alibi": falcon_alibi,
 }
 
 
