@@ -54,8 +54,12 @@ for dtype/device, and ``x.shape`` / ``x.size()`` / ``x.device`` read nothing els
 "meta-only" edges do not make the consumer parameter-dependent. When the producer behind a
 meta-only edge is an ``nn.Embedding`` call, stages > 0 replace it by a zero-memory stand-in
 ``torch.full((), nan).expand(*ids.shape, dim)`` with the same shape, dtype and device, so those
-stages hold no embedding parameter; NaN makes any wrong use of its data visible. Any other
-parameter- or layer-dependent value a later stage needs is sent as a boundary tensor.
+stages hold no embedding parameter; NaN makes any wrong use of its data visible. Likewise a
+parameter that a replicated value reads only for its metadata (Gemma's scaled embedding computed
+by ``F.embedding`` and read by the rotary module for its dtype) is a NaN stand-in of its shape,
+dtype and device (``_emit_standin``) on a stage that does not compute with it. Any other
+parameter- or layer-dependent value a later stage needs is sent as a boundary tensor, except
+values of parameters only (see [Note: values of parameters only]).
 """
 
 
@@ -65,7 +69,7 @@ class StageGraph:
 
     Call as ``stage.module(*[batch[n] for n in stage.batch_inputs], *boundary_inputs)``; the
     result is always a tuple of tensors: ``num_boundary_outputs`` tensors for the next stage, or
-    ``(logits,)`` on the last stage.
+    ``(logits,)`` on the last stage (``(logits, added)`` when :attr:`added_loss`).
     """
 
     index: int
@@ -659,8 +663,9 @@ def partition(
     it into one graph per stage.
 
     Works on ``meta``-device models: tracing reads no data. The trace uses ``use_cache=False``,
-    ``return_dict=True``, no labels, with the model in eval mode (modes restored afterwards); the
-    last stage returns ``(logits,)``.
+    ``return_dict=True``, with the model in eval mode (modes restored afterwards) and, for an HF
+    model, a ``labels`` input (see [Note: terms added to the loss]); the last stage returns
+    ``(logits,)``, or ``(logits, added)`` for a model that adds terms to its loss.
 
     Args:
         model: the model; stage graphs reference its submodules, parameters and buffers.
