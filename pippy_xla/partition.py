@@ -268,12 +268,17 @@ class _Device(fx.proxy.Attribute):
 Some models' Python outside the layers branches on the metadata of a value (Falcon with ALiBi:
 ``if causal_mask.ndim == 4``, ``if causal_mask.dtype == torch.bool``) or unpacks a shape
 (``*alibi.shape[1:]``). Those branches depend on the config and the attention implementation,
-not on the batch: the tracer evaluates the value on the ``meta`` device, from a sample batch of
-2-D token tensors, and follows the branch it takes (``to_bool``, ``iter``). A value whose sample
-cannot be computed, or a branch on tensor data, is still an error naming the model's line.
+not on the batch: the tracer evaluates the value on the ``meta`` device, from sample batches of
+2-D token tensors of two shapes, and follows the branch they agree on (``to_bool``, ``iter``):
+a branch on sizes (``if seq_len > 4``) gives different answers and stays an error. A value whose
+sample cannot be computed, or a branch on tensor data, is an error naming the model's line.
 ``torch.finfo`` of a traced dtype becomes a graph value (:class:`_FInfo`), so the dtype stays
 symbolic (autocast may change it at run time).
 """
+
+
+_SAMPLE_SHAPES = ((2, 4), (3, 7))
+"""Sample batch shapes ``(batch, sequence)``: a branch is followed only if they all agree."""
 
 
 class _NoSample(Exception):
@@ -302,12 +307,12 @@ class _Tracer(fx.Tracer):
         self.layer_cls = layer_cls
         self.device_type = device_type
         self.first_input: fx.Proxy | None = None
-        self._samples: dict[fx.Node, Any] = {}
+        self._samples: dict[tuple[int, int], dict[fx.Node, Any]] = {}
 
     def to_bool(self, obj: fx.Proxy) -> bool:
         # See [Note: branches on metadata]
         try:
-            value = self._sample(obj.node)
+            value = self._agreed_sample(obj.node)
         except _NoSample:
             value = None
         if isinstance(value, bool):
@@ -322,22 +327,37 @@ class _Tracer(fx.Tracer):
 
     def sample_length(self, obj: fx.Proxy) -> int | None:
         """The length of ``obj``'s sample value if it is a sequence (a shape)."""
-        try:
-            value = self._sample(obj.node)
-        except _NoSample:
-            return None
-        return len(value) if isinstance(value, (tuple, list, torch.Size)) else None
+        lengths = set()
+        for shape in _SAMPLE_SHAPES:
+            try:
+                value = self._sample_for(obj.node, shape)
+            except _NoSample:
+                return None
+            lengths.add(len(value) if isinstance(value, (tuple, list, torch.Size)) else None)
+        return lengths.pop() if len(lengths) == 1 else None
 
-    def _sample(self, node: fx.Node) -> Any:
-        """``node``'s value on the meta device for a sample batch (see [Note: branches on
-        metadata]); raises :class:`_NoSample`."""
-        if node in self._samples:
-            return self._samples[node]
-        args = fx.node.map_arg(node.args, self._sample)
-        kwargs = fx.node.map_arg(node.kwargs, self._sample)
+    def _agreed_sample(self, node: fx.Node) -> Any:
+        """``node``'s value (a Python value, not a tensor) if it is the same for every sample
+        batch shape: a branch on sizes is not followed. Raises :class:`_NoSample`."""
+        values = [self._sample_for(node, shape) for shape in _SAMPLE_SHAPES]
+        first = values[0]
+        if isinstance(first, torch.Tensor) or any(
+            type(v) is not type(first) or v != first for v in values[1:]
+        ):
+            raise _NoSample(node.name)
+        return first
+
+    def _sample_for(self, node: fx.Node, shape: tuple[int, int]) -> Any:
+        """``node``'s value on the meta device for a sample batch of ``shape`` (see [Note:
+        branches on metadata]); raises :class:`_NoSample`."""
+        samples = self._samples.setdefault(shape, {})
+        if node in samples:
+            return samples[node]
+        args = fx.node.map_arg(node.args, lambda n: self._sample_for(n, shape))
+        kwargs = fx.node.map_arg(node.kwargs, lambda n: self._sample_for(n, shape))
         try:
             if node.op == "placeholder":
-                value = torch.ones((2, 4), dtype=torch.long, device="meta")
+                value = torch.ones(shape, dtype=torch.long, device="meta")
             elif node.op == "get_attr":
                 value = _fetch(self.root, node.target)
                 if isinstance(value, torch.Tensor):
@@ -361,7 +381,7 @@ class _Tracer(fx.Tracer):
             raise
         except Exception as e:  # noqa: BLE001  (any op that cannot run on meta tensors)
             raise _NoSample(node.name) from e
-        self._samples[node] = value
+        samples[node] = value
         return value
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
@@ -480,7 +500,8 @@ def _model_line(e: BaseException) -> str:
     import os
     import traceback
 
-    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+    # torch's and pippy_xla's own frames, and the root's generated forward (see _root_forward).
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(__file__), "<string>")
     frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(skip)]
     if not frames:
         return ""

@@ -342,3 +342,20 @@ def reference_step(
         total = total + loss.detach()
         added_total += float(added.detach())
     return total, added_total
+
+
+def pipeline(model: nn.Module, layer_cls: type[nn.Module], schedule="1f1b", mbs=2, **options):
+    """The model pipelined with ``schedule`` (2 chunks per rank when interleaved), ``mbs``
+    microbatches and a short timeout."""
+    import pippy_xla as px
+
+    chunks = 2 if schedule == "interleaved" else 1
+    return px.PipelineModel(
+        model,
+        layer_cls=layer_cls,
+        num_microbatches=mbs,
+        schedule=schedule,
+        chunks=chunks,
+        timeout=60,
+        **options,
+    )

@@ -13,9 +13,8 @@ import sys
 from pathlib import Path
 
 import torch
-from models import MODELS, make_batch, reference_step
+from models import MODELS, make_batch, pipeline, reference_step
 
-import pippy_xla as px
 from pippy_xla.testing import run_ranks
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -58,15 +57,7 @@ def _family(rank, world, family, schedule="1f1b", layers=4, mbs=2):
     torch.manual_seed(0)
     model, layer_cls = MODELS[family](layers=layers)
     ref = copy.deepcopy(model)
-    chunks = 2 if schedule == "interleaved" else 1
-    pipe = px.PipelineModel(
-        model,
-        layer_cls=layer_cls,
-        num_microbatches=mbs,
-        schedule=schedule,
-        chunks=chunks,
-        timeout=60,
-    )
+    pipe = pipeline(model, layer_cls, schedule, mbs)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3, eps=1e-6)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
     for step in range(2):

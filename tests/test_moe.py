@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from models import MODELS, full, make_batch, reference_step
+from models import MODELS, full, make_batch, pipeline, reference_step
 
 import pippy_xla as px
 from pippy_xla.testing import run_ranks
@@ -33,17 +33,7 @@ def _case(rank, world, family, schedule, mbs, layers=4, compile_=False, mesh_sha
     options = {}
     if mesh_shape is not None:
         options = {"mesh": _mesh(mesh_shape), "data_parallel": "shard"}
-    chunks = 2 if schedule == "interleaved" else 1
-    pipe = px.PipelineModel(
-        model,
-        layer_cls=layer_cls,
-        num_microbatches=mbs,
-        schedule=schedule,
-        chunks=chunks,
-        compile=compile_,
-        timeout=60,
-        **options,
-    )
+    pipe = pipeline(model, layer_cls, schedule, mbs, compile=compile_, **options)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3, eps=1e-6)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
     replicas = mesh_shape[0] if mesh_shape else 1

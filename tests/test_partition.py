@@ -10,7 +10,7 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from pippy_xla import hf
-from pippy_xla.partition import find_layers, partition
+from pippy_xla.partition import UnsupportedModelError, find_layers, partition
 
 torch.set_num_threads(1)
 
@@ -244,3 +244,44 @@ def test_non_tensor_boundary_is_rejected() -> None:
     match = r"not a tensor but would cross the boundary between stages 0 and 1"
     with pytest.raises(ValueError, match=match):
         partition(model, _ToyLayer, [(0, 1), (1, 2)])
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class _Branching(nn.Module):
+    """Branches outside its layers on the embedding's metadata (followed) or, with
+    ``on_size``, on the sequence length (refused: it depends on the batch)."""
+
+    def __init__(self, on_size: bool) -> None:
+        super().__init__()
+        self.on_size = on_size
+        self.embed = nn.Embedding(16, 8)
+        self.layers = nn.ModuleList([_Block(), _Block()])
+
+    def forward(self, input_ids):
+        h = self.embed(input_ids)
+        if self.on_size and h.shape[1] > 4:
+            h = h * 2
+        if h.ndim == 3 and h.dtype == torch.float32:
+            h = h + torch.finfo(h.dtype).eps
+        for layer in self.layers:
+            h = layer(h)
+        return h
+
+
+def test_branches_on_metadata_are_followed_and_on_sizes_refused():
+    model = _Branching(on_size=False)
+    stages = partition(model, _Block, [(0, 1), (1, 2)], input_names=("input_ids",))
+    ids = torch.randint(0, 16, (2, 6))
+    out = stages[1].module(*stages[0].module(ids))[0]
+    torch.testing.assert_close(out, model(ids))
+    assert "_finfo_attr" in stages[0].code  # the dtype stays symbolic
+    with pytest.raises(UnsupportedModelError, match=r"control flow .*h.shape\[1\] > 4"):
+        partition(_Branching(on_size=True), _Block, [(0, 1), (1, 2)], input_names=("input_ids",))
