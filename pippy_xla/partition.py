@@ -359,7 +359,7 @@ class _Tracer(fx.Tracer):
             if node.op == "placeholder":
                 value = torch.ones(shape, dtype=torch.long, device="meta")
             elif node.op == "get_attr":
-                value = _fetch(self.root, node.target)
+                value = _fetch_untraced(self.root, node.target)
                 if isinstance(value, torch.Tensor):
                     value = torch.empty_like(value, device="meta")
             elif node.op == "call_function":
@@ -569,16 +569,25 @@ def _emit_checkpoint(graph: fx.Graph, node: fx.Node, arg_transform: Any) -> fx.N
     # See [Note: checkpointed layers]
     args = fx.node.map_arg(node.args, arg_transform)
     kwargs = fx.node.map_arg(node.kwargs, arg_transform)
-    if node.op == "call_module":
-        fn: Any = graph.create_node("get_attr", node.target, name=f"{node.name}_module")
-    else:  # a layer called through hf.call_recording
-        fn = node.target
+    if node.op != "call_module":  # a layer called through hf.call_recording
+        return graph.create_node(
+            "call_function", _checkpointed_recording, args, kwargs, name=node.name
+        )
+    layer = graph.create_node("get_attr", node.target, name=f"{node.name}_module")
     return graph.create_node(
         "call_function",
         torch.utils.checkpoint.checkpoint,
-        (fn, *args),
+        (layer, *args),
         {**kwargs, "use_reentrant": False},
         name=node.name,
+    )
+
+
+def _checkpointed_recording(layer: nn.Module, keys: tuple[str, ...], *args: Any, **kwargs: Any):
+    """:func:`hf.call_recording` under non-reentrant checkpointing (a function cannot be an
+    argument in fx's generated code)."""
+    return torch.utils.checkpoint.checkpoint(
+        hf.call_recording, layer, keys, *args, use_reentrant=False, **kwargs
     )
 
 
@@ -894,6 +903,19 @@ def _fetch(root: nn.Module, target: str) -> Any:
     for atom in target.split("."):
         obj = getattr(obj, atom)
     return obj
+
+
+def _fetch_untraced(root: nn.Module, target: str) -> Any:
+    """``target`` of ``root`` while tracing, when ``nn.Module.__getattr__`` returns proxies for
+    parameters and buffers: read from the modules' own dictionaries."""
+    *path, name = target.split(".")
+    mod = root
+    for atom in path:
+        mod = mod._modules[atom]
+    for table in (mod._parameters, mod._buffers, mod._modules, vars(mod)):
+        if name in table:
+            return table[name]
+    raise AttributeError(target)
 
 
 def _is_parameter(root: nn.Module, node: fx.Node) -> bool:

@@ -239,6 +239,18 @@ TINY_FAMILIES = {
     "gemma3_text": {**_WINDOW, "sliding_window_pattern": 2},
     # Iterates over a set of layer types (the trace must not depend on the hash seed).
     "olmo3": {**_WINDOW},
+    # Sinusoidal positions whose table grows when a sequence is longer (a branch the two sample
+    # shapes agree on: followed).
+    "xglm": {
+        "d_model": 64,
+        "ffn_dim": 128,
+        "num_layers": 4,
+        "attention_heads": 4,
+        "dropout": 0.0,
+        "attention_dropout": 0.0,
+        "activation_dropout": 0.0,
+        "layerdrop": 0.0,
+    },
     "qwen3_moe": {**_MOE, "norm_topk_prob": True},
     "qwen3_moe_router_loss": {**_MOE, **_ROUTER_LOSS, "tie_word_embeddings": True},
 }

@@ -41,6 +41,7 @@ NOTES = {
     "qwen3_moe": "MoE with normalized top-k",
     "qwen3_moe_router_loss": "MoE router loss, tied head",
     "falcon_alibi": "ALiBi: branches on the mask's metadata",
+    "xglm": "sinusoidal positions table behind a branch on its size",
 }
 
 # 4 ranks: the families the issues named, on every schedule.

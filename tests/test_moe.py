@@ -25,7 +25,9 @@ def _mesh(shape):
     return init_device_mesh("cpu", shape, mesh_dim_names=("dp", "pp"))
 
 
-def _case(rank, world, family, schedule, mbs, layers=4, compile_=False, mesh_shape=None):
+def _case(
+    rank, world, family, schedule, mbs, layers=4, compile_=False, mesh_shape=None, checkpoint=()
+):
     """Two AdamW steps against :func:`reference_step`; returns the aux parts seen."""
     torch.manual_seed(0)
     model, layer_cls = MODELS[family](layers=layers)
@@ -33,7 +35,9 @@ def _case(rank, world, family, schedule, mbs, layers=4, compile_=False, mesh_sha
     options = {}
     if mesh_shape is not None:
         options = {"mesh": _mesh(mesh_shape), "data_parallel": "shard"}
-    pipe = pipeline(model, layer_cls, schedule, mbs, compile=compile_, **options)
+    pipe = pipeline(
+        model, layer_cls, schedule, mbs, compile=compile_, checkpoint_layers=checkpoint, **options
+    )
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3, eps=1e-6)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
     replicas = mesh_shape[0] if mesh_shape else 1
@@ -88,6 +92,7 @@ CASES = {
         ("mixtral_router_loss", "1f1b", 4),
         ("qwen3_moe_router_loss", "zbh1", 4),  # tied embeddings
         ("mixtral_router_loss", "gpipe", 2, 4, True),  # compiled
+        ("mixtral_router_loss", "1f1b", 2, 4, False, None, (0, 3)),  # checkpointed layers
     ],
     4: [
         ("mixtral_router_loss", "interleaved", 4, 8),
