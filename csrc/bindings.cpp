@@ -84,6 +84,19 @@ PYBIND11_MODULE(_C, m) {
           py::arg("forward") = std::vector<double>{}, py::arg("backward") = std::vector<double>{},
           py::arg("weight") = std::vector<double>{}, py::arg("comm") = Costs{}.comm);
 
+  py::class_<ScheduleInfo>(m, "ScheduleInfo", "The facts of one schedule ([Note: schedule facts])")
+      .def_readonly("name", &ScheduleInfo::name)
+      .def_readonly("description", &ScheduleInfo::description)
+      .def_readonly("trains", &ScheduleInfo::trains)
+      .def_readonly("split_backward", &ScheduleInfo::split_backward)
+      .def_readonly("min_chunks", &ScheduleInfo::min_chunks)
+      .def_readonly("max_chunks", &ScheduleInfo::max_chunks)
+      .def_readonly("default_chunks", &ScheduleInfo::default_chunks)
+      .def_readonly("equal_stages", &ScheduleInfo::equal_stages)
+      .def_readonly("placement", &ScheduleInfo::placement)
+      .def("__repr__", [](const ScheduleInfo& i) { return "<ScheduleInfo " + i.name + ">"; });
+  m.def("schedule_table", &schedule_table, py::return_value_policy::reference);
+  m.def("schedule_info", &schedule_info, py::arg("name"), py::return_value_policy::reference);
   m.def("make_schedule", &make_schedule, py::arg("name"), py::arg("num_ranks"),
         py::arg("num_microbatches"), py::arg("chunks") = 1);
   m.def("schedule_names", &schedule_names);

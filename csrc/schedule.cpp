@@ -188,18 +188,58 @@ std::vector<std::vector<Action>> zero_bubble_h1(int32_t p, int32_t m) {
 
 }  // namespace
 
+const std::vector<ScheduleInfo>& schedule_table() {
+  // See [Note: schedule facts]
+  static const std::vector<ScheduleInfo> table = [] {
+    std::vector<ScheduleInfo> t(5);
+    t[0].name = "1f1b";
+    t[0].description = "one forward, one backward: at most ranks - rank microbatches in flight";
+    t[1].name = "gpipe";
+    t[1].description = "every forward, then every backward";
+    t[2].name = "interleaved";
+    t[2].description = "interleaved 1F1B (Megatron): chunks >= 2 equal stages per rank";
+    t[2].min_chunks = 2;
+    t[2].max_chunks = 0;
+    t[2].default_chunks = 2;
+    t[2].equal_stages = true;
+    t[3].name = "zbh1";
+    t[3].description = "zero bubble ZB-H1: split backward, weight steps fill the bubble";
+    t[3].split_backward = true;
+    t[4].name = "forward";
+    t[4].description = "evaluation: forwards only, any chunks";
+    t[4].trains = false;
+    t[4].max_chunks = 0;
+    return t;
+  }();
+  return table;
+}
+
+const ScheduleInfo& schedule_info(const std::string& name) {
+  const auto& table = schedule_table();
+  const auto it = std::find_if(table.begin(), table.end(),
+                               [&](const ScheduleInfo& info) { return info.name == name; });
+  if (it == table.end()) {
+    std::ostringstream os;
+    for (const auto& info : table) os << " '" << info.name << "'";
+    TORCH_CHECK(false, "unknown schedule '", name, "'; known schedules:", os.str());
+  }
+  return *it;
+}
+
 std::vector<std::string> schedule_names() {
-  return {"1f1b", "gpipe", "interleaved", "zbh1", "forward"};
+  std::vector<std::string> out;
+  for (const auto& info : schedule_table()) out.push_back(info.name);
+  return out;
 }
 
 std::vector<std::string> train_schedule_names() {
   std::vector<std::string> out;
-  for (auto& n : schedule_names())
-    if (n != "forward") out.push_back(std::move(n));
+  for (const auto& info : schedule_table())
+    if (info.trains) out.push_back(info.name);
   return out;
 }
 
-int32_t default_chunks(const std::string& name) { return name == "interleaved" ? 2 : 1; }
+int32_t default_chunks(const std::string& name) { return schedule_info(name).default_chunks; }
 
 int32_t stage_rank(int32_t stage, int32_t num_ranks) {
   TORCH_CHECK(num_ranks >= 1 && stage >= 0, "stage_rank: need stage >= 0 and num_ranks >= 1, got ",
@@ -230,12 +270,16 @@ std::vector<std::pair<int32_t, int32_t>> balanced_ranges(int32_t num_layers, int
 
 Schedule make_schedule(const std::string& name, int32_t num_ranks, int32_t num_microbatches,
                        int32_t chunks) {
-  const bool multi = name == "interleaved" || name == "forward";
-  TORCH_CHECK(multi || chunks == 1, "schedule '", name, "' runs one stage per rank, so chunks ",
-              "must be 1, got ", chunks, "; use 'interleaved' for several stages per rank");
-  TORCH_CHECK(name != "interleaved" || chunks >= 2, "schedule 'interleaved' needs chunks >= 2 ",
-              "(stages per rank), got ", chunks);
+  const ScheduleInfo& info = schedule_info(name);
+  TORCH_CHECK(info.max_chunks != 1 || chunks == 1, "schedule '", name, "' runs one stage per ",
+              "rank, so chunks must be 1, got ", chunks,
+              "; use 'interleaved' for several stages per rank");
+  TORCH_CHECK(chunks >= info.min_chunks && (info.max_chunks == 0 || chunks <= info.max_chunks),
+              "schedule '", name, "' needs chunks >= ", info.min_chunks, " (stages per rank), got ",
+              chunks);
   Schedule s = base(name, num_ranks, num_microbatches, chunks);
+  s.backward = info.trains;
+  s.split_backward = info.split_backward;
   const int32_t p = num_ranks, m = num_microbatches, v = chunks;
   std::vector<std::vector<Action>> compute(p);
   if (name == "1f1b") {
@@ -255,7 +299,6 @@ Schedule make_schedule(const std::string& name, int32_t num_ranks, int32_t num_m
       for (int32_t i = 0; i < m; ++i) compute[r].push_back({Op::B, r, i});
     }
   } else if (name == "forward") {
-    s.backward = false;
     for (int32_t r = 0; r < p; ++r)
       for (int32_t c = 0; c < v; ++c)
         for (int32_t i = 0; i < m; ++i) compute[r].push_back({Op::F, c * p + r, i});
@@ -279,13 +322,8 @@ Schedule make_schedule(const std::string& name, int32_t num_ranks, int32_t num_m
       }
       for (int32_t k = total - warmup; k < total; ++k) c.push_back(unit(Op::B, r, k));
     }
-  } else if (name == "zbh1") {
-    s.split_backward = true;
+  } else {  // "zbh1"; schedule_info refused any other name
     compute = zero_bubble_h1(p, m);
-  } else {
-    std::ostringstream os;
-    for (const auto& n : schedule_names()) os << " '" << n << "'";
-    TORCH_CHECK(false, "unknown schedule '", name, "'; known schedules:", os.str());
   }
   return with_comms(std::move(s), compute);
 }

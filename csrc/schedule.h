@@ -58,13 +58,34 @@ struct Schedule {
   std::string table() const;
 };
 
+// [Note: schedule facts] What the rest of the library needs to know about each generated
+// schedule, written once: make_schedule checks its arguments against it, and Python reads it
+// through _C.schedule_info (the config's checks and default chunks, the stage layout, the
+// planner's equal ranges, whether stages compile without buffer donation).
+struct ScheduleInfo {
+  std::string name;
+  std::string description;
+  bool trains = true;           // runs backward actions (false: evaluation)
+  bool split_backward = false;  // B computes input gradients only, W the weights' gradients
+  int32_t min_chunks = 1;       // stages per rank allowed: min_chunks..max_chunks
+  int32_t max_chunks = 1;       // 0: no upper bound
+  int32_t default_chunks = 1;   // stages per rank when the caller names none
+  bool equal_stages = false;    // every stage must hold the same number of layers
+  std::string placement = "loop";  // "loop": stage s on rank s % ranks (see stage_rank)
+};
+
+// Every generated schedule, "forward" (evaluation) last.
+const std::vector<ScheduleInfo>& schedule_table();
+// The facts of schedule `name`; throws (RuntimeError) naming the known schedules otherwise.
+const ScheduleInfo& schedule_info(const std::string& name);
+
 // Names: "1f1b", "gpipe", "interleaved" (interleaved 1F1B, `chunks` >= 2 stages per rank, stage s
 // on rank s % ranks), "zbh1" (zero-bubble ZB-H1: split backward, weight steps fill the bubble)
-// and "forward" (evaluation; any `chunks`).
+// and "forward" (evaluation; any `chunks`): the names of schedule_table().
 std::vector<std::string> schedule_names();
 // The schedules that train (every name but "forward").
 std::vector<std::string> train_schedule_names();
-// Stages per rank of schedule `name` when the caller names none: 2 for "interleaved", else 1.
+// Stages per rank of schedule `name` when the caller names none (its ScheduleInfo's).
 int32_t default_chunks(const std::string& name);
 // The rank that runs `stage`: stage s on rank s % num_ranks, so chunk c of rank r is stage
 // c * num_ranks + r (a loop). Every schedule places stages this way.

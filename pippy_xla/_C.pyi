@@ -146,6 +146,41 @@ class Schedule(_pybind11_object):
     ) -> SimResult:
         """The timeline for per-stage costs (empty: unit costs) and a transfer latency."""
 
+class ScheduleInfo(_NoConstructor):
+    """The facts of one schedule, written once in C++ (``[Note: schedule facts]``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def description(self) -> str: ...
+    @property
+    def trains(self) -> bool:
+        """Runs backward actions (``False``: evaluation)."""
+    @property
+    def split_backward(self) -> bool:
+        """B computes input gradients only, W the weights' gradients."""
+    @property
+    def min_chunks(self) -> int:
+        """The fewest stages per rank."""
+    @property
+    def max_chunks(self) -> int:
+        """The most stages per rank; 0: no bound."""
+    @property
+    def default_chunks(self) -> int:
+        """Stages per rank when none is given."""
+    @property
+    def equal_stages(self) -> bool:
+        """Every stage must hold the same number of layers."""
+    @property
+    def placement(self) -> str:
+        """``"loop"``: stage ``s`` on rank ``s % ranks``."""
+
+def schedule_table() -> list[ScheduleInfo]:
+    """Every generated schedule's facts, ``"forward"`` (evaluation) last."""
+
+def schedule_info(name: str) -> ScheduleInfo:
+    """The facts of schedule ``name``; ``RuntimeError`` naming the known ones otherwise."""
+
 def make_schedule(name: str, num_ranks: int, num_microbatches: int, chunks: int = 1) -> Schedule:
     """The generated schedule ``name`` (one of :func:`schedule_names`)."""
 
@@ -156,7 +191,7 @@ def train_schedule_names() -> list[str]:
     """The schedules that train: :func:`schedule_names` without ``"forward"``."""
 
 def default_chunks(name: str) -> int:
-    """Stages per rank of schedule ``name`` when none is given: 2 for interleaved, else 1."""
+    """Stages per rank of schedule ``name`` when none is given (its :class:`ScheduleInfo`'s)."""
 
 def stage_rank(stage: int, num_ranks: int) -> int:
     """The rank that runs ``stage``: ``stage % num_ranks``."""

@@ -282,9 +282,9 @@ def resolve_layout(
             )
         layer_ranges = config.plan.layer_ranges
         checkpoint_layers = config.plan.checkpoint_layers
-    if config.schedule == "interleaved" and num_layers % num_stages:
+    if _C.schedule_info(config.schedule).equal_stages and num_layers % num_stages:
         raise ValueError(
-            f"schedule 'interleaved' with {chunks} chunks on {num_ranks} ranks needs the "
+            f"schedule {config.schedule!r} with {chunks} chunks on {num_ranks} ranks needs the "
             f"{num_layers} decoder layers to divide into {num_stages} equal stages; "
             "choose chunks so that ranks x chunks divides the layer count"
         )

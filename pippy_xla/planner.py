@@ -315,7 +315,7 @@ def plan(
             repeats=repeats,
         )
     ranges: Sequence[tuple[int, int]] = ()
-    if chunks > 1:
+    if _C.schedule_info(schedule).equal_stages:
         if len(profile.layers) % num_stages:
             raise ValueError(
                 f"schedule {schedule!r} with {chunks} stages per rank runs equal layer ranges, "

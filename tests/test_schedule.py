@@ -426,3 +426,28 @@ def test_cli_simulate_prints_prediction_and_draws(tmp_path, capsys) -> None:
     # F = 1, B + W = 2 (split in halves): 24 units of work per rank plus a bubble of 3.
     assert "zbh1: 4 ranks x 1 chunks, 8 microbatches: step 27, bubble 11.1%" in out
     assert png.read_bytes()[:4] == b"\x89PNG" and trace.stat().st_size > 0
+
+
+def test_schedule_facts_are_what_make_schedule_generates():
+    # See [Note: schedule facts]: one table, read by Python and obeyed by the generator.
+    table = _C.schedule_table()
+    assert [info.name for info in table] == _C.schedule_names()
+    assert [info.name for info in table if info.trains] == _C.train_schedule_names()
+    for info in table:
+        assert _C.schedule_info(info.name).name == info.name
+        assert _C.default_chunks(info.name) == info.default_chunks
+        assert info.placement == "loop"
+        ranks, chunks = 2, info.default_chunks
+        s = _C.make_schedule(info.name, ranks, 4, chunks)
+        s.validate()
+        assert (s.backward, s.split_backward) == (info.trains, info.split_backward), info.name
+        assert s.num_stages == ranks * chunks
+        assert s.stage_rank == [_C.stage_rank(k, ranks) for k in range(s.num_stages)]
+        too_few = [info.min_chunks - 1] if info.min_chunks > 1 else []
+        too_many = [info.max_chunks + 1] if info.max_chunks else []
+        for bad in too_few + too_many:
+            with pytest.raises(RuntimeError, match="chunks"):
+                _C.make_schedule(info.name, ranks, 4, bad)
+    assert [info.name for info in table if info.equal_stages] == ["interleaved"]
+    with pytest.raises(RuntimeError, match="unknown schedule 'zigzag'"):
+        _C.schedule_info("zigzag")
