@@ -244,8 +244,12 @@ helper, :meth:`FailureState.watched` (:meth:`AbortChannel.call`):
   slice, as it does in a healthy job);
 - a peer's record (its own failure, or a rank it found dead) ends the wait at once: the caller
   raises :class:`PipelineError` naming that rank, ``aborted=True``; the collective's thread is
-  left behind and ends when the transport fails or at the group's timeout (the pipeline is
-  unusable from then on, as after any failed step);
+  left behind and ends when the transport fails (the failed peer exits) or at the collective's
+  timeout (the pipeline is unusable from then on, as after any failed step). At exit, the
+  process waits for such threads (at most ``ABANDONED_EXIT_S`` seconds): one that returned
+  from C++ during interpreter finalization would take the GIL there, and Python 3.11 ends it
+  with ``pthread_exit``, whose unwinding through C++ kills the process with SIGABRT
+  ("terminate called without an active exception"; seen in the tests before this wait);
 - the collective's own error is this rank's failure: its record is posted (after the dead-rank
   check of [Note: naming a dead rank] when it is a transport error, gloo's or DCP's report of
   one), so the ranks still waiting are woken by it in turn.
@@ -253,6 +257,23 @@ helper, :meth:`FailureState.watched` (:meth:`AbortChannel.call`):
 On a mesh the record spans every replica (the data-parallel groups cross the pipelines), and
 the ranks a :class:`PipelineError` names are the job's ranks.
 """
+
+
+ABANDONED_EXIT_S = 60.0
+"""How long a process waits at exit for the collectives a peer's failure left behind."""
+
+_ABANDONED: list[threading.Thread] = []
+
+
+@atexit.register
+def _join_abandoned() -> None:
+    """Waits for the collectives' threads left behind by [Note: watched collectives]."""
+    alive = [t for t in _ABANDONED if t.is_alive()]
+    if alive:
+        logger.info("waiting for %d collective(s) a failed peer left open", len(alive))
+    deadline = time.monotonic() + ABANDONED_EXIT_S
+    for t in alive:
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 class PeerFailed(Exception):
@@ -348,10 +369,12 @@ class AbortChannel:
             finally:
                 done.set()
 
-        threading.Thread(target=run, name="pippy_xla-collective", daemon=True).start()
+        thread = threading.Thread(target=run, name="pippy_xla-collective", daemon=True)
+        thread.start()
         while not done.wait(POLL_S):
             origin = self.read()
             if origin is not None and (origin[0] != self.rank or origin[1]):
+                _ABANDONED.append(thread)
                 raise PeerFailed(origin)
         ok, value = outcome[0]
         if ok:
