@@ -571,6 +571,9 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=20)
     p.add_argument("--worlds", default="2,4", help="faults: rank counts")
     p.add_argument("--cases", default=",".join(FAULTS), help="faults: which of " + str(FAULTS))
+    p.add_argument(
+        "--no-readme", action="store_true", help="faults: leave the README's table as it is"
+    )
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--runs", type=int, default=100)
     p.add_argument(
@@ -593,7 +596,8 @@ def main() -> None:
         if unknown:
             p.error(f"unknown --cases {unknown}; choose from {FAULTS}")
         result.update(_faults(args.trials, [int(w) for w in args.worlds.split(",")], cases))
-        _write_readme(result)
+        if not args.no_readme:
+            _write_readme(result)
     elif args.mode == "exit":
         arms = args.arms.split(",")
         # Arms run separately keep each other's results.

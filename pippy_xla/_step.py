@@ -248,6 +248,8 @@ class StepRunner:
         if self.dp is not None and engine.schedule.backward:
             self.dp.before_step()
             grads_ready = self._reduce_stage
+        if self.dp is not None and self.dp.sharded:
+            self.failures.watched("data-parallel all-gather", self.dp.unshard)
         with donation, self.failures.guard("step", engine):
             engine.run(signature, forward, grads_ready)
         self.last_engine = engine
