@@ -165,10 +165,17 @@ reads as a timeout.
 """
 
 
+_GLOO_TRANSPORT = ("gloo/transport/", "Connection reset by peer", "Connection closed by peer")
+"""Words of gloo's transport errors, which torch raises from its collectives as plain
+``RuntimeError`` (measured: a peer SIGKILLed inside DCP's ``save``)."""
+
+
 def _is_transport(exc: BaseException) -> bool:
     """Whether ``exc`` is a failure of communication (a transfer, a collective, or DCP's report
     of one on some rank), not of this rank's own code."""
     if isinstance(exc, _C.TransferError | dist.DistError):
+        return True
+    if isinstance(exc, RuntimeError) and any(w in str(exc) for w in _GLOO_TRANSPORT):
         return True
     failures = getattr(exc, "failures", None)  # DCP's CheckpointException: rank -> error
     if isinstance(failures, dict):
