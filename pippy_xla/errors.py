@@ -14,13 +14,7 @@ import torch.distributed as dist
 
 from pippy_xla._native import _C
 
-__all__ = [
-    "AbortChannel",
-    "BatchMismatchError",
-    "FailureState",
-    "PeerFailed",
-    "PipelineError",
-]
+__all__ = ["AbortChannel", "BatchMismatchError", "FailureState", "PipelineError"]
 
 """[Note: failing fast]
 
@@ -239,8 +233,10 @@ def _stop_heartbeat() -> None:
 The engine's transfers fail fast because the watcher of [Note: failing fast] aborts their c10d
 work. Every other collective of a pipeline cannot be aborted that way: the step handshake, the
 tied-weight gradient sums, the loss broadcast and all-reduce, the gradient-norm all-reduce,
-FSDP's reductions over the replicas (torch's own collectives, on the mesh's data-parallel
-groups) and the collectives inside checkpoint ``save`` and ``load`` (DCP's). Gloo's collectives
+FSDP's all-gathers and reductions over the replicas (torch's own collectives, on the mesh's
+data-parallel groups: the all-gathers run once before the engine's step, so that none runs
+inside a stage's forward) and the collectives inside ``save``, ``load``, ``save_pretrained`` and
+``load_pretrained`` (DCP's and ``all_gather_object``). Gloo's collectives
 have no ``Work::abort``, and a peer that raised and lives on keeps its sockets open, so a rank
 waiting for it would wait out the process group's timeout. So each of them runs through one
 helper, :meth:`FailureState.watched` (:meth:`AbortChannel.call`):
