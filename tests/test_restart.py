@@ -7,22 +7,17 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from pippy_xla.testing import _free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = (
     *("--steps", "6", "--layers", "4", "--hidden", "64", "--vocab", "128", "--seq", "32"),
     *("--batch", "8", "--microbatches", "4", "--lr", "1e-2", "--timeout", "30"),
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _two_node_job(directory: Path, *flags: str) -> list[subprocess.Popen]:
