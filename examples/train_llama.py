@@ -14,6 +14,17 @@ that ``AutoModelForCausalLM.from_pretrained`` loads):
     torchrun --nproc-per-node 2 examples/train_llama.py --steps 30 --save-every 10 \
         --checkpoint-dir ckpt
     torchrun --nproc-per-node 4 examples/train_llama.py --resume ckpt --export trained
+
+Restarts: with ``--resume DIR --save-every 1`` every step is saved into ``DIR`` and a (re)started
+job continues from the latest checkpoint there (a first run finds none and starts at step 0), so
+torchrun's ``--max-restarts`` recovers a job whose rank died. ``--die-at-step N`` makes one rank
+(``--die-rank``, the last by default) SIGKILL itself at step ``N`` of the first attempt only
+(torchrun's ``TORCHELASTIC_RESTART_COUNT`` is 0), to try it:
+
+    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 2 --rdzv-backend c10d \
+        --rdzv-endpoint HOST:29400 --max-restarts 1 examples/train_llama.py \
+        --resume ckpt --save-every 1 --die-at-step 20
+    # and on the second machine (or a second shell), the same with --node-rank 1
 """
 
 from __future__ import annotations
@@ -21,6 +32,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import signal
 import time
 
 import torch
@@ -61,16 +73,33 @@ def main() -> None:
     p.add_argument(
         "--device", default="cpu", choices=["cpu", "cuda"], help="cuda: NCCL, GPU LOCAL_RANK"
     )
-    p.add_argument("--checkpoint-dir", default="checkpoints", help="where --save-every saves")
+    p.add_argument(
+        "--checkpoint-dir", help="where --save-every saves (default: --resume's DIR or checkpoints)"
+    )
     p.add_argument("--save-every", type=int, default=0, metavar="N", help="save every N steps")
-    p.add_argument("--resume", metavar="DIR", help="continue from the latest checkpoint in DIR")
+    p.add_argument(
+        "--resume",
+        metavar="DIR",
+        help="continue from the latest checkpoint in DIR (none yet: start at step 0)",
+    )
+    p.add_argument(
+        "--die-at-step",
+        type=int,
+        metavar="N",
+        help="--die-rank SIGKILLs itself at step N, on torchrun's first attempt only",
+    )
+    p.add_argument("--die-rank", type=int, default=-1, help="which rank --die-at-step kills")
+    p.add_argument("--timeout", type=float, default=120, help="seconds any wait on a peer may take")
     p.add_argument("--export", metavar="DIR", help="write the trained model as a HF checkpoint")
     args = p.parse_args()
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     backend = "nccl" if args.device == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
+    checkpoint_dir = args.checkpoint_dir or args.resume or "checkpoints"
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    dies = args.die_at_step is not None and first_attempt and rank == args.die_rank % world
     torch.manual_seed(rank)
 
     config = LlamaConfig(
@@ -89,12 +118,16 @@ def main() -> None:
         layer_cls=LlamaDecoderLayer,
         num_microbatches=args.microbatches,
         schedule=args.schedule,
+        timeout=args.timeout,
     )
     opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
     first = 0
     if args.resume:
-        first = pipe.load(args.resume, optimizer=opt) or 0
-        if rank == 0:
+        found = pipe.load(args.resume, optimizer=opt, missing_ok=True)
+        first = found or 0
+        if rank == 0 and found is None:
+            print(f"no checkpoint in {args.resume} yet: starting at step 0", flush=True)
+        elif rank == 0:
             print(f"resumed from {args.resume} at step {first}", flush=True)
     if rank == world - 1:
         for s in range(world):
@@ -105,6 +138,9 @@ def main() -> None:
     for step, batch in enumerate(batches(args.steps, args.batch, args.seq, args.vocab)):
         if step < first:
             continue
+        if dies and step == args.die_at_step:
+            print(f"rank {rank}: killing itself at step {step} (--die-at-step)", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         start = time.perf_counter()
         loss = pipe.run_train(**batch)
         if args.max_grad_norm > 0:  # the whole model's norm, not this stage's
@@ -117,10 +153,12 @@ def main() -> None:
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
             bar.write(f"step {step:4d}  loss {loss.item():.4f}  {tokens / elapsed:,.0f} tokens/s")
         if args.save_every and (step + 1) % args.save_every == 0:
-            saved = pipe.save(args.checkpoint_dir, optimizer=opt, step=step + 1)
+            saved = pipe.save(checkpoint_dir, optimizer=opt, step=step + 1)
             if rank == 0:
                 bar.write(f"saved {saved}")
     bar.close()
+    if rank == 0 and first < args.steps:
+        print(f"final loss {loss.item()!r}", flush=True)  # every bit, to compare runs
     if args.export:
         pipe.save_pretrained(args.export)
         if rank == 0:

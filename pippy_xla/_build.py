@@ -217,11 +217,17 @@ def _replicas(
 
 
 def _abort_channel(place: Placement) -> AbortChannel:
-    """The abort record of the next pipeline built on ``place``'s group."""
-    _INSTANCES[place.group_name] = _INSTANCES.get(place.group_name, 0) + 1
+    """The abort record of the next pipeline built on ``place``'s group; on a mesh, one record
+    for every replica, naming ranks by job rank (see [Note: watched collectives])."""
     group = place.group or dist.group.WORLD
     members = [dist.get_global_rank(group, r) for r in range(place.num_ranks)]
-    return AbortChannel(place.group_name, _INSTANCES[place.group_name], place.rank, members)
+    if place.mesh is None:
+        scope, rank, ranks, peers = place.group_name, place.rank, members, None
+    else:
+        world = dist.get_world_size()
+        scope, rank, ranks, peers = "mesh", dist.get_rank(), list(range(world)), members
+    _INSTANCES[scope] = _INSTANCES.get(scope, 0) + 1
+    return AbortChannel(scope, _INSTANCES[scope], rank, ranks, peers)
 
 
 def _runners(

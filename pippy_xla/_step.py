@@ -153,10 +153,8 @@ class StepRunner:
         earlier = set_aside_grads(self.ties)  # [Note: tied gradients accumulate once]
         try:
             self._run(self.train_engine, forward, signature)
-            with self.failures.guard("tied-weight gradient sum"):
-                for tie, params in self.ties:
-                    grads = [local_tensor(p.grad) for p in params if p.grad is not None]
-                    combine_among(tie, grads, add=True, **self._transport())
+            if self.ties:
+                self.failures.watched("tied-weight gradient sum", self._sum_tied_grads)
         finally:
             add_back_grads(self.ties, earlier)
         return self._reduce_loss(losses, added)
@@ -196,8 +194,9 @@ class StepRunner:
         reductions = [(pipeline_sum, place.rank, place.num_ranks)]
         if self.dp is not None and self.dp.sharded:
             reductions.append((self.dp.all_reduce_sum, place.dp_rank, place.dp_size))
-        with self.failures.guard("gradient norm all_reduce"):
-            total = global_norm(counted, norm_type, place.device, reductions)
+        total = self.failures.watched(
+            "gradient norm all_reduce", global_norm, counted, norm_type, place.device, reductions
+        )
         clip_(
             scaled,
             total,
@@ -206,6 +205,12 @@ class StepRunner:
             error_if_nonfinite=error_if_nonfinite,
         )
         return total
+
+    def _sum_tied_grads(self) -> None:
+        """Sums each tied weight's gradient over its owners."""
+        for tie, params in self.ties:
+            grads = [local_tensor(p.grad) for p in params if p.grad is not None]
+            combine_among(tie, grads, add=True, **self._transport())
 
     def _transport(self) -> dict:
         place = self.place
@@ -228,14 +233,15 @@ class StepRunner:
         key, contents = step_key(kind, batch, self.config.check_batch_content)
 
         def gather(values: Sequence[int], what: str) -> list[list[int]]:
-            with self.failures.guard(what):
-                return _C.all_gather_int64(
-                    values,
-                    place.group_name,
-                    str(place.device),
-                    place.timeout_ms,
-                    f"[rank {place.rank}] {what}",
-                )
+            return self.failures.watched(
+                what,
+                _C.all_gather_int64,
+                values,
+                place.group_name,
+                str(place.device),
+                place.timeout_ms,
+                f"[rank {place.rank}] {what}",
+            )
 
         # A mismatch leaves the pipeline usable: no transfer of the step has started.
         agree_on_step(key, contents, batch, place.rank, gather)
@@ -271,6 +277,8 @@ class StepRunner:
         if self.dp is not None and engine.schedule.backward:
             self.dp.before_step()
             grads_ready = self._reduce_stage
+        if self.dp is not None and self.dp.sharded:
+            self.failures.watched("data-parallel all-gather", self.dp.unshard)
         with donation, self.failures.guard("step", engine):
             engine.run(signature, forward, grads_ready)
         self.last_engine = engine
@@ -284,9 +292,10 @@ class StepRunner:
 
     def _reduce_stage(self, stage: int) -> None:
         """The engine's ``grads_ready`` callback: reduces ``stage``'s gradients over the
-        replicas, timed for the step's timings."""
+        replicas (a watched collective: see [Note: watched collectives]), timed for the step's
+        timings."""
         start = time.time_ns()  # the engine's clock (system time)
-        self.dp.reduce(stage)
+        self.failures.watched(f"data-parallel reduction of stage {stage}", self.dp.reduce, stage)
         self.reduce_spans.append(("DP", stage, -1, start, time.time_ns()))
 
     def _reduce_loss(
@@ -300,17 +309,22 @@ class StepRunner:
             for part, values in enumerate((losses, added)):
                 if values:
                     total[part] = torch.stack([values[mb].float() for mb in sorted(values)]).sum()
-        with self.failures.guard("loss broadcast"):
-            total = _C.broadcast_copy(
-                total,
-                self.last_rank,
-                place.group_name,
-                place.timeout_ms,
-                f"[rank {place.rank}] loss broadcast",
-            )
+        total = self.failures.watched(
+            "loss broadcast",
+            _C.broadcast_copy,
+            total,
+            self.last_rank,
+            place.group_name,
+            place.timeout_ms,
+            f"[rank {place.rank}] loss broadcast",
+        )
         if self.dp is not None:
-            with self.failures.guard("loss all_reduce over replicas"):
-                total = self.dp.all_reduce_sum(total, f"[rank {place.rank}] loss all_reduce")
+            total = self.failures.watched(
+                "loss all_reduce over replicas",
+                self.dp.all_reduce_sum,
+                total,
+                f"[rank {place.rank}] loss all_reduce",
+            )
         aux = float(total[1])
         self.last_losses = {"total": float(total[0]), "main": float(total[0]) - aux, "aux": aux}
         return total[0].clone()

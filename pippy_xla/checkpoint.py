@@ -30,6 +30,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
 from pippy_xla.data_parallel import assign
+from pippy_xla.errors import FailureState
 from pippy_xla.units import parse_bytes
 
 __all__ = [
@@ -65,6 +66,7 @@ class Checkpointable(Protocol):
 
     config: Any
     generation_config: Any
+    _failures: FailureState
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...
     def state_dict(self, keep_vars: bool = False) -> dict[str, torch.Tensor]: ...
@@ -78,6 +80,30 @@ SAFE_INDEX = "model.safetensors.index.json"
 LATEST = "latest"
 META = "pippy_xla.json"
 SCHEDULER = "scheduler.pt"
+
+_REFUSALS = (KeyError, ValueError, OSError)
+"""What a checkpoint refused on every rank alike raises (see :func:`_collective`)."""
+
+
+def _collective(pipe: Checkpointable, action: str, fn, *args, refusals: tuple = ()):
+    """``fn(*args)``, a collective over the checkpoint's ranks, run as a watched collective
+    (see [Note: watched collectives]): a peer's failure or death is a ``PipelineError`` naming it
+    within seconds, not a wait for the process group's timeout, and a failure here is posted for
+    the peers. ``refusals``: exception types that every rank raises alike (a damaged or
+    mismatched checkpoint, found before anything is written); they are raised as they are, and
+    the pipeline stays usable."""
+
+    def attempt():
+        try:
+            return fn(*args), None
+        except refusals as e:
+            return None, e
+
+    value, refusal = pipe._failures.watched(action, attempt)
+    if refusal is not None:
+        raise refusal
+    return value
+
 
 # ----------------------------------------------------------------------------- HF safetensors
 
@@ -118,7 +144,8 @@ def load_pretrained(pipe: Checkpointable, path: str | os.PathLike) -> None:
     of their names.
 
     A collective: every rank checks its part first (keys, shapes, whole files), and if any
-    rank cannot load, every rank raises before any tensor is written.
+    rank cannot load, every rank raises before any tensor is written. A peer's failure or death
+    is a ``PipelineError`` naming it (see [Note: watched collectives]).
 
     Raises:
         FileNotFoundError: ``path`` is not a safetensors checkpoint.
@@ -128,6 +155,10 @@ def load_pretrained(pipe: Checkpointable, path: str | os.PathLike) -> None:
         ValueError: a tensor has another shape than the model's, or a file is damaged
             (truncated); names the key or the file.
     """
+    _collective(pipe, "load_pretrained", _load_pretrained, pipe, path, refusals=_REFUSALS)
+
+
+def _load_pretrained(pipe: Checkpointable, path: str | os.PathLike) -> None:
     try:
         by_file = _pretrained_entries(pipe, Path(path))
         failure = None
@@ -222,7 +253,15 @@ def save_pretrained(
     ``AutoModelForCausalLM.from_pretrained(path)`` loads the trained model. A tied weight is
     written once, under its first name in the model (as HF does), by the lowest rank holding it.
     On a mesh, the first replica writes (sharded tensors are gathered over the replicas first).
+    A failure on one rank is a ``PipelineError`` on every rank (see [Note: watched
+    collectives]).
     """
+    _collective(pipe, "save_pretrained", _save_pretrained, pipe, path, max_shard_size)
+
+
+def _save_pretrained(
+    pipe: Checkpointable, path: str | os.PathLike, max_shard_size: int | str | None
+) -> None:
     from safetensors.torch import save_file
     from torch.distributed.tensor import DTensor
 
@@ -353,7 +392,19 @@ def save(
     RNG state, ``step`` and the learning-rate ``scheduler``'s state (the same on every rank) as
     ``directory/step-<step>`` with ``torch.distributed.checkpoint``; a collective over the
     pipeline's ranks (on a mesh: over every rank of the mesh; sharded tensors are saved as DCP
-    shards). Atomic: see [Note: atomic checkpoints]."""
+    shards). Atomic: see [Note: atomic checkpoints]. A failure on one rank, or its death, is a
+    ``PipelineError`` naming it on every rank within seconds (see [Note: watched collectives]);
+    the previous checkpoint stays the latest."""
+    return _collective(pipe, "checkpoint save", _save, pipe, directory, optimizer, step, scheduler)
+
+
+def _save(
+    pipe: Checkpointable,
+    directory: str | os.PathLike,
+    optimizer: torch.optim.Optimizer | None,
+    step: int | None,
+    scheduler: LRScheduler | None,
+) -> Path:
     import torch.distributed.checkpoint as dcp
 
     directory = Path(directory)
@@ -468,7 +519,28 @@ def load(
 
     With ``missing_ok``, a ``directory`` that holds no complete checkpoint yet (a fresh run) loads
     nothing and returns ``None``. Every rank must see the same checkpoint: ranks that disagree
-    (a folder that is not shared between the machines) raise on every rank."""
+    (a folder that is not shared between the machines) raise on every rank. A peer's failure or
+    death is a ``PipelineError`` naming it (see [Note: watched collectives])."""
+    return _collective(
+        pipe,
+        "checkpoint load",
+        _load,
+        pipe,
+        directory,
+        optimizer,
+        scheduler,
+        missing_ok,
+        refusals=_REFUSALS,
+    )
+
+
+def _load(
+    pipe: Checkpointable,
+    directory: str | os.PathLike,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: LRScheduler | None,
+    missing_ok: bool,
+) -> int | None:
     import torch.distributed.checkpoint as dcp
 
     found = _complete(directory)

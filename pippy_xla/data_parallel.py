@@ -160,6 +160,14 @@ class DataParallel:
             module.set_reshard_after_backward(False)
             module.set_requires_gradient_sync(False)
 
+    def unshard(self) -> None:
+        """All-gathers the local stages' sharded parameters before a step, so that no collective
+        runs inside a stage's forward, where a peer's failure could not end it (this call is a
+        watched collective instead, see [Note: watched collectives]). The stages stay unsharded
+        until their reduction (each is a root module: not resharded after forward)."""
+        for module in self.modules.values():
+            module.unshard()
+
     def reduce(self, stage: int) -> None:
         """Reduces ``stage``'s accumulated gradients over the replicas (the engine's
         ``grads_ready`` callback) and reshards its parameters."""

@@ -6,8 +6,9 @@ import atexit
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import TypeVar
 
 import torch.distributed as dist
 
@@ -36,6 +37,8 @@ be reached (its host died) is ignored: the transport's own errors and timeouts s
 """
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 POLL_S = 0.1
 """How often a rank checks the store for a peer's abort record during a step."""
@@ -155,6 +158,26 @@ it, with ``died=True``. A peer that is alive but slow or stuck keeps beating, so
 reads as a timeout.
 """
 
+
+_GLOO_TRANSPORT = ("gloo/transport/", "Connection reset by peer", "Connection closed by peer")
+"""Words of gloo's transport errors, which torch raises from its collectives as plain
+``RuntimeError`` (measured: a peer SIGKILLed inside DCP's ``save``)."""
+
+
+def _is_transport(exc: BaseException) -> bool:
+    """Whether ``exc`` is a failure of communication (a transfer, a collective, or DCP's report
+    of one on some rank), not of this rank's own code."""
+    if isinstance(exc, _C.TransferError | dist.DistError):
+        return True
+    if isinstance(exc, RuntimeError) and any(w in str(exc) for w in _GLOO_TRANSPORT):
+        return True
+    failures = getattr(exc, "failures", None)  # DCP's CheckpointException: rank -> error
+    if isinstance(failures, dict):
+        errors = (f[0] if isinstance(f, tuple) else f for f in failures.values())
+        return any(isinstance(e, BaseException) and _is_transport(e) for e in errors)
+    return False
+
+
 HEARTBEAT_S = 0.25
 """How often each rank adds to its liveness counter (see [Note: naming a dead rank])."""
 SILENT_S = 1.5
@@ -205,17 +228,85 @@ def _stop_heartbeat() -> None:
         _Heartbeat._current.stop()
 
 
+"""[Note: watched collectives]
+
+The engine's transfers fail fast because the watcher of [Note: failing fast] aborts their c10d
+work. Every other collective of a pipeline cannot be aborted that way: the step handshake, the
+tied-weight gradient sums, the loss broadcast and all-reduce, the gradient-norm all-reduce,
+FSDP's all-gathers and reductions over the replicas (torch's own collectives, on the mesh's
+data-parallel groups: the all-gathers run once before the engine's step, so that none runs
+inside a stage's forward) and the collectives inside ``save``, ``load``, ``save_pretrained`` and
+``load_pretrained`` (DCP's and ``all_gather_object``). Gloo's collectives
+have no ``Work::abort``, and a peer that raised and lives on keeps its sockets open, so a rank
+waiting for it would wait out the process group's timeout. So each of them runs through one
+helper, :meth:`FailureState.watched` (:meth:`AbortChannel.call`):
+
+- the collective runs on a short-lived daemon thread (every one of them releases the GIL while
+  it waits), and the calling thread waits for it in slices of ``POLL_S`` seconds, checking the
+  abort record between slices (no store traffic when the collective completes within the first
+  slice, as it does in a healthy job);
+- a peer's record (its own failure, or a rank it found dead) ends the wait at once: the caller
+  raises :class:`PipelineError` naming that rank, ``aborted=True``; the collective's thread is
+  left behind and ends when the transport fails (the failed peer exits) or at the collective's
+  timeout (the pipeline is unusable from then on, as after any failed step). At exit, the
+  process waits for such threads (at most ``ABANDONED_EXIT_S`` seconds): one that returned
+  from C++ during interpreter finalization would take the GIL there, and Python 3.11 ends it
+  with ``pthread_exit``, whose unwinding through C++ kills the process with SIGABRT
+  ("terminate called without an active exception"; seen in the tests before this wait);
+- the collective's own error is this rank's failure: its record is posted (after the dead-rank
+  check of [Note: naming a dead rank] when it is a transport error, gloo's or DCP's report of
+  one), so the ranks still waiting are woken by it in turn.
+
+On a mesh the record spans every replica (the data-parallel groups cross the pipelines), and
+the ranks a :class:`PipelineError` names are the job's ranks.
+"""
+
+
+ABANDONED_EXIT_S = 60.0
+"""How long a process waits at exit for the collectives a peer's failure left behind."""
+
+_ABANDONED: list[threading.Thread] = []
+
+
+@atexit.register
+def _join_abandoned() -> None:
+    """Waits for the collectives' threads left behind by [Note: watched collectives]."""
+    alive = [t for t in _ABANDONED if t.is_alive()]
+    if alive:
+        logger.info("waiting for %d collective(s) a failed peer left open", len(alive))
+    deadline = time.monotonic() + ABANDONED_EXIT_S
+    for t in alive:
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+class PeerFailed(Exception):
+    """A watched wait ended because a peer posted its failure (see [Note: watched
+    collectives])."""
+
+    def __init__(self, origin: tuple[int, bool, str]) -> None:
+        self.origin = origin
+        super().__init__(f"rank {origin[0]} {'died' if origin[1] else 'failed'}: {origin[2]}")
+
+
 class AbortChannel:
     """The abort record of one pipeline in the job's c10d store. See [Note: failing fast]."""
 
     def __init__(
-        self, group_name: str, instance: int, rank: int, global_ranks: Sequence[int] = ()
+        self,
+        group_name: str,
+        instance: int,
+        rank: int,
+        global_ranks: Sequence[int] = (),
+        peers: Sequence[int] | None = None,
     ) -> None:
-        """``global_ranks``: the job-wide rank of each rank of the pipeline's group (whose
-        liveness counters name a dead rank)."""
+        """``rank``: this rank among the record's ranks (those of the pipeline's group; on a
+        mesh, every rank of the mesh by job rank). ``global_ranks``: the job-wide rank of each of
+        them (whose liveness counters name a dead rank). ``peers``: the record's rank of each
+        rank of the pipeline's group, where they differ (a mesh)."""
         self.key = f"pippy_xla/{group_name}/{instance}/abort"
         self.rank = rank
         self.global_ranks = list(global_ranks)
+        self.peers = None if peers is None else list(peers)
         try:
             self._store = dist.distributed_c10d._get_default_store()
         except Exception:  # noqa: BLE001  (no store: failing fast is off, timeouts remain)
@@ -264,6 +355,35 @@ class AbortChannel:
             return []
         return sorted(silent)
 
+    def call(self, fn: Callable[..., T], *args) -> T:
+        """``fn(*args)``, a collective, run so that a peer's failure ends the wait: raises
+        :class:`PeerFailed` as soon as a peer's record appears. See [Note: watched
+        collectives]."""
+        if self._store is None:
+            return fn(*args)
+        outcome: list = []
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                outcome.append((True, fn(*args)))
+            except BaseException as e:  # noqa: BLE001  (re-raised by the caller)
+                outcome.append((False, e))
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=run, name="pippy_xla-collective", daemon=True)
+        thread.start()
+        while not done.wait(POLL_S):
+            origin = self.read()
+            if origin is not None and (origin[0] != self.rank or origin[1]):
+                _ABANDONED.append(thread)
+                raise PeerFailed(origin)
+        ok, value = outcome[0]
+        if ok:
+            return value
+        raise value
+
     @contextmanager
     def watch(self, engine) -> Iterator[None]:
         """While the block runs, aborts ``engine``'s step as soon as a peer posts a failure."""
@@ -292,18 +412,20 @@ class AbortChannel:
         """The :class:`PipelineError` for ``exc``, raised here while running ``action`` (at
         ``failure``, the engine's record of where its step failed, if it was one). Posts this
         rank's failure first if no peer's came before it."""
-        aborted = failure is not None and failure.aborted
+        peer_failed = isinstance(exc, PeerFailed)
+        aborted = (failure is not None and failure.aborted) or peer_failed
         where = {"action": action, "stage": None, "microbatch": None, "peer": None}
-        if failure is not None:
+        if failure is not None and not peer_failed:
+            peer = _none_if_negative(failure.peer)
             where = {
                 "action": failure.action or action,
                 "stage": _none_if_negative(failure.stage),
                 "microbatch": _none_if_negative(failure.microbatch),
-                "peer": _none_if_negative(failure.peer),
+                "peer": peer if peer is None or self.peers is None else self.peers[peer],
             }
         own = _cause(exc)
         if not aborted:
-            transport = isinstance(exc, _C.TransferError) and self.read() is None
+            transport = _is_transport(exc) and self.read() is None
             dead = self.dead_ranks() if transport else []
             if dead:
                 self.announce(own, origin=dead[0], died=True)
@@ -360,12 +482,19 @@ class FailureState:
         logger.error("%s", err)
         return err
 
+    def watched(self, action: str, fn: Callable[..., T], *args) -> T:
+        """``fn(*args)``, a collective outside the engine, run as ``action``: a peer's failure
+        ends the wait within ``POLL_S`` seconds, and any failure becomes :meth:`error`'s. See
+        [Note: watched collectives]."""
+        with self.guard(action):
+            return self.abort.call(fn, *args)
+
     @contextmanager
     def guard(self, action: str, engine=None) -> Iterator[None]:
-        """Runs the block as ``action`` of a step: any failure becomes :meth:`error`'s.
-        Communication outside the engine (collectives, tied weights) fails through the transport
-        or the process group's timeout; an engine step (``engine`` given) is also aborted early
-        by a peer's record, see :meth:`AbortChannel.watch`."""
+        """Runs the block as ``action`` of a step: any failure becomes :meth:`error`'s. An engine
+        step (``engine`` given) is aborted early by a peer's record (see
+        :meth:`AbortChannel.watch`); a collective outside the engine, by running it through
+        :meth:`watched`."""
         try:
             if engine is None:
                 yield
@@ -373,6 +502,8 @@ class FailureState:
                 with self.abort.watch(engine):
                     yield
         except BaseException as e:
+            if e is self.failed:  # a watched collective inside the block already reported it
+                raise
             err = self.error(e, action, engine)
             if err is e:
                 raise

@@ -513,3 +513,152 @@ def test_exit_hook_releases_a_destroyed_group_held_by_default_arguments():
     for held, after, defaults in run_ranks(2, _group_threads_with_a_default_argument_holder):
         assert held, "expected gloo's worker threads while the default argument holds the group"
         assert after == [] and None in defaults, (after, defaults)
+
+
+# ----------------------------------------------------------------------------- watched collectives
+# [Note: watched collectives] in pippy_xla/errors.py: a rank that fails in (or before) a collective
+# outside the engine, and lives on, ends its peers' waits at once; without it they would wait out
+# the timeout (60 s here).
+
+WATCHED_TIMEOUT_S = 60
+FAST_S = 15.0  # well below the timeout, above a loaded 2-core machine's slowest step
+
+
+def _raised_then_wait(rank, world, raiser, fn):
+    """Runs ``fn()`` (which must raise PipelineError) after a barrier; returns the error's fields
+    and how long it took. The raising rank lives on until every other rank has raised."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    dist.barrier()
+    start = time.monotonic()
+    with pytest.raises(px.PipelineError) as info:
+        fn()
+    elapsed = time.monotonic() - start
+    store = _get_default_store()
+    if rank != raiser:
+        store.set(f"test/raised/{rank}", "1")
+    else:
+        store.wait([f"test/raised/{r}" for r in range(world) if r != raiser])
+    return {**_fields(info.value), "message": str(info.value), "elapsed": elapsed}
+
+
+def _mesh_fault(rank, world, where):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    torch.manual_seed(0)
+    model, layer_cls = llama()
+    pipe = px.PipelineModel(
+        model,
+        layer_cls=layer_cls,
+        num_microbatches=2,
+        mesh=mesh,
+        data_parallel="shard",
+        timeout=WATCHED_TIMEOUT_S,
+    )
+    batch = make_batch(seed=0)
+    pipe.run_train(**batch)
+    raiser = 3  # the last stage of the second replica
+    if rank == raiser and where == "before":
+
+        def raising_loss(*args):
+            raise ValueError("loss is NaN")
+
+        pipe.loss_fn = raising_loss
+    if rank == raiser and where == "inside":
+
+        def failing_reduce(stage):
+            raise RuntimeError("reduce-scatter failed")
+
+        pipe._runner.dp.reduce = failing_reduce
+    return _raised_then_wait(rank, world, raiser, lambda: pipe.run_train(**batch))
+
+
+@pytest.mark.parametrize("where", ["before", "inside"])
+def test_a_failure_before_or_inside_an_fsdp_reduction_fails_every_replica_fast(where):
+    out = run_ranks(4, _mesh_fault, where, pg_timeout=WATCHED_TIMEOUT_S, timeout=200)
+    cause = "ValueError: loss is NaN" if where == "before" else "reduce-scatter failed"
+    for r, o in enumerate(out):
+        # Ranks are the job's on a mesh: rank 3 is the second replica's last stage.
+        assert o["rank"] == r and o["failed_rank"] == 3, o
+        assert cause in o["cause"] and o["elapsed"] < FAST_S, o
+        assert "did not complete within" not in o["message"], o
+    # Rank 1 (the first replica's last stage) shares its data-parallel group with rank 3: it was
+    # waiting in FSDP's reduction of stage 1, not in a transfer of its own pipeline.
+    assert out[1]["action"] == "data-parallel reduction of stage 1" and out[1]["aborted"], out[1]
+    if where == "inside":
+        assert out[3]["action"] == "data-parallel reduction of stage 1", out[3]
+
+
+def _tie_sum_fault(rank, world):
+    torch.manual_seed(0)
+    model, _ = gpt2()  # lm_head tied to wte: a tie between the first and the last rank
+    pipe = px.PipelineModel(
+        model, layer_cls=GPT2Block, num_microbatches=4, timeout=WATCHED_TIMEOUT_S
+    )
+    batch = make_batch(seed=0)
+    pipe.run_train(**batch)
+    raiser = world - 1
+    if rank == raiser:
+
+        def failing_sum():
+            raise OSError("tied gradient lost")
+
+        pipe._runner._sum_tied_grads = failing_sum
+    return _raised_then_wait(rank, world, raiser, lambda: pipe.run_train(**batch))
+
+
+def test_a_failure_in_the_tied_weight_sum_fails_every_rank_fast():
+    world = 4
+    out = run_ranks(world, _tie_sum_fault, pg_timeout=WATCHED_TIMEOUT_S, timeout=200)
+    for r, o in enumerate(out):
+        assert o["rank"] == r and o["failed_rank"] == 3, o
+        assert "OSError: tied gradient lost" in o["cause"] and o["elapsed"] < FAST_S, o
+    # Rank 0 waited in the tie sum (its first owner), ranks 1 and 2 in the loss broadcast.
+    assert out[0]["action"] == "tied-weight gradient sum" and out[0]["aborted"], out[0]
+    assert [o["action"] for o in out[1:3]] == ["loss broadcast"] * 2, out
+    assert out[3]["action"] == "tied-weight gradient sum" and not out[3]["aborted"], out[3]
+
+
+def _save_fault(rank, world, directory):
+    import pippy_xla.checkpoint as ckpt
+
+    torch.manual_seed(0)
+    model, layer_cls = llama()
+    pipe = px.PipelineModel(
+        model, layer_cls=layer_cls, num_microbatches=2, timeout=WATCHED_TIMEOUT_S
+    )
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
+    pipe.run_train(**make_batch(seed=0))
+    opt.step()
+    pipe.save(directory, optimizer=opt, step=1)
+    pipe.run_train(**make_batch(seed=1))
+    opt.step()
+    raiser = 1
+    if rank == raiser:
+
+        def failing_state(*args):
+            raise OSError("no space left on device")
+
+        ckpt._optimizer_state = failing_state
+    return _raised_then_wait(
+        rank, world, raiser, lambda: pipe.save(directory, optimizer=opt, step=2)
+    )
+
+
+def test_a_failure_in_a_save_fails_every_rank_fast_and_keeps_the_last_checkpoint(tmp_path):
+    from pippy_xla.checkpoint import latest_checkpoint, load_into_module
+
+    directory = tmp_path / "ckpt"
+    out = run_ranks(2, _save_fault, str(directory), pg_timeout=WATCHED_TIMEOUT_S, timeout=200)
+    for r, o in enumerate(out):
+        assert o["rank"] == r and o["failed_rank"] == 1 and o["action"] == "checkpoint save", o
+        assert "OSError: no space left on device" in o["cause"] and o["elapsed"] < FAST_S, o
+    assert out[0]["aborted"] and not out[1]["aborted"]
+    # The previous checkpoint is still the latest and loads; the partial one is refused.
+    assert latest_checkpoint(directory) == directory / "step-00000001"
+    model, _ = llama()
+    assert load_into_module(model, directory) == 1
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        load_into_module(model, directory / ".step-00000002.partial")
