@@ -18,6 +18,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 import pippy_xla as px
+from pippy_xla import hf
 from pippy_xla.materialize import UninitializedTensorError, materialize
 from pippy_xla.partition import partition
 from pippy_xla.testing import run_ranks
@@ -74,7 +75,8 @@ def _meta_init(rank, world, family):
     torch.manual_seed(100 + rank)
     pipe = px.PipelineModel(model, layer_cls=layer_cls, num_microbatches=2, timeout=60)
     local = _local_tensors(pipe)
-    assert any("inv_freq" in n for n in local) or family in ("gpt2", "opt")  # rotary checked
+    has_rotary = any(hf.is_rotary_module(m) for m in ref.modules())
+    assert any("inv_freq" in n for n in local) == has_rotary  # rotary tables checked
     problems = [
         p for name, t in local.items() if (p := _compare_to_hf_init(name, t, ref_tensors[name]))
     ]
