@@ -204,6 +204,29 @@ class _Root(nn.Module):
         return (logits, loss) if isinstance(loss, fx.Proxy) else logits
 
 
+def _traced_root(
+    model: nn.Module, layer_cls: type[nn.Module], input_names: Sequence[str], device_type: str
+) -> tuple[_Root, fx.Graph]:
+    """The partitioner's root around ``model`` and its trace: with a ``labels`` input when the
+    model has an HF loss (see [Note: terms added to the loss]), and without it if the model's
+    Python cannot be traced with labels (its logits are all the pipeline needs then)."""
+    with_labels = _traces_loss(model, input_names)
+    while True:
+        inputs = [*input_names, "labels"] if with_labels else list(input_names)
+        root_cls = type("PippyRoot", (_Root,), {"forward": _root_forward(inputs)})
+        root = root_cls(model, hf.make_mask_leaves(model))
+        try:
+            graph = _trace(root, model, layer_cls, device_type)
+        except UnsupportedModelError:
+            if not with_labels:
+                raise
+            logger.info("%s: traced without labels", type(model).__name__, exc_info=True)
+            with_labels = False
+            continue
+        graph.owning_module = root
+        return root, graph
+
+
 def _traces_loss(model: nn.Module, input_names: Sequence[str]) -> bool:
     """Whether to trace ``model`` with labels (see [Note: terms added to the loss])."""
     params = inspect.signature(model.forward).parameters
@@ -732,11 +755,7 @@ def partition(
     stage_of_layer = [s for s, (a, b) in enumerate(layer_ranges) for _ in range(a, b)]
     layer_index = {_ROOT_PREFIX + n: i for i, n in enumerate(layer_names)}
 
-    traced_inputs = [*input_names, "labels"] if _traces_loss(model, input_names) else input_names
-    root_cls = type("PippyRoot", (_Root,), {"forward": _root_forward(traced_inputs)})
-    root = root_cls(model, hf.make_mask_leaves(model))
-    graph = _trace(root, model, layer_cls, device_type)
-    graph.owning_module = root
+    root, graph = _traced_root(model, layer_cls, input_names, device_type)
     output = next(reversed(graph.nodes))
     if output.op != "output":
         raise ValueError("traced graph does not end in an output node")

@@ -285,3 +285,23 @@ def test_branches_on_metadata_are_followed_and_on_sizes_refused():
     assert "_finfo_attr" in stages[0].code  # the dtype stays symbolic
     with pytest.raises(UnsupportedModelError, match=r"control flow .*h.shape\[1\] > 4"):
         partition(_Branching(on_size=True), _Block, [(0, 1), (1, 2)], input_names=("input_ids",))
+
+
+class _LossBranching(_Branching):
+    """Branches on its labels' values before computing its loss: traced without labels."""
+
+    loss_function = staticmethod(nn.functional.cross_entropy)
+
+    def forward(self, input_ids, labels=None):
+        logits = super().forward(input_ids)
+        if labels is not None and bool((labels != -100).any()):
+            self.loss_function(logits.flatten(0, 1), labels.flatten())
+        return logits
+
+
+def test_a_model_whose_loss_cannot_be_traced_is_traced_without_labels():
+    model = _LossBranching(on_size=False)
+    stages = partition(model, _Block, [(0, 1), (1, 2)], input_names=("input_ids",))
+    assert not stages[-1].added_loss
+    ids = torch.randint(0, 16, (2, 6))
+    torch.testing.assert_close(stages[1].module(*stages[0].module(ids))[0], model(ids))
