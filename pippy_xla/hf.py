@@ -269,7 +269,9 @@ An HF model computes its loss as ``self.loss_function(logits, labels, ...)`` and
 it (``loss += router_aux_loss_coef * aux_loss``). The partitioner traces the model with a
 ``labels`` input and the loss function replaced by a leaf, :class:`LossMarker`; the graph's loss
 is then the marker plus the added terms, which the last stage returns beside the logits (the
-pipeline computes the marker's part, the loss function's, with ``loss_fn`` per microbatch).
+pipeline computes the marker's part, the loss function's, with ``loss_fn`` per microbatch). A
+model whose Python cannot be traced with labels is traced without them (no added terms); one whose
+loss is not the marker plus terms is refused (``partition._separate_added_loss``).
 """
 
 
