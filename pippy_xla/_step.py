@@ -140,9 +140,8 @@ class StepRunner:
         """The last step's data-parallel reductions, as timings."""
         self.recompiles: list[str] = []
         """Explanations of the recompilations seen after each mode's first step."""
-        self.last_losses: dict[str, float] = {}
-        """The last step's loss (``total``) and its parts: ``main`` (``loss_fn``'s) and
-        ``aux`` (what the model adds, see [Note: added loss terms per microbatch])."""
+        self._last_parts: torch.Tensor | None = None
+        """The last step's ``[total, aux]`` (read on demand: no device sync per step)."""
 
     def train(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Forward and backward of every microbatch; the batch's mean loss on every rank."""
@@ -302,7 +301,7 @@ class StepRunner:
         self, losses: dict[int, torch.Tensor], added: dict[int, torch.Tensor]
     ) -> torch.Tensor:
         """The sum of the last stage's microbatch losses, on every rank (and, with a mesh, over
-        the replicas: their shares add up to the global mean); sets :attr:`last_losses`."""
+        the replicas: their shares add up to the global mean); kept for :attr:`last_losses`."""
         place = self.place
         total = torch.zeros(2, dtype=torch.float32, device=place.device)
         if place.rank == self.last_rank:
@@ -325,6 +324,15 @@ class StepRunner:
                 total,
                 f"[rank {place.rank}] loss all_reduce",
             )
-        aux = float(total[1])
-        self.last_losses = {"total": float(total[0]), "main": float(total[0]) - aux, "aux": aux}
+        self._last_parts = total
         return total[0].clone()
+
+    @property
+    def last_losses(self) -> dict[str, float]:
+        """The last step's loss (``total``) and its parts: ``main`` (``loss_fn``'s) and ``aux``
+        (what the model adds, see [Note: added loss terms per microbatch]); empty before the
+        first step."""
+        if self._last_parts is None:
+            return {}
+        total, aux = (float(v) for v in self._last_parts)
+        return {"total": total, "main": total - aux, "aux": aux}

@@ -351,7 +351,7 @@ class PipelineModel:
         (``loss_fn``'s part) and ``aux`` (what the model adds to its loss, such as an MoE
         router's load-balancing loss times ``router_aux_loss_coef``; 0 for other models). See
         [Note: added loss terms per microbatch] in ``_step.py``."""
-        return dict(self._runner.last_losses)
+        return self._runner.last_losses
 
     @property
     def recompiles(self) -> list[str]:
