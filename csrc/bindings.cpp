@@ -98,11 +98,12 @@ PYBIND11_MODULE(_C, m) {
   m.def("schedule_table", &schedule_table, py::return_value_policy::reference);
   m.def("schedule_info", &schedule_info, py::arg("name"), py::return_value_policy::reference);
   m.def("make_schedule", &make_schedule, py::arg("name"), py::arg("num_ranks"),
-        py::arg("num_microbatches"), py::arg("chunks") = 1);
+        py::arg("num_microbatches"), py::arg("chunks") = 0, py::arg("placement") = "");
   m.def("schedule_names", &schedule_names);
   m.def("train_schedule_names", &train_schedule_names);
   m.def("default_chunks", &default_chunks, py::arg("name"));
-  m.def("stage_rank", &stage_rank, py::arg("stage"), py::arg("num_ranks"));
+  m.def("stage_rank", &stage_rank, py::arg("stage"), py::arg("num_ranks"),
+        py::arg("placement") = "loop");
   m.def("check_stage_count", &check_stage_count, py::arg("num_layers"), py::arg("num_stages"));
   m.def("balanced_ranges", &balanced_ranges, py::arg("num_layers"), py::arg("num_stages"),
         "Contiguous layer ranges (start, stop) whose sizes differ by at most one (earlier stages "

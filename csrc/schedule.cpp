@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <deque>
 #include <map>
 #include <sstream>
 #include <tuple>
@@ -132,7 +133,8 @@ Schedule with_comms(Schedule s, const std::vector<std::vector<Action>>& compute)
   return s;
 }
 
-Schedule base(const std::string& name, int32_t ranks, int32_t mbs, int32_t chunks) {
+Schedule base(const std::string& name, int32_t ranks, int32_t mbs, int32_t chunks,
+              const std::string& placement) {
   TORCH_CHECK(ranks >= 1, "schedule '", name, "': need at least 1 rank, got ", ranks);
   TORCH_CHECK(mbs >= 1, "schedule '", name, "': need at least 1 microbatch, got ", mbs);
   TORCH_CHECK(chunks >= 1, "schedule '", name, "': need at least 1 chunk per rank, got ", chunks);
@@ -141,7 +143,8 @@ Schedule base(const std::string& name, int32_t ranks, int32_t mbs, int32_t chunk
   s.num_ranks = ranks;
   s.num_stages = ranks * chunks;
   s.num_microbatches = mbs;
-  for (int32_t i = 0; i < s.num_stages; ++i) s.stage_rank.push_back(stage_rank(i, ranks));
+  for (int32_t i = 0; i < s.num_stages; ++i)
+    s.stage_rank.push_back(stage_rank(i, ranks, placement));
   return s;
 }
 
@@ -186,29 +189,220 @@ std::vector<std::vector<Action>> zero_bubble_h1(int32_t p, int32_t m) {
   return order;
 }
 
+// Looped BFS (breadth-first pipelining): every forward of a rank's first chunk, then of its next
+// chunk, ...; then the backwards, last chunk first. GPipe's memory (every microbatch of every
+// chunk in flight), fewer stalls between chunks.
+std::vector<std::vector<Action>> looped_bfs(const Schedule& s, int32_t v) {
+  const int32_t p = s.num_ranks, m = s.num_microbatches;
+  std::vector<std::vector<Action>> order(p);
+  for (int32_t r = 0; r < p; ++r) {
+    for (int32_t c = 0; c < v; ++c)
+      for (int32_t i = 0; i < m; ++i) order[r].push_back({Op::F, c * p + r, i});
+    for (int32_t c = v - 1; c >= 0; --c)
+      for (int32_t i = 0; i < m; ++i) order[r].push_back({Op::B, c * p + r, i});
+  }
+  return order;
+}
+
+// [Note: greedy schedules] List scheduling at unit costs (F = B = W = 1) for several stages per
+// rank with a split backward: at every time step each free rank runs the first backward of its
+// `b_order` whose forward ran here and whose gradient is there, else the first forward of its
+// `f_order` whose input is there while it holds fewer than `max_held[r]` microbatch-stages
+// (forwarded and not yet weighted: their activations), else its oldest pending weight step. The
+// orders say which of several ready actions goes first (for a V, the deeper chunk: the
+// microbatch nearer its loss); the bound is the schedule's activation memory. A rank takes
+// actions only once their inputs exist in the simulation, so the order is deadlock-free (the
+// validator checks it again).
+std::vector<std::vector<Action>> greedy(const Schedule& s,
+                                        const std::vector<std::vector<Action>>& f_order,
+                                        const std::vector<std::vector<Action>>& b_order,
+                                        const std::vector<int32_t>& max_held) {
+  const int32_t p = s.num_ranks, m = s.num_microbatches, last = s.num_stages - 1;
+  std::vector<std::vector<Action>> order(p);
+  std::vector<int32_t> f_end(s.num_stages * m, -1), b_end(s.num_stages * m, -1);
+  std::vector<std::vector<bool>> f_taken(p), b_taken(p);
+  std::vector<std::deque<Action>> pending_w(p);
+  std::vector<int32_t> held(p, 0);
+  auto at = [m](int32_t stage, int32_t mb) { return stage * m + mb; };
+  auto done_by = [](int32_t end, int32_t t) { return end >= 0 && end <= t; };
+  int64_t remaining = 0;
+  for (int32_t r = 0; r < p; ++r) {
+    f_taken[r].assign(f_order[r].size(), false);
+    b_taken[r].assign(b_order[r].size(), false);
+    remaining += 3 * static_cast<int64_t>(f_order[r].size());
+  }
+  const int64_t limit = 4 * remaining + 4 * p;
+  for (int64_t t = 0; remaining > 0; ++t) {
+    TORCH_CHECK(t <= limit, "schedule '", s.name, "': the generator made no progress");
+    const int32_t now = static_cast<int32_t>(t);
+    for (int32_t r = 0; r < p; ++r) {
+      auto run = [&](const Action& a) {
+        order[r].push_back(a);
+        --remaining;
+      };
+      bool ran = false;
+      for (size_t k = 0; k < b_order[r].size() && !ran; ++k) {
+        const Action& a = b_order[r][k];
+        if (b_taken[r][k] || !done_by(f_end[at(a.stage, a.mb)], now)) continue;
+        if (a.stage < last && !done_by(b_end[at(a.stage + 1, a.mb)], now)) continue;
+        b_taken[r][k] = true;
+        b_end[at(a.stage, a.mb)] = now + 1;
+        pending_w[r].push_back({Op::W, a.stage, a.mb});
+        run(a);
+        ran = true;
+      }
+      for (size_t k = 0; k < f_order[r].size() && !ran && held[r] < max_held[r]; ++k) {
+        const Action& a = f_order[r][k];
+        if (f_taken[r][k] || (a.stage > 0 && !done_by(f_end[at(a.stage - 1, a.mb)], now)))
+          continue;
+        f_taken[r][k] = true;
+        f_end[at(a.stage, a.mb)] = now + 1;
+        ++held[r];
+        run(a);
+        ran = true;
+      }
+      if (!ran && !pending_w[r].empty()) {
+        run(pending_w[r].front());
+        pending_w[r].pop_front();
+        --held[r];
+      }
+    }
+  }
+  return order;
+}
+
+// Interleaved 1F1B with a split backward (torch's InterleavedZeroBubble): the interleaved
+// schedule's forward and backward orders and its activation bound (rank r's warm-up plus one),
+// list-scheduled with weight steps filling the waits (see [Note: greedy schedules]).
+std::vector<std::vector<Action>> interleaved_zero_bubble(const Schedule& s, int32_t v) {
+  const int32_t p = s.num_ranks, m = s.num_microbatches;
+  TORCH_CHECK(m % p == 0, "schedule 'interleaved_zb' needs num_microbatches divisible by the ",
+              "number of ranks (", p, "), got ", m);
+  std::vector<std::vector<Action>> f(p), b(p);
+  std::vector<int32_t> held(p);
+  for (int32_t r = 0; r < p; ++r) {
+    for (int32_t k = 0; k < m * v; ++k) {
+      const int32_t chunk = (k / p) % v, mb = (k / (p * v)) * p + k % p;
+      f[r].push_back({Op::F, chunk * p + r, mb});
+      b[r].push_back({Op::B, (v - 1 - chunk) * p + r, mb});
+    }
+    held[r] = (p - r - 1) * 2 + (v - 1) * p + 1;
+  }
+  return greedy(s, f, b, held);
+}
+
+// ZB-V (arXiv 2405.15362): two stages per rank in a V (stage r and 2p-1-r on rank r), a split
+// backward, and on every rank at most 2p microbatch-stages of activations: each stage is half a
+// 1F1B stage, so that is 1F1B's peak (its first rank's p microbatches), now on every rank. Forwards
+// and backwards of the deeper stage (nearer the loss) go first (see [Note: greedy schedules]).
+std::vector<std::vector<Action>> zero_bubble_v(const Schedule& s) {
+  const int32_t p = s.num_ranks, m = s.num_microbatches;
+  std::vector<std::vector<Action>> f(p), b(p);
+  for (int32_t r = 0; r < p; ++r) {
+    const int32_t down = r, up = 2 * p - 1 - r;
+    for (int32_t i = 0; i < m; ++i) {
+      f[r].push_back({Op::F, up, i});
+      f[r].push_back({Op::F, down, i});
+      b[r].push_back({Op::B, up, i});
+      b[r].push_back({Op::B, down, i});
+    }
+  }
+  return greedy(s, f, b, std::vector<int32_t>(p, 2 * p));
+}
+
+// DualPipeV (DeepSeek's DualPipe cut in half): two stages per rank in a V, in the published
+// eight phases per rank r of p: (1) 2(p-r-1) forwards of the first stage; (2) r+1 pairs of
+// forwards, first then second stage; (3) p-r-1 times: the second stage's backward split (its
+// weight step at once), a forward of the second stage; (4) the steady state, m-2p+r+1 times: a
+// forward of the first stage with a full backward of the second, then a forward of the second with
+// a full backward of the first; (5) p-r-1 times: a backward of the second stage, a forward of the
+// second with a backward of the first; (6) r+1 pairs of backwards, second then first stage,
+// splitting from the middle on; (7) p-r-1 times: a pending weight step, a split backward of the
+// first stage; (8) the pending weight steps. A full backward is a B with its W right after it.
+// DualPipe runs each forward-with-backward pair overlapped; here they run one after the other.
+std::vector<std::vector<Action>> dualpipe_v(const Schedule& s) {
+  const int32_t p = s.num_ranks, m = s.num_microbatches;
+  TORCH_CHECK(m >= 2 * p, "schedule 'dualpipev' needs at least 2 x ranks microbatches (", 2 * p,
+              "), got ", m);
+  std::vector<std::vector<Action>> order(p);
+  for (int32_t r = 0; r < p; ++r) {
+    auto& out = order[r];
+    const int32_t stage[2] = {r, 2 * p - 1 - r};
+    int32_t next_f[2] = {0, 0}, next_b[2] = {0, 0};
+    std::deque<Action> weights;
+    auto fwd = [&](int c) { out.push_back({Op::F, stage[c], next_f[c]++}); };
+    auto bwd = [&](int c, bool split) {
+      const Action w{Op::W, stage[c], next_b[c]};
+      out.push_back({Op::B, stage[c], next_b[c]++});
+      if (split) {
+        weights.push_back(w);
+      } else {
+        out.push_back(w);
+      }
+    };
+    auto weight = [&] {
+      out.push_back(weights.front());
+      weights.pop_front();
+    };
+    for (int32_t i = 0; i < 2 * (p - r - 1); ++i) fwd(0);
+    for (int32_t i = 0; i < r + 1; ++i) fwd(0), fwd(1);
+    for (int32_t i = 0; i < p - r - 1; ++i) bwd(1, true), weight(), fwd(1);
+    for (int32_t i = 0; i < m - 2 * p + r + 1; ++i) fwd(0), bwd(1, false), fwd(1), bwd(0, false);
+    for (int32_t i = 0; i < p - r - 1; ++i) bwd(1, false), fwd(1), bwd(0, false);
+    bool split = false;
+    for (int32_t i = 0; i < r + 1; ++i) {
+      if (i == (r + 1) / 2 && r % 2 == 1) split = true;
+      bwd(1, split);
+      if (i == (r + 1) / 2 && r % 2 == 0) split = true;
+      bwd(0, split);
+    }
+    for (int32_t i = 0; i < p - r - 1; ++i) weight(), bwd(0, true);
+    while (!weights.empty()) weight();
+  }
+  return order;
+}
+
 }  // namespace
 
 const std::vector<ScheduleInfo>& schedule_table() {
   // See [Note: schedule facts]
   static const std::vector<ScheduleInfo> table = [] {
-    std::vector<ScheduleInfo> t(5);
+    std::vector<ScheduleInfo> t(9);
     t[0].name = "1f1b";
     t[0].description = "one forward, one backward: at most ranks - rank microbatches in flight";
     t[1].name = "gpipe";
     t[1].description = "every forward, then every backward";
     t[2].name = "interleaved";
     t[2].description = "interleaved 1F1B (Megatron): chunks >= 2 equal stages per rank";
-    t[2].min_chunks = 2;
-    t[2].max_chunks = 0;
-    t[2].default_chunks = 2;
-    t[2].equal_stages = true;
     t[3].name = "zbh1";
     t[3].description = "zero bubble ZB-H1: split backward, weight steps fill the bubble";
     t[3].split_backward = true;
-    t[4].name = "forward";
-    t[4].description = "evaluation: forwards only, any chunks";
-    t[4].trains = false;
-    t[4].max_chunks = 0;
+    t[4].name = "looped_bfs";
+    t[4].description = "breadth-first: each chunk's forwards in turn, then backwards in reverse";
+    t[5].name = "interleaved_zb";
+    t[5].description = "interleaved 1F1B with a split backward (weight steps fill the bubble)";
+    t[5].split_backward = true;
+    t[6].name = "zbv";
+    t[6].description = "zero bubble ZB-V: 2 stages per rank in a V, split backward, 1F1B's memory";
+    t[6].split_backward = true;
+    t[7].name = "dualpipev";
+    t[7].description = "DualPipeV: 2 stages per rank in a V, split backward, >= 2 x ranks mbs";
+    t[7].split_backward = true;
+    for (int i : {2, 4, 5}) {
+      t[i].min_chunks = 2;
+      t[i].max_chunks = 0;
+      t[i].default_chunks = 2;
+      t[i].equal_stages = true;
+    }
+    for (int i : {6, 7}) {
+      t[i].min_chunks = t[i].max_chunks = t[i].default_chunks = 2;
+      t[i].equal_stages = true;
+      t[i].placement = "v";
+    }
+    t[8].name = "forward";
+    t[8].description = "evaluation: forwards only, any chunks and placement";
+    t[8].trains = false;
+    t[8].max_chunks = 0;
     return t;
   }();
   return table;
@@ -241,10 +435,17 @@ std::vector<std::string> train_schedule_names() {
 
 int32_t default_chunks(const std::string& name) { return schedule_info(name).default_chunks; }
 
-int32_t stage_rank(int32_t stage, int32_t num_ranks) {
+void check_placement(const std::string& placement) {
+  TORCH_CHECK(placement == "loop" || placement == "v", "unknown placement '", placement,
+              "'; expected 'loop' or 'v'");
+}
+
+int32_t stage_rank(int32_t stage, int32_t num_ranks, const std::string& placement) {
   TORCH_CHECK(num_ranks >= 1 && stage >= 0, "stage_rank: need stage >= 0 and num_ranks >= 1, got ",
               stage, " and ", num_ranks);
-  return stage % num_ranks;
+  check_placement(placement);
+  const int32_t chunk = stage / num_ranks, i = stage % num_ranks;
+  return placement == "v" && chunk % 2 == 1 ? num_ranks - 1 - i : i;
 }
 
 void check_stage_count(int64_t num_layers, int64_t num_stages) {
@@ -269,15 +470,20 @@ std::vector<std::pair<int32_t, int32_t>> balanced_ranges(int32_t num_layers, int
 }
 
 Schedule make_schedule(const std::string& name, int32_t num_ranks, int32_t num_microbatches,
-                       int32_t chunks) {
+                       int32_t chunks, const std::string& placement) {
   const ScheduleInfo& info = schedule_info(name);
+  if (chunks == 0) chunks = info.default_chunks;
+  const std::string& where = placement.empty() ? info.placement : placement;
+  check_placement(where);
+  TORCH_CHECK(info.trains == false || where == info.placement, "schedule '", name, "' places ",
+              "its stages as '", info.placement, "', not '", where, "'");
   TORCH_CHECK(info.max_chunks != 1 || chunks == 1, "schedule '", name, "' runs one stage per ",
               "rank, so chunks must be 1, got ", chunks,
               "; use 'interleaved' for several stages per rank");
   TORCH_CHECK(chunks >= info.min_chunks && (info.max_chunks == 0 || chunks <= info.max_chunks),
               "schedule '", name, "' needs chunks >= ", info.min_chunks, " (stages per rank), got ",
               chunks);
-  Schedule s = base(name, num_ranks, num_microbatches, chunks);
+  Schedule s = base(name, num_ranks, num_microbatches, chunks, where);
   s.backward = info.trains;
   s.split_backward = info.split_backward;
   const int32_t p = num_ranks, m = num_microbatches, v = chunks;
@@ -300,8 +506,8 @@ Schedule make_schedule(const std::string& name, int32_t num_ranks, int32_t num_m
     }
   } else if (name == "forward") {
     for (int32_t r = 0; r < p; ++r)
-      for (int32_t c = 0; c < v; ++c)
-        for (int32_t i = 0; i < m; ++i) compute[r].push_back({Op::F, c * p + r, i});
+      for (int32_t stage : s.stages_of(r))
+        for (int32_t i = 0; i < m; ++i) compute[r].push_back({Op::F, stage, i});
   } else if (name == "interleaved") {
     // Megatron's interleaved 1F1B: microbatches advance in groups of `p` through the chunks;
     // rank r warms up with (p - r - 1) * 2 + (v - 1) * p forwards, then alternates F and B.
@@ -322,8 +528,16 @@ Schedule make_schedule(const std::string& name, int32_t num_ranks, int32_t num_m
       }
       for (int32_t k = total - warmup; k < total; ++k) c.push_back(unit(Op::B, r, k));
     }
-  } else {  // "zbh1"; schedule_info refused any other name
+  } else if (name == "zbh1") {
     compute = zero_bubble_h1(p, m);
+  } else if (name == "looped_bfs") {
+    compute = looped_bfs(s, v);
+  } else if (name == "interleaved_zb") {
+    compute = interleaved_zero_bubble(s, v);
+  } else if (name == "zbv") {
+    compute = zero_bubble_v(s);
+  } else {  // "dualpipev"; schedule_info refused any other name
+    compute = dualpipe_v(s);
   }
   return with_comms(std::move(s), compute);
 }

@@ -71,7 +71,7 @@ struct ScheduleInfo {
   int32_t max_chunks = 1;       // 0: no upper bound
   int32_t default_chunks = 1;   // stages per rank when the caller names none
   bool equal_stages = false;    // every stage must hold the same number of layers
-  std::string placement = "loop";  // "loop": stage s on rank s % ranks (see stage_rank)
+  std::string placement = "loop";  // how stages sit on ranks: "loop" or "v" (see stage_rank)
 };
 
 // Every generated schedule, "forward" (evaluation) last.
@@ -79,25 +79,31 @@ const std::vector<ScheduleInfo>& schedule_table();
 // The facts of schedule `name`; throws (RuntimeError) naming the known schedules otherwise.
 const ScheduleInfo& schedule_info(const std::string& name);
 
-// Names: "1f1b", "gpipe", "interleaved" (interleaved 1F1B, `chunks` >= 2 stages per rank, stage s
-// on rank s % ranks), "zbh1" (zero-bubble ZB-H1: split backward, weight steps fill the bubble)
-// and "forward" (evaluation; any `chunks`): the names of schedule_table().
+// Names: "1f1b", "gpipe", "interleaved" (interleaved 1F1B, `chunks` >= 2 stages per rank), "zbh1"
+// (zero-bubble ZB-H1: split backward, weight steps fill the bubble), "looped_bfs",
+// "interleaved_zb", "zbv" and "dualpipev" (2 stages per rank in a V), and "forward" (evaluation;
+// any `chunks` and placement): the names of schedule_table(), whose descriptions say more.
 std::vector<std::string> schedule_names();
 // The schedules that train (every name but "forward").
 std::vector<std::string> train_schedule_names();
 // Stages per rank of schedule `name` when the caller names none (its ScheduleInfo's).
 int32_t default_chunks(const std::string& name);
-// The rank that runs `stage`: stage s on rank s % num_ranks, so chunk c of rank r is stage
-// c * num_ranks + r (a loop). Every schedule places stages this way.
-int32_t stage_rank(int32_t stage, int32_t num_ranks);
+// The rank that runs `stage` under `placement`: "loop" puts chunk c of rank r at stage
+// c * num_ranks + r (stage s on rank s % num_ranks); "v" reverses every odd chunk, so with two
+// chunks rank r runs stages r and 2 * num_ranks - 1 - r (the last rank runs two adjacent stages,
+// the first rank the first and the last).
+int32_t stage_rank(int32_t stage, int32_t num_ranks, const std::string& placement = "loop");
 // Throws c10::ValueError unless `num_layers` decoder layers split into `num_stages` stages of at
 // least one layer each.
 void check_stage_count(int64_t num_layers, int64_t num_stages);
 // Contiguous layer ranges [start, stop) of `num_stages` stages whose sizes differ by at most one
 // (earlier stages get more). Throws c10::ValueError as check_stage_count does, or for no stage.
 std::vector<std::pair<int32_t, int32_t>> balanced_ranges(int32_t num_layers, int32_t num_stages);
+// `chunks` 0: the schedule's default (ScheduleInfo::default_chunks). `placement` empty: the
+// schedule's own (ScheduleInfo::placement); "forward" takes either, so that
+// evaluation runs on the stages where training put them.
 Schedule make_schedule(const std::string& name, int32_t num_ranks, int32_t num_microbatches,
-                       int32_t chunks = 1);
+                       int32_t chunks = 0, const std::string& placement = "");
 
 // Per-action costs for the simulator (any unit; the engine records nanoseconds). Each
 // per-stage list is empty (unit costs) or has one entry per stage.

@@ -173,7 +173,9 @@ class ScheduleInfo(_NoConstructor):
         """Every stage must hold the same number of layers."""
     @property
     def placement(self) -> str:
-        """``"loop"``: stage ``s`` on rank ``s % ranks``."""
+        """How stages sit on ranks: ``"loop"`` (stage ``s`` on rank ``s % ranks``) or ``"v"``
+        (every odd chunk reversed: with 2 chunks, rank ``r`` runs ``r`` and ``2 * ranks - 1 - r``),
+        as :func:`stage_rank`."""
 
 def schedule_table() -> list[ScheduleInfo]:
     """Every generated schedule's facts, ``"forward"`` (evaluation) last."""
@@ -181,8 +183,12 @@ def schedule_table() -> list[ScheduleInfo]:
 def schedule_info(name: str) -> ScheduleInfo:
     """The facts of schedule ``name``; ``RuntimeError`` naming the known ones otherwise."""
 
-def make_schedule(name: str, num_ranks: int, num_microbatches: int, chunks: int = 1) -> Schedule:
-    """The generated schedule ``name`` (one of :func:`schedule_names`)."""
+def make_schedule(
+    name: str, num_ranks: int, num_microbatches: int, chunks: int = 0, placement: str = ""
+) -> Schedule:
+    """The generated schedule ``name`` (one of :func:`schedule_names`); ``chunks`` 0: its
+    default; ``placement`` empty: the schedule's own (``"forward"`` takes either, to evaluate on
+    the stages where training placed them)."""
 
 def schedule_names() -> list[str]:
     """Every schedule :func:`make_schedule` generates, ``"forward"`` (evaluation) last."""
@@ -193,8 +199,8 @@ def train_schedule_names() -> list[str]:
 def default_chunks(name: str) -> int:
     """Stages per rank of schedule ``name`` when none is given (its :class:`ScheduleInfo`'s)."""
 
-def stage_rank(stage: int, num_ranks: int) -> int:
-    """The rank that runs ``stage``: ``stage % num_ranks``."""
+def stage_rank(stage: int, num_ranks: int, placement: str = "loop") -> int:
+    """The rank that runs ``stage`` under ``placement`` (see :attr:`ScheduleInfo.placement`)."""
 
 def check_stage_count(num_layers: int, num_stages: int) -> None:
     """Raises ``ValueError`` unless every one of ``num_stages`` stages gets a layer."""

@@ -133,12 +133,12 @@ def build(
     build_key = check_ranks_agree(stages, config, place)
     tied = tied_names(model)  # before materializing replaces meta parameters
     materialize(model, local_stages, place.device)
-    ties = _tie_weights(tied, stages, local_stages, place)
+    ties = _tie_weights(tied, stages, local_stages, train_schedule.stage_rank, place)
     modules = {st.index: st.module for st in local_stages}
     dp = _replicas(modules, config, place, build_key)
     runners, watch = _runners(modules, config)
     engine_args = (place.group_name, place.timeout_ms, str(place.device))
-    eval_schedule = _schedule("forward", place.num_ranks, config)
+    eval_schedule = _schedule("forward", place.num_ranks, config, train_schedule)
     return BuiltPipeline(
         place=place,
         layer_ranges=layer_ranges,
@@ -176,9 +176,13 @@ def _partition(
     return layer_ranges, stages, schedule
 
 
-def _schedule(name: str, num_ranks: int, config: PipelineConfig) -> _C.Schedule:
+def _schedule(
+    name: str, num_ranks: int, config: PipelineConfig, like: _C.Schedule | None = None
+) -> _C.Schedule:
+    """Schedule ``name``; with ``like``, on the stages where ``like`` (training) put them."""
+    placement = _C.schedule_info(like.name).placement if like is not None else ""
     try:
-        return _C.make_schedule(name, num_ranks, config.num_microbatches, config.chunks)
+        return _C.make_schedule(name, num_ranks, config.num_microbatches, config.chunks, placement)
     except RuntimeError as e:
         raise ValueError(str(e)) from None
 
@@ -187,11 +191,12 @@ def _tie_weights(
     tied: list[list[str]],
     stages: Sequence[StageGraph],
     local_stages: Sequence[StageGraph],
+    stage_rank: Sequence[int],
     place: Placement,
 ) -> list[Tie]:
     """The ties this rank shares with other ranks; the owners start from the first owner's
     values."""
-    ties = local_ties(tied, stages, place.num_ranks, place.rank)
+    ties = local_ties(tied, stages, stage_rank, place.rank)
     for tie in ties:
         params = params_named(local_stages, tie.names)
         combine_among(

@@ -133,7 +133,7 @@ class StepRunner:
         self.watch = built.compile_watch
         self.loss_fn = built.loss_fn
         """The loss of one microbatch (assignable between steps)."""
-        self.last_rank = _C.stage_rank(len(built.stages) - 1, built.place.num_ranks)
+        self.last_rank = built.train_engine.schedule.stage_rank[-1]
         self.last_engine = built.train_engine
         """The engine of the last step."""
         self.reduce_spans: list[tuple[str, int, int, int, int]] = []

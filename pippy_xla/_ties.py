@@ -59,7 +59,7 @@ class Tie:
 
 
 def local_ties(
-    tied: list[list[str]], stages: Sequence[StageGraph], num_ranks: int, rank: int
+    tied: list[list[str]], stages: Sequence[StageGraph], stage_rank: Sequence[int], rank: int
 ) -> list[Tie]:
     """The ties of ``tied`` (from :func:`tied_names`, the same list on every rank) held by more
     than one rank and by ``rank``. A tie's tags follow from its place in ``tied``, so every
@@ -67,7 +67,7 @@ def local_ties(
     ties = []
     for i, names in enumerate(tied):
         held_by = [st.index for st in stages if set(names) & set(st.param_names.values())]
-        owners = sorted({_C.stage_rank(s, num_ranks) for s in held_by})
+        owners = sorted({stage_rank[s] for s in held_by})
         if len(owners) >= 2 and rank in owners:
             ties.append(Tie(owners=owners, names=names, tag=_C.tied_weight_tag(i)))
     return ties

@@ -140,7 +140,9 @@ def _parser() -> argparse.ArgumentParser:
         "rank",
     )
     p.add_argument("--schedule", choices=PLANNED_SCHEDULES, default="1f1b")
-    p.add_argument("--chunks", type=int, default=None, help="stages per rank (interleaved: 2)")
+    p.add_argument(
+        "--chunks", type=int, default=None, help="stages per rank (default: the schedule's)"
+    )
     p.add_argument("--no-checkpoint", action="store_true", help="plan layer ranges only")
     p.add_argument("--repeats", type=int, default=5, help="profiler timing runs")
     p.add_argument("--json", help="also save the plan as JSON to this path")
@@ -150,7 +152,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", choices=_C.schedule_names(), default="1f1b")
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--chunks", type=int, default=None, help="stages per rank (interleaved: 2)")
+    p.add_argument(
+        "--chunks", type=int, default=None, help="stages per rank (default: the schedule's)"
+    )
     p.add_argument("--forward", type=float, default=1.0, help="cost of F, per stage")
     p.add_argument("--backward", type=float, default=2.0, help="cost of a full backward")
     p.add_argument(

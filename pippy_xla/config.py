@@ -45,10 +45,13 @@ class PipelineConfig:
     number of replicas)."""
     schedule: str = "1f1b"
     """``"1f1b"``, ``"gpipe"``, ``"interleaved"`` (``chunks`` stages per rank, stage ``s`` on rank
-    ``s % ranks``) or ``"zbh1"`` (zero-bubble ZB-H1: backward split into input- and
-    weight-gradient steps). The C++ schedule table lists them (``_C.train_schedule_names()``)."""
+    ``s % ranks``), ``"zbh1"`` (zero-bubble ZB-H1: backward split into input- and weight-gradient
+    steps), ``"looped_bfs"``, ``"interleaved_zb"``, ``"zbv"`` or ``"dualpipev"`` (two stages per
+    rank in a V: rank ``r`` runs stages ``r`` and ``2 * ranks - 1 - r``). The C++ schedule table
+    lists them with their facts (``_C.schedule_table()``)."""
     chunks: int | None = None
-    """Stages per rank; ``None`` means the schedule's default (2 for ``"interleaved"``, else 1)."""
+    """Stages per rank; ``None`` means the schedule's default (2 for the schedules with several
+    stages per rank, else 1)."""
     layer_ranges: Sequence[tuple[int, int]] | None = None
     """An explicit half-open ``(start, stop)`` decoder-layer range per stage (default: balanced,
     earlier stages get the extra layers). Exclusive with ``plan``."""

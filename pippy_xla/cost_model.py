@@ -76,8 +76,8 @@ class ModelProfile:
         ranges: Sequence[tuple[int, int]] = (),
     ) -> PlanProblem:
         """The solver input for ``num_stages`` stages under ``schedule``: ``chunks`` stages per
-        rank (default: the schedule's, 2 for interleaved), stage ``s`` on rank
-        ``s % (num_stages // chunks)``, and ``memory_limit`` per rank. ``ranges`` fixes the
+        rank (default: the schedule's), placed on ranks as the schedule places them, and
+        ``memory_limit`` per rank. ``ranges`` fixes the
         layer ranges (needed with several stages per rank)."""
         chunks = _C.default_chunks(schedule) if chunks is None else chunks
         if chunks < 1 or num_stages % chunks:
@@ -99,7 +99,7 @@ class ModelProfile:
             # previous one's send may still wait for its receiver while the next is computed).
             # Under a split backward every stage but the first splits (the first has no input
             # that needs a gradient: its W is its whole backward).
-            rank = _C.stage_rank(s, ranks)
+            rank = sched.stage_rank[s]
             e = StageExtra(
                 saved_bytes=self.shared_saved_bytes
                 + (self.boundary_bytes if s < num_stages - 1 else 0),
@@ -126,7 +126,7 @@ class ModelProfile:
         return PlanProblem(
             layers=list(self.layers),
             extras=extras,
-            stage_device=[_C.stage_rank(s, ranks) for s in range(num_stages)],
+            stage_device=list(sched.stage_rank),
             live_states=sched.simulate().live_states,
             memory_limit=list(memory_limit),
             ranges=[tuple(r) for r in ranges],

@@ -64,11 +64,11 @@ def test_compiled_stages_never_recompile_and_match_eager():
     assert all(len(g) == 10 for g in out)
 
 
-def _compiled_zero_bubble(rank, world):
+def _compiled_zero_bubble(rank, world, schedule):
     torch.manual_seed(0)
     model, layer_cls = llama()
     eager_model = copy.deepcopy(model)
-    kw = {"layer_cls": layer_cls, "num_microbatches": 4, "schedule": "zbh1"}
+    kw = {"layer_cls": layer_cls, "num_microbatches": 4, "schedule": schedule}
     pipe = px.PipelineModel(model, compile=True, **kw)
     eager = px.PipelineModel(eager_model, **kw)
     for step in range(2):
@@ -81,8 +81,9 @@ def _compiled_zero_bubble(rank, world):
 
 
 def test_compiled_stages_with_split_backward_match_eager():
-    # B keeps the graph for W: the compiled backward must not donate its buffers.
-    run_ranks(2, _compiled_zero_bubble, timeout=600)
+    # B keeps the graph for W: the compiled backward must not donate its buffers. ZB-V: a split
+    # backward with two stages per rank in a V (the last rank's two stages hand over locally).
+    run_ranks(2, _compiled_zero_bubble, "zbv", timeout=600)
 
 
 _PRINT_FINGERPRINTS = textwrap.dedent(

@@ -117,15 +117,36 @@ def test_forward_table() -> None:
 
 
 def test_schedule_names() -> None:
-    assert _C.schedule_names() == ["1f1b", "gpipe", "interleaved", "zbh1", "forward"]
+    assert _C.schedule_names() == [
+        "1f1b",
+        "gpipe",
+        "interleaved",
+        "zbh1",
+        "looped_bfs",
+        "interleaved_zb",
+        "zbv",
+        "dualpipev",
+        "forward",
+    ]
+
+
+def _fits(name: str, ranks: int, mbs: int) -> bool:
+    """Whether ``name`` takes this many ranks and microbatches (the rest raise, checked below)."""
+    if name in ("interleaved", "interleaved_zb"):
+        return mbs % ranks == 0
+    if name == "dualpipev":
+        return mbs >= 2 * ranks
+    return True
 
 
 @pytest.mark.parametrize("name", _C.schedule_names())
 def test_generated_schedules_validate(name: str) -> None:
     chunks = _C.default_chunks(name)
-    for ranks in range(1, 6):
-        for mbs in range(1, 10):
-            if name == "interleaved" and mbs % ranks:
+    for ranks in range(1, 7):
+        for mbs in range(1, 14):
+            if not _fits(name, ranks, mbs):
+                with pytest.raises(RuntimeError, match="microbatches"):
+                    _C.make_schedule(name, ranks, mbs, chunks)
                 continue
             s = _C.make_schedule(name, ranks, mbs, chunks)
             s.validate()
@@ -436,18 +457,119 @@ def test_schedule_facts_are_what_make_schedule_generates():
     for info in table:
         assert _C.schedule_info(info.name).name == info.name
         assert _C.default_chunks(info.name) == info.default_chunks
-        assert info.placement == "loop"
         ranks, chunks = 2, info.default_chunks
         s = _C.make_schedule(info.name, ranks, 4, chunks)
         s.validate()
         assert (s.backward, s.split_backward) == (info.trains, info.split_backward), info.name
         assert s.num_stages == ranks * chunks
-        assert s.stage_rank == [_C.stage_rank(k, ranks) for k in range(s.num_stages)]
+        assert s.stage_rank == [
+            _C.stage_rank(k, ranks, info.placement) for k in range(s.num_stages)
+        ]
+        if info.trains and info.split_backward:
+            assert {a.op for rank in s.actions for a in rank} >= {"F", "B", "W"}
         too_few = [info.min_chunks - 1] if info.min_chunks > 1 else []
         too_many = [info.max_chunks + 1] if info.max_chunks else []
         for bad in too_few + too_many:
             with pytest.raises(RuntimeError, match="chunks"):
                 _C.make_schedule(info.name, ranks, 4, bad)
-    assert [info.name for info in table if info.equal_stages] == ["interleaved"]
+    assert [info.name for info in table if info.equal_stages] == [
+        "interleaved",
+        "looped_bfs",
+        "interleaved_zb",
+        "zbv",
+        "dualpipev",
+    ]
+    assert [info.name for info in table if info.placement == "v"] == ["zbv", "dualpipev"]
     with pytest.raises(RuntimeError, match="unknown schedule 'zigzag'"):
         _C.schedule_info("zigzag")
+
+
+# --- several stages per rank: V placement, breadth-first, zero bubble -----------------------------
+
+
+def test_v_placement_puts_two_stages_per_rank_in_a_v() -> None:
+    # Rank r runs stages r and 2p-1-r: the last rank two adjacent stages, rank 0 the first and
+    # the last (the loss comes back to the rank that started the microbatch).
+    assert [_C.stage_rank(s, 4, "v") for s in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert [_C.stage_rank(s, 4) for s in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    s = _C.make_schedule("zbv", 4, 8)
+    assert s.stage_rank == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert [s.stages_of(r) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    # The hand-over between the last rank's stages is local: no transfer actions for it.
+    local = [a for a in s.actions[3] if a.op in ("SF", "RF", "SB", "RB") and a.stage in (3, 4)]
+    assert all((a.op, a.stage) in (("RF", 3), ("SB", 3), ("SF", 4), ("RB", 4)) for a in local)
+    # Evaluation runs on the stages where training put them; other schedules keep their own.
+    ev = _C.make_schedule("forward", 4, 8, 2, "v")
+    ev.validate()
+    assert ev.stage_rank == s.stage_rank
+    with pytest.raises(RuntimeError, match="places its stages as 'v', not 'loop'"):
+        _C.make_schedule("zbv", 4, 8, 2, "loop")
+    with pytest.raises(RuntimeError, match="unknown placement 'zigzag'"):
+        _C.stage_rank(0, 2, "zigzag")
+
+
+def test_looped_bfs_runs_each_chunk_breadth_first() -> None:
+    s = _C.make_schedule("looped_bfs", 2, 3)
+    compute = [[(a.op, a.stage, a.mb) for a in rank if a.op in ("F", "B")] for rank in s.actions]
+    assert compute[0] == [
+        *[("F", 0, i) for i in range(3)],
+        *[("F", 2, i) for i in range(3)],
+        *[("B", 2, i) for i in range(3)],
+        *[("B", 0, i) for i in range(3)],
+    ]
+
+
+def _held(s: _C.Schedule, rank: int) -> int:
+    """The most microbatch-stages rank ``rank`` holds at once in its action order (forwarded and
+    not yet weighted under a split backward, not yet backwarded otherwise)."""
+    done = "W" if s.split_backward else "B"
+    held = peak = 0
+    for a in s.actions[rank]:
+        held += (a.op == "F") - (a.op == done)
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (2, 8), (3, 6), (4, 8), (4, 16), (6, 12)])
+def test_zero_bubble_v_beats_zbh1_at_1f1b_memory(p: int, m: int) -> None:
+    # Unit costs: F = 1 and B + W = 2 per stage (see test_cli_simulate...). ZB-V's stages are half
+    # a 1F1B stage, so its rank holds at most 2p of them: 1F1B's first rank's p stages.
+    onef = _C.make_schedule("1f1b", p, m).simulate()
+    zbh1 = _C.make_schedule("zbh1", p, m).simulate()
+    zbv = _C.make_schedule("zbv", p, m).simulate()
+    assert zbv.bubble < zbh1.bubble < onef.bubble
+    assert zbv.bubble <= min(0.1, onef.bubble / 3), (zbv.bubble, onef.bubble)
+    s = _C.make_schedule("zbv", p, m)
+    assert max(_held(s, r) for r in range(p)) <= 2 * max(
+        _held(_C.make_schedule("1f1b", p, m), r) for r in range(p)
+    )
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (3, 6), (4, 8), (4, 13)])
+def test_dualpipev_phases(p: int, m: int) -> None:
+    s = _C.make_schedule("dualpipev", p, m)
+    for r in range(p):
+        acts = [a for a in s.actions[r] if a.op in ("F", "B", "W")]
+        first, second = r, 2 * p - 1 - r
+        # Phase 1: 2(p-r-1) forwards of the first stage, then r+1 pairs of both stages.
+        warm = 2 * (p - r - 1)
+        assert [(a.op, a.stage) for a in acts[:warm]] == [("F", first)] * warm
+        assert [(a.op, a.stage) for a in acts[warm : warm + 2 * (r + 1)]] == [
+            ("F", first),
+            ("F", second),
+        ] * (r + 1)
+        for stage in (first, second):
+            for op in ("F", "B", "W"):
+                assert [a.mb for a in acts if (a.op, a.stage) == (op, stage)] == list(range(m))
+    assert _C.make_schedule("dualpipev", 4, 16).simulate().bubble < 0.05
+
+
+@pytest.mark.parametrize("v", [2, 3])
+def test_interleaved_zero_bubble_fills_interleaved_bubble(v: int) -> None:
+    for p, m in ((2, 4), (4, 8), (4, 16)):
+        inter = _C.make_schedule("interleaved", p, m, v).simulate()
+        zb = _C.make_schedule("interleaved_zb", p, m, v).simulate()
+        assert zb.bubble < inter.bubble, (p, m, v)
+        s = _C.make_schedule("interleaved_zb", p, m, v)
+        for r in range(p):  # the interleaved schedule's warm-up bound, plus one
+            assert _held(s, r) <= (p - r - 1) * 2 + (v - 1) * p + 1
