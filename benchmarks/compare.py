@@ -93,6 +93,10 @@ TORCH_SCHEDULES = {
     "1f1b": "Schedule1F1B",
     "interleaved": "ScheduleInterleaved1F1B",
     "zbh1": "ScheduleInterleavedZeroBubble",
+    "looped_bfs": "ScheduleLoopedBFS",
+    "interleaved_zb": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
 }
 # Different microbatch accumulation (a sum of microbatch losses vs one batch mean) moves the loss
 # by float32 rounding, amplified a little by AdamW over the steps; 1e-4 relative is far below

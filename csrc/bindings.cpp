@@ -70,6 +70,11 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("backward", &Schedule::backward)
       .def_readonly("split_backward", &Schedule::split_backward)
       .def_readonly("stage_rank", &Schedule::stage_rank)
+      .def_static("from_csv", &Schedule::from_csv, py::arg("text"), py::arg("name") = "csv",
+                  "A schedule in torch.distributed.pipelining's CSV action format (the file's "
+                  "text), validated: see [Note: CSV schedules] in csrc/schedule.h.")
+      .def("to_csv", &Schedule::to_csv, py::arg("comms") = false,
+           "This schedule in torch.distributed.pipelining's CSV action format.")
       .def_readonly("actions", &Schedule::actions)
       .def("table", &Schedule::table)
       .def("stages_of", &Schedule::stages_of)
@@ -99,6 +104,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("schedule_info", &schedule_info, py::arg("name"), py::return_value_policy::reference);
   m.def("make_schedule", &make_schedule, py::arg("name"), py::arg("num_ranks"),
         py::arg("num_microbatches"), py::arg("chunks") = 0, py::arg("placement") = "");
+  m.def("forward_schedule", &forward_schedule, py::arg("stage_rank"), py::arg("num_ranks"),
+        py::arg("num_microbatches"),
+        "Evaluation on the stages where `stage_rank` puts them (any placement).");
   m.def("schedule_names", &schedule_names);
   m.def("train_schedule_names", &train_schedule_names);
   m.def("default_chunks", &default_chunks, py::arg("name"));

@@ -3,8 +3,10 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cctype>
 #include <deque>
 #include <map>
+#include <set>
 #include <sstream>
 #include <tuple>
 
@@ -364,6 +366,148 @@ std::vector<std::vector<Action>> dualpipe_v(const Schedule& s) {
 
 }  // namespace
 
+namespace {
+
+// One cell of a CSV schedule: its compute actions, in order (see [Note: CSV schedules]); `full`
+// marks the full backwards (B in the file).
+struct CsvCell {
+  std::vector<Action> compute;
+  std::vector<bool> full;
+};
+
+void parse_csv_action(const std::string& cell, CsvCell& out, bool& split) {
+  if (!cell.empty() && cell.front() == '(') {
+    const auto close = cell.find(')');
+    TORCH_CHECK(close != std::string::npos, "CSV schedule: unbalanced '(' in '", cell, "'");
+    std::stringstream inner(cell.substr(1, close - 1));
+    for (std::string part; std::getline(inner, part, ';');)
+      if (!part.empty()) parse_csv_action(part, out, split);
+    return;
+  }
+  size_t i = 0;
+  while (i < cell.size() && std::isdigit(static_cast<unsigned char>(cell[i]))) ++i;
+  size_t j = cell.size();
+  while (j > i && std::isdigit(static_cast<unsigned char>(cell[j - 1]))) --j;
+  const std::string type = cell.substr(i, j - i);
+  TORCH_CHECK(i > 0, "CSV schedule: action '", cell, "' names no stage");
+  static const std::set<std::string> kIgnored = {"SEND_F", "RECV_F",  "SEND_B",     "RECV_B",
+                                                 "UNSHARD", "RESHARD", "REDUCE_GRAD"};
+  if (kIgnored.count(type)) return;
+  TORCH_CHECK(type == "F" || type == "I" || type == "B" || type == "W",
+              "CSV schedule: unknown action type '", type, "' in '", cell,
+              "'; expected F, I, B, W, SEND_F, RECV_F, SEND_B, RECV_B, UNSHARD, RESHARD, "
+              "REDUCE_GRAD or (...)OVERLAP_F_B");
+  TORCH_CHECK(j < cell.size(), "CSV schedule: action '", cell, "' names no microbatch");
+  const int32_t stage = std::stoi(cell.substr(0, i)), mb = std::stoi(cell.substr(j));
+  split = split || type == "I" || type == "W";
+  const Op op = type == "F" ? Op::F : type == "W" ? Op::W : Op::B;
+  out.compute.push_back({op, stage, mb});
+  out.full.push_back(type == "B");
+}
+
+std::string trim(const std::string& s) {
+  const auto b = s.find_first_not_of(" \t\r\"");
+  if (b == std::string::npos) return "";
+  return s.substr(b, s.find_last_not_of(" \t\r\"") - b + 1);
+}
+
+}  // namespace
+
+Schedule Schedule::from_csv(const std::string& text, std::string name) {
+  std::vector<CsvCell> rows;
+  bool split = false;
+  std::stringstream lines(text);
+  for (std::string line; std::getline(lines, line);) {
+    if (trim(line).empty()) continue;
+    CsvCell row;
+    std::stringstream cells(line);
+    for (std::string cell; std::getline(cells, cell, ',');) {
+      cell = trim(cell);
+      if (!cell.empty()) parse_csv_action(cell, row, split);
+    }
+    rows.push_back(std::move(row));
+  }
+  TORCH_CHECK(!rows.empty(), "CSV schedule '", name, "' has no rows (one per rank)");
+  Schedule s;
+  s.name = std::move(name);
+  s.num_ranks = static_cast<int32_t>(rows.size());
+  s.split_backward = split;
+  std::map<int32_t, int32_t> rank_of;
+  for (int32_t r = 0; r < s.num_ranks; ++r) {
+    for (const Action& a : rows[r].compute) {
+      TORCH_CHECK(a.stage >= 0 && a.mb >= 0, "CSV schedule '", s.name, "': negative index in ",
+                  to_string(a));
+      const auto [it, fresh] = rank_of.emplace(a.stage, r);
+      TORCH_CHECK(fresh || it->second == r, "CSV schedule '", s.name, "': stage ", a.stage,
+                  " runs on rank ", it->second, " and on rank ", r);
+      s.num_stages = std::max(s.num_stages, a.stage + 1);
+      s.num_microbatches = std::max(s.num_microbatches, a.mb + 1);
+    }
+  }
+  for (int32_t st = 0; st < s.num_stages; ++st) {
+    TORCH_CHECK(rank_of.count(st), "CSV schedule '", s.name, "': stage ", st, " has no action");
+    s.stage_rank.push_back(rank_of[st]);
+  }
+  std::vector<std::vector<Action>> compute(s.num_ranks);
+  for (int32_t r = 0; r < s.num_ranks; ++r) {
+    std::set<std::tuple<Op, int32_t, int32_t>> seen;
+    for (size_t k = 0; k < rows[r].compute.size(); ++k) {
+      const Action& a = rows[r].compute[k];
+      const Op before = a.op == Op::W ? Op::B : Op::F;
+      TORCH_CHECK(a.op == Op::F || seen.count({before, a.stage, a.mb}), "CSV schedule '", s.name,
+                  "': rank ", r, " runs ", to_string(a), " before ",
+                  to_string({before, a.stage, a.mb}));
+      seen.insert({a.op, a.stage, a.mb});
+      compute[r].push_back(a);
+      if (split && rows[r].full[k]) compute[r].push_back({Op::W, a.stage, a.mb});
+    }
+  }
+  s.backward = std::any_of(compute.begin(), compute.end(), [](const auto& acts) {
+    return std::any_of(acts.begin(), acts.end(), [](const Action& a) { return a.op != Op::F; });
+  });
+  s = with_comms(std::move(s), compute);
+  validate(s);
+  return s;
+}
+
+std::string Schedule::to_csv(bool comms) const {
+  std::ostringstream os;
+  for (const auto& rank : actions) {
+    bool first = true;
+    for (const Action& a : rank) {
+      std::string type;
+      switch (a.op) {
+        case Op::F:
+          type = "F";
+          break;
+        case Op::B:
+          type = split_backward ? "I" : "B";
+          break;
+        case Op::W:
+          type = "W";
+          break;
+        case Op::SEND_F:
+          type = "SEND_F";
+          break;
+        case Op::RECV_F:
+          type = "RECV_F";
+          break;
+        case Op::SEND_B:
+          type = "SEND_B";
+          break;
+        case Op::RECV_B:
+          type = "RECV_B";
+          break;
+      }
+      if (!comms && !is_compute(a.op)) continue;
+      os << (first ? "" : ",") << a.stage << type << a.mb;
+      first = false;
+    }
+    os << "\n";
+  }
+  return os.str();
+}
+
 const std::vector<ScheduleInfo>& schedule_table() {
   // See [Note: schedule facts]
   static const std::vector<ScheduleInfo> table = [] {
@@ -469,6 +613,27 @@ std::vector<std::pair<int32_t, int32_t>> balanced_ranges(int32_t num_layers, int
   return out;
 }
 
+Schedule forward_schedule(std::vector<int32_t> stage_rank, int32_t num_ranks,
+                          int32_t num_microbatches) {
+  TORCH_CHECK(num_ranks >= 1 && num_microbatches >= 1 && !stage_rank.empty(),
+              "forward schedule: need ranks, microbatches and stages, got ", num_ranks, ", ",
+              num_microbatches, " and ", stage_rank.size());
+  Schedule s;
+  s.name = "forward";
+  s.num_ranks = num_ranks;
+  s.num_stages = static_cast<int32_t>(stage_rank.size());
+  s.num_microbatches = num_microbatches;
+  s.backward = false;
+  for (int32_t r : stage_rank)
+    TORCH_CHECK(r >= 0 && r < num_ranks, "forward schedule: stage on rank ", r, " of ", num_ranks);
+  s.stage_rank = std::move(stage_rank);
+  std::vector<std::vector<Action>> compute(num_ranks);
+  for (int32_t r = 0; r < num_ranks; ++r)
+    for (int32_t stage : s.stages_of(r))
+      for (int32_t i = 0; i < num_microbatches; ++i) compute[r].push_back({Op::F, stage, i});
+  return with_comms(std::move(s), compute);
+}
+
 Schedule make_schedule(const std::string& name, int32_t num_ranks, int32_t num_microbatches,
                        int32_t chunks, const std::string& placement) {
   const ScheduleInfo& info = schedule_info(name);
@@ -505,9 +670,7 @@ Schedule make_schedule(const std::string& name, int32_t num_ranks, int32_t num_m
       for (int32_t i = 0; i < m; ++i) compute[r].push_back({Op::B, r, i});
     }
   } else if (name == "forward") {
-    for (int32_t r = 0; r < p; ++r)
-      for (int32_t stage : s.stages_of(r))
-        for (int32_t i = 0; i < m; ++i) compute[r].push_back({Op::F, stage, i});
+    return forward_schedule(s.stage_rank, p, m);
   } else if (name == "interleaved") {
     // Megatron's interleaved 1F1B: microbatches advance in groups of `p` through the chunks;
     // rank r warms up with (p - r - 1) * 2 + (v - 1) * p forwards, then alternates F and B.

@@ -53,6 +53,18 @@ struct Schedule {
                              const std::vector<std::vector<ActionSpec>>& actions,
                              bool backward = true, bool split_backward = false);
 
+  // [Note: CSV schedules] torch.distributed.pipelining's CSV action format: one row per rank,
+  // one cell per action, "<stage><type><microbatch>" with type F, I (input gradients), W, B (full
+  // backward), SEND_F, RECV_F, SEND_B, RECV_B, UNSHARD, RESHARD, REDUCE_GRAD, and
+  // "(a;b)OVERLAP_F_B" for actions run together; empty cells are idle slots. from_csv takes the
+  // compute actions in order (I is our split B; a full B in a schedule with I or W becomes B and
+  // its W), reads each stage's rank from the row it runs in, and adds the transfers by the
+  // generated schedules' rules (the file's own transfer, FSDP and overlap actions are not kept:
+  // the engine posts transfers and data-parallel reductions itself); then validates.
+  static Schedule from_csv(const std::string& text, std::string name = "csv");
+  // This schedule in that format: compute actions only, or with `comms` its transfers too.
+  std::string to_csv(bool comms = false) const;
+
   std::vector<int32_t> stages_of(int32_t rank) const;
   // One line per rank, e.g. "rank 0: F0.0 SF0.0 F0.1 ..." (stage.microbatch).
   std::string table() const;
@@ -104,6 +116,11 @@ std::vector<std::pair<int32_t, int32_t>> balanced_ranges(int32_t num_layers, int
 // evaluation runs on the stages where training put them.
 Schedule make_schedule(const std::string& name, int32_t num_ranks, int32_t num_microbatches,
                        int32_t chunks = 0, const std::string& placement = "");
+
+// Evaluation on any stage placement: every rank runs its stages' forwards, stages ascending, each
+// for every microbatch (what make_schedule("forward") generates for its placements).
+Schedule forward_schedule(std::vector<int32_t> stage_rank, int32_t num_ranks,
+                          int32_t num_microbatches);
 
 // Per-action costs for the simulator (any unit; the engine records nanoseconds). Each
 // per-stage list is empty (unit costs) or has one entry per stage.

@@ -128,6 +128,12 @@ class Schedule(_pybind11_object):
     @property
     def stage_rank(self) -> list[int]:
         """The rank of every stage."""
+    @staticmethod
+    def from_csv(text: str, name: str = "csv") -> Schedule:
+        """A schedule in torch.distributed.pipelining's CSV action format (the file's text),
+        validated (see [Note: CSV schedules] in csrc/schedule.h)."""
+    def to_csv(self, comms: bool = False) -> str:
+        """This schedule in torch.distributed.pipelining's CSV action format."""
     @property
     def actions(self) -> list[list[Action]]:
         """Every rank's ordered actions."""
@@ -189,6 +195,9 @@ def make_schedule(
     """The generated schedule ``name`` (one of :func:`schedule_names`); ``chunks`` 0: its
     default; ``placement`` empty: the schedule's own (``"forward"`` takes either, to evaluate on
     the stages where training placed them)."""
+
+def forward_schedule(stage_rank: Sequence[int], num_ranks: int, num_microbatches: int) -> Schedule:
+    """Evaluation on the stages where ``stage_rank`` puts them (any placement)."""
 
 def schedule_names() -> list[str]:
     """Every schedule :func:`make_schedule` generates, ``"forward"`` (evaluation) last."""

@@ -1,7 +1,7 @@
 """pippy_xla: pipeline-parallel training for PyTorch, with a C++ engine."""
 
 from pippy_xla import ops  # noqa: F401  (registers the ops' fake kernels and autograd)
-from pippy_xla._native import _C  # noqa: F401
+from pippy_xla._native import _C
 from pippy_xla._version import __version__  # noqa: F401
 from pippy_xla.config import PipelineConfig
 from pippy_xla.errors import BatchMismatchError, PipelineError
@@ -10,6 +10,10 @@ from pippy_xla.materialize import UninitializedTensorError, materialize
 from pippy_xla.partition import StageGraph, UnsupportedModelError, find_layers, partition
 from pippy_xla.pipeline import EvalOutput, PipelineModel, balanced_ranges
 from pippy_xla.planner import Plan, PlanInfeasibleError, plan
+
+Schedule = _C.Schedule
+"""A pipeline schedule as data (every rank's actions): ``Schedule.from_csv(text)`` reads
+torch.distributed.pipelining's CSV format; pass one as ``PipelineModel(schedule=...)``."""
 
 __all__ = [
     "BatchMismatchError",
@@ -20,6 +24,7 @@ __all__ = [
     "PipelineModel",
     "Plan",
     "PlanInfeasibleError",
+    "Schedule",
     "StageGraph",
     "UninitializedTensorError",
     "UnsupportedModelError",

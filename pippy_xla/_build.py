@@ -25,7 +25,7 @@ from pippy_xla._batch import digest64
 from pippy_xla._native import _C
 from pippy_xla._recompile import RecompileWatch
 from pippy_xla._state import params_named
-from pippy_xla._ties import Tie, combine_among, local_ties, tied_names
+from pippy_xla._ties import Tie, combine_among, local_ties, tied_names, untie_local_copies
 from pippy_xla.config import LossFn, PipelineConfig
 from pippy_xla.data_parallel import DataParallel, MeshGroups, mesh_groups
 from pippy_xla.errors import AbortChannel
@@ -133,6 +133,8 @@ def build(
     build_key = check_ranks_agree(stages, config, place)
     tied = tied_names(model)  # before materializing replaces meta parameters
     materialize(model, local_stages, place.device)
+    if place.mesh is not None:  # [Note: a copy per stage on a mesh]
+        untie_local_copies(tied, local_stages)
     ties = _tie_weights(tied, stages, local_stages, train_schedule.stage_rank, place)
     modules = {st.index: st.module for st in local_stages}
     dp = _replicas(modules, config, place, build_key)
@@ -165,6 +167,11 @@ def _partition(
         config, num_layers=len(find_layers(model, layer_cls)), num_ranks=place.num_ranks
     )
     schedule = _schedule(config.schedule, place.num_ranks, config)
+    if schedule.num_ranks != place.num_ranks:
+        raise ValueError(
+            f"schedule {schedule.name!r} is for {schedule.num_ranks} ranks but the pipeline's "
+            f"group has {place.num_ranks}"
+        )
     stages = partition(
         model,
         layer_cls,
@@ -177,12 +184,19 @@ def _partition(
 
 
 def _schedule(
-    name: str, num_ranks: int, config: PipelineConfig, like: _C.Schedule | None = None
+    name: str | _C.Schedule,
+    num_ranks: int,
+    config: PipelineConfig,
+    like: _C.Schedule | None = None,
 ) -> _C.Schedule:
-    """Schedule ``name``; with ``like``, on the stages where ``like`` (training) put them."""
-    placement = _C.schedule_info(like.name).placement if like is not None else ""
+    """Schedule ``name`` (or the schedule itself); "forward" on the stages where ``like``
+    (training) put them."""
+    if isinstance(name, _C.Schedule):
+        return name
     try:
-        return _C.make_schedule(name, num_ranks, config.num_microbatches, config.chunks, placement)
+        if like is not None:
+            return _C.forward_schedule(like.stage_rank, num_ranks, config.num_microbatches)
+        return _C.make_schedule(name, num_ranks, config.num_microbatches, config.chunks)
     except RuntimeError as e:
         raise ValueError(str(e)) from None
 
@@ -194,9 +208,9 @@ def _tie_weights(
     stage_rank: Sequence[int],
     place: Placement,
 ) -> list[Tie]:
-    """The ties this rank shares with other ranks; the owners start from the first owner's
-    values."""
-    ties = local_ties(tied, stages, stage_rank, place.rank)
+    """The ties this rank shares with other ranks (on a mesh: with other stages); the owners start
+    from the first owner's values."""
+    ties = local_ties(tied, stages, stage_rank, place.rank, per_stage=place.mesh is not None)
     for tie in ties:
         params = params_named(local_stages, tie.names)
         combine_among(
@@ -293,7 +307,8 @@ def resolve_layout(
             )
         layer_ranges = config.plan.layer_ranges
         checkpoint_layers = config.plan.checkpoint_layers
-    if _C.schedule_info(config.schedule).equal_stages and num_layers % num_stages:
+    equal = isinstance(config.schedule, str) and _C.schedule_info(config.schedule).equal_stages
+    if equal and num_layers % num_stages:
         raise ValueError(
             f"schedule {config.schedule!r} with {chunks} chunks on {num_ranks} ranks needs the "
             f"{num_layers} decoder layers to divide into {num_stages} equal stages; "
@@ -393,7 +408,8 @@ def check_ranks_agree(
     for st in stages:
         digest.update(st.code.encode())
         digest.update(repr(sorted(st.param_names.items())).encode())
-    mine = (digest.hexdigest(), config.schedule, config.num_microbatches, list(config.input_names))
+    schedule = config.schedule if isinstance(config.schedule, str) else config.schedule.table()
+    mine = (digest.hexdigest(), schedule, config.num_microbatches, list(config.input_names))
     key = digest64(repr(mine).encode())
     rank = place.rank
     what = f"[rank {rank}] build handshake"

@@ -41,8 +41,8 @@ def local_gradients(
     params: Sequence[nn.Parameter], ties: Sequence[tuple[Tie, list[nn.Parameter]]], rank: int
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """This rank's gradients (local shards of DTensors): all of them, to scale, and those this
-    rank counts in the global norm (a tied weight only on its first owner)."""
-    not_mine = {id(p) for tie, ps in ties if tie.owners[0] != rank for p in ps}
+    rank counts in the global norm (a tied weight once: its first owner's first copy)."""
+    not_mine = {id(p) for tie, ps in ties for p in (ps if tie.owners[0] != rank else ps[1:])}
     scaled, counted = [], []
     for p in params:
         if p.grad is None:

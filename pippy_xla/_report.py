@@ -41,7 +41,7 @@ class Report:
         events = sorted((e for rank_events in everyone for e in rank_events), key=lambda e: e[4])
         if place.rank == 0:
             title = (
-                f"{config.schedule}: {place.num_ranks} ranks, {config.num_microbatches} "
+                f"{config.schedule_name}: {place.num_ranks} ranks, {config.num_microbatches} "
                 "microbatches"
             )
             if json_path:

@@ -43,12 +43,14 @@ class PipelineConfig:
     num_microbatches: int
     """Microbatches per step; the batch size must be divisible by it (on a mesh: by it times the
     number of replicas)."""
-    schedule: str = "1f1b"
+    schedule: str | _C.Schedule = "1f1b"
     """``"1f1b"``, ``"gpipe"``, ``"interleaved"`` (``chunks`` stages per rank, stage ``s`` on rank
     ``s % ranks``), ``"zbh1"`` (zero-bubble ZB-H1: backward split into input- and weight-gradient
     steps), ``"looped_bfs"``, ``"interleaved_zb"``, ``"zbv"`` or ``"dualpipev"`` (two stages per
     rank in a V: rank ``r`` runs stages ``r`` and ``2 * ranks - 1 - r``). The C++ schedule table
-    lists them with their facts (``_C.schedule_table()``)."""
+    lists them with their facts (``_C.schedule_table()``). Or a :class:`pippy_xla.Schedule` of
+    one's own, e.g. ``Schedule.from_csv(text)`` (torch.distributed.pipelining's CSV format) for the
+    pipeline's ranks and ``num_microbatches``, with the same number of stages on every rank."""
     chunks: int | None = None
     """Stages per rank; ``None`` means the schedule's default (2 for the schedules with several
     stages per rank, else 1)."""
@@ -97,9 +99,13 @@ class PipelineConfig:
         m = self.num_microbatches
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise ValueError(f"num_microbatches must be a positive int, got {m!r}")
-        schedules = _C.train_schedule_names()
-        if self.schedule not in schedules:
-            raise ValueError(f"schedule must be one of {schedules}, got {self.schedule!r}")
+        if isinstance(self.schedule, _C.Schedule):
+            self._check_own_schedule()
+        elif self.schedule not in _C.train_schedule_names():
+            raise ValueError(
+                f"schedule must be one of {_C.train_schedule_names()} or a pippy_xla.Schedule, "
+                f"got {self.schedule!r}"
+            )
         if self.chunks is None:
             self.chunks = _C.default_chunks(self.schedule)
         if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1:
@@ -126,6 +132,32 @@ class PipelineConfig:
             )
         if self.pp_dim == self.dp_dim:
             raise ValueError(f"pp_dim and dp_dim must differ, both are {self.pp_dim!r}")
+
+    @property
+    def schedule_name(self) -> str:
+        """The schedule's name (a :class:`pippy_xla.Schedule`'s own)."""
+        return self.schedule if isinstance(self.schedule, str) else self.schedule.name
+
+    def _check_own_schedule(self) -> None:
+        s = self.schedule
+        if not s.backward:
+            raise ValueError(f"schedule {s.name!r} has no backward actions: it cannot train")
+        if s.num_microbatches != self.num_microbatches:
+            raise ValueError(
+                f"schedule {s.name!r} runs {s.num_microbatches} microbatches but "
+                f"num_microbatches={self.num_microbatches}"
+            )
+        if s.num_stages % s.num_ranks:
+            raise ValueError(
+                f"schedule {s.name!r} puts {s.num_stages} stages on {s.num_ranks} ranks; every "
+                "rank must run the same number of stages"
+            )
+        per_rank = s.num_stages // s.num_ranks
+        if self.chunks not in (None, per_rank):
+            raise ValueError(
+                f"chunks={self.chunks} but schedule {s.name!r} runs {per_rank} stages per rank"
+            )
+        self.chunks = per_rank
 
     def _check_plan(self) -> None:
         plan = self.plan

@@ -115,7 +115,7 @@ class PipelineModel:
         mine = ", ".join(f"stage {st.index}: layers {st.layers}" for st in self.local_stages)
         return (
             f"PipelineModel(rank {self.rank} of {self.num_ranks}, {self.num_stages} stages, "
-            f"schedule {cfg.schedule!r}, {cfg.num_microbatches} microbatches; {mine})"
+            f"schedule {cfg.schedule_name!r}, {cfg.num_microbatches} microbatches; {mine})"
         )
 
     # ----------------------------------------------------------------------------- layout
@@ -169,7 +169,8 @@ class PipelineModel:
 
     @property
     def schedule(self) -> str:
-        return self.pipeline_config.schedule
+        """The training schedule's name."""
+        return self.pipeline_config.schedule_name
 
     @property
     def num_microbatches(self) -> int:

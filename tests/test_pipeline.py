@@ -109,3 +109,20 @@ def _schedules_equal(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_multi_stage_and_zero_bubble_schedules_match_single_process(world):
     run_ranks(world, _schedules_equal, timeout=600)
+
+
+def _csv_schedule_trains(rank, world, csv_text):
+    # A schedule in torch.distributed.pipelining's CSV format, run as given.
+    schedule = px.Schedule.from_csv(csv_text, "torch-zbv")
+    _train_equal(rank, world, "gpt2", schedule, [schedule.num_microbatches], 2, 4)
+
+
+def test_schedule_from_torch_csv_runs_and_matches_single_process():
+    import torch.distributed.pipelining.schedules as ts
+    from test_schedule import _torch_order
+
+    order = _torch_order(ts.ScheduleZBVZeroBubble, 2, 4, 2)
+    text = "".join(",".join("" if a is None else str(a) for a in order[r]) + "\n" for r in (0, 1))
+    run_ranks(2, _csv_schedule_trains, text)
+    with pytest.raises(ValueError, match="runs 4 microbatches but num_microbatches=2"):
+        px.PipelineConfig(num_microbatches=2, schedule=px.Schedule.from_csv(text))

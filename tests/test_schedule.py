@@ -573,3 +573,97 @@ def test_interleaved_zero_bubble_fills_interleaved_bubble(v: int) -> None:
         s = _C.make_schedule("interleaved_zb", p, m, v)
         for r in range(p):  # the interleaved schedule's warm-up bound, plus one
             assert _held(s, r) <= (p - r - 1) * 2 + (v - 1) * p + 1
+
+
+# --- torch.distributed.pipelining's CSV format ----------------------------------------------
+
+
+@pytest.mark.parametrize("name", _C.train_schedule_names())
+def test_csv_round_trip(name: str) -> None:
+    # Ours export compute-only rows that load back into the same schedule (transfers regenerated).
+    s = _C.make_schedule(name, 4, 8)
+    again = _C.Schedule.from_csv(s.to_csv(), name)
+    assert again.table() == s.table()
+    assert (again.stage_rank, again.split_backward) == (s.stage_rank, s.split_backward)
+    # With transfers, the same compute order: the file's transfers are not kept.
+    assert _C.Schedule.from_csv(s.to_csv(comms=True), name).table() == s.table()
+
+
+def _torch_order(cls, p: int, m: int, v: int) -> dict[int, list]:
+    """torch.distributed.pipelining's own action order for ``p`` ranks, ``m`` microbatches and
+    ``v`` stages per rank: its generator, run on an instance without stages (the attributes its
+    ``__init__`` would set from them)."""
+    obj = cls.__new__(cls)
+    obj._stages, obj.n_local_stages, obj.pp_group_size = [None] * v, v, p
+    obj._n_microbatches, obj.num_stages, obj._num_stages, obj.rank = m, p * v, p * v, 0
+    obj.number_of_rounds = max(1, m // p)
+    obj.microbatches_per_round = m // obj.number_of_rounds
+    obj.pipeline_order = {r: obj._calculate_single_rank_operations(r) for r in range(p)}
+    if hasattr(obj, "_add_bubbles_to_actions"):
+        obj.pipeline_order = obj._add_bubbles_to_actions(p * v)
+    return obj.pipeline_order
+
+
+def _compute_actions(actions, split: bool) -> list[tuple[str, int, int]]:
+    """torch actions as our compute actions: I is a split B, B a full one (with its W when the
+    schedule splits), an OVERLAP_F_B its sub-actions in order."""
+    out = []
+    for a in actions:
+        if a is None:
+            continue
+        if a.sub_actions:
+            out += _compute_actions(a.sub_actions, split)
+            continue
+        kind = a.computation_type.value
+        if kind in ("F", "I", "W", "B"):
+            out.append(("B" if kind == "I" else kind, a.stage_index, a.microbatch_index))
+            if kind == "B" and split:
+                out.append(("W", a.stage_index, a.microbatch_index))
+    return out
+
+
+@pytest.mark.parametrize(
+    "cls",
+    [
+        "ScheduleLoopedBFS",
+        "ScheduleInterleaved1F1B",
+        "ScheduleInterleavedZeroBubble",
+        "ScheduleZBVZeroBubble",
+        "ScheduleDualPipeV",
+    ],
+)
+def test_csv_from_torch_loads_validates_and_simulates(cls: str, tmp_path) -> None:
+    # torch's own generator's order, written as torch's _dump_csv writes it, read by our loader:
+    # the same compute actions per rank, valid, simulated, and placed as torch places them.
+    import torch.distributed.pipelining.schedules as ts
+
+    p, m, v = 2, 4, 2
+    order = _torch_order(getattr(ts, cls), p, m, v)
+    path = tmp_path / f"{cls}.csv"
+    path.write_text(
+        "".join(",".join("" if a is None else str(a) for a in order[r]) + "\n" for r in range(p))
+    )
+    s = _C.Schedule.from_csv(path.read_text(), cls)
+    assert (s.num_ranks, s.num_microbatches, s.num_stages) == (p, m, p * v)
+    for r in range(p):
+        ours = [(a.op, a.stage, a.mb) for a in s.actions[r] if a.op in ("F", "B", "W")]
+        assert ours == _compute_actions(order[r], s.split_backward), (cls, r)
+    assert s.split_backward == (
+        cls in ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+    )
+    style = "v" if cls in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV") else "loop"
+    assert s.stage_rank == [_C.stage_rank(k, p, style) for k in range(p * v)]
+    assert s.simulate().makespan > 0
+
+
+def test_csv_errors_name_the_problem() -> None:
+    with pytest.raises(RuntimeError, match="unknown action type 'X'"):
+        _C.Schedule.from_csv("0X0\n")
+    with pytest.raises(RuntimeError, match="stage 0 runs on rank 0 and on rank 1"):
+        _C.Schedule.from_csv("0F0,0B0\n0F1,0B1\n")
+    with pytest.raises(RuntimeError, match="stage 1 has no action"):
+        _C.Schedule.from_csv("0F0,2F0\n")
+    with pytest.raises(RuntimeError, match="rank 0 runs B0.0 before F0.0"):
+        _C.Schedule.from_csv("0B0,0F0\n1F0,1B0\n")
+    with pytest.raises(RuntimeError, match="missing|never"):
+        _C.Schedule.from_csv("0F0,0F1,0B0\n1F0,1B0,1F1,1B1\n")

@@ -1,0 +1,170 @@
+"""Every training schedule of pippy_xla side by side: activation memory per rank and step time.
+
+    python benchmarks/schedules.py [--memory-ranks 4 --memory-mbs 8] [--speed-ranks 2
+        --speed-mbs 4 --steps 8 --warmup 2] [--schedules 1f1b,zbv,...]
+
+- ``memory``: on ``--memory-ranks`` CPU ranks with ``--memory-mbs`` microbatches, one untimed
+  training step per schedule of an 8-layer Llama (``compare.py``'s compute-regime model and
+  batch); per rank, the peak of the bytes autograd keeps for backward (``compare._SavedBytes``:
+  unique storages, parameters excluded, released when autograd frees them) and the peak of the
+  engine's stash. The zero-bubble papers' claim checked here: ZB-V's and DualPipeV's peak per rank
+  at or below 1F1B's first rank's (the largest of 1F1B's ranks).
+- ``speed``: on ``--speed-ranks`` ranks (one core each) with ``--speed-mbs`` microbatches, the same
+  model and batch; every schedule's pipeline is built in the same processes and their timed steps
+  interleave (step k of every schedule, then step k+1), so that the slow and fast spells of a shared
+  machine fall on all of them alike. A step is ``run_train`` + AdamW ``step`` + ``zero_grad``; the
+  slower rank's time counts. Reported: the median step, its ratio to 1F1B's (> 1 is faster), the
+  schedule's simulated makespan from the run's own F / B / W durations (engine timings) and the
+  efficiency (that makespan over the measured step).
+
+Results: ``benchmarks/results/schedules.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+from _common import run_ranks, save, summarize
+from compare import REGIMES, _build, _SavedBytes, _simulated_ideal
+
+
+def _pipes(regime: dict, schedules: list[str], m: int) -> dict:
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    import pippy_xla as px
+
+    base, batch = _build(regime)
+    pipes = {
+        name: px.PipelineModel(
+            copy.deepcopy(base), layer_cls=LlamaDecoderLayer, num_microbatches=m, schedule=name
+        )
+        for name in schedules
+    }
+    return {"pipes": pipes, "batch": batch}
+
+
+def _memory(rank, world, regime, schedules, m) -> dict:
+    import torch.distributed as dist
+
+    made = _pipes(regime, schedules, m)
+    out = {}
+    for name, pipe in made["pipes"].items():
+        modules = [st.module for st in pipe.local_stages]
+        saved = _SavedBytes(modules)
+        handles = [h for mod in modules for h in saved.attach(mod)]
+        pipe.reset_stash_peak()
+        dist.barrier()
+        pipe.run_train(**made["batch"])
+        for h in handles:
+            h.remove()
+        out[name] = {"saved_peak_bytes": int(saved.peak), "stash_peak_bytes": pipe.stash_peak_bytes}
+    return out
+
+
+def _stage_costs(timings, num_stages: int) -> dict[str, list[float]]:
+    """Mean F / B / W seconds per stage from one rank's engine timings."""
+    acc: dict[str, list[list[float]]] = {k: [[] for _ in range(num_stages)] for k in "FBW"}
+    for op, stage, _, start, end in timings:
+        if op in acc:
+            acc[op][stage].append((end - start) / 1e9)
+    return {k: [statistics.fmean(v) if v else 0.0 for v in acc[k]] for k in acc}
+
+
+def _speed(rank, world, regime, schedules, m, steps, warmup) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    made = _pipes(regime, schedules, m)
+    opts = {n: torch.optim.AdamW(p.parameters(), lr=1e-3) for n, p in made["pipes"].items()}
+    times: dict[str, list[float]] = {n: [] for n in schedules}
+    losses: dict[str, list[float]] = {n: [] for n in schedules}
+    for k in range(warmup + steps):
+        for name, pipe in made["pipes"].items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = pipe.run_train(**made["batch"])
+            opts[name].step()
+            opts[name].zero_grad(set_to_none=True)
+            if k >= warmup:
+                times[name].append(time.perf_counter() - t0)
+            losses[name].append(float(loss))
+    costs = {
+        n: _stage_costs(p.timings(), len(p.stages)) for n, p in made["pipes"].items()
+    }  # of the last step
+    return {"times": times, "losses": losses, "costs": costs}
+
+
+def _merge_costs(per_rank: list[dict]) -> dict[str, list[float]]:
+    """Every stage runs on one rank: the per-stage costs are the sum over ranks."""
+    return {k: [sum(c[k][s] for c in per_rank) for s in range(len(per_rank[0][k]))] for k in "FBW"}
+
+
+def main() -> None:
+    from pippy_xla import _C
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--schedules", default=",".join(_C.train_schedule_names()))
+    p.add_argument("--memory-ranks", type=int, default=4)
+    p.add_argument("--memory-mbs", type=int, default=8)
+    p.add_argument("--speed-ranks", type=int, default=2)
+    p.add_argument("--speed-mbs", type=int, default=4)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--skip", default="", help="memory or speed")
+    args = p.parse_args()
+    names = args.schedules.split(",")
+    regime = REGIMES["compute"]
+    result: dict = {"config": {**vars(args), "model": regime["model"], "batch": regime["batch"]}}
+
+    if args.skip != "memory":
+        world, m = args.memory_ranks, args.memory_mbs
+        per_rank = run_ranks(world, _memory, regime, names, m, timeout=1800)
+        memory = {n: [r[n] for r in per_rank] for n in names}
+        result["memory"] = memory
+        onef = max(r["saved_peak_bytes"] for r in memory.get("1f1b", [{"saved_peak_bytes": 0}]))
+        print(f"\nactivation peak per rank (MiB), {world} ranks, {m} microbatches")
+        print(f"{'schedule':16s} " + " ".join(f"rank {r:<6d}" for r in range(world)) + " max/1f1b")
+        for n in names:
+            peaks = [r["saved_peak_bytes"] for r in memory[n]]
+            ratio = f"{max(peaks) / onef:.2f}" if onef else "-"
+            print(f"{n:16s} " + " ".join(f"{b / 2**20:<11.2f}" for b in peaks) + f" {ratio}")
+
+    if args.skip != "speed":
+        world, m = args.speed_ranks, args.speed_mbs
+        per_rank = run_ranks(world, _speed, regime, names, m, args.steps, args.warmup, timeout=3600)
+        speed = {}
+        for n in names:
+            steps = [max(ts) for ts in zip(*(r["times"][n] for r in per_rank), strict=True)]
+            costs = _merge_costs([r["costs"][n] for r in per_rank])
+            chunks = _C.default_chunks(n)
+            ideal = _simulated_ideal(
+                n, world, m, chunks, {**costs, "W": costs["W"] if any(costs["W"]) else []}
+            )
+            speed[n] = {
+                "step_s": summarize(steps),
+                "losses": per_rank[0]["losses"][n],
+                "stage_costs_s": costs,
+                "ideal_s": ideal,
+                "efficiency": ideal / steps[-1] if ideal else None,
+            }
+        base = speed.get("1f1b", {}).get("step_s", {}).get("median")
+        print(f"\nstep time, {world} ranks, {m} microbatches, {args.steps} steps")
+        for n in names:
+            med = speed[n]["step_s"]["median"]
+            speed[n]["vs_1f1b"] = base / med if base else None
+            eff = speed[n]["efficiency"]
+            print(
+                f"{n:16s} median {med:.4f} s  vs 1f1b {base / med if base else float('nan'):.3f}x"
+                f"  efficiency {eff:.1%}"
+                if eff
+                else f"{n:16s} median {med:.4f} s"
+            )
+        result["speed"] = speed
+    print(f"wrote {save('schedules', result)}")
+
+
+if __name__ == "__main__":
+    main()
