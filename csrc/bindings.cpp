@@ -253,7 +253,7 @@ PYBIND11_MODULE(_C, m) {
           "Runs one step. `forward(stage, mb, inputs)` runs a stage's forward; "
           "`grads_ready(stage)`, if given, is called once per local stage as soon as its "
           "gradients of the step are complete (after its last B, or W, and the sends that "
-          "follow it were posted): see [Note: gradients ready] in engine.cpp.")
+          "follow it were posted): see [Note: gradients ready] in schedule_analysis.cpp.")
       .def("abort", &Engine::abort, py::call_guard<py::gil_scoped_release>(),
            "Wakes the running step's transfer waits so that run() fails now (thread-safe).")
       .def("failure", &Engine::failure, py::return_value_policy::copy)

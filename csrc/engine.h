@@ -18,6 +18,7 @@
 #include "boundary.h"
 #include "ops/p2p.h"
 #include "schedule.h"
+#include "schedule_analysis.h"
 #include "split_backward.h"
 #include "stash.h"
 
@@ -31,23 +32,6 @@ using StageFn = std::function<std::vector<at::Tensor>(int64_t, int64_t, std::vec
 // tied-weight transfers outside the engine (pippy_xla/_ties.py) use two tags per tie from it.
 constexpr int64_t kTiedWeightTagBase = int64_t{1} << 30;
 inline int64_t tied_weight_tag(int64_t tie) { return kTiedWeightTagBase + 2 * tie; }
-
-// Receive actions a rank posts ahead of the one it waits on (see [Note: receives posted ahead] in
-// engine.cpp); their buffers are allocated then, which the planner's memory model counts.
-constexpr int kRecvLookahead = 4;
-
-// Positions of the receive actions that the engine posts ahead when action `pos` of `actions`
-// waits on its own receives: the next kRecvLookahead receive actions after it.
-std::vector<size_t> receives_ahead(const std::vector<Action>& actions, size_t pos);
-
-// Per rank, the most receive buffers alive at once during a step: receives posted (in action
-// order, or ahead by receives_ahead while an F or B waits) and not yet consumed by their F or
-// B, counting the one being consumed. A replay of Engine::run's posting rule, for the planner.
-std::vector<int64_t> peak_receive_buffers(const Schedule& schedule);
-
-// For each action position of `rank`, the positions of its send actions that are known complete
-// once the F or B at that position has its receives in. See [Note: send release].
-std::vector<std::vector<size_t>> send_releases(const Schedule& schedule, int32_t rank);
 
 // grads_ready(stage): the stage's parameter gradients of this step are complete.
 using GradsReadyFn = std::function<void(int64_t)>;
@@ -137,7 +121,8 @@ class Engine {
   int64_t rank_ = 0;
   std::map<int64_t, SignatureSpecs> specs_;
   std::map<size_t, int64_t> last_grad_;            // index of a stage's last B (or W) -> its stage
-  std::vector<std::vector<size_t>> send_release_;  // see [Note: send release]
+  std::vector<std::vector<size_t>> send_release_;  // see [Note: send release] (schedule_analysis)
+  std::vector<std::vector<size_t>> receives_ahead_;  // per action position, see receives_ahead
   Stash stash_;
   std::vector<ActionTiming> timings_;
   int64_t compute_start_ns_ = 0;  // set by F / B once their inputs are there

@@ -14,6 +14,9 @@ from pippy_xla.planner import Plan, PlanInfeasibleError, plan
 Schedule = _C.Schedule
 """A pipeline schedule as data (every rank's actions): ``Schedule.from_csv(text)`` reads
 torch.distributed.pipelining's CSV format; pass one as ``PipelineModel(schedule=...)``."""
+make_schedule = _C.make_schedule
+"""``make_schedule(name, num_ranks, num_microbatches, chunks=0)``: a generated
+:class:`Schedule` (``chunks`` 0: the schedule's default)."""
 
 __all__ = [
     "BatchMismatchError",
@@ -32,6 +35,7 @@ __all__ = [
     "explain_difference",
     "find_layers",
     "fingerprint",
+    "make_schedule",
     "materialize",
     "partition",
     "plan",
