@@ -17,17 +17,18 @@
   schedule's simulated makespan from the run's own F / B / W durations (engine timings) and the
   efficiency (that makespan over the measured step).
 
-Results: ``benchmarks/results/schedules.json``.
+Results: ``benchmarks/results/schedules.json`` (``--skip`` keeps the skipped part's last results).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import statistics
 import time
 
-from _common import run_ranks, save, summarize
+from _common import RESULTS, run_ranks, save, summarize
 from compare import REGIMES, _build, _SavedBytes, _simulated_ideal
 
 
@@ -117,7 +118,11 @@ def main() -> None:
     args = p.parse_args()
     names = args.schedules.split(",")
     regime = REGIMES["compute"]
-    result: dict = {"config": {**vars(args), "model": regime["model"], "batch": regime["batch"]}}
+    # A part skipped keeps its results from the last run.
+    previous = RESULTS / "schedules.json"
+    result: dict = json.loads(previous.read_text()) if previous.exists() else {}
+    result.pop("machine", None)
+    result["config"] = {**vars(args), "model": regime["model"], "batch": regime["batch"]}
 
     if args.skip != "memory":
         world, m = args.memory_ranks, args.memory_mbs

@@ -66,11 +66,13 @@ def _predict(schedule, events, num_stages, num_ranks):
 
 
 def main() -> None:
+    from pippy_xla import _C
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", type=int, default=8)
     args = p.parse_args()
     rows = {}
-    for schedule in ("1f1b", "gpipe", "interleaved", "zbh1"):
+    for schedule in _C.train_schedule_names():
         out = run_ranks(2, _run, schedule, args.steps, timeout=1800)
         steps_events, num_stages, num_ranks = out[0]
         errors, measured_s, predicted_s = [], [], []
