@@ -364,9 +364,9 @@ std::vector<std::vector<Action>> dualpipe_v(const Schedule& s) {
   return order;
 }
 
-}  // namespace
-
-namespace {
+// torch.distributed.pipelining's CSV name of each Op, in the enum's order (a split B is "I").
+constexpr const char* kCsvTypes[] = {"F", "B", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B"};
+static_assert(static_cast<int>(Op::RECV_B) == 6, "kCsvTypes follows the order of Op");
 
 // One cell of a CSV schedule: its compute actions, in order (see [Note: CSV schedules]); `full`
 // marks the full backwards (B in the file).
@@ -390,9 +390,9 @@ void parse_csv_action(const std::string& cell, CsvCell& out, bool& split) {
   while (j > i && std::isdigit(static_cast<unsigned char>(cell[j - 1]))) --j;
   const std::string type = cell.substr(i, j - i);
   TORCH_CHECK(i > 0, "CSV schedule: action '", cell, "' names no stage");
-  static const std::set<std::string> kIgnored = {"SEND_F", "RECV_F",  "SEND_B",     "RECV_B",
-                                                 "UNSHARD", "RESHARD", "REDUCE_GRAD"};
-  if (kIgnored.count(type)) return;
+  const bool transfer = std::find(std::begin(kCsvTypes) + 3, std::end(kCsvTypes), type) !=
+                        std::end(kCsvTypes);
+  if (transfer || type == "UNSHARD" || type == "RESHARD" || type == "REDUCE_GRAD") return;
   TORCH_CHECK(type == "F" || type == "I" || type == "B" || type == "W",
               "CSV schedule: unknown action type '", type, "' in '", cell,
               "'; expected F, I, B, W, SEND_F, RECV_F, SEND_B, RECV_B, UNSHARD, RESHARD, "
@@ -475,30 +475,8 @@ std::string Schedule::to_csv(bool comms) const {
   for (const auto& rank : actions) {
     bool first = true;
     for (const Action& a : rank) {
-      std::string type;
-      switch (a.op) {
-        case Op::F:
-          type = "F";
-          break;
-        case Op::B:
-          type = split_backward ? "I" : "B";
-          break;
-        case Op::W:
-          type = "W";
-          break;
-        case Op::SEND_F:
-          type = "SEND_F";
-          break;
-        case Op::RECV_F:
-          type = "RECV_F";
-          break;
-        case Op::SEND_B:
-          type = "SEND_B";
-          break;
-        case Op::RECV_B:
-          type = "RECV_B";
-          break;
-      }
+      const char* type =
+          a.op == Op::B && split_backward ? "I" : kCsvTypes[static_cast<int>(a.op)];
       if (!comms && !is_compute(a.op)) continue;
       os << (first ? "" : ",") << a.stage << type << a.mb;
       first = false;
