@@ -3,6 +3,7 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
@@ -148,11 +149,14 @@ void finish(WeightWork& work) {
   // After B: unhook the frontier nodes and cut them off the input path, so that W computes only
   // their weight branches and the rest of the input path is freed with the stage outputs. A node
   // that computed its weight-edge gradients in B anyway (one that ignores which outputs the
-  // graph task needs, like a compiled stage's single backward node) is not run again: its
-  // weight branches are fed those gradients now, and W has nothing left to do for it.
+  // graph task needs) is not run again. Where such a gradient is a parameter's (a compiled
+  // stage's single backward node) it is accumulated now; where it feeds a node of its own (a
+  // compiled stage's weight node, see [Note: compiled W] in _split_compile.py) that node becomes
+  // a frontier node fed that gradient, and W runs it.
   torch::autograd::edge_list edges;
   variable_list values;
   std::vector<WeightWork::Frontier> deferred;
+  std::unordered_map<Node*, size_t> fed;  // a node fed by computed gradients -> its entry
   for (auto& f : work.frontier) {
     auto& pre = f.node->pre_hooks();
     pre.erase(std::remove_if(pre.begin(), pre.end(),
@@ -173,8 +177,21 @@ void finish(WeightWork& work) {
     }
     for (size_t i = 0; i < next.size(); ++i) {
       if (!next[i].is_valid()) continue;
-      edges.push_back(next[i]);
-      values.push_back(std::move((*f.outputs)[i]));
+      Node* child = next[i].function.get();
+      if (dynamic_cast<torch::autograd::AccumulateGrad*>(child)) {
+        edges.push_back(next[i]);
+        values.push_back(std::move((*f.outputs)[i]));
+        continue;
+      }
+      auto [it, fresh] = fed.try_emplace(child, deferred.size());
+      if (fresh) {
+        WeightWork::Frontier g;
+        g.node = next[i].function;
+        g.grads = std::make_shared<variable_list>(child->num_inputs());
+        deferred.push_back(std::move(g));
+      }
+      auto& slot = (*deferred[it->second].grads)[next[i].input_nr];
+      slot = slot.defined() ? slot + (*f.outputs)[i] : std::move((*f.outputs)[i]);
     }
   }
   work.frontier = std::move(deferred);

@@ -24,6 +24,7 @@ from torch import nn
 from pippy_xla._batch import digest64
 from pippy_xla._native import _C
 from pippy_xla._recompile import RecompileWatch
+from pippy_xla._split_compile import split_backward_backend
 from pippy_xla._state import params_named
 from pippy_xla._ties import Tie, combine_among, local_ties, tied_names, untie_local_copies
 from pippy_xla.config import LossFn, PipelineConfig
@@ -138,7 +139,7 @@ def build(
     ties = _tie_weights(tied, stages, local_stages, train_schedule.stage_rank, place)
     modules = {st.index: st.module for st in local_stages}
     dp = _replicas(modules, config, place, build_key)
-    runners, watch = _runners(modules, config)
+    runners, watch = _runners(modules, config, split=train_schedule.split_backward)
     engine_args = (place.group_name, place.timeout_ms, str(place.device))
     eval_schedule = _schedule("forward", place.num_ranks, config, train_schedule)
     return BuiltPipeline(
@@ -250,12 +251,18 @@ def _abort_channel(place: Placement) -> AbortChannel:
 
 
 def _runners(
-    modules: dict[int, nn.Module], config: PipelineConfig
+    modules: dict[int, nn.Module], config: PipelineConfig, *, split: bool
 ) -> tuple[dict[int, Callable], RecompileWatch | None]:
-    """What runs each local stage, and the recompile watch when the stages are compiled."""
+    """What runs each local stage, and the recompile watch when the stages are compiled. Under a
+    schedule that splits the backward, inductor-compiled stages keep input and weight gradients
+    in separate graphs ([Note: compiled W])."""
     if not config.compile:
         return dict(modules), None
-    options = config.compile_options or {}
+    options = dict(config.compile_options or {})
+    if split and options.get("backend", "inductor") == "inductor":
+        options["backend"] = split_backward_backend(
+            mode=options.pop("mode", None), options=options.pop("options", None)
+        )
     runners = {s: torch.compile(m, **options) for s, m in modules.items()}
     return runners, RecompileWatch(list(modules.values()))
 

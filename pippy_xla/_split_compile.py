@@ -1,0 +1,265 @@
+"""Compiled stages with a real W: a torch.compile backend whose backward is two compiled graphs.
+
+[Note: compiled W] A stage compiled the usual way has one autograd node for its whole backward,
+so a split-backward schedule's B computes the weight gradients too and W has nothing left to do.
+This backend (used for ``compile=True`` under a schedule that splits the backward) traces the
+stage's joint forward-backward graph with AOTAutograd, partitions it into a forward and a
+backward graph (inductor's min-cut partitioner, as a plain ``torch.compile`` would), and splits
+the backward in two by what each output needs:
+
+- ``input``: the gradients of the stage inputs (activations), plus the intermediate values the
+  weight gradients need from it (typically the gradients at the weight GEMMs' outputs);
+- ``weight``: the gradients of the parameters, from those values and the saved tensors only it
+  needs.
+
+Each graph is compiled with inductor. At run time a call builds two autograd nodes: one whose
+backward runs ``input`` (its edges lead to the stage inputs and to the other node), and one whose
+backward runs ``weight`` (its edges lead to the parameters). A full backward runs both; the
+engine's split backward (``csrc/split_backward.cpp``) runs the first in B and defers the second
+to W, holding between them only what ``weight`` reads. Dynamo still owns guards and recompiles
+(the recompile watch sees the same graph counts); the three graphs of a dynamo graph compile on
+their first use, so during the first step. A graph that mutates its inputs or returns an alias of
+one falls back to a plain compiled stage (its W stays empty), with a warning that says why.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import fx
+
+__all__ = ["split_backward_backend"]
+
+
+def split_backward_backend(
+    mode: str | None = None, options: dict[str, Any] | None = None
+) -> Callable:
+    """A ``torch.compile`` backend whose graphs keep input and weight gradients in separate
+    autograd nodes: inductor underneath, configured by ``mode`` and ``options`` as
+    ``torch.compile(mode=..., options=...)`` would configure it."""
+    if mode is not None and mode != "default":
+        from torch._inductor import list_mode_options
+
+        options = {**list_mode_options(mode), **(options or {})}
+
+    def backend(gm: fx.GraphModule, example_inputs: list) -> Callable:
+        from torch._inductor.compile_fx import compile_fx
+
+        params = [isinstance(a, torch.nn.Parameter) and a.requires_grad for a in example_inputs]
+        if not torch.is_grad_enabled() or not any(params):
+            return compile_fx(gm, example_inputs, config_patches=options)
+        try:
+            return _SplitStage(gm, example_inputs, params, options)
+        except _Unsupported as e:
+            warnings.warn(
+                f"pippy_xla: a compiled stage keeps one backward node (W runs nothing): {e}",
+                stacklevel=2,
+            )
+            return compile_fx(gm, example_inputs, config_patches=options)
+
+    return backend
+
+
+class _Unsupported(Exception):
+    pass
+
+
+def _trace_joint(gm: fx.GraphModule, example_inputs: list) -> tuple[fx.GraphModule, list[bool]]:
+    """The functional joint graph (placeholders ``primals_*`` then ``tangents_*``; outputs the
+    forward outputs then one gradient per primal) and which forward outputs take a tangent."""
+    from torch._functorch._aot_autograd.schemas import OutputType
+    from torch._functorch.aot_autograd import _aot_export_function
+    from torch._inductor.decomposition import select_decomp_table
+
+    def flat(*args):
+        out = gm(*args)
+        return tuple(out) if isinstance(out, (list, tuple)) else (out,)
+
+    joint, meta, _, _ = _aot_export_function(
+        flat, tuple(example_inputs), decompositions=select_decomp_table(), trace_joint=True
+    )
+    if any(i.mutates_data or i.mutates_metadata for i in meta.input_info):
+        raise _Unsupported("the stage graph mutates an input (a buffer?)")
+    if any(o.output_type != OutputType.non_alias for o in meta.output_info):
+        raise _Unsupported("the stage graph returns an alias of an input")
+    differentiable = [
+        getattr(o, "requires_grad_for_backward", o.requires_grad) for o in meta.output_info
+    ]
+    return joint, differentiable
+
+
+def _subgraph(
+    gm: fx.GraphModule, inputs: Sequence[fx.Node], outputs: Sequence[fx.Node]
+) -> fx.GraphModule:
+    """A graph of the nodes of ``gm`` that ``outputs`` need, reading ``inputs`` as placeholders
+    (in that order) and returning ``outputs``."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in inputs:
+        env[n] = graph.placeholder(n.name)
+        env[n].meta = dict(n.meta)
+    need = _ancestors(outputs, stop=set(inputs))
+    for n in gm.graph.nodes:
+        if n in need and n not in env:
+            assert n.op != "placeholder", f"{n} is neither computed nor an input"
+            env[n] = graph.node_copy(n, lambda a: env[a])
+    graph.output(tuple(env[o] for o in outputs))
+    return fx.GraphModule(gm, graph)
+
+
+def _ancestors(roots: Sequence[fx.Node], stop: set[fx.Node] = frozenset()) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    todo = list(roots)
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n not in stop:
+            todo.extend(n.all_input_nodes)
+    return seen
+
+
+class _SplitStage:
+    """The compiled callable dynamo runs for one graph: forward, input and weight graphs."""
+
+    def __init__(self, gm, example_inputs, params: list[bool], options) -> None:
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        joint, self.differentiable = _trace_joint(gm, example_inputs)
+        self.num_outputs = len(self.differentiable)
+        self.options = options
+        self.params = params
+        fw, bw = min_cut_rematerialization_partition(joint, None, num_fwd_outputs=self.num_outputs)
+        self.fw = fw
+        bw_inputs = [n for n in bw.graph.nodes if n.op == "placeholder"]
+        grads = list(bw.graph.output_node().args[0])
+        assert len(grads) == len(params), (len(grads), len(params))
+        input_grads = [g for g, p in zip(grads, params, strict=True) if not p]
+        weight_grads = [g for g, p in zip(grads, params, strict=True) if p]
+        need_input = _ancestors([g for g in input_grads if g is not None])
+        weight_only = _ancestors([g for g in weight_grads if g is not None], stop=need_input)
+        weight_only = {n for n in weight_only - need_input if n.op != "placeholder"}
+        # What the weight graph reads: backward inputs it uses, and values the input graph computes.
+        reads = {a for n in weight_only for a in n.all_input_nodes if a not in weight_only}
+        reads |= {g for g in weight_grads if g is not None and g not in weight_only}
+        kept = [n for n in bw_inputs if n in reads]
+        self.cross = [n for n in bw.graph.nodes if n in reads and n.op != "placeholder"]
+        self.kept_index = [bw_inputs.index(n) for n in kept]
+        # Graphs return tensors only; a gradient that is None stays out of them.
+        self.input_slots = [i for i, g in enumerate(input_grads) if g is not None]
+        self.weight_slots = [i for i, g in enumerate(weight_grads) if g is not None]
+        self.input_graph = _subgraph(
+            bw, bw_inputs, [input_grads[i] for i in self.input_slots] + self.cross
+        )
+        self.weight_graph = _subgraph(
+            bw, kept + self.cross, [weight_grads[i] for i in self.weight_slots]
+        )
+        self.num_inputs = len(input_grads)
+        self.num_params = len(weight_grads)
+        self._fw = self._input = self._weight = None
+
+    def _compile(self, gm: fx.GraphModule, args: list) -> Callable:
+        """Inductor's code for an aten graph traced already: no autograd and no autocast of its
+        own (the graph holds the casts and the backward ops it was traced with)."""
+        from torch._inductor.compile_fx import compile_fx
+
+        device = next(a.device.type for a in args if isinstance(a, torch.Tensor))
+        with torch.no_grad(), torch.autocast(device, enabled=False):
+            return compile_fx(gm, args, config_patches=self.options)
+
+    def __call__(self, *args):
+        run = _Run(self, args)
+        token = _WeightNode.apply(run, *[a for a, p in zip(args, self.params, strict=True) if p])
+        inputs = [a for a, p in zip(args, self.params, strict=True) if not p]
+        return _InputNode.apply(run, token, *inputs)
+
+    # The three graphs, compiled on first use with the real arguments.
+    def forward(self, args: list) -> tuple:
+        if self._fw is None:
+            self._fw = self._compile(self.fw, args)
+        return tuple(self._fw(*args))
+
+    def input_backward(self, args: list) -> tuple:
+        if self._input is None:
+            self._input = self._compile(self.input_graph, args)
+        return tuple(self._input(*args))
+
+    def weight_backward(self, args: list) -> tuple:
+        if self._weight is None:
+            self._weight = self._compile(self.weight_graph, args)
+        return tuple(self._weight(*args))
+
+
+class _Run:
+    """One call's state, shared by its two autograd nodes."""
+
+    __slots__ = ("stage", "args", "saved", "weight_args")
+
+    def __init__(self, stage: _SplitStage, args: tuple) -> None:
+        self.stage = stage
+        self.args = list(args)
+        self.saved: list | None = None
+        self.weight_args: list | None = None
+
+
+class _WeightNode(torch.autograd.Function):
+    """Its backward is W: the weight graph, into the parameters' gradients."""
+
+    @staticmethod
+    def forward(ctx, run: _Run, *params):
+        ctx.run = run
+        return torch.zeros((), device=params[0].device)
+
+    @staticmethod
+    def backward(ctx, _token):
+        run = ctx.run
+        if run.weight_args is None:
+            raise RuntimeError("pippy_xla: a compiled stage's W ran before its B")
+        args, run.weight_args = run.weight_args, None
+        stage = run.stage
+        grads: list = [None] * stage.num_params
+        for i, g in zip(stage.weight_slots, stage.weight_backward(args), strict=True):
+            grads[i] = g
+        return (None, *grads)
+
+
+class _InputNode(torch.autograd.Function):
+    """Runs the forward graph; its backward is B: the input graph, whose values for W it keeps."""
+
+    @staticmethod
+    def forward(ctx, run: _Run, token, *inputs):
+        stage = run.stage
+        out = stage.forward(run.args)
+        run.args = None
+        outs, run.saved = out[: stage.num_outputs], list(out[stage.num_outputs :])
+        ctx.run = run
+        ctx.token_device = token.device
+        ctx.mark_non_differentiable(
+            *[
+                o
+                for o, d in zip(outs, stage.differentiable, strict=True)
+                if not d and isinstance(o, torch.Tensor)
+            ]
+        )
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        run = ctx.run
+        stage = run.stage
+        tangents = [g.contiguous() for g, d in zip(grads, stage.differentiable, strict=True) if d]
+        bw_args = run.saved + tangents
+        run.saved = None
+        out = stage.input_backward(bw_args)
+        n = len(stage.input_slots)
+        input_grads: list = [None] * stage.num_inputs
+        for i, g in zip(stage.input_slots, out[:n], strict=True):
+            input_grads[i] = g
+        run.weight_args = [bw_args[i] for i in stage.kept_index] + list(out[n:])
+        del bw_args
+        token_grad = torch.zeros((), device=ctx.token_device)
+        return (None, token_grad, *input_grads)
