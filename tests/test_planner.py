@@ -695,11 +695,13 @@ def test_predicted_peak_memory_matches_the_measured_peak():
 
 
 SCHEDULES = [("1f1b", 1), ("gpipe", 1), ("zbh1", 1), ("interleaved", 2)]
+# Every other schedule, with its own stages per rank; DualPipeV needs 2 x ranks microbatches.
+MORE_SCHEDULES = [("looped_bfs", 2), ("interleaved_zb", 2), ("zbv", 2), ("dualpipev", 2)]
 
 
 @pytest.mark.parametrize("ranks,layers", [(2, 4), (4, 8)])
 def test_planned_runs_stay_under_random_limits(ranks, layers):
-    """For 1F1B, GPipe, ZB-H1 and interleaved (2 stages per rank), 10 random limits each between
+    """For every schedule (multi-stage ones with 2 stages per rank), 10 random limits each between
     the smallest feasible limit and the unconstrained peak: every planned run's measured peak
     (each rank) is within 10% of the prediction and under its limit. Plans with the same layout
     are run once."""
@@ -709,7 +711,9 @@ def test_planned_runs_stay_under_random_limits(ranks, layers):
     prof = profile_model(model, layer_cls, microbatch_size=batch // mbs, seq_len=seq, repeats=1)
     rng = random.Random(ranks)
     plans = []
-    for schedule, chunks in SCHEDULES:
+    for schedule, chunks in SCHEDULES + MORE_SCHEDULES:
+        if schedule == "dualpipev" and mbs < 2 * ranks:
+            continue
         kw = dict(
             layer_cls=layer_cls,
             num_stages=ranks * chunks,
