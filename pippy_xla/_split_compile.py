@@ -2,28 +2,31 @@
 
 [Note: compiled W] A stage compiled the usual way has one autograd node for its whole backward,
 so a split-backward schedule's B computes the weight gradients too and W has nothing left to do.
-This backend (used for ``compile=True`` under a schedule that splits the backward) traces the
-stage's joint forward-backward graph with AOTAutograd, partitions it into a forward and a
-backward graph (inductor's min-cut partitioner, as a plain ``torch.compile`` would), and splits
-the backward in two by what each output needs:
+This backend (``compile=True`` under a schedule that splits the backward) traces the stage's
+joint forward-backward graph with AOTAutograd, partitions it into a forward and a backward graph
+(inductor's min-cut partitioner, as a plain ``torch.compile`` does), and cuts the backward in two
+by what each output needs:
 
-- ``input``: the gradients of the stage inputs (activations), plus the intermediate values the
-  weight gradients need from it (typically the gradients at the weight GEMMs' outputs);
-- ``weight``: the gradients of the parameters, from those values and the saved tensors only it
-  needs.
+- ``input``: the gradients of the stage inputs (activations), plus the values the weight
+  gradients need from it (typically the gradients at the weight GEMMs' outputs);
+- ``weight``: the gradients of the parameters, from those values and the saved tensors that only
+  it reads.
 
-Each graph is compiled with inductor. At run time a call builds two autograd nodes: one whose
-backward runs ``input`` (its edges lead to the stage inputs and to the other node), and one whose
-backward runs ``weight`` (its edges lead to the parameters). A full backward runs both; the
-engine's split backward (``csrc/split_backward.cpp``) runs the first in B and defers the second
-to W, holding between them only what ``weight`` reads. Dynamo still owns guards and recompiles
-(the recompile watch sees the same graph counts); the three graphs of a dynamo graph compile on
-their first use, so during the first step. A graph that mutates its inputs or returns an alias of
-one falls back to a plain compiled stage (its W stays empty), with a warning that says why.
+Inductor compiles each graph as AOTAutograd hands it its graphs (``compile_fx_inner``: no retrace),
+on first use with the real arguments, so during the first step. A call builds two autograd nodes:
+one whose backward runs ``input`` (its edges lead to the stage inputs and to the other node) and
+one whose backward runs ``weight`` (its edges lead to the parameters). A full backward runs both;
+the engine's split backward (``csrc/split_backward.cpp``) runs the first in B and leaves the
+second to W, and between them a microbatch holds only what ``weight`` reads. Dynamo still owns
+guards and recompiles, so the recompile watch counts graphs as before. A graph this cannot split
+(one that mutates an input or returns an alias of one, has dynamic shapes, or that AOTAutograd's
+export cannot trace) is compiled the plain way, with one backward node and an empty W, and a
+warning that says why.
 """
 
 from __future__ import annotations
 
+import operator
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -78,9 +81,12 @@ def _trace_joint(gm: fx.GraphModule, example_inputs: list) -> tuple[fx.GraphModu
         out = gm(*args)
         return tuple(out) if isinstance(out, (list, tuple)) else (out,)
 
-    joint, meta, _, _ = _aot_export_function(
-        flat, tuple(example_inputs), decompositions=select_decomp_table(), trace_joint=True
-    )
+    try:
+        joint, meta, _, _ = _aot_export_function(
+            flat, tuple(example_inputs), decompositions=select_decomp_table(), trace_joint=True
+        )
+    except Exception as e:  # what AOTAutograd's export cannot trace (some higher-order ops)
+        raise _Unsupported(f"AOTAutograd could not trace its joint graph: {e!r}"[:300]) from e
     if any(i.mutates_data or i.mutates_metadata for i in meta.input_info):
         raise _Unsupported("the stage graph mutates an input (a buffer?)")
     if any(o.output_type != OutputType.non_alias for o in meta.output_info):
@@ -129,6 +135,8 @@ class _SplitStage:
     def __init__(self, gm, example_inputs, params: list[bool], options) -> None:
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+        if not all(isinstance(a, torch.Tensor) for a in example_inputs):
+            raise _Unsupported("dynamic shapes (a graph input is a symbolic size)")
         joint, self.differentiable = _trace_joint(gm, example_inputs)
         self.num_outputs = len(self.differentiable)
         self.options = options
@@ -143,6 +151,11 @@ class _SplitStage:
         need_input = _ancestors([g for g in input_grads if g is not None])
         weight_only = _ancestors([g for g in weight_grads if g is not None], stop=need_input)
         weight_only = {n for n in weight_only - need_input if n.op != "placeholder"}
+        # Values cross from one graph to the other as tensors: an item of a multi-output node
+        # of the input graph is taken there.
+        weight_only -= {
+            n for n in weight_only if n.target is operator.getitem and n.args[0] not in weight_only
+        }
         # What the weight graph reads: backward inputs it uses, and values the input graph computes.
         reads = {a for n in weight_only for a in n.all_input_nodes if a not in weight_only}
         reads |= {g for g in weight_grads if g is not None and g not in weight_only}
@@ -162,14 +175,16 @@ class _SplitStage:
         self.num_params = len(weight_grads)
         self._fw = self._input = self._weight = None
 
-    def _compile(self, gm: fx.GraphModule, args: list) -> Callable:
-        """Inductor's code for an aten graph traced already: no autograd and no autocast of its
-        own (the graph holds the casts and the backward ops it was traced with)."""
-        from torch._inductor.compile_fx import compile_fx
+    def _compile(self, gm: fx.GraphModule, args: list, *, backward: bool) -> Callable:
+        """Inductor's code for an aten graph traced already (as AOTAutograd hands its graphs to
+        inductor: no retrace, no autograd, no autocast of its own). Called with a list."""
+        from torch._inductor import config
+        from torch._inductor.compile_fx import compile_fx_inner
 
         device = next(a.device.type for a in args if isinstance(a, torch.Tensor))
         with torch.no_grad(), torch.autocast(device, enabled=False):
-            return compile_fx(gm, args, config_patches=self.options)
+            with config.patch(self.options or {}):
+                return compile_fx_inner(gm, args, is_backward=backward)
 
     def __call__(self, *args):
         run = _Run(self, args)
@@ -180,18 +195,18 @@ class _SplitStage:
     # The three graphs, compiled on first use with the real arguments.
     def forward(self, args: list) -> tuple:
         if self._fw is None:
-            self._fw = self._compile(self.fw, args)
-        return tuple(self._fw(*args))
+            self._fw = self._compile(self.fw, args, backward=False)
+        return tuple(self._fw(list(args)))
 
     def input_backward(self, args: list) -> tuple:
         if self._input is None:
-            self._input = self._compile(self.input_graph, args)
-        return tuple(self._input(*args))
+            self._input = self._compile(self.input_graph, args, backward=True)
+        return tuple(self._input(list(args)))
 
     def weight_backward(self, args: list) -> tuple:
         if self._weight is None:
-            self._weight = self._compile(self.weight_graph, args)
-        return tuple(self._weight(*args))
+            self._weight = self._compile(self.weight_graph, args, backward=True)
+        return tuple(self._weight(list(args)))
 
 
 class _Run:

@@ -93,6 +93,8 @@ CASES = {
         ("qwen3_moe_router_loss", "zbh1", 4),  # tied embeddings
         ("mixtral_router_loss", "gpipe", 2, 4, True),  # compiled
         ("mixtral_router_loss", "1f1b", 2, 4, False, None, (0, 3)),  # checkpointed layers
+        # Compiled with W its own graph ([Note: compiled W]), checkpointed layers inside.
+        ("mixtral_router_loss", "zbh1", 2, 4, True, None, (0, 3)),
     ],
     4: [
         ("mixtral_router_loss", "interleaved", 4, 8),
