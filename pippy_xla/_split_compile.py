@@ -140,7 +140,8 @@ class _SplitStage:
         joint, self.differentiable = _trace_joint(gm, example_inputs)
         self.num_outputs = len(self.differentiable)
         self.options = options
-        self.params = params
+        self.param_index = [i for i, p in enumerate(params) if p]
+        self.input_index = [i for i, p in enumerate(params) if not p]
         fw, bw = min_cut_rematerialization_partition(joint, None, num_fwd_outputs=self.num_outputs)
         self.fw = fw
         bw_inputs = [n for n in bw.graph.nodes if n.op == "placeholder"]
@@ -188,9 +189,8 @@ class _SplitStage:
 
     def __call__(self, *args):
         run = _Run(self, args)
-        token = _WeightNode.apply(run, *[a for a, p in zip(args, self.params, strict=True) if p])
-        inputs = [a for a, p in zip(args, self.params, strict=True) if not p]
-        return _InputNode.apply(run, token, *inputs)
+        token = _WeightNode.apply(run, *[args[i] for i in self.param_index])
+        return _InputNode.apply(run, token, *[args[i] for i in self.input_index])
 
     # The three graphs, compiled on first use with the real arguments.
     def forward(self, args: list) -> tuple:
