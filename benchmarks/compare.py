@@ -573,6 +573,8 @@ def _pippy_actions(ranks):
             {
                 "action_us": by_key,
                 "mean_us": {op: statistics.fmean(v) for op, v in by_op.items()},
+                "median_us": {op: statistics.median(v) for op, v in by_op.items()},
+                "gap_median_us": statistics.median(gaps) if gaps else 0.0,
                 "count": {op: len(v) for op, v in by_op.items()},
                 "total_us": {op: sum(v) for op, v in by_op.items()},
                 "gap_mean_us": statistics.fmean(gaps) if gaps else 0.0,
@@ -696,6 +698,30 @@ def _check_losses(name, rows, single_losses) -> list[str]:
 
 def _fmt_bytes(n: int | None) -> str:
     return "n/a" if n is None else format_bytes(n)
+
+
+def _overhead_table(results) -> str:
+    """pippy_xla's per-action costs (medians over the last timed step, us) per rank: the gap
+    between consecutive actions, each transfer action, and the F action minus the stage module's
+    own forward (the runtime's cost around a forward; eager stages only)."""
+    lines = [
+        "| regime | schedule | rank | gap | RF | SF | RB | SB | F outside the module |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, reg in results.items():
+        for row in reg["rows"]:
+            if row["library"] != "pippy_xla":
+                continue
+            for rank, (a, per) in enumerate(zip(row["actions"], row["per_action_us"], strict=True)):
+                med = a["median_us"]
+                cells = [f"{med[op]:.1f}" if op in med else "-" for op in ("RF", "SF", "RB", "SB")]
+                outside = per["F_minus_module_forward"]
+                lines.append(
+                    f"| {name} | {row['schedule']} | {rank} | {a['gap_median_us']:.1f} | "
+                    + " | ".join(cells)
+                    + f" | {'-' if outside is None else f'{outside:.1f}'} |"
+                )
+    return "\n".join(lines)
 
 
 def _table(results) -> str:
@@ -892,6 +918,9 @@ def main() -> None:
     )
     table = _table(results)
     print(table)
+    overhead = _overhead_table(results)
+    print("\nper-action costs of pippy_xla (medians over the last timed step, us)")
+    print(overhead)
     for name, reg in results.items():
         for row in reg["rows"]:
             print(
@@ -909,6 +938,7 @@ def main() -> None:
         "torch_failures": failures,
         "results": results,
         "table_markdown": table,
+        "per_action_markdown": overhead,
     }
     path = save("compare", payload)
     _chart(results, RESULTS / "compare.png")
