@@ -86,7 +86,9 @@ class PipelineConfig:
     """Compile each local stage with ``torch.compile``; steps after the first reuse the compiled
     code, and a recompilation is logged with its cause (see [Note: stable stage graphs])."""
     compile_options: dict | None = None
-    """Keyword arguments for ``torch.compile`` (used with ``compile=True``)."""
+    """Keyword arguments for ``torch.compile`` (used with ``compile=True``). Under a schedule that
+    splits the backward, the default backend (inductor) is pippy_xla's split backend, which gives
+    W a graph of its own; ``mode`` and ``options`` configure its inductor ([Note: compiled W])."""
     data_parallel: str = "replicate"
     """With a mesh: ``"replicate"`` (every replica holds its stage whole) or ``"shard"`` (FSDP2's
     ``fully_shard``: parameters, gradients and optimizer state sharded over the replicas)."""
