@@ -139,11 +139,9 @@ class _SplitStage:
             raise _Unsupported("dynamic shapes (a graph input is a symbolic size)")
         joint, self.differentiable = _trace_joint(gm, example_inputs)
         self.num_outputs = len(self.differentiable)
-        self.options = options
         self.param_index = [i for i, p in enumerate(params) if p]
         self.input_index = [i for i, p in enumerate(params) if not p]
         fw, bw = min_cut_rematerialization_partition(joint, None, num_fwd_outputs=self.num_outputs)
-        self.fw = fw
         bw_inputs = [n for n in bw.graph.nodes if n.op == "placeholder"]
         grads = list(bw.graph.output_node().args[0])
         assert len(grads) == len(params), (len(grads), len(params))
@@ -161,52 +159,52 @@ class _SplitStage:
         reads = {a for n in weight_only for a in n.all_input_nodes if a not in weight_only}
         reads |= {g for g in weight_grads if g is not None and g not in weight_only}
         kept = [n for n in bw_inputs if n in reads]
-        self.cross = [n for n in bw.graph.nodes if n in reads and n.op != "placeholder"]
+        cross = [n for n in bw.graph.nodes if n in reads and n.op != "placeholder"]
         self.kept_index = [bw_inputs.index(n) for n in kept]
         # Graphs return tensors only; a gradient that is None stays out of them.
         self.input_slots = [i for i, g in enumerate(input_grads) if g is not None]
         self.weight_slots = [i for i, g in enumerate(weight_grads) if g is not None]
-        self.input_graph = _subgraph(
-            bw, bw_inputs, [input_grads[i] for i in self.input_slots] + self.cross
-        )
-        self.weight_graph = _subgraph(
-            bw, kept + self.cross, [weight_grads[i] for i in self.weight_slots]
-        )
+        input_graph = _subgraph(bw, bw_inputs, [input_grads[i] for i in self.input_slots] + cross)
+        weight_graph = _subgraph(bw, kept + cross, [weight_grads[i] for i in self.weight_slots])
         self.num_inputs = len(input_grads)
         self.num_params = len(weight_grads)
-        self._fw = self._input = self._weight = None
-
-    def _compile(self, gm: fx.GraphModule, args: list, *, backward: bool) -> Callable:
-        """Inductor's code for an aten graph traced already (as AOTAutograd hands its graphs to
-        inductor: no retrace, no autograd, no autocast of its own). Called with a list."""
-        from torch._inductor import config
-        from torch._inductor.compile_fx import compile_fx_inner
-
-        device = next(a.device.type for a in args if isinstance(a, torch.Tensor))
-        with torch.no_grad(), torch.autocast(device, enabled=False):
-            with config.patch(self.options or {}):
-                return compile_fx_inner(gm, args, is_backward=backward)
+        self.forward = _LazyGraph(fw, options, backward=False)
+        self.input_backward = _LazyGraph(input_graph, options, backward=True)
+        self.weight_backward = _LazyGraph(weight_graph, options, backward=True)
 
     def __call__(self, *args):
         run = _Run(self, args)
         token = _WeightNode.apply(run, *[args[i] for i in self.param_index])
         return _InputNode.apply(run, token, *[args[i] for i in self.input_index])
 
-    # The three graphs, compiled on first use with the real arguments.
-    def forward(self, args: list) -> tuple:
-        if self._fw is None:
-            self._fw = self._compile(self.fw, args, backward=False)
-        return tuple(self._fw(list(args)))
 
-    def input_backward(self, args: list) -> tuple:
-        if self._input is None:
-            self._input = self._compile(self.input_graph, args, backward=True)
-        return tuple(self._input(list(args)))
+class _LazyGraph:
+    """An aten graph traced already, compiled by inductor on its first call with the real
+    arguments, as AOTAutograd hands its graphs to inductor: no retrace, no autograd, no autocast
+    of its own."""
 
-    def weight_backward(self, args: list) -> tuple:
-        if self._weight is None:
-            self._weight = self._compile(self.weight_graph, args, backward=True)
-        return tuple(self._weight(list(args)))
+    def __init__(self, gm: fx.GraphModule, options: dict | None, *, backward: bool) -> None:
+        self.gm, self.options, self.backward = gm, options, backward
+        self.compiled: Callable | None = None
+
+    def __call__(self, args: list) -> tuple:
+        if self.compiled is None:
+            from torch._inductor import config
+            from torch._inductor.compile_fx import compile_fx_inner
+
+            device = next(a.device.type for a in args if isinstance(a, torch.Tensor))
+            with torch.no_grad(), torch.autocast(device, enabled=False):
+                with config.patch(self.options or {}):
+                    self.compiled = compile_fx_inner(self.gm, args, is_backward=self.backward)
+        return tuple(self.compiled(list(args)))  # it takes a list it may empty
+
+
+def _scatter(slots: list[int], values: Sequence, size: int) -> list:
+    """``size`` entries, ``values`` at ``slots`` and ``None`` elsewhere."""
+    out: list = [None] * size
+    for i, v in zip(slots, values, strict=True):
+        out[i] = v
+    return out
 
 
 class _Run:
@@ -236,10 +234,7 @@ class _WeightNode(torch.autograd.Function):
             raise RuntimeError("pippy_xla: a compiled stage's W ran before its B")
         args, run.weight_args = run.weight_args, None
         stage = run.stage
-        grads: list = [None] * stage.num_params
-        for i, g in zip(stage.weight_slots, stage.weight_backward(args), strict=True):
-            grads[i] = g
-        return (None, *grads)
+        return (None, *_scatter(stage.weight_slots, stage.weight_backward(args), stage.num_params))
 
 
 class _InputNode(torch.autograd.Function):
@@ -271,9 +266,7 @@ class _InputNode(torch.autograd.Function):
         run.saved = None
         out = stage.input_backward(bw_args)
         n = len(stage.input_slots)
-        input_grads: list = [None] * stage.num_inputs
-        for i, g in zip(stage.input_slots, out[:n], strict=True):
-            input_grads[i] = g
+        input_grads = _scatter(stage.input_slots, out[:n], stage.num_inputs)
         run.weight_args = [bw_args[i] for i in stage.kept_index] + list(out[n:])
         del bw_args
         token_grad = torch.zeros((), device=ctx.token_device)
