@@ -82,12 +82,13 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "simulate",
           [](const Schedule& s, std::vector<double> forward, std::vector<double> backward,
-             std::vector<double> weight, double comm) {
-            return simulate(
-                s, Costs{std::move(forward), std::move(backward), std::move(weight), comm});
+             std::vector<double> weight, double comm, double send, double recv) {
+            return simulate(s, Costs{std::move(forward), std::move(backward), std::move(weight),
+                                     comm, send, recv});
           },
           py::arg("forward") = std::vector<double>{}, py::arg("backward") = std::vector<double>{},
-          py::arg("weight") = std::vector<double>{}, py::arg("comm") = Costs{}.comm);
+          py::arg("weight") = std::vector<double>{}, py::arg("comm") = Costs{}.comm,
+          py::arg("send") = Costs{}.send, py::arg("recv") = Costs{}.recv);
 
   py::class_<ScheduleInfo>(m, "ScheduleInfo", "The facts of one schedule ([Note: schedule facts])")
       .def_readonly("name", &ScheduleInfo::name)

@@ -782,9 +782,14 @@ SimResult simulate(const Schedule& s, const Costs& costs) {
         return pick(costs.backward);
       case Op::W:
         return pick(costs.weight);
-      default:
-        return 0.0;
+      case Op::SEND_F:
+      case Op::SEND_B:
+        return costs.send;
+      case Op::RECV_F:
+      case Op::RECV_B:
+        return costs.recv;
     }
+    return 0.0;
   };
   std::map<Key, double> done;  // action -> end time
   std::vector<size_t> pc(s.num_ranks, 0);

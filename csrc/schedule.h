@@ -129,6 +129,8 @@ struct Costs {
   std::vector<double> backward;  // per stage (input + weight gradients unless split)
   std::vector<double> weight;    // per stage (split backward only)
   double comm = 0.0;             // latency from a send's post to the data being receivable
+  double send = 0.0;             // time a rank spends posting one send (SF, SB)
+  double recv = 0.0;             // time a rank spends posting one receive (RF, RB)
 };
 
 struct TimedAction {

@@ -149,8 +149,11 @@ class Schedule(_pybind11_object):
         backward: Sequence[float] = ...,
         weight: Sequence[float] = ...,
         comm: float = 0.0,
+        send: float = 0.0,
+        recv: float = 0.0,
     ) -> SimResult:
-        """The timeline for per-stage costs (empty: unit costs) and a transfer latency."""
+        """The timeline for per-stage costs (empty: unit costs), a transfer latency (``comm``)
+        and the time a rank spends posting each send (``send``) and receive (``recv``)."""
 
 class ScheduleInfo(_NoConstructor):
     """The facts of one schedule, written once in C++ (``[Note: schedule facts]``)."""

@@ -161,6 +161,8 @@ def _parser() -> argparse.ArgumentParser:
         "--weight", type=float, default=None, help="split backward: W cost (default: half of B)"
     )
     p.add_argument("--comm", type=float, default=0.0, help="transfer latency")
+    p.add_argument("--send", type=float, default=0.0, help="a rank's time to post one send")
+    p.add_argument("--recv", type=float, default=0.0, help="a rank's time to post one receive")
     p.add_argument("--png", default=None, help="draw the Gantt chart to this PNG file")
     p.add_argument("--trace", default=None, help="also write a Chrome/Perfetto trace JSON")
     p.set_defaults(func=_simulate)
@@ -180,7 +182,12 @@ def _simulate(args: argparse.Namespace) -> int:
         w = args.backward / 2 if args.weight is None else args.weight
         backward, weight = args.backward - w, [w] * n
     sim = sched.simulate(
-        forward=[args.forward] * n, backward=[backward] * n, weight=weight, comm=args.comm
+        forward=[args.forward] * n,
+        backward=[backward] * n,
+        weight=weight,
+        comm=args.comm,
+        send=args.send,
+        recv=args.recv,
     )
     print(
         f"{args.schedule}: {args.ranks} ranks x {chunks} chunks, {args.microbatches} "

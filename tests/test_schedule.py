@@ -381,6 +381,23 @@ def test_timeline() -> None:
     assert res.makespan == 23.0
 
 
+def test_timeline_charges_transfer_posts() -> None:
+    s = _C.make_schedule("1f1b", 2, 3)
+    res = s.simulate(forward=[1.0, 2.0], backward=[3.0, 4.0], comm=0.5, send=0.25, recv=0.125)
+    for t in res.timeline:
+        want = {"SF": 0.25, "SB": 0.25, "RF": 0.125, "RB": 0.125}.get(t.op)
+        if want is not None:
+            assert t.end - t.start == want, (t.op, t.stage, t.mb)
+    # Busy time counts compute only: transfers lengthen the step, not the work.
+    busy = 3 * (1.0 + 2.0 + 3.0 + 4.0)
+    assert res.bubble == pytest.approx(1 - busy / (2 * res.makespan))
+    # Hand-computed critical path: F0.0 [0,1], SF0.0 [1,1.25], F1.0 [1.75,3.75], RF1.1 (posted
+    # before B1.0) [3.75,3.875], B1.0 [3.875,7.875], SB1.0 [7.875,8.125], F1.1 [8.125,10.125],
+    # RF1.2 [10.125,10.25], B1.1 [10.25,14.25], SB1.1 [14.25,14.5], F1.2 [14.5,16.5],
+    # B1.2 [16.5,20.5], SB1.2 [20.5,20.75], B0.2 [21.25,24.25].
+    assert res.makespan == 24.25
+
+
 def test_simulator_rejects_cost_lists_of_the_wrong_length() -> None:
     with pytest.raises(RuntimeError, match=r"one entry per stage \(4\), got 2"):
         _C.make_schedule("1f1b", 4, 2).simulate(forward=[1.0, 5.0])
