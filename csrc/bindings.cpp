@@ -100,11 +100,23 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("default_chunks", &ScheduleInfo::default_chunks)
       .def_readonly("equal_stages", &ScheduleInfo::equal_stages)
       .def_readonly("placement", &ScheduleInfo::placement)
+      .def_readonly("list_scheduled", &ScheduleInfo::list_scheduled)
       .def("__repr__", [](const ScheduleInfo& i) { return "<ScheduleInfo " + i.name + ">"; });
   m.def("schedule_table", &schedule_table, py::return_value_policy::reference);
   m.def("schedule_info", &schedule_info, py::arg("name"), py::return_value_policy::reference);
-  m.def("make_schedule", &make_schedule, py::arg("name"), py::arg("num_ranks"),
-        py::arg("num_microbatches"), py::arg("chunks") = 0, py::arg("placement") = "");
+  m.def(
+      "make_schedule",
+      [](const std::string& name, int32_t num_ranks, int32_t num_microbatches, int32_t chunks,
+         const std::string& placement, std::vector<double> forward, std::vector<double> backward,
+         std::vector<double> weight) {
+        return make_schedule(name, num_ranks, num_microbatches, chunks, placement,
+                             Costs{std::move(forward), std::move(backward), std::move(weight)});
+      },
+      py::arg("name"), py::arg("num_ranks"), py::arg("num_microbatches"), py::arg("chunks") = 0,
+      py::arg("placement") = "", py::kw_only(), py::arg("forward") = std::vector<double>{},
+      py::arg("backward") = std::vector<double>{}, py::arg("weight") = std::vector<double>{},
+      "A generated schedule; `forward` / `backward` / `weight` (per-stage costs) order a "
+      "list-scheduled one ([Note: list scheduling at costs]).");
   m.def("forward_schedule", &forward_schedule, py::arg("stage_rank"), py::arg("num_ranks"),
         py::arg("num_microbatches"),
         "Evaluation on the stages where `stage_rank` puts them (any placement).");

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <deque>
 #include <map>
 #include <set>
@@ -150,38 +151,78 @@ Schedule base(const std::string& name, int32_t ranks, int32_t mbs, int32_t chunk
   return s;
 }
 
-// Zero-bubble ZB-H1 by list scheduling at unit costs (F = B = W): each free rank runs, in this
+// [Note: list scheduling at costs] The zero-bubble schedules "zbh1", "interleaved_zb" and "zbv"
+// are list-scheduled: every rank that is free at a time runs the first action its rule allows
+// with the inputs that exist by then, ranks in order at equal times. Times come from per-stage
+// costs of F, B and W (Costs; unit costs when a list is empty, which gives the published orders,
+// checked against stored tables). Real costs are uneven, and the order matters: the first stage
+// computes no input gradient, so its B is nearly free and its W is its whole backward, and a
+// rank that waits on a slower neighbour should fill the wait with work that fits. Measured
+// compiled costs on 2 ranks (benchmarks/schedules.py) give a ZB-H1 order that the simulator puts
+// 5% ahead of 1F1B, where the unit-cost order ties with it. A rule only ever picks an action
+// whose inputs exist at that time, so every order is deadlock-free (the validator checks again).
+class ListClock {
+ public:
+  explicit ListClock(int32_t ranks) : free_at_(ranks, 0.0) { times_.insert(0.0); }
+  // The earliest time something may change (false: none, the generator is stuck).
+  bool next(double* t) {
+    if (times_.empty()) return false;
+    *t = *times_.begin();
+    times_.erase(times_.begin());
+    return true;
+  }
+  bool free(int32_t r, double t) const { return free_at_[r] <= t; }
+  // Rank `r` runs an action of `cost` from `t`; returns its end.
+  double run(int32_t r, double t, double cost) {
+    free_at_[r] = t + cost;
+    times_.insert(t + cost);
+    return t + cost;
+  }
+
+ private:
+  std::vector<double> free_at_;
+  std::set<double> times_;
+};
+
+double cost_of_stage(const std::vector<double>& v, int32_t stage) {
+  return v.empty() ? 1.0 : v[stage];
+}
+
+// Zero-bubble ZB-H1 (see [Note: list scheduling at costs]): each free rank runs, in this
 // priority, the oldest backward (input gradients) whose gradient is there, else the next forward
 // whose input is there while fewer than `ranks - r` microbatches await their backward (1F1B's
 // bound) and at most `ranks` hold a graph (await W), else the oldest pending weight-gradient step.
-// Weight steps fill the time a rank would otherwise wait: for up to 4 ranks the bubble drops from
-// 1F1B's (p-1)(F+B+W) to ZB-H1's (p-1)(F+B-W), a third (more ranks: about 0.4), with every rank
-// holding at most p+1 microbatches' graphs (1F1B: p - r).
-std::vector<std::vector<Action>> zero_bubble_h1(int32_t p, int32_t m) {
+// Weight steps fill the time a rank would otherwise wait: at unit costs, for up to 4 ranks the
+// bubble drops from 1F1B's (p-1)(F+B+W) to ZB-H1's (p-1)(F+B-W), a third (more ranks: about
+// 0.4), with every rank holding at most p+1 microbatches' graphs (1F1B: p - r).
+std::vector<std::vector<Action>> zero_bubble_h1(int32_t p, int32_t m, const Costs& costs) {
   std::vector<std::vector<Action>> order(p);
-  // Time at which F / B of (stage, mb) finished; -1 while not run.
-  std::vector<int32_t> f_end(p * m, -1), b_end(p * m, -1);
+  // Time at which F / B of (stage, mb) finish; -1 while not run.
+  std::vector<double> f_end(p * m, -1), b_end(p * m, -1);
   std::vector<int32_t> next_f(p, 0), next_b(p, 0), next_w(p, 0);
-  auto done_by = [](int32_t end, int32_t t) { return end >= 0 && end <= t; };
+  ListClock clock(p);
   int32_t remaining = 3 * p * m;
-  for (int32_t t = 0; remaining > 0; ++t) {
-    TORCH_CHECK(t <= 3 * p * m + 2 * p, "zero-bubble generator made no progress");
+  for (double t = 0; remaining > 0;) {
+    TORCH_CHECK(clock.next(&t), "zero-bubble generator made no progress");
+    auto done_by = [t](double end) { return end >= 0 && end <= t; };
     for (int32_t r = 0; r < p; ++r) {
+      if (!clock.free(r, t)) continue;
       const int32_t b = next_b[r], f = next_f[r];
-      const bool b_ready = b < f && done_by(f_end[r * m + b], t) &&
-                           (r == p - 1 || done_by(b_end[(r + 1) * m + b], t));
+      const bool b_ready = b < f && done_by(f_end[r * m + b]) &&
+                           (r == p - 1 || done_by(b_end[(r + 1) * m + b]));
       const bool f_ready = f < m && f - next_b[r] < p - r && f - next_w[r] < p + 1 &&
-                           (r == 0 || done_by(f_end[(r - 1) * m + f], t));
+                           (r == 0 || done_by(f_end[(r - 1) * m + f]));
       if (b_ready) {
         order[r].push_back({Op::B, r, b});
-        b_end[r * m + b] = t + 1;
+        b_end[r * m + b] = clock.run(r, t, cost_of_stage(costs.backward, r));
         ++next_b[r];
       } else if (f_ready) {
         order[r].push_back({Op::F, r, f});
-        f_end[r * m + f] = t + 1;
+        f_end[r * m + f] = clock.run(r, t, cost_of_stage(costs.forward, r));
         ++next_f[r];
       } else if (next_w[r] < next_b[r]) {
         order[r].push_back({Op::W, r, next_w[r]++});
+        clock.run(r, t, cost_of_stage(costs.weight, r));
       } else {
         continue;
       }
@@ -206,77 +247,100 @@ std::vector<std::vector<Action>> looped_bfs(const Schedule& s, int32_t v) {
   return order;
 }
 
-// [Note: greedy schedules] List scheduling at unit costs (F = B = W = 1) for several stages per
-// rank with a split backward: at every time step each free rank runs the first backward of its
-// `b_order` whose forward ran here and whose gradient is there, else the first forward of its
-// `f_order` whose input is there while it holds fewer than `max_held[r]` microbatch-stages
-// (forwarded and not yet weighted: their activations), else its oldest pending weight step. The
-// orders say which of several ready actions goes first (for a V, the deeper chunk: the
-// microbatch nearer its loss); the bound is the schedule's activation memory. A rank takes
-// actions only once their inputs exist in the simulation, so the order is deadlock-free (the
-// validator checks it again).
-std::vector<std::vector<Action>> greedy(const Schedule& s,
-                                        const std::vector<std::vector<Action>>& f_order,
-                                        const std::vector<std::vector<Action>>& b_order,
-                                        const std::vector<int32_t>& max_held) {
+// [Note: greedy schedules] List scheduling (see [Note: list scheduling at costs]) for several
+// stages per rank with a split backward: each free rank runs the first backward of its `b_order`
+// whose forward ran here and whose gradient is there, else the first forward of its `f_order`
+// whose input is there while it holds fewer than `max_held[r]` microbatch-stages (forwarded and
+// not yet weighted: their activations), else its oldest pending weight step. The orders say which
+// of several ready actions goes first (for a V, the deeper chunk: the microbatch nearer its loss);
+// the bound is the schedule's activation memory.
+
+// One pass of the rule; false if every rank came to wait on another (`order` is then partial).
+// With `reserve`, a forward leaves one slot of the bound for each deeper stage of its rank.
+bool greedy_pass(const Schedule& s, const std::vector<std::vector<Action>>& f_order,
+                 const std::vector<std::vector<Action>>& b_order,
+                 const std::vector<int32_t>& max_held, const Costs& costs, bool reserve,
+                 std::vector<std::vector<Action>>* out) {
   const int32_t p = s.num_ranks, m = s.num_microbatches, last = s.num_stages - 1;
-  std::vector<std::vector<Action>> order(p);
-  std::vector<int32_t> f_end(s.num_stages * m, -1), b_end(s.num_stages * m, -1);
+  auto& order = *out;
+  order.assign(p, {});
+  std::vector<double> f_end(s.num_stages * m, -1), b_end(s.num_stages * m, -1);
   std::vector<std::vector<bool>> f_taken(p), b_taken(p);
   std::vector<std::deque<Action>> pending_w(p);
   std::vector<int32_t> held(p, 0);
+  std::vector<int32_t> deeper(s.num_stages, 0);  // stages of the same rank after each stage
+  for (int32_t r = 0; r < p; ++r) {
+    const auto mine = s.stages_of(r);  // ascending
+    for (size_t i = 0; i < mine.size(); ++i)
+      deeper[mine[i]] = static_cast<int32_t>(mine.size() - 1 - i);
+  }
   auto at = [m](int32_t stage, int32_t mb) { return stage * m + mb; };
-  auto done_by = [](int32_t end, int32_t t) { return end >= 0 && end <= t; };
   int64_t remaining = 0;
   for (int32_t r = 0; r < p; ++r) {
     f_taken[r].assign(f_order[r].size(), false);
     b_taken[r].assign(b_order[r].size(), false);
     remaining += 3 * static_cast<int64_t>(f_order[r].size());
   }
-  const int64_t limit = 4 * remaining + 4 * p;
-  for (int64_t t = 0; remaining > 0; ++t) {
-    TORCH_CHECK(t <= limit, "schedule '", s.name, "': the generator made no progress");
-    const int32_t now = static_cast<int32_t>(t);
+  ListClock clock(p);
+  for (double t = 0; remaining > 0;) {
+    if (!clock.next(&t)) return false;
+    auto done_by = [t](double end) { return end >= 0 && end <= t; };
     for (int32_t r = 0; r < p; ++r) {
-      auto run = [&](const Action& a) {
+      if (!clock.free(r, t)) continue;
+      auto run = [&](const Action& a, const std::vector<double>& cost) {
         order[r].push_back(a);
         --remaining;
+        return clock.run(r, t, cost_of_stage(cost, a.stage));
       };
       bool ran = false;
       for (size_t k = 0; k < b_order[r].size() && !ran; ++k) {
         const Action& a = b_order[r][k];
-        if (b_taken[r][k] || !done_by(f_end[at(a.stage, a.mb)], now)) continue;
-        if (a.stage < last && !done_by(b_end[at(a.stage + 1, a.mb)], now)) continue;
+        if (b_taken[r][k] || !done_by(f_end[at(a.stage, a.mb)])) continue;
+        if (a.stage < last && !done_by(b_end[at(a.stage + 1, a.mb)])) continue;
         b_taken[r][k] = true;
-        b_end[at(a.stage, a.mb)] = now + 1;
         pending_w[r].push_back({Op::W, a.stage, a.mb});
-        run(a);
+        b_end[at(a.stage, a.mb)] = run(a, costs.backward);
         ran = true;
       }
       for (size_t k = 0; k < f_order[r].size() && !ran && held[r] < max_held[r]; ++k) {
         const Action& a = f_order[r][k];
-        if (f_taken[r][k] || (a.stage > 0 && !done_by(f_end[at(a.stage - 1, a.mb)], now)))
-          continue;
+        if (f_taken[r][k] || (a.stage > 0 && !done_by(f_end[at(a.stage - 1, a.mb)]))) continue;
+        if (reserve && held[r] + deeper[a.stage] >= max_held[r]) continue;
         f_taken[r][k] = true;
-        f_end[at(a.stage, a.mb)] = now + 1;
         ++held[r];
-        run(a);
+        f_end[at(a.stage, a.mb)] = run(a, costs.forward);
         ran = true;
       }
       if (!ran && !pending_w[r].empty()) {
-        run(pending_w[r].front());
+        const Action w = pending_w[r].front();
         pending_w[r].pop_front();
         --held[r];
+        run(w, costs.weight);
       }
     }
   }
+  return true;
+}
+
+// The rule as published; at uneven costs a rank can fill its bound with forwards of a shallower
+// stage while every slot waits on a gradient that needs a deeper stage's forward first (never at
+// unit costs); then the rule again with one slot of the bound kept for each deeper stage.
+std::vector<std::vector<Action>> greedy(const Schedule& s,
+                                        const std::vector<std::vector<Action>>& f_order,
+                                        const std::vector<std::vector<Action>>& b_order,
+                                        const std::vector<int32_t>& max_held, const Costs& costs) {
+  std::vector<std::vector<Action>> order;
+  if (greedy_pass(s, f_order, b_order, max_held, costs, false, &order)) return order;
+  TORCH_CHECK(greedy_pass(s, f_order, b_order, max_held, costs, true, &order), "schedule '",
+              s.name, "': the generator made no progress");
   return order;
 }
 
 // Interleaved 1F1B with a split backward (torch's InterleavedZeroBubble): the interleaved
 // schedule's forward and backward orders and its activation bound (rank r's warm-up plus one),
 // list-scheduled with weight steps filling the waits (see [Note: greedy schedules]).
-std::vector<std::vector<Action>> interleaved_zero_bubble(const Schedule& s, int32_t v) {
+std::vector<std::vector<Action>> interleaved_zero_bubble(const Schedule& s, int32_t v,
+                                                        const Costs& costs) {
   const int32_t p = s.num_ranks, m = s.num_microbatches;
   TORCH_CHECK(m % p == 0, "schedule 'interleaved_zb' needs num_microbatches divisible by the ",
               "number of ranks (", p, "), got ", m);
@@ -290,14 +354,14 @@ std::vector<std::vector<Action>> interleaved_zero_bubble(const Schedule& s, int3
     }
     held[r] = (p - r - 1) * 2 + (v - 1) * p + 1;
   }
-  return greedy(s, f, b, held);
+  return greedy(s, f, b, held, costs);
 }
 
 // ZB-V (arXiv 2405.15362): two stages per rank in a V (stage r and 2p-1-r on rank r), a split
 // backward, and on every rank at most 2p microbatch-stages of activations: each stage is half a
 // 1F1B stage, so that is 1F1B's peak (its first rank's p microbatches), now on every rank. Forwards
 // and backwards of the deeper stage (nearer the loss) go first (see [Note: greedy schedules]).
-std::vector<std::vector<Action>> zero_bubble_v(const Schedule& s) {
+std::vector<std::vector<Action>> zero_bubble_v(const Schedule& s, const Costs& costs) {
   const int32_t p = s.num_ranks, m = s.num_microbatches;
   std::vector<std::vector<Action>> f(p), b(p);
   for (int32_t r = 0; r < p; ++r) {
@@ -309,7 +373,7 @@ std::vector<std::vector<Action>> zero_bubble_v(const Schedule& s) {
       b[r].push_back({Op::B, down, i});
     }
   }
-  return greedy(s, f, b, std::vector<int32_t>(p, 2 * p));
+  return greedy(s, f, b, std::vector<int32_t>(p, 2 * p), costs);
 }
 
 // DualPipeV (DeepSeek's DualPipe cut in half): two stages per rank in a V, in the published
@@ -507,6 +571,7 @@ const std::vector<ScheduleInfo>& schedule_table() {
     t[6].name = "zbv";
     t[6].description = "zero bubble ZB-V: 2 stages per rank in a V, split backward, 1F1B's memory";
     t[6].split_backward = true;
+    for (int i : {3, 5, 6}) t[i].list_scheduled = true;
     t[7].name = "dualpipev";
     t[7].description = "DualPipeV: 2 stages per rank in a V, split backward, >= 2 x ranks mbs";
     t[7].split_backward = true;
@@ -556,6 +621,28 @@ std::vector<std::string> train_schedule_names() {
 }
 
 int32_t default_chunks(const std::string& name) { return schedule_info(name).default_chunks; }
+
+// The list-scheduled schedules' names, quoted, for messages.
+std::string list_scheduled() {
+  std::ostringstream os;
+  for (const auto& info : schedule_table())
+    if (info.list_scheduled) os << (os.tellp() > 0 ? ", '" : "'") << info.name << "'";
+  return os.str();
+}
+
+// Throws c10::Error unless each per-stage list of `costs` is empty or has one entry per stage of
+// `s`, and every cost is finite and not negative.
+void check_costs(const Schedule& s, const Costs& costs, const char* what) {
+  for (const auto* v : {&costs.forward, &costs.backward, &costs.weight}) {
+    TORCH_CHECK(v->empty() || static_cast<int32_t>(v->size()) == s.num_stages, what,
+                ": per-stage costs need one entry per stage (", s.num_stages, "), got ",
+                v->size(), "; pass an empty list for unit costs");
+    for (double c : *v)
+      TORCH_CHECK(std::isfinite(c) && c >= 0, what, ": costs must be finite and >= 0, got ", c);
+  }
+  for (double c : {costs.comm, costs.send, costs.recv})
+    TORCH_CHECK(std::isfinite(c) && c >= 0, what, ": costs must be finite and >= 0, got ", c);
+}
 
 void check_placement(const std::string& placement) {
   TORCH_CHECK(placement == "loop" || placement == "v", "unknown placement '", placement,
@@ -613,7 +700,7 @@ Schedule forward_schedule(std::vector<int32_t> stage_rank, int32_t num_ranks,
 }
 
 Schedule make_schedule(const std::string& name, int32_t num_ranks, int32_t num_microbatches,
-                       int32_t chunks, const std::string& placement) {
+                       int32_t chunks, const std::string& placement, const Costs& costs) {
   const ScheduleInfo& info = schedule_info(name);
   if (chunks == 0) chunks = info.default_chunks;
   const std::string& where = placement.empty() ? info.placement : placement;
@@ -627,6 +714,11 @@ Schedule make_schedule(const std::string& name, int32_t num_ranks, int32_t num_m
               "schedule '", name, "' needs chunks >= ", info.min_chunks, " (stages per rank), got ",
               chunks);
   Schedule s = base(name, num_ranks, num_microbatches, chunks, where);
+  const bool costed = !costs.forward.empty() || !costs.backward.empty() || !costs.weight.empty();
+  TORCH_CHECK(!costed || info.list_scheduled, "schedule '", name, "' has a fixed order that ",
+              "costs do not change; costs order the list-scheduled schedules (", list_scheduled(),
+              ")");
+  check_costs(s, costs, "make_schedule");
   s.backward = info.trains;
   s.split_backward = info.split_backward;
   const int32_t p = num_ranks, m = num_microbatches, v = chunks;
@@ -670,13 +762,13 @@ Schedule make_schedule(const std::string& name, int32_t num_ranks, int32_t num_m
       for (int32_t k = total - warmup; k < total; ++k) c.push_back(unit(Op::B, r, k));
     }
   } else if (name == "zbh1") {
-    compute = zero_bubble_h1(p, m);
+    compute = zero_bubble_h1(p, m, costs);
   } else if (name == "looped_bfs") {
     compute = looped_bfs(s, v);
   } else if (name == "interleaved_zb") {
-    compute = interleaved_zero_bubble(s, v);
+    compute = interleaved_zero_bubble(s, v, costs);
   } else if (name == "zbv") {
-    compute = zero_bubble_v(s);
+    compute = zero_bubble_v(s, costs);
   } else {  // "dualpipev"; schedule_info refused any other name
     compute = dualpipe_v(s);
   }
@@ -768,11 +860,7 @@ void check_structure(const Schedule& s) {
 SimResult simulate(const Schedule& s, const Costs& costs) {
   check_structure(s);
   const int32_t last = s.num_stages - 1;
-  for (const auto* v : {&costs.forward, &costs.backward, &costs.weight}) {
-    TORCH_CHECK(v->empty() || static_cast<int32_t>(v->size()) == s.num_stages,
-                "simulate: per-stage costs need one entry per stage (", s.num_stages, "), got ",
-                v->size(), "; pass an empty list for unit costs");
-  }
+  check_costs(s, costs, "simulate");
   auto cost_of = [&](const Action& a) -> double {
     auto pick = [&](const std::vector<double>& v) { return v.empty() ? 1.0 : v[a.stage]; };
     switch (a.op) {

@@ -70,6 +70,18 @@ struct Schedule {
   std::string table() const;
 };
 
+// Per-action costs (any unit; the engine records nanoseconds), for the simulator and for the
+// orders of the list-scheduled schedules (see [Note: list scheduling at costs]). Each per-stage
+// list is empty (unit costs) or has one entry per stage.
+struct Costs {
+  std::vector<double> forward;   // per stage
+  std::vector<double> backward;  // per stage (input + weight gradients unless split)
+  std::vector<double> weight;    // per stage (split backward only)
+  double comm = 0.0;             // latency from a send's post to the data being receivable
+  double send = 0.0;             // time a rank spends posting one send (SF, SB)
+  double recv = 0.0;             // time a rank spends posting one receive (RF, RB)
+};
+
 // [Note: schedule facts] What the rest of the library needs to know about each generated
 // schedule, written once: make_schedule checks its arguments against it, and Python reads it
 // through _C.schedule_info (the config's checks and default chunks, the stage layout, the
@@ -84,6 +96,8 @@ struct ScheduleInfo {
   int32_t default_chunks = 1;   // stages per rank when the caller names none
   bool equal_stages = false;    // every stage must hold the same number of layers
   std::string placement = "loop";  // how stages sit on ranks: "loop" or "v" (see stage_rank)
+  bool list_scheduled = false;  // the order is list-scheduled at per-stage costs (make_schedule's
+                                // `costs`; see [Note: list scheduling at costs])
 };
 
 // Every generated schedule, "forward" (evaluation) last.
@@ -113,25 +127,17 @@ void check_stage_count(int64_t num_layers, int64_t num_stages);
 std::vector<std::pair<int32_t, int32_t>> balanced_ranges(int32_t num_layers, int32_t num_stages);
 // `chunks` 0: the schedule's default (ScheduleInfo::default_chunks). `placement` empty: the
 // schedule's own (ScheduleInfo::placement); "forward" takes either, so that
-// evaluation runs on the stages where training put them.
+// evaluation runs on the stages where training put them. `costs` (F, B, W per stage; empty:
+// unit costs) orders a list-scheduled schedule (ScheduleInfo::list_scheduled) and is refused by
+// the others, whose order does not depend on costs.
 Schedule make_schedule(const std::string& name, int32_t num_ranks, int32_t num_microbatches,
-                       int32_t chunks = 0, const std::string& placement = "");
+                       int32_t chunks = 0, const std::string& placement = "",
+                       const Costs& costs = {});
 
 // Evaluation on any stage placement: every rank runs its stages' forwards, stages ascending, each
 // for every microbatch (what make_schedule("forward") generates for its placements).
 Schedule forward_schedule(std::vector<int32_t> stage_rank, int32_t num_ranks,
                           int32_t num_microbatches);
-
-// Per-action costs for the simulator (any unit; the engine records nanoseconds). Each
-// per-stage list is empty (unit costs) or has one entry per stage.
-struct Costs {
-  std::vector<double> forward;   // per stage
-  std::vector<double> backward;  // per stage (input + weight gradients unless split)
-  std::vector<double> weight;    // per stage (split backward only)
-  double comm = 0.0;             // latency from a send's post to the data being receivable
-  double send = 0.0;             // time a rank spends posting one send (SF, SB)
-  double recv = 0.0;             // time a rank spends posting one receive (RF, RB)
-};
 
 struct TimedAction {
   Action action;

@@ -185,6 +185,10 @@ class ScheduleInfo(_NoConstructor):
         """How stages sit on ranks: ``"loop"`` (stage ``s`` on rank ``s % ranks``) or ``"v"``
         (every odd chunk reversed: with 2 chunks, rank ``r`` runs ``r`` and ``2 * ranks - 1 - r``),
         as :func:`stage_rank`."""
+    @property
+    def list_scheduled(self) -> bool:
+        """Whether the order is list-scheduled at per-stage costs (:func:`make_schedule`'s
+        ``forward`` / ``backward`` / ``weight``; ``[Note: list scheduling at costs]``)."""
 
 def schedule_table() -> list[ScheduleInfo]:
     """Every generated schedule's facts, ``"forward"`` (evaluation) last."""
@@ -193,11 +197,21 @@ def schedule_info(name: str) -> ScheduleInfo:
     """The facts of schedule ``name``; ``RuntimeError`` naming the known ones otherwise."""
 
 def make_schedule(
-    name: str, num_ranks: int, num_microbatches: int, chunks: int = 0, placement: str = ""
+    name: str,
+    num_ranks: int,
+    num_microbatches: int,
+    chunks: int = 0,
+    placement: str = "",
+    *,
+    forward: Sequence[float] = ...,
+    backward: Sequence[float] = ...,
+    weight: Sequence[float] = ...,
 ) -> Schedule:
     """The generated schedule ``name`` (one of :func:`schedule_names`); ``chunks`` 0: its
     default; ``placement`` empty: the schedule's own (``"forward"`` takes either, to evaluate on
-    the stages where training placed them)."""
+    the stages where training placed them). ``forward`` / ``backward`` / ``weight``: per-stage
+    costs (empty: unit costs) that order a list-scheduled schedule
+    (:attr:`ScheduleInfo.list_scheduled`); the others refuse them."""
 
 def forward_schedule(stage_rank: Sequence[int], num_ranks: int, num_microbatches: int) -> Schedule:
     """Evaluation on the stages where ``stage_rank`` puts them (any placement)."""
