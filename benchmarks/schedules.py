@@ -20,6 +20,10 @@
   Under a split-backward schedule each compiled stage has an input-gradient and a weight-gradient
   graph ([Note: compiled W]), so W is real work there too; the claim checked: compiled ``zbh1`` and
   ``zbv`` faster than compiled ``1f1b``. The first steps compile: use ``--warmup 3`` or more.
+- ``<name>:tuned`` speed rows (unless ``--no-tuned``): each list-scheduled schedule once more,
+  reordered after the last warm-up step for the costs measured in it
+  (``PipelineModel.tune_schedule``, [Note: list scheduling at costs]); the ideal and efficiency
+  are those of the order that ran.
 
 Results: ``benchmarks/results/schedules.json`` (``--skip`` keeps the skipped part's last results).
 """
@@ -33,7 +37,11 @@ import statistics
 import time
 
 from _common import RESULTS, run_ranks, save, summarize
-from compare import REGIMES, _build, _SavedBytes, _simulated_ideal
+from compare import REGIMES, _build, _SavedBytes
+
+TUNED = ":tuned"
+"""A schedule name with this suffix: the schedule reordered for the costs measured in the last
+warm-up step (``PipelineModel.tune_schedule``, [Note: list scheduling at costs])."""
 
 
 def _pipes(regime: dict, schedules: list[str], m: int, compile: bool = False) -> dict:
@@ -47,7 +55,7 @@ def _pipes(regime: dict, schedules: list[str], m: int, compile: bool = False) ->
             copy.deepcopy(base),
             layer_cls=LlamaDecoderLayer,
             num_microbatches=m,
-            schedule=name,
+            schedule=name.removesuffix(TUNED),
             compile=compile,
         )
         for name in schedules
@@ -100,10 +108,13 @@ def _speed(rank, world, regime, schedules, m, steps, warmup, compile) -> dict:
             if k >= warmup:
                 times[name].append(time.perf_counter() - t0)
             losses[name].append(float(loss))
+            if k == warmup - 1 and name.endswith(TUNED):
+                pipe.tune_schedule()
     costs = {
         n: _stage_costs(p.timings(), len(p.stages)) for n, p in made["pipes"].items()
     }  # of the last step
-    return {"times": times, "losses": losses, "costs": costs}
+    orders = {n: p.engine.schedule.to_csv() for n, p in made["pipes"].items()}
+    return {"times": times, "losses": losses, "costs": costs, "orders": orders}
 
 
 def _merge_costs(per_rank: list[dict]) -> dict[str, list[float]]:
@@ -128,8 +139,16 @@ def main() -> None:
         action="store_true",
         help="speed of compiled stages only (results under speed_compiled; implies --skip memory)",
     )
+    p.add_argument(
+        "--no-tuned",
+        action="store_true",
+        help=f"speed: no '<name>{TUNED}' rows (list-scheduled ones reordered for measured costs)",
+    )
     args = p.parse_args()
     names = args.schedules.split(",")
+    speed_names = names + [
+        n + TUNED for n in ([] if args.no_tuned else names) if _C.schedule_info(n).list_scheduled
+    ]
     regime = REGIMES["compute"]
     # A part skipped keeps its results from the last run.
     previous = RESULTS / "schedules.json"
@@ -156,27 +175,29 @@ def main() -> None:
     if args.skip != "speed":
         world, m = args.speed_ranks, args.speed_mbs
         per_rank = run_ranks(
-            world, _speed, regime, names, m, args.steps, args.warmup, args.compile, timeout=3600
-        )
+            world, _speed, regime, speed_names, m, args.steps, args.warmup, args.compile,
+            timeout=3600,
+        )  # fmt: skip
         speed = {}
-        for n in names:
+        for n in speed_names:
             steps = [max(ts) for ts in zip(*(r["times"][n] for r in per_rank), strict=True)]
             costs = _merge_costs([r["costs"][n] for r in per_rank])
-            chunks = _C.default_chunks(n)
-            ideal = _simulated_ideal(
-                n, world, m, chunks, {**costs, "W": costs["W"] if any(costs["W"]) else []}
-            )
+            # The order that ran, simulated at the last step's own costs.
+            order = _C.Schedule.from_csv(per_rank[0]["orders"][n], n)
+            w = costs["W"] if order.split_backward else []
+            ideal = order.simulate(forward=costs["F"], backward=costs["B"], weight=w).makespan
             speed[n] = {
                 "step_s": summarize(steps),
                 "losses": per_rank[0]["losses"][n],
                 "stage_costs_s": costs,
                 "ideal_s": ideal,
                 "efficiency": ideal / steps[-1] if ideal else None,
+                "order": per_rank[0]["orders"][n],
             }
         base = speed.get("1f1b", {}).get("step_s", {}).get("median")
         kind = "compiled stages" if args.compile else "eager stages"
         print(f"\nstep time, {kind}, {world} ranks, {m} microbatches, {args.steps} steps")
-        for n in names:
+        for n in speed_names:
             med = speed[n]["step_s"]["median"]
             speed[n]["vs_1f1b"] = base / med if base else None
             eff = speed[n]["efficiency"]

@@ -1,16 +1,17 @@
 """Does the simulator predict real steps? Measured vs predicted step time per schedule.
 
-    python benchmarks/simulator_accuracy.py [--steps 8]
+    python benchmarks/simulator_accuracy.py [--steps 8] [--schedules a,b] [--no-transfers]
 
 For each schedule, trains a small Llama on 2 CPU ranks (one thread each), takes the engine's
 per-action timings of each measured step, feeds the median F / B / W duration per stage and the
-mean time a rank spends posting a send and a receive (the engine times those actions too; the
-mean, not the median, because a send on this shared 2-core VM now and then stalls for 2-5 ms while
-gloo's transport thread holds the pair, and those stalls are part of the step) to the C++
-simulator, and compares the simulated makespan with the measured step time (first action start to
-last action end over both ranks). ``--no-transfers`` simulates free transfers, as before. Prints the error per schedule (the target is within 10%), saves
-``benchmarks/results/simulator_accuracy.json`` and draws the measured and simulated timelines of
-the last schedule to ``benchmarks/results/timeline_measured.png`` / ``timeline_simulated.png``.
+mean time a rank spends posting a send and a receive to the C++ simulator, and compares the
+simulated makespan with the measured step time (first action start to last action end over both
+ranks). Posts are timed by the engine too; the mean, not the median, because on this shared
+2-core VM a send now and then stalls for 2-5 ms while gloo's transport thread holds the
+connection, and those stalls are part of the step. ``--no-transfers`` simulates free transfers.
+Prints the error per schedule (the target is within 10%) with and without the posts, saves
+``benchmarks/results/simulator_accuracy.json`` and draws the measured and simulated timelines to
+``benchmarks/results/timeline_measured_<schedule>.png`` / ``timeline_simulated_<schedule>.png``.
 """
 
 from __future__ import annotations

@@ -128,8 +128,9 @@ std::vector<std::pair<int32_t, int32_t>> balanced_ranges(int32_t num_layers, int
 // `chunks` 0: the schedule's default (ScheduleInfo::default_chunks). `placement` empty: the
 // schedule's own (ScheduleInfo::placement); "forward" takes either, so that
 // evaluation runs on the stages where training put them. `costs` (F, B, W per stage; empty:
-// unit costs) orders a list-scheduled schedule (ScheduleInfo::list_scheduled) and is refused by
-// the others, whose order does not depend on costs.
+// unit costs) orders a list-scheduled schedule (ScheduleInfo::list_scheduled): the order list-
+// scheduled at those costs if the simulator puts it ahead of the published one at them, else the
+// published one. The other schedules, whose order does not depend on costs, refuse costs.
 Schedule make_schedule(const std::string& name, int32_t num_ranks, int32_t num_microbatches,
                        int32_t chunks = 0, const std::string& placement = "",
                        const Costs& costs = {});

@@ -211,7 +211,9 @@ def make_schedule(
     default; ``placement`` empty: the schedule's own (``"forward"`` takes either, to evaluate on
     the stages where training placed them). ``forward`` / ``backward`` / ``weight``: per-stage
     costs (empty: unit costs) that order a list-scheduled schedule
-    (:attr:`ScheduleInfo.list_scheduled`); the others refuse them."""
+    (:attr:`ScheduleInfo.list_scheduled`): the order list-scheduled at them if the simulator puts
+    it ahead of the published one at those costs, else the published one. The other schedules
+    refuse costs."""
 
 def forward_schedule(stage_rank: Sequence[int], num_ranks: int, num_microbatches: int) -> Schedule:
     """Evaluation on the stages where ``stage_rank`` puts them (any placement)."""

@@ -15,8 +15,12 @@ Schedule = _C.Schedule
 """A pipeline schedule as data (every rank's actions): ``Schedule.from_csv(text)`` reads
 torch.distributed.pipelining's CSV format; pass one as ``PipelineModel(schedule=...)``."""
 make_schedule = _C.make_schedule
-"""``make_schedule(name, num_ranks, num_microbatches, chunks=0)``: a generated
-:class:`Schedule` (``chunks`` 0: the schedule's default)."""
+"""``make_schedule(name, num_ranks, num_microbatches, chunks=0, *, forward=, backward=,
+weight=)``: a generated :class:`Schedule` (``chunks`` 0: the schedule's default); per-stage
+costs order a list-scheduled one (``schedule_info(name).list_scheduled``)."""
+schedule_info = _C.schedule_info
+"""``schedule_info(name)``: the facts of a generated schedule (stages per rank, placement, split
+backward, list-scheduled)."""
 
 __all__ = [
     "BatchMismatchError",
@@ -39,4 +43,5 @@ __all__ = [
     "materialize",
     "partition",
     "plan",
+    "schedule_info",
 ]

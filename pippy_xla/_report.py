@@ -50,6 +50,32 @@ class Report:
                 viz.draw_timeline(events, png_path, title=title)
         return events
 
+    def stage_costs(self) -> dict[str, list[float]]:
+        """Every stage's mean F, B and W duration in seconds in the last training step, each
+        measured on its stage's rank; a collective over the pipeline's group (it gathers the
+        :meth:`timeline`). ``{"forward": [...], "backward": [...], "weight": [...]}`` with one
+        entry per stage (``weight`` zeros without a split backward), as
+        :func:`pippy_xla.make_schedule` and ``Schedule.simulate`` take them. Raises
+        ``RuntimeError`` unless the last step trained with the current schedule."""
+        runner = self._runner
+        engine = runner.train_engine
+        if runner.last_engine is not engine or not engine.timings():
+            raise RuntimeError(
+                f"[rank {runner.place.rank}] stage costs are measured in a training step: run "
+                "run_train with the current schedule first"
+            )
+        n = engine.schedule.num_stages
+        sums = {op: [0.0] * n for op in "FBW"}
+        counts = {op: [0] * n for op in "FBW"}
+        for _, op, stage, _, start, end in self.timeline():
+            if op in sums:
+                sums[op][stage] += end - start
+                counts[op][stage] += 1
+        mean = {
+            op: [t / max(c, 1) for t, c in zip(sums[op], counts[op], strict=True)] for op in sums
+        }
+        return {"forward": mean["F"], "backward": mean["B"], "weight": mean["W"]}
+
     @property
     def stash_peak_bytes(self) -> int:
         """Most bytes the activation stash held at once since the last :meth:`reset_stash_peak`."""

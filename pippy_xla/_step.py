@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pippy_xla._batch import agree_on_step, split_batch, step_key
+from pippy_xla._batch import agree_on_step, digest64, split_batch, step_key
 from pippy_xla._build import BuiltPipeline
 from pippy_xla._grads import clip_, global_norm, local_gradients
 from pippy_xla._native import _C
@@ -204,6 +204,53 @@ class StepRunner:
             error_if_nonfinite=error_if_nonfinite,
         )
         return total
+
+    def reorder(self, costs: dict[str, list[float]]) -> _C.Schedule:
+        """Generates the training schedule again, list-scheduled at ``costs`` (every stage's
+        ``forward`` / ``backward`` / ``weight`` seconds, as :meth:`Report.stage_costs` measures
+        them), and runs later training steps with it: the same stages on the same ranks, in
+        another order. A collective over the pipeline's ranks (and, with a mesh, the replicas,
+        whose costs are averaged so that every replica runs one order)."""
+        place, config = self.place, self.config
+        if self.dp is not None:
+            flat = torch.tensor(
+                [c for k in ("forward", "backward", "weight") for c in costs[k]],
+                dtype=torch.float64,
+                device=place.device,
+            )
+            what = f"[rank {place.rank}] schedule costs all_reduce over replicas"
+            total = self.failures.watched(what, self.dp.all_reduce_sum, flat, what)
+            n = len(costs["forward"])
+            mean = (total / place.dp_size).tolist()
+            costs = {
+                k: mean[i * n : (i + 1) * n]
+                for i, k in enumerate(("forward", "backward", "weight"))
+            }
+        schedule = _C.make_schedule(
+            config.schedule_name, place.num_ranks, config.num_microbatches, config.chunks, **costs
+        )
+        key = digest64(schedule.table().encode())
+        what = f"[rank {place.rank}] schedule agreement"
+        everyone = self.failures.watched(
+            what,
+            _C.all_gather_int64,
+            [key],
+            place.group_name,
+            str(place.device),
+            place.timeout_ms,
+            what,
+        )
+        agreed = all(k == [key] for k in everyone)
+        if self.dp is not None:
+            agreed = self.failures.watched(what, self.dp.agree, key, what) and agreed
+        if not agreed:
+            raise RuntimeError(f"{what}: the ranks generated different orders from their costs")
+        self.train_engine = _C.Engine(
+            schedule, place.group_name, place.timeout_ms, str(place.device)
+        )
+        logger.info("[rank %d] %r reordered for the measured costs", place.rank, schedule.name)
+        logger.debug("[rank %d] %s", place.rank, schedule.table())
+        return schedule
 
     def _sum_tied_grads(self) -> None:
         """Sums each tied weight's gradient over its owners."""

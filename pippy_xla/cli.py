@@ -163,6 +163,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--comm", type=float, default=0.0, help="transfer latency")
     p.add_argument("--send", type=float, default=0.0, help="a rank's time to post one send")
     p.add_argument("--recv", type=float, default=0.0, help="a rank's time to post one receive")
+    p.add_argument(
+        "--tune",
+        action="store_true",
+        help="list-scheduled schedules (zbh1, interleaved_zb, zbv): the order for these costs, "
+        "as PipelineModel.tune_schedule runs it (default: the published order, unit costs)",
+    )
     p.add_argument("--png", default=None, help="draw the Gantt chart to this PNG file")
     p.add_argument("--trace", default=None, help="also write a Chrome/Perfetto trace JSON")
     p.set_defaults(func=_simulate)
@@ -181,6 +187,9 @@ def _simulate(args: argparse.Namespace) -> int:
         # B is the input-gradient part: the full backward minus W.
         w = args.backward / 2 if args.weight is None else args.weight
         backward, weight = args.backward - w, [w] * n
+    if args.tune:  # a fixed-order schedule refuses costs (one line, exit status 2)
+        costs = {"forward": [args.forward] * n, "backward": [backward] * n, "weight": weight}
+        sched = _C.make_schedule(args.schedule, args.ranks, args.microbatches, chunks, **costs)
     sim = sched.simulate(
         forward=[args.forward] * n,
         backward=[backward] * n,

@@ -360,6 +360,39 @@ class PipelineModel:
         step."""
         return self._runner.recompiles
 
+    def stage_costs(self) -> dict[str, list[float]]:
+        """Every stage's mean F, B and W seconds in the last training step (a collective). See
+        :meth:`pippy_xla._report.Report.stage_costs`."""
+        return self._report.stage_costs()
+
+    def tune_schedule(self) -> _C.Schedule:
+        """Orders the training schedule for the costs measured in the last training step; a
+        collective over every rank of the pipeline (and its replicas).
+
+        The zero-bubble schedules (``"zbh1"``, ``"interleaved_zb"``, ``"zbv"``) are list-scheduled
+        ([Note: list scheduling at costs]): generated at unit costs by default, they are generated
+        again at every stage's measured mean F, B and W (:meth:`stage_costs`), and later steps run
+        that order (or the published one, where the simulator puts it no later at those costs).
+        Stages, ranks, memory bound and results stay the same; only the order of the actions
+        changes. Call it after a few steps (with ``compile=True``, after the steps that
+        compile), and again if the costs change. Returns the new schedule (also
+        ``pipe.engine.schedule``).
+
+        Raises:
+            ValueError: the schedule's order does not depend on costs (a fixed schedule such as
+                ``"1f1b"``, or a :class:`pippy_xla.Schedule` given as is).
+            RuntimeError: no training step has run with the current schedule.
+        """
+        config = self.pipeline_config
+        name = config.schedule
+        if not isinstance(name, str) or not _C.schedule_info(name).list_scheduled:
+            listed = [i.name for i in _C.schedule_table() if i.list_scheduled]
+            raise ValueError(
+                f"schedule {config.schedule_name!r} has a fixed order; tune_schedule reorders the "
+                f"list-scheduled schedules {listed}"
+            )
+        return self._runner.reorder(self._report.stage_costs())
+
     def timings(self) -> list[tuple[str, int, int, int, int]]:
         """The last step's actions on this rank: ``(op, stage, microbatch, start_ns, end_ns)``.
         See :meth:`pippy_xla._report.Report.timings`."""

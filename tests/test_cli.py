@@ -48,6 +48,21 @@ def test_a_bad_request_is_one_line_without_a_traceback(capsys):
     assert err.startswith("pippy-xla plan: error: cannot split 4 decoder layers into 8 stages")
 
 
+def test_simulate_tune_orders_for_the_costs(capsys):
+    # B twice F, W a quarter of F: the order list-scheduled at these costs is shorter than the
+    # published one at the same costs; a fixed schedule refuses --tune.
+    argv = ["simulate", "--schedule", "zbv", "--ranks", "4", "--microbatches", "8"]
+    costs = ["--backward", "2.25", "--weight", "0.25"]
+
+    def step(extra):
+        assert cli.main([*argv, *costs, *extra]) == 0
+        return float(capsys.readouterr().out.split("step ")[1].split(",")[0])
+
+    assert step(["--tune"]) < step([])
+    assert cli.main(["simulate", "--schedule", "1f1b", "--tune"]) == 2
+    assert "'1f1b' has a fixed order" in capsys.readouterr().err
+
+
 def test_simulate_writes_only_what_it_is_asked_to(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert cli.main(["simulate", "--schedule", "1f1b", "--ranks", "2"]) == 0

@@ -42,9 +42,10 @@ def _check_grads(pipe, ref, where):
     assert n > 0
 
 
-def _train_equal(rank, world, family, schedule, mb_counts, steps=3, layers=4):
+def _train_equal(rank, world, family, schedule, mb_counts, steps=3, layers=4, tune_after=None):
     """Per step: loss and every local gradient equal the reference's; after AdamW steps the
-    parameters still match. Returns what each rank checked, for the parent to assert on."""
+    parameters still match (with ``tune_after``: after that step the schedule is reordered for
+    the measured costs). Returns what each rank checked, for the parent to assert on."""
     checked = []
     for mbs in mb_counts:
         model, layer_cls = _build(family, layers=layers)
@@ -74,8 +75,24 @@ def _train_equal(rank, world, family, schedule, mb_counts, steps=3, layers=4):
                     **PARAM_TOL,
                     msg=lambda m, name=name, where=where: f"{where}: param {name}\n{m}",
                 )
+            if step == tune_after:
+                _tune(pipe, schedule, world, mbs)
         checked.append((mbs, sorted(n for n, _ in pipe.named_parameters())))
     return checked
+
+
+def _tune(pipe, schedule, world, mbs):
+    # The order for this step's measured costs, the same on every rank (the reorder checks that
+    # the ranks agree), runs from the next step on.
+    costs = pipe.stage_costs()
+    assert sorted(costs) == ["backward", "forward", "weight"]
+    assert all(len(v) == pipe.num_stages and min(v) > 0 for v in costs.values()), costs
+    engine = pipe.engine
+    tuned = pipe.tune_schedule()
+    assert pipe.engine is not engine and pipe.engine.schedule.table() == tuned.table()
+    assert tuned.table() == px.make_schedule(schedule, world, mbs, **costs).table()
+    with pytest.raises(RuntimeError, match="run run_train with the current schedule first"):
+        pipe.stage_costs()  # the new order has not run yet
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
@@ -112,9 +129,32 @@ def test_multi_stage_and_zero_bubble_schedules_match_single_process(world):
 
 
 def _csv_schedule_trains(rank, world, csv_text):
-    # A schedule in torch.distributed.pipelining's CSV format, run as given.
+    # A schedule in torch.distributed.pipelining's CSV format, run as given; it has no costs to
+    # reorder for.
     schedule = px.Schedule.from_csv(csv_text, "torch-zbv")
     _train_equal(rank, world, "gpt2", schedule, [schedule.num_microbatches], 2, 4)
+    model, layer_cls = _build("gpt2")
+    pipe = px.PipelineModel(
+        model, layer_cls=layer_cls, num_microbatches=4, schedule=schedule, timeout=60
+    )
+    with pytest.raises(ValueError, match="'torch-zbv' has a fixed order"):
+        pipe.tune_schedule()
+
+
+def _tuned_schedules_train(rank, world):
+    model, layer_cls = _build("llama")
+    pipe = px.PipelineModel(copy.deepcopy(model), layer_cls=layer_cls, num_microbatches=4)
+    with pytest.raises(ValueError, match="'1f1b' has a fixed order; tune_schedule reorders the "):
+        pipe.tune_schedule()
+    pipe = px.PipelineModel(model, layer_cls=layer_cls, num_microbatches=4, schedule="zbh1")
+    with pytest.raises(RuntimeError, match="measured in a training step"):
+        pipe.tune_schedule()  # nothing measured yet
+    for schedule in ("zbh1", "zbv"):
+        _train_equal(rank, world, "llama", schedule, [4], 3, 4, tune_after=0)
+
+
+def test_tuned_schedule_runs_and_matches_single_process():
+    run_ranks(2, _tuned_schedules_train)
 
 
 def test_schedule_from_torch_csv_runs_and_matches_single_process():

@@ -722,6 +722,19 @@ def test_list_scheduling_at_measured_costs_orders_around_the_slow_stage() -> Non
     assert unit.simulate(**costs).makespan == pytest.approx(0.9530, abs=1e-4)
 
 
+def test_list_scheduling_keeps_the_published_order_where_it_is_better() -> None:
+    # Eager interleaved_zb on 2 ranks (benchmarks/schedules.py): list-scheduled at these costs
+    # the order simulates at 1.029 s, the published one at 1.004 s: make_schedule keeps that.
+    costs = {
+        "forward": [0.0334, 0.0370, 0.0338, 0.0481],
+        "backward": [0.0, 0.0377, 0.0403, 0.0459],
+        "weight": [0.0734, 0.0294, 0.0271, 0.0321],
+    }
+    published = _C.make_schedule("interleaved_zb", 2, 4)
+    assert _C.make_schedule("interleaved_zb", 2, 4, **costs).table() == published.table()
+    assert published.simulate(**costs).makespan == pytest.approx(1.0043, abs=1e-4)
+
+
 @pytest.mark.parametrize(("name", "p", "m", "v"), LIST_CASES)
 def test_list_scheduling_at_random_costs_is_valid_and_keeps_the_memory_bound(name, p, m, v):
     # Uneven costs, some stages 100x slower than others, and the first stage's B nearly free (as
