@@ -205,13 +205,23 @@ class StepRunner:
         )
         return total
 
-    def reorder(self, costs: dict[str, list[float]]) -> _C.Schedule:
-        """Generates the training schedule again, list-scheduled at ``costs`` (every stage's
-        ``forward`` / ``backward`` / ``weight`` seconds, as :meth:`Report.stage_costs` measures
-        them), and runs later training steps with it: the same stages on the same ranks, in
-        another order. A collective over the pipeline's ranks (and, with a mesh, the replicas,
-        whose costs are averaged so that every replica runs one order)."""
+    def tune_schedule(self, measure: Callable[[], dict[str, list[float]]]) -> _C.Schedule:
+        """Generates the training schedule again at the costs ``measure`` returns (a collective:
+        every stage's ``forward`` / ``backward`` / ``weight`` seconds, as
+        :meth:`pippy_xla._report.Report.stage_costs` measures them) and runs later training steps
+        with it: the same stages on the same ranks, in another order. A collective over the
+        pipeline's ranks (and, with a mesh, the replicas, whose costs are averaged so that every
+        replica runs one order). A schedule whose order does not depend on costs is a
+        ``ValueError`` before anything is measured."""
         place, config = self.place, self.config
+        name = config.schedule
+        if not isinstance(name, str) or not _C.schedule_info(name).list_scheduled:
+            listed = [i.name for i in _C.schedule_table() if i.list_scheduled]
+            raise ValueError(
+                f"schedule {config.schedule_name!r} has a fixed order; tune_schedule reorders the "
+                f"list-scheduled schedules {listed}"
+            )
+        costs = measure()
         if self.dp is not None:
             flat = torch.tensor(
                 [c for k in ("forward", "backward", "weight") for c in costs[k]],

@@ -383,15 +383,7 @@ class PipelineModel:
                 ``"1f1b"``, or a :class:`pippy_xla.Schedule` given as is).
             RuntimeError: no training step has run with the current schedule.
         """
-        config = self.pipeline_config
-        name = config.schedule
-        if not isinstance(name, str) or not _C.schedule_info(name).list_scheduled:
-            listed = [i.name for i in _C.schedule_table() if i.list_scheduled]
-            raise ValueError(
-                f"schedule {config.schedule_name!r} has a fixed order; tune_schedule reorders the "
-                f"list-scheduled schedules {listed}"
-            )
-        return self._runner.reorder(self._report.stage_costs())
+        return self._runner.tune_schedule(self._report.stage_costs)
 
     def timings(self) -> list[tuple[str, int, int, int, int]]:
         """The last step's actions on this rank: ``(op, stage, microbatch, start_ns, end_ns)``.
