@@ -1,6 +1,7 @@
 """pippy_xla side by side with torch.distributed.pipelining (and a single process).
 
     python benchmarks/compare.py [--steps 8] [--warmup 2] [--regimes REGIME,...]
+        [--schedules NAME,...] [--no-tuned] [--out NAME]
 
 For every schedule both libraries have (pippy_xla's ``_C.train_schedule_names()`` read at run time,
 kept if ``PipelineModel(schedule=...)`` accepts it and ``TORCH_SCHEDULES`` names torch's
@@ -68,6 +69,14 @@ Reported per run (``benchmarks/results/compare.json``, ``compare.png``):
   module's own forward (measured with forward hooks in the analysis step), and, for pippy_xla,
   the mean duration of the communication actions and of the gaps between consecutive actions.
 
+- ``pippy_xla:tuned`` rows (unless ``--no-tuned``), for the list-scheduled schedules (``zbh1``,
+  ``interleaved_zb``, ``zbv``): a third pipeline in the same processes, steps interleaved with the
+  other two, reordered after the last warm-up step for the costs measured in it
+  (``PipelineModel.tune_schedule``); its losses are checked like the others' and its efficiency
+  is that of the order that ran. torch runs its published orders.
+- ``--out NAME`` writes ``benchmarks/results/NAME.json`` / ``NAME.png`` (default ``compare``, the
+  README's table), so that a partial run does not replace the full one.
+
 Targets (reported, never asserted): throughput >= 1.05x torch compute-bound, >= 1.5x
 overhead-bound; efficiency >= 95%.
 """
@@ -85,6 +94,11 @@ import time
 from _common import RESULTS, machine, run_ranks, save, summarize
 
 from pippy_xla.units import format_bytes
+
+PIPPY = "pippy_xla"
+TUNED = "pippy_xla:tuned"
+"""pippy_xla with a list-scheduled schedule reordered after the warm-up for the costs measured in
+its last step (``PipelineModel.tune_schedule``, [Note: list scheduling at costs])."""
 
 # pippy_xla schedule name -> torch.distributed.pipelining class name. Interleaved and
 # zero-bubble names are listed so their rows appear as soon as pippy_xla grows them.
@@ -267,12 +281,16 @@ def _local_stages(pipe) -> list:
     return list(getattr(pipe, "local_stages", None) or [pipe.stage])
 
 
-def _simulated_ideal(schedule_name, num_ranks, m, chunks, costs) -> float | None:
-    """Makespan of the schedule with the given per-stage F, B, W costs and free communication."""
+def _simulated_ideal(schedule_name, num_ranks, m, chunks, costs, order=None) -> float | None:
+    """Makespan of the schedule (``order``: its CSV, else the generated one) with the given
+    per-stage F, B, W costs and free communication."""
     try:
         from pippy_xla import _C
 
-        s = _C.make_schedule(schedule_name, num_ranks, m, chunks)
+        if order is not None:
+            s = _C.Schedule.from_csv(order, schedule_name)
+        else:
+            s = _C.make_schedule(schedule_name, num_ranks, m, chunks)
         r = s.simulate(forward=costs["F"], backward=costs["B"], weight=costs["W"], comm=0.0)
         return float(r.makespan)
     except Exception:  # noqa: BLE001  (a schedule the simulator cannot cost)
@@ -359,8 +377,10 @@ def _pipeline(regime, schedule):
     return base, batch, m, pipe
 
 
-def _pippy(regime, schedule):
-    """pippy_xla on this rank: ``(step, report)`` (see ``_paired``) or a ``{"skipped": why}``."""
+def _pippy(regime, schedule, tuned=False):
+    """pippy_xla on this rank: ``(step, report)`` (see ``_paired``) or a ``{"skipped": why}``;
+    ``tuned``: ``(step, report, tune)``, where ``tune`` reorders the schedule for the costs of the
+    step before (``PipelineModel.tune_schedule``)."""
     import torch
 
     base, batch, m, pipe = _pipeline(regime, schedule)
@@ -383,6 +403,7 @@ def _pippy(regime, schedule):
 
         out = {"losses": losses, "step_times": times, "timings": [list(t) for t in timings]}
         out["num_stages"] = len(pipe.stages)
+        out["order"] = pipe.engine.schedule.to_csv()
         out |= _analysis(
             regime,
             [st.module for st in _local_stages(pipe)],
@@ -393,6 +414,8 @@ def _pippy(regime, schedule):
         )
         return out
 
+    if tuned:
+        return step, report, pipe.tune_schedule
     return step, report
 
 
@@ -525,7 +548,11 @@ def _torch(regime, schedule):
 
 # ------------------------------------------------------------------------------ both, interleaved
 
-LIBRARIES = {"pippy_xla": _pippy, "torch": _torch}
+LIBRARIES = {
+    PIPPY: _pippy,
+    "torch": _torch,
+    TUNED: lambda regime, schedule: _pippy(regime, schedule, tuned=True),
+}
 
 
 def _paired(rank, world, regime, schedule, steps, warmup, libs):
@@ -551,6 +578,8 @@ def _paired(rank, world, regime, schedule, steps, warmup, libs):
             loss = step()
             times[lib].append(time.perf_counter() - t0)
             losses[lib].append(float(loss))
+            if i == warmup - 1 and len(runs[lib]) > 2:
+                runs[lib][2]()  # tune after the last warm-up step (untimed)
     return {lib: runs[lib][1](losses[lib], times[lib][warmup:]) for lib in libs}
 
 
@@ -625,7 +654,7 @@ def _summarize_run(lib, schedule, regime, ranks, single_median):
         "module_forward_us": [r["module_forward_us"] for r in ranks],
         "speedup_vs_single": single_median / step["median"],
     }
-    if lib == "pippy_xla":
+    if lib in (PIPPY, TUNED):
         engine = _pippy_actions(ranks)
         per_rank = [a["action_us"] for a in engine]
         row["actions"] = engine
@@ -649,14 +678,15 @@ def _summarize_run(lib, schedule, regime, ranks, single_median):
             else None,
         }
         row["per_action_us"].append(entry)
-    if lib == "pippy_xla":
+    if lib in (PIPPY, TUNED):
         for entry, a in zip(row["per_action_us"], engine, strict=True):
             entry["comm_actions"] = {
                 op: a["mean_us"][op] for op in ("RF", "SF", "RB", "SB") if op in a["mean_us"]
             }
             entry["gap_between_actions"] = a["gap_mean_us"]
     chunks = num_stages // p
-    ideal = _simulated_ideal(schedule, p, m, chunks, costs)
+    order = ranks[0].get("order")  # pippy_xla: the order that ran (a tuned one's own)
+    ideal = _simulated_ideal(schedule, p, m, chunks, costs, order)
     row["stage_costs_s"] = costs
     row["stage_busy_s"] = busy
     # The per-action costs are those of the last timed step, so compare them with that step.
@@ -681,15 +711,18 @@ def _check_losses(name, rows, single_losses) -> list[str]:
     for row in rows:
         by_sched.setdefault(row["schedule"], {})[row["library"]] = row
     for sched, libs in by_sched.items():
-        if len(libs) < 2:
+        if "torch" not in libs:
             continue
-        pairs = zip(libs["pippy_xla"]["losses"], libs["torch"]["losses"], strict=True)
-        for i, (a, b) in enumerate(pairs):
-            if abs(a - b) > LIB_RTOL * abs(b):
-                problems.append(
-                    f"{name}/{sched}: step {i} pippy_xla loss {a:.7f} vs torch {b:.7f} "
-                    f"(rel {abs(a - b) / abs(b):.2e} > {LIB_RTOL})"
-                )
+        for lib in (PIPPY, TUNED):
+            if lib not in libs:
+                continue
+            pairs = zip(libs[lib]["losses"], libs["torch"]["losses"], strict=True)
+            for i, (a, b) in enumerate(pairs):
+                if abs(a - b) > LIB_RTOL * abs(b):
+                    problems.append(
+                        f"{name}/{sched}: step {i} {lib} loss {a:.7f} vs torch {b:.7f} "
+                        f"(rel {abs(a - b) / abs(b):.2e} > {LIB_RTOL})"
+                    )
     return problems
 
 
@@ -710,7 +743,7 @@ def _overhead_table(results) -> str:
     ]
     for name, reg in results.items():
         for row in reg["rows"]:
-            if row["library"] != "pippy_xla":
+            if row["library"] != PIPPY:
                 continue
             for rank, (a, per) in enumerate(zip(row["actions"], row["per_action_us"], strict=True)):
                 med = a["median_us"]
@@ -760,9 +793,11 @@ def _chart(results, path) -> None:
     for k, (name, reg) in enumerate(results.items()):
         ax, ax2 = axes[2 * k], axes[2 * k + 1]
         scheds = sorted({r["schedule"] for r in reg["rows"]})
-        libs = ["pippy_xla", "torch"]
-        colors = {"pippy_xla": "tab:blue", "torch": "tab:orange"}
-        width = 0.38
+        libs = [
+            lib for lib in (PIPPY, TUNED, "torch") if any(r["library"] == lib for r in reg["rows"])
+        ]
+        colors = {PIPPY: "tab:blue", TUNED: "tab:green", "torch": "tab:orange"}
+        width = 0.76 / len(libs)
         for j, lib in enumerate(libs):
             xs, meds, lo, hi, effs = [], [], [], [], []
             for i, s in enumerate(scheds):
@@ -772,7 +807,7 @@ def _chart(results, path) -> None:
                 if row is None:
                     continue
                 st = row["step_s"]
-                xs.append(i + (j - 0.5) * width)
+                xs.append(i + (j - (len(libs) - 1) / 2) * width)
                 meds.append(st["median"])
                 lo.append(st["median"] - st["min"])
                 hi.append(st["max"] - st["median"])
@@ -835,6 +870,12 @@ def main() -> None:
     p.add_argument("--regimes", default="compute,overhead,overhead-compiled")
     p.add_argument("--schedules", default="", help="comma list; default: every shared schedule")
     p.add_argument(
+        "--no-tuned",
+        action="store_true",
+        help=f"no '{TUNED}' rows (list-scheduled schedules reordered for measured costs)",
+    )
+    p.add_argument("--out", default="compare", help="results name under benchmarks/results/")
+    p.add_argument(
         "--profile",
         default="",
         help="LIB:SCHEDULE:REGIME, e.g. pippy_xla:1f1b:overhead: cProfile the last rank and write "
@@ -870,7 +911,8 @@ def main() -> None:
         single_step = summarize(single["step_times"])
         rows = []
         for sched in names:
-            libs = ("pippy_xla", "torch")
+            tune = not args.no_tuned and _C.schedule_info(sched).list_scheduled
+            libs = (PIPPY, "torch", TUNED) if tune else (PIPPY, "torch")
             try:
                 ranks = run_ranks(
                     2, _paired, regime, sched, args.steps, args.warmup, libs, timeout=1800
@@ -879,7 +921,7 @@ def main() -> None:
                 # torch cannot run this schedule on these stages: say so, run pippy_xla alone.
                 failures.append(f"{name}/{sched}: the paired run failed: {str(e)[-1500:]}")
                 print(failures[-1])
-                libs = ("pippy_xla",)
+                libs = (PIPPY, TUNED) if tune else (PIPPY,)
                 ranks = run_ranks(
                     2, _paired, regime, sched, args.steps, args.warmup, libs, timeout=1800
                 )
@@ -940,9 +982,9 @@ def main() -> None:
         "table_markdown": table,
         "per_action_markdown": overhead,
     }
-    path = save("compare", payload)
-    _chart(results, RESULTS / "compare.png")
-    print(f"saved {path} and {RESULTS / 'compare.png'}")
+    path = save(args.out, payload)
+    _chart(results, RESULTS / f"{args.out}.png")
+    print(f"saved {path} and {RESULTS / f'{args.out}.png'}")
     print(f"machine: {machine()}")
 
 
