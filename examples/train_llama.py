@@ -65,7 +65,20 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    p.add_argument(
+        "--schedule",
+        default="1f1b",
+        help="a training schedule: 1f1b, gpipe, interleaved, zbh1, looped_bfs, interleaved_zb, "
+        "zbv, dualpipev (the V and interleaved ones need layers for 2 stages per rank)",
+    )
+    p.add_argument(
+        "--tune-after",
+        type=int,
+        default=-1,
+        metavar="N",
+        help="zbh1, interleaved_zb, zbv: after step N, reorder the schedule for the costs "
+        "measured in that step (PipelineModel.tune_schedule)",
+    )
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument(
         "--max-grad-norm", type=float, default=1.0, help="global gradient clipping (0: off)"
@@ -92,6 +105,14 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=120, help="seconds any wait on a peer may take")
     p.add_argument("--export", metavar="DIR", help="write the trained model as a HF checkpoint")
     args = p.parse_args()
+    if args.tune_after >= 0:
+        try:
+            tunable = px.schedule_info(args.schedule).list_scheduled
+        except RuntimeError:  # an unknown name: PipelineModel's error lists the schedules
+            tunable = True
+        if not tunable:
+            p.error(f"--tune-after: {args.schedule!r} has a fixed order; use zbh1, interleaved_zb "
+                    "or zbv")  # fmt: skip
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     backend = "nccl" if args.device == "cuda" else "gloo"
@@ -130,7 +151,7 @@ def main() -> None:
         elif rank == 0:
             print(f"resumed from {args.resume} at step {first}", flush=True)
     if rank == world - 1:
-        for s in range(world):
+        for s in range(pipe.num_stages):
             print(f"stage {s}: layers {pipe.layers_of_stage(s)}", flush=True)
 
     bar = tqdm(total=args.steps, initial=first, disable=rank != 0, unit="step")
@@ -152,6 +173,10 @@ def main() -> None:
         bar.update()
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
             bar.write(f"step {step:4d}  loss {loss.item():.4f}  {tokens / elapsed:,.0f} tokens/s")
+        if step == args.tune_after:
+            order = pipe.tune_schedule()  # a collective: every rank
+            if rank == 0:
+                bar.write(f"step {step:4d}  {order.name} reordered for this step's costs")
         if args.save_every and (step + 1) % args.save_every == 0:
             saved = pipe.save(checkpoint_dir, optimizer=opt, step=step + 1)
             if rank == 0:

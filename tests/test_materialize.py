@@ -295,6 +295,21 @@ def test_readme_main_job_learns():
     assert losses[-1] < 0.7 * losses[0], losses
 
 
+def test_main_job_tunes_a_zero_bubble_schedule():
+    """The main job with ``--schedule zbv --tune-after 2``: reordered after step 2 for the costs
+    measured in it, and its losses are the published order's to the last bit (each stage's W
+    still runs in microbatch order, so every gradient sums in the same order)."""
+    flags = ("--steps", "6", *TINY, "--layers", "4", "--schedule", "zbv")  # 4 stages on 2 ranks
+    tuned = run_example(2, *flags, "--tune-after", "2")
+    assert "step    2  zbv reordered for this step's costs" in tuned
+    published = run_example(2, *flags)
+
+    def final(out: str) -> str:
+        return re.search(r"^final loss (\S+)$", out, re.M).group(1)
+
+    assert final(tuned) == final(published), (tuned, published)
+
+
 def test_readme_checkpoint_round_trip(tmp_path):
     """The README's checkpoint commands: save every few steps on 2 ranks, resume on 4 ranks and
     export; the resumed run continues the first one's losses and HF loads the export."""
