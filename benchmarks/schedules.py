@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import statistics
 import time
 
 from _common import RESULTS, run_ranks, save, summarize
@@ -81,15 +80,6 @@ def _memory(rank, world, regime, schedules, m) -> dict:
     return out
 
 
-def _stage_costs(timings, num_stages: int) -> dict[str, list[float]]:
-    """Mean F / B / W seconds per stage from one rank's engine timings."""
-    acc: dict[str, list[list[float]]] = {k: [[] for _ in range(num_stages)] for k in "FBW"}
-    for op, stage, _, start, end in timings:
-        if op in acc:
-            acc[op][stage].append((end - start) / 1e9)
-    return {k: [statistics.fmean(v) if v else 0.0 for v in acc[k]] for k in acc}
-
-
 def _speed(rank, world, regime, schedules, m, steps, warmup, compile) -> dict:
     import torch
     import torch.distributed as dist
@@ -110,16 +100,13 @@ def _speed(rank, world, regime, schedules, m, steps, warmup, compile) -> dict:
             losses[name].append(float(loss))
             if k == warmup - 1 and name.endswith(TUNED):
                 pipe.tune_schedule()
-    costs = {
-        n: _stage_costs(p.timings(), len(p.stages)) for n, p in made["pipes"].items()
-    }  # of the last step
+    # Every stage's mean F / B / W of the last step (a collective), as tune_schedule reads them.
+    costs = {}
+    for n, p in made["pipes"].items():
+        c = p.stage_costs()
+        costs[n] = {"F": c["forward"], "B": c["backward"], "W": c["weight"]}
     orders = {n: p.engine.schedule.to_csv() for n, p in made["pipes"].items()}
     return {"times": times, "losses": losses, "costs": costs, "orders": orders}
-
-
-def _merge_costs(per_rank: list[dict]) -> dict[str, list[float]]:
-    """Every stage runs on one rank: the per-stage costs are the sum over ranks."""
-    return {k: [sum(c[k][s] for c in per_rank) for s in range(len(per_rank[0][k]))] for k in "FBW"}
 
 
 def main() -> None:
@@ -181,7 +168,7 @@ def main() -> None:
         speed = {}
         for n in speed_names:
             steps = [max(ts) for ts in zip(*(r["times"][n] for r in per_rank), strict=True)]
-            costs = _merge_costs([r["costs"][n] for r in per_rank])
+            costs = per_rank[0]["costs"][n]
             # The order that ran, simulated at the last step's own costs.
             order = _C.Schedule.from_csv(per_rank[0]["orders"][n], n)
             w = costs["W"] if order.split_backward else []

@@ -1,6 +1,6 @@
 """Does the simulator predict real steps? Measured vs predicted step time per schedule.
 
-    python benchmarks/simulator_accuracy.py [--steps 8] [--schedules a,b] [--no-transfers]
+    python benchmarks/simulator_accuracy.py [--steps 8] [--schedules a,b]
 
 For each schedule, trains a small Llama on 2 CPU ranks (one thread each), takes the engine's
 per-action timings of each measured step, feeds the median F / B / W duration per stage and the
@@ -8,8 +8,8 @@ mean time a rank spends posting a send and a receive to the C++ simulator, and c
 simulated makespan with the measured step time (first action start to last action end over both
 ranks). Posts are timed by the engine too; the mean, not the median, because on this shared
 2-core VM a send now and then stalls for 2-5 ms while gloo's transport thread holds the
-connection, and those stalls are part of the step. ``--no-transfers`` simulates free transfers.
-Prints the error per schedule (the target is within 10%) with and without the posts, saves
+connection, and those stalls are part of the step. Prints the error per schedule (the target is
+within 10%), and the error with free transfers (no posts, as before) beside it, saves
 ``benchmarks/results/simulator_accuracy.json`` and draws the measured and simulated timelines to
 ``benchmarks/results/timeline_measured_<schedule>.png`` / ``timeline_simulated_<schedule>.png``.
 """
@@ -80,7 +80,6 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--no-transfers", action="store_true", help="simulate free transfers")
     p.add_argument("--schedules", default="", help="comma list; default: every schedule")
     args = p.parse_args()
     rows = {}
@@ -91,9 +90,7 @@ def main() -> None:
         errors, measured_s, predicted_s, free_errors = [], [], [], []
         sends, recvs = [], []
         for events in steps_events:
-            measured, predicted, sim, post = _predict(
-                schedule, events, num_stages, num_ranks, not args.no_transfers
-            )
+            measured, predicted, sim, post = _predict(schedule, events, num_stages, num_ranks)
             free = _predict(schedule, events, num_stages, num_ranks, False)[1]
             measured_s.append(measured)
             predicted_s.append(predicted)
