@@ -4,6 +4,7 @@
 
 #include "engine.h"
 #include "memory.h"
+#include "ops/shm.h"
 #include "planner.h"
 #include "schedule.h"
 #include "split_backward.h"
@@ -163,6 +164,17 @@ PYBIND11_MODULE(_C, m) {
       py::arg("what"), py::call_guard<py::gil_scoped_release>(),
       "Every rank's values (the same count on every rank), gathered on buffers that never reach "
       "Python (see [Note: collectives on C++-owned buffers] in csrc/ops/p2p.h).");
+  m.def(
+      "shm_attach",
+      [](const std::string& group_name, int64_t timeout_ms) {
+        return shm_attach(group_name, std::chrono::milliseconds(timeout_ms));
+      },
+      py::arg("group_name"), py::arg("timeout_ms"), py::call_guard<py::gil_scoped_release>(),
+      "Collective: moves the group's point-to-point transfers between ranks of this host onto "
+      "shared memory (see [Note: same-host transport] in csrc/ops/shm.h). Returns how many peers "
+      "this rank reaches that way (0: none, the group's own transport stays).");
+  m.def("shm_peers", &shm_peers, py::arg("group_name"),
+        "How many peers of the group this rank reaches through shared memory.");
   m.def("content_digest", &content_digest, py::arg("tensor"),
         py::call_guard<py::gil_scoped_release>(),
         "A 64-bit fingerprint of the tensor's bytes (not a cryptographic hash).");
@@ -188,6 +200,7 @@ PYBIND11_MODULE(_C, m) {
       "The sum of every rank's tensor, all-reduced on a buffer that never reaches Python.");
 
   m.attr("RECV_LOOKAHEAD") = kRecvLookahead;
+  m.attr("SHM_SLOTS") = kShmSlots;
   m.attr("DEFAULT_TIMEOUT_MS") = kDefaultTimeoutMs;
   py::class_<WeightWork>(m, "WeightWork",
                          "What a split backward's W runs for one microbatch of a stage "

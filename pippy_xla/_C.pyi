@@ -286,6 +286,9 @@ def tied_weight_tag(tie: int) -> int:
 RECV_LOOKAHEAD: int
 """Receive actions a rank posts ahead of the one it waits on."""
 
+SHM_SLOTS: int
+"""Messages a same-host channel holds at once (more are deferred; see [Note: deferred sends])."""
+
 DEFAULT_TIMEOUT_MS: int
 """How long a transfer waits when no timeout is given (the engine's and the ops' default)."""
 
@@ -381,6 +384,14 @@ def all_gather_int64(
 ) -> list[list[int]]:
     """Every rank's ``values`` (the same count on every rank), gathered on buffers that never
     reach Python."""
+
+def shm_attach(group_name: str, timeout_ms: int) -> int:
+    """Collective: moves the group's point-to-point transfers between ranks of this host onto
+    shared memory (see [Note: same-host transport] in csrc/ops/shm.h). Returns how many peers
+    this rank reaches that way (0: none, the group's own transport stays)."""
+
+def shm_peers(group_name: str) -> int:
+    """How many peers of the group this rank reaches through shared memory."""
 
 def content_digest(tensor: torch.Tensor) -> int:
     """A 64-bit fingerprint of the tensor's bytes (not a cryptographic hash)."""

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BuiltPipeline",
+    "attach_transport",
     "Placement",
     "build",
     "check_ranks_agree",
@@ -132,6 +133,7 @@ def build(
     layer_ranges, stages, train_schedule = _partition(model, layer_cls, config, place)
     local_stages = [stages[s] for s in train_schedule.stages_of(place.rank)]
     build_key = check_ranks_agree(stages, config, place)
+    attach_transport(config, place)
     tied = tied_names(model)  # before materializing replaces meta parameters
     materialize(model, local_stages, place.device)
     if place.mesh is not None:  # [Note: a copy per stage on a mesh]
@@ -405,6 +407,41 @@ def default_loss(model: nn.Module) -> LossFn:
     return loss_fn
 
 
+def attach_transport(config: PipelineConfig, place: Placement) -> int:
+    """Moves the pipeline's CPU transfers between ranks of this host onto shared memory unless
+    ``config.transport`` is ``"process_group"`` (a collective over the pipeline's group; see
+    [Note: same-host transport] in ``csrc/ops/shm.h``). Returns how many peers this rank reaches
+    that way. ``transport="shm"`` raises ``RuntimeError`` on every rank unless every pair of
+    ranks does."""
+    if config.transport == "process_group":
+        if _C.shm_peers(place.group_name):
+            raise ValueError(
+                "transport='process_group', but this process group already moves its transfers "
+                "through shared memory (a pipeline with transport='auto' attached it); pass a "
+                "group of its own (dist.new_group) to keep gloo's send and receive"
+            )
+        return 0
+    if place.device.type != "cpu":
+        if config.transport == "shm":
+            raise ValueError(
+                f"transport='shm' moves CPU tensors, but the pipeline's device is {place.device}; "
+                "use transport='auto' (NCCL moves CUDA tensors)"
+            )
+        return 0
+    peers = _C.shm_attach(place.group_name, place.timeout_ms)
+    if config.transport == "shm":
+        what = f"[rank {place.rank}] transport check"
+        counts = _C.all_gather_int64([peers], place.group_name, "cpu", place.timeout_ms, what)
+        short = [r for r, (n,) in enumerate(counts) if n != place.num_ranks - 1]
+        if short:
+            raise RuntimeError(
+                f"[rank {place.rank}] transport='shm' but ranks {short} cannot reach every other "
+                "rank through shared memory (another host, or /dev/shm unusable); use "
+                "transport='auto'"
+            )
+    return peers
+
+
 def check_ranks_agree(
     stages: Sequence[StageGraph], config: PipelineConfig, place: Placement
 ) -> int:
@@ -416,7 +453,13 @@ def check_ranks_agree(
         digest.update(st.code.encode())
         digest.update(repr(sorted(st.param_names.items())).encode())
     schedule = config.schedule if isinstance(config.schedule, str) else config.schedule.table()
-    mine = (digest.hexdigest(), schedule, config.num_microbatches, list(config.input_names))
+    mine = (
+        digest.hexdigest(),
+        schedule,
+        config.num_microbatches,
+        list(config.input_names),
+        config.transport,
+    )
     key = digest64(repr(mine).encode())
     rank = place.rank
     what = f"[rank {rank}] build handshake"
@@ -429,7 +472,8 @@ def check_ranks_agree(
         if theirs != mine:
             raise RuntimeError(
                 f"[rank {rank}] rank {r} built a different pipeline: (graph digest, "
-                f"schedule, microbatches, inputs) = {theirs} here {mine}; every rank must "
+                f"schedule, microbatches, inputs, transport) = {theirs} here {mine}; every rank "
+                "must "
                 "wrap the same model with the same arguments"
             )
     return key

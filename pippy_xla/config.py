@@ -35,6 +35,10 @@ def causal_lm_num_items(labels: torch.Tensor) -> torch.Tensor:
     return (labels[..., 1:] != -100).sum()
 
 
+TRANSPORTS = ("auto", "shm", "process_group")
+"""The values of :attr:`PipelineConfig.transport`."""
+
+
 @dataclass(kw_only=True, slots=True)
 class PipelineConfig:
     """How a model is pipelined: schedule, microbatches, stage layout, checkpointing, loss,
@@ -72,6 +76,13 @@ class PipelineConfig:
     num_items_fn: Callable[[torch.Tensor], torch.Tensor] = causal_lm_num_items
     """Counts the valid tokens of the whole batch's labels (default: causal-LM labels other than
     -100 after the shift)."""
+    transport: str = "auto"
+    """How the ranks exchange activations and gradients: ``"auto"`` moves CPU tensors between
+    ranks of one host through shared memory (no socket, no helper thread; see [Note: same-host
+    transport] in ``csrc/ops/shm.h``) and uses the process group's send and receive otherwise
+    (between hosts, on CUDA, or where ``/dev/shm`` is unusable); ``"shm"`` is the same but an
+    error unless every pair of CPU ranks shares the host; ``"process_group"`` always uses the
+    group's send and receive (gloo on CPU)."""
     timeout: float = _C.DEFAULT_TIMEOUT_MS / 1000
     """Seconds any single wait on a peer may take before the step fails."""
     check_batch_content: bool = True
@@ -112,6 +123,8 @@ class PipelineConfig:
             self.chunks = _C.default_chunks(self.schedule)
         if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1:
             raise ValueError(f"chunks must be a positive int, got {self.chunks!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if not (isinstance(self.timeout, int | float) and 0 < self.timeout < math.inf):
             raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
         if isinstance(self.input_names, str) or not self.input_names:

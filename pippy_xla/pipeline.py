@@ -385,6 +385,12 @@ class PipelineModel:
         """
         return self._runner.tune_schedule(self._report.stage_costs)
 
+    @property
+    def shm_peers(self) -> int:
+        """How many ranks of the pipeline this rank reaches through shared memory (``transport``;
+        0: every transfer goes through the process group's send and receive)."""
+        return _C.shm_peers(self._place.group_name)
+
     def timings(self) -> list[tuple[str, int, int, int, int]]:
         """The last step's actions on this rank: ``(op, stage, microbatch, start_ns, end_ns)``.
         See :meth:`pippy_xla._report.Report.timings`."""

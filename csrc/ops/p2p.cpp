@@ -2,6 +2,8 @@
 // See [Note: one send/recv implementation] in p2p.h.
 #include "p2p.h"
 
+#include "shm.h"
+
 #include <ATen/ops/empty.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/zeros.h>
@@ -77,16 +79,24 @@ void check_wire_tensor(const at::Tensor& t, const std::string& what) {
 Transfer isend(const at::Tensor& tensor, int64_t peer, int64_t tag, const std::string& group_name,
                std::string what, TransferContext context) {
   check_wire_tensor(tensor, what);
-  std::vector<at::Tensor> ts{tensor};
-  auto work = group(group_name)->send(ts, static_cast<int>(peer), static_cast<int>(tag));
+  auto pg = group(group_name);
+  auto work = shm_send(*pg, group_name, peer, tag, tensor);
+  if (!work) {
+    std::vector<at::Tensor> ts{tensor};
+    work = pg->send(ts, static_cast<int>(peer), static_cast<int>(tag));
+  }
   return Transfer(std::move(work), tensor, std::move(what), std::move(context));
 }
 
 Transfer irecv(at::Tensor buffer, int64_t peer, int64_t tag, const std::string& group_name,
                std::string what, TransferContext context) {
   check_wire_tensor(buffer, what);
-  std::vector<at::Tensor> ts{buffer};
-  auto work = group(group_name)->recv(ts, static_cast<int>(peer), static_cast<int>(tag));
+  auto pg = group(group_name);
+  auto work = shm_recv(*pg, group_name, peer, tag, buffer);
+  if (!work) {
+    std::vector<at::Tensor> ts{buffer};
+    work = pg->recv(ts, static_cast<int>(peer), static_cast<int>(tag));
+  }
   return Transfer(std::move(work), std::move(buffer), std::move(what), std::move(context));
 }
 

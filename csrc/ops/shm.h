@@ -1,0 +1,65 @@
+// A same-host transport for CPU point-to-point transfers: shared memory instead of a socket.
+//
+// [Note: same-host transport] gloo moves a CPU tensor between two ranks of one machine through a
+// loopback TCP socket: the sender's call takes the pair's lock and writes; the receiver's gloo
+// loop thread (a second thread per process) wakes on the socket, reads into the buffer and wakes
+// the waiting thread. With one core per rank that thread competes with the ranks' compute, and a
+// send stalls for milliseconds whenever it holds the lock while descheduled (measured: sends of
+// 2 KiB with a median of 45-110 us and stalls of 2-5 ms, one or two per step per rank). For the
+// pairs of a pipeline group that share a host, `shm_attach` maps a channel per direction instead
+// and `isend` / `irecv` (p2p.cpp) use it, so the engine and the ops keep one code path:
+// - A channel (created by its receiver, mapped by both) holds kShmSlots message slots. A send
+//   claims a free slot, copies the tensor into that slot's data segment (created by the sender,
+//   grown when a message does not fit) and marks it full; it is complete on return. A receive
+//   takes the full slot with its tag (the oldest, if several) and copies out. No thread besides
+//   the caller's ever runs.
+// - Waiting (a receive whose message is not there yet, a send that finds every slot full) sleeps
+//   on a futex word of the channel that every post and every freed slot bumps, for at most
+//   kShmWakeMs at a time: in between it checks its deadline, Work::abort and whether the peer's
+//   process still exists (a dead peer fails the wait at once, as a closed socket fails gloo's).
+// - Every name under /dev/shm is unlinked as soon as both sides have mapped it, so nothing stays
+//   behind after the processes end (a segment created just before a crash can).
+// Only CPU tensors; pairs on different hosts (and every pair, where /dev/shm cannot be used) keep
+// the process group's own send and receive.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+namespace c10d {
+class ProcessGroup;
+class Work;
+}  // namespace c10d
+
+namespace pippy_xla {
+
+constexpr uint32_t kShmSlots = 1024;
+constexpr int64_t kShmWakeMs = 100;
+
+// Collective over the process group `group_name` (every rank calls it, in the same order as the
+// group's other collectives): maps a channel to and from every rank of the group on this host.
+// Returns how many peers are attached (0 if the group has no same-host pair or some rank could
+// not create its channels; then every rank keeps the group's transport). Attaching a group
+// twice returns the first count.
+int64_t shm_attach(const std::string& group_name, std::chrono::milliseconds timeout);
+
+// The same-host transfer to / from group rank `peer`, or an empty pointer when that pair is not
+// attached (`group` is the group that `group_name` resolves to now: channels attached to an
+// earlier group of the same name are not used). A send's work is complete on return unless
+// every slot was full ([Note: deferred sends] in shm.cpp); a receive's wait fails if the
+// message's size differs from `buffer`'s.
+c10::intrusive_ptr<c10d::Work> shm_send(const c10d::ProcessGroup& group,
+                                        const std::string& group_name, int64_t peer, int64_t tag,
+                                        const at::Tensor& tensor);
+c10::intrusive_ptr<c10d::Work> shm_recv(const c10d::ProcessGroup& group,
+                                        const std::string& group_name, int64_t peer, int64_t tag,
+                                        const at::Tensor& buffer);
+
+// How many peers of `group_name` this rank reaches through shared memory (0: none attached).
+int64_t shm_peers(const std::string& group_name);
+
+}  // namespace pippy_xla

@@ -1,0 +1,147 @@
+"""The same-host transport ([Note: same-host transport] in csrc/ops/shm.h): messages, ordering,
+sizes, slots running out, a dead peer, and pipelines over it against the process group's own."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import pippy_xla as px
+from pippy_xla import _C, ops
+from pippy_xla.testing import run_ranks
+from tests.models import llama, make_batch
+
+TIMEOUT_MS = 60_000
+
+
+def _send(x, tag, group):
+    return ops.send(x, 1, tag, group)
+
+
+def _recv(like, tag, group):
+    token = ops.recv(like.shape, like.dtype, 0, tag, group)
+    return ops.wait_recv(token, like.shape, like.dtype, timeout_ms=TIMEOUT_MS)
+
+
+def _messages(rank, world):
+    """Rank 0 sends, rank 1 receives in another order: by tag, oldest first among equal tags,
+    a message larger than the slot's first segment, an empty one, and more messages at once than
+    a channel has slots (the rest deferred, [Note: deferred sends])."""
+    group = ops.group_name_of(None)
+    peers = _C.shm_attach(group, TIMEOUT_MS)
+    assert _C.shm_attach(group, TIMEOUT_MS) == peers  # attached once
+    small_a = torch.arange(6, dtype=torch.float32)
+    small_c = -torch.arange(6, dtype=torch.float32)
+    big = torch.randn(3 << 20, generator=torch.Generator().manual_seed(0))  # 12 MiB
+    empty = torch.zeros(0, 4)
+    many = [torch.full((3,), float(i)) for i in range(_C.SHM_SLOTS + 300)]
+    if rank == 0:
+        tokens = [_send(small_a, 5, group), _send(big, 3, group), _send(small_c, 5, group)]
+        tokens.append(_send(empty, 7, group))
+        tokens += [_send(t, 1000 + i, group) for i, t in enumerate(many)]
+        # Waiting on a receive pushes the deferred sends: rank 1 answers after taking them all.
+        reply = _recv_from(1, torch.zeros(1), 99, group)
+        for tok in tokens:
+            ops.wait_send(tok, TIMEOUT_MS)
+        wrong = ops.send(torch.ones(4), 1, 11, group)
+        ops.wait_send(wrong, TIMEOUT_MS)
+        return peers, _C.shm_peers(group), float(reply), os.getpid()
+    got_big = _recv(big, 3, group)
+    got_a = _recv(small_a, 5, group)
+    got_c = _recv(small_a, 5, group)
+    got_empty = _recv(empty, 7, group)
+    got_many = [_recv(t, 1000 + i, group) for i, t in enumerate(many)]
+    ops.wait_send(ops.send(torch.tensor([42.0]), 0, 99, group), TIMEOUT_MS)
+    with pytest.raises(RuntimeError, match="16 bytes but the receive buffer 20"):
+        _recv(torch.zeros(5), 11, group)
+    assert torch.equal(got_big, big)
+    assert torch.equal(got_a, small_a) and torch.equal(got_c, small_c)
+    assert got_empty.shape == (0, 4)
+    assert all(torch.equal(g, t) for g, t in zip(got_many, many, strict=True))
+    return peers, _C.shm_peers(group), len(got_many), os.getpid()
+
+
+def _recv_from(peer, like, tag, group):
+    token = ops.recv(like.shape, like.dtype, peer, tag, group)
+    return ops.wait_recv(token, like.shape, like.dtype, timeout_ms=TIMEOUT_MS)
+
+
+def _names_of(pid: int) -> list[str]:
+    """What process ``pid`` created under /dev/shm ([Note: shared-memory names])."""
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"pippy_xla.{os.getuid()}.{pid}.")]
+
+
+def test_shared_memory_messages_arrive_by_tag_in_order_and_whole():
+    # What a crashed run left: a name whose creator is gone. The next attach unlinks it.
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = f"/dev/shm/pippy_xla.{os.getuid()}.{dead.pid}.7.0.1.0.1"
+    open(stale, "wb").close()
+    out = run_ranks(2, _messages)
+    assert out[0][:3] == (1, 1, 42.0)
+    assert out[1][:3] == (1, 1, _C.SHM_SLOTS + 300)
+    # Every name was unlinked once both sides had mapped it.
+    assert not _names_of(out[0][3]) and not _names_of(out[1][3])
+    assert not os.path.exists(stale)
+
+
+def _peer_exits(rank, world):
+    group = ops.group_name_of(None)
+    assert _C.shm_attach(group, TIMEOUT_MS) == 1
+    dist.barrier()
+    if rank == 1:
+        time.sleep(0.5)
+        os._exit(0)  # never sends
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="exited while this rank waited") as err:
+        _recv_from(1, torch.zeros(2), 0, group)
+    return time.monotonic() - start, str(err.value)
+
+
+def test_a_wait_on_a_peer_that_exited_fails_instead_of_timing_out():
+    out = run_ranks(2, _peer_exits, may_exit=(1,), pg_timeout=20, timeout=120)
+    elapsed, message = out[0]
+    # The timeout is 60 s; the liveness check runs every kShmWakeMs (100 ms).
+    assert elapsed < TIMEOUT_MS / 1000 / 2, (elapsed, message)
+    assert "rank 1" in message
+
+
+def _both_transports(rank, world):
+    """One model, two pipelines: the world group over shared memory (the default), and a second
+    group of the same ranks with the process group's own send and receive."""
+    model, layer_cls = llama(layers=4)
+    batch = make_batch(1, batch=8, seq=16)
+    out = {}
+    for transport, group in (("auto", None), ("process_group", dist.new_group([0, 1]))):
+        pipe = px.PipelineModel(
+            copy.deepcopy(model),
+            layer_cls=layer_cls,
+            num_microbatches=4,
+            schedule="zbv",
+            transport=transport,
+            group=group,
+        )
+        out[transport] = [float(pipe.run_train(**batch)) for _ in range(2)]
+        out[transport + " peers"] = pipe.shm_peers
+    with pytest.raises(ValueError, match="already moves its transfers through shared memory"):
+        px.PipelineModel(model, layer_cls=layer_cls, num_microbatches=4, transport="process_group")
+    return out
+
+
+def test_pipelines_over_shared_memory_and_over_gloo_give_the_same_losses():
+    out = run_ranks(2, _both_transports)
+    for r in out:
+        assert r["auto peers"] == 1 and r["process_group peers"] == 0
+        assert r["auto"] == r["process_group"], r  # the same bits: only the wire differs
+    assert out[0]["auto"] == out[1]["auto"]
+
+
+def test_transport_must_be_a_known_name():
+    with pytest.raises(ValueError, match="transport must be one of"):
+        px.PipelineConfig(num_microbatches=2, transport="tcp")
