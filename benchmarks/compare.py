@@ -1,7 +1,7 @@
 """pippy_xla side by side with torch.distributed.pipelining (and a single process).
 
     python benchmarks/compare.py [--steps 8] [--warmup 2] [--regimes REGIME,...]
-        [--schedules NAME,...] [--no-tuned] [--out NAME]
+        [--schedules NAME,...] [--no-tuned] [--out NAME] [--transport auto|process_group]
 
 For every schedule both libraries have (pippy_xla's ``_C.train_schedule_names()`` read at run time,
 kept if ``PipelineModel(schedule=...)`` accepts it and ``TORCH_SCHEDULES`` names torch's
@@ -76,6 +76,10 @@ Reported per run (``benchmarks/results/compare.json``, ``compare.png``):
   is that of the order that ran. torch runs its published orders.
 - ``--out NAME`` writes ``benchmarks/results/NAME.json`` / ``NAME.png`` (default ``compare``, the
   README's table), so that a partial run does not replace the full one.
+- ``--transport``: pippy_xla's ``transport`` (each regime's ``config`` records it). ``auto``, the
+  default, moves the two ranks' transfers and the step's small collectives through shared memory
+  ([Note: same-host transport]); ``process_group`` keeps gloo, the wire torch's schedules use, on
+  a group of its own, to compare the runtimes alone.
 
 Targets (reported, never asserted): throughput >= 1.05x torch compute-bound, >= 1.5x
 overhead-bound; efficiency >= 95%.
@@ -355,13 +359,18 @@ def _analysis(regime, modules, step, f_durations_us, reset_stash_peak, stash_pea
 
 def _pipeline(regime, schedule):
     """The regime's model and batch, and a PipelineModel over a copy of the model (or a
-    ``{"skipped": reason}`` row if pippy_xla refuses the schedule)."""
+    ``{"skipped": reason}`` row if pippy_xla refuses the schedule), with the regime's
+    ``transport`` (``--transport``)."""
+    import torch.distributed as dist
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     import pippy_xla as px
 
     base, batch = _build(regime)
     m = regime["microbatches"]
+    transport = regime.get("transport", "auto")
+    # The world group carries shared memory once a pipeline attached it: gloo needs its own.
+    group = dist.new_group([0, 1]) if transport == "process_group" else None
     try:
         pipe = px.PipelineModel(
             copy.deepcopy(base),
@@ -369,6 +378,8 @@ def _pipeline(regime, schedule):
             num_microbatches=m,
             schedule=schedule,
             compile=regime.get("compile", False),
+            transport=transport,
+            group=group,
         )
     except ValueError as e:
         if "schedule" not in str(e):
@@ -876,6 +887,13 @@ def main() -> None:
     )
     p.add_argument("--out", default="compare", help="results name under benchmarks/results/")
     p.add_argument(
+        "--transport",
+        default="auto",
+        choices=("auto", "process_group"),
+        help="pippy_xla's transport: 'auto' (shared memory between the two ranks) or "
+        "'process_group' (gloo, the wire torch.distributed.pipelining uses)",
+    )
+    p.add_argument(
         "--profile",
         default="",
         help="LIB:SCHEDULE:REGIME, e.g. pippy_xla:1f1b:overhead: cProfile the last rank and write "
@@ -905,7 +923,7 @@ def main() -> None:
 
     results, problems, failures = {}, [], []
     for name in args.regimes.split(","):
-        regime = REGIMES[name]
+        regime = dict(REGIMES[name], transport=args.transport)
         t0 = time.perf_counter()
         single = run_ranks(1, _single, regime, args.steps, args.warmup, timeout=1800)[0]
         single_step = summarize(single["step_times"])

@@ -145,3 +145,39 @@ def test_pipelines_over_shared_memory_and_over_gloo_give_the_same_losses():
 def test_transport_must_be_a_known_name():
     with pytest.raises(ValueError, match="transport must be one of"):
         px.PipelineConfig(num_microbatches=2, transport="tcp")
+
+
+def _collectives(rank, world):
+    """The small collectives of csrc/ops/p2p.h over shared memory (the world group, attached)
+    against gloo's (a second group of the same ranks)."""
+    shm, gloo = ops.group_name_of(None), dist.new_group(list(range(world))).group_name
+    assert _C.shm_attach(shm, TIMEOUT_MS) == world - 1
+    mine = torch.randn(5, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+    out = {}
+    for name in (shm, gloo):
+        out[name] = (
+            _C.all_gather_int64([rank, 10 * rank], name, "cpu", TIMEOUT_MS, "gather"),
+            _C.broadcast_copy(mine, world - 1, name, TIMEOUT_MS, "broadcast"),
+            _C.all_reduce_sum_copy(mine, name, TIMEOUT_MS, "sum"),
+        )
+    parts = [
+        torch.randn(5, generator=torch.Generator().manual_seed(r), dtype=torch.float64)
+        for r in range(world)
+    ]
+    in_rank_order = parts[0].clone()
+    for p in parts[1:]:
+        in_rank_order += p
+    (g_shm, b_shm, s_shm), (g_gloo, b_gloo, s_gloo) = out[shm], out[gloo]
+    assert g_shm == g_gloo == [[r, 10 * r] for r in range(world)]
+    assert torch.equal(b_shm, b_gloo) and torch.equal(b_shm, parts[-1])
+    assert torch.equal(s_shm, in_rank_order)
+    torch.testing.assert_close(s_shm, s_gloo, rtol=1e-12, atol=0)
+    # Ranks that run different collectives fail on the messages' sizes instead of mixing them.
+    with pytest.raises(RuntimeError, match="bytes but the receive buffer"):
+        _C.all_gather_int64([1, 2, 3] if rank == 0 else [1, 2], shm, "cpu", TIMEOUT_MS, "gather")
+    return s_shm
+
+
+def test_small_collectives_over_shared_memory_equal_gloos():
+    out = run_ranks(4, _collectives)
+    assert all(torch.equal(o, out[0]) for o in out)  # every rank the same bits

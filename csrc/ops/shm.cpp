@@ -513,6 +513,11 @@ c10::intrusive_ptr<c10d::Work> shm_recv(const c10d::ProcessGroup& group,
   return c10::make_intrusive<ShmWork>(a->from[peer], a, false, tag, buffer, group.getRank());
 }
 
+bool shm_whole_group(const c10d::ProcessGroup& group, const std::string& group_name) {
+  auto a = attached(group, group_name);
+  return a && a->peers == group.getSize() - 1;
+}
+
 int64_t shm_peers(const std::string& group_name) {
   auto pg = c10d::resolve_process_group(group_name);
   if (!pg) return 0;

@@ -62,4 +62,12 @@ c10::intrusive_ptr<c10d::Work> shm_recv(const c10d::ProcessGroup& group,
 // How many peers of `group_name` this rank reaches through shared memory (0: none attached).
 int64_t shm_peers(const std::string& group_name);
 
+// Whether this rank reaches every other rank of `group` through shared memory: then the small
+// collectives of p2p.h run over it too ([Note: small collectives over shared memory] in p2p.cpp).
+bool shm_whole_group(const c10d::ProcessGroup& group, const std::string& group_name);
+
+// The tag of those collectives' messages: above every tag gloo can carry (31 bits), so no
+// transfer of the engine, the ties or the ops can share it.
+constexpr int64_t kShmCollectiveTag = int64_t{1} << 40;
+
 }  // namespace pippy_xla
