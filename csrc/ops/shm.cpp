@@ -491,26 +491,35 @@ int64_t shm_attach(const std::string& group_name, std::chrono::milliseconds time
   return a->peers;
 }
 
+namespace {
+
+// A send's or a receive's work over the channel to / from `peer`, or empty if not attached.
+c10::intrusive_ptr<ShmWork> shm_work(const c10d::ProcessGroup& group,
+                                     const std::string& group_name, int64_t peer, int64_t tag,
+                                     const at::Tensor& tensor, bool send) {
+  auto a = attached(group, group_name);
+  if (!a || peer < 0 || peer >= group.getSize()) return {};
+  const auto& channel = send ? a->to[peer] : a->from[peer];
+  if (!channel) return {};
+  TORCH_CHECK(tensor.device().is_cpu(), "same-host transfers move CPU tensors, got one on ",
+              tensor.device());
+  auto work = c10::make_intrusive<ShmWork>(channel, a, send, tag, tensor, group.getRank());
+  if (send && !work->attempt()) a->defer(work);  // see [Note: deferred sends]
+  return work;
+}
+
+}  // namespace
+
 c10::intrusive_ptr<c10d::Work> shm_send(const c10d::ProcessGroup& group,
                                         const std::string& group_name, int64_t peer, int64_t tag,
                                         const at::Tensor& tensor) {
-  auto a = attached(group, group_name);
-  if (!a || peer < 0 || peer >= static_cast<int64_t>(a->to.size()) || !a->to[peer]) return {};
-  TORCH_CHECK(tensor.device().is_cpu(), "same-host transfers move CPU tensors, got one on ",
-              tensor.device());
-  auto work = c10::make_intrusive<ShmWork>(a->to[peer], a, true, tag, tensor, group.getRank());
-  if (!work->attempt()) a->defer(work);  // see [Note: deferred sends]
-  return work;
+  return shm_work(group, group_name, peer, tag, tensor, true);
 }
 
 c10::intrusive_ptr<c10d::Work> shm_recv(const c10d::ProcessGroup& group,
                                         const std::string& group_name, int64_t peer, int64_t tag,
                                         const at::Tensor& buffer) {
-  auto a = attached(group, group_name);
-  if (!a || peer < 0 || peer >= static_cast<int64_t>(a->from.size()) || !a->from[peer]) return {};
-  TORCH_CHECK(buffer.device().is_cpu(), "same-host transfers move CPU tensors, got one on ",
-              buffer.device());
-  return c10::make_intrusive<ShmWork>(a->from[peer], a, false, tag, buffer, group.getRank());
+  return shm_work(group, group_name, peer, tag, buffer, false);
 }
 
 bool shm_whole_group(const c10d::ProcessGroup& group, const std::string& group_name) {
