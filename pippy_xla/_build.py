@@ -473,7 +473,6 @@ def check_ranks_agree(
             raise RuntimeError(
                 f"[rank {rank}] rank {r} built a different pipeline: (graph digest, "
                 f"schedule, microbatches, inputs, transport) = {theirs} here {mine}; every rank "
-                "must "
-                "wrap the same model with the same arguments"
+                "must wrap the same model with the same arguments"
             )
     return key
