@@ -78,17 +78,23 @@ def _names_of(pid: int) -> list[str]:
 
 
 def test_shared_memory_messages_arrive_by_tag_in_order_and_whole():
-    # What a crashed run left: a name whose creator is gone. The next attach unlinks it.
+    # What a crashed run left: names whose creator is gone. An attach unlinks the old one.
     dead = subprocess.Popen(["true"])
     dead.wait()
     stale = f"/dev/shm/pippy_xla.{os.getuid()}.{dead.pid}.7.0.1.0.1"
-    open(stale, "wb").close()
+    recent = f"/dev/shm/pippy_xla.{os.getuid()}.{dead.pid}.7.0.1.0.2"
+    for name in (stale, recent):
+        open(name, "wb").close()
+    two_hours_ago = time.time() - 7200
+    os.utime(stale, (two_hours_ago, two_hours_ago))
     out = run_ranks(2, _messages)
     assert out[0][:3] == (1, 1, 42.0)
     assert out[1][:3] == (1, 1, _C.SHM_SLOTS + 40)
     # Every name was unlinked once both sides had mapped it.
     assert not _names_of(out[0][3]) and not _names_of(out[1][3])
-    assert not os.path.exists(stale)
+    # An hour old at least: a job of another pid namespace sharing /dev/shm keeps its names.
+    assert not os.path.exists(stale) and os.path.exists(recent)
+    os.unlink(recent)
 
 
 def _peer_exits(rank, world):

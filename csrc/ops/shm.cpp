@@ -16,6 +16,7 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <fstream>
 #include <functional>
 #include <memory>
@@ -402,21 +403,31 @@ int64_t peer_pid(int64_t pid) { return process_alive(pid) ? pid : 0; }
 // [Note: shared-memory names] /pippy_xla.<uid>.<creator's pid>.<job>.<src>.<dst> for a
 // channel (created by its receiver, dst), the same with .<slot>.<generation> for a data segment
 // (created by the sender, src). A name is unlinked once both sides have mapped it; what a
-// failure leaves (a message never received) names a dead creator, and the next attach on the
-// machine unlinks it.
+// failure leaves (a message never received) names a dead creator, and an attach on the machine
+// an hour or more later unlinks it.
 std::string shm_name(int64_t creator, int64_t job, int64_t src, int64_t dst) {
   return c10::str("/pippy_xla.", getuid(), ".", creator, ".", job, ".", src, ".", dst);
 }
+
+// A name whose creator is not running here, last written over kShmStaleSeconds ago: a process
+// of another pid namespace sharing /dev/shm looks dead from here, and the age keeps the cleanup
+// off the names of such a job that is still running (a name lives from its creation until the
+// peer maps it).
+constexpr int64_t kShmStaleSeconds = 3600;
 
 void unlink_stale_names() {
   const std::string mine = c10::str("pippy_xla.", getuid(), ".");
   DIR* dir = opendir("/dev/shm");
   if (!dir) return;
+  const auto now = time(nullptr);
   while (const dirent* e = readdir(dir)) {
     const std::string name(e->d_name);
     if (name.rfind(mine, 0) != 0) continue;
     const int64_t creator = std::atoll(name.c_str() + mine.size());
-    if (creator > 0 && !process_alive(creator)) shm_unlink(("/" + name).c_str());
+    struct stat st {};
+    if (creator > 0 && stat(("/dev/shm/" + name).c_str(), &st) == 0 &&
+        now - st.st_mtime > kShmStaleSeconds && !process_alive(creator))
+      shm_unlink(("/" + name).c_str());
   }
   closedir(dir);
 }

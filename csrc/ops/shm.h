@@ -18,7 +18,7 @@
 //   kShmWakeMs at a time: in between it checks its deadline, Work::abort and whether the peer's
 //   process still exists (a dead peer fails the wait at once, as a closed socket fails gloo's).
 // - Every name under /dev/shm is unlinked as soon as both sides have mapped it, so nothing stays
-//   behind after the processes end; what a crash leaves, the next attach on the machine unlinks
+//   behind after the processes end; what a crash leaves, a later attach on the machine unlinks
 //   ([Note: shared-memory names] in shm.cpp).
 // Only CPU tensors; pairs on different hosts (and every pair, where /dev/shm cannot be used) keep
 // the process group's own send and receive.
