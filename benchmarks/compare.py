@@ -58,6 +58,10 @@ Reported per run (``benchmarks/results/compare.json``, ``compare.png``):
   its receives are complete, so waiting is not counted as compute). ``busy_ratio`` is the plainer
   ``max over ranks of (sum of F + B) / measured step`` (last timed step; it includes the
   schedule's bubble, so it is at most m / (m + p - 1)).
+- ``pipeline_efficiency`` ("efficiency of run_train"): the same ideal over the last timed step's
+  pipeline call alone: ``run_train`` (torch: ``schedule.step`` and the loss broadcast), without
+  the ``optimizer.step()`` and ``zero_grad()`` that both libraries run after it (about 0.8 ms of
+  AdamW over the stage's parameters in the overhead regimes).
 - Memory, peak per rank, in one extra untimed step:
   ``stash_peak_bytes``: tensors the runtime itself keeps between a microbatch's forward and its
   backward: pippy_xla's stash (stage inputs and outputs, ``pipe.stash_peak_bytes``) and torch's
@@ -68,6 +72,9 @@ Reported per run (``benchmarks/results/compare.json``, ``compare.png``):
 - ``per_action_us``: the time between engine actions: mean F / B duration minus the stage
   module's own forward (measured with forward hooks in the analysis step), and, for pippy_xla,
   the mean duration of the communication actions and of the gaps between consecutive actions.
+  ``loss_per_F``: pippy_xla's F on the last stage includes the loss (the model's, which the
+  single process computes too); its time in the same analysis step, per F action of the rank,
+  so that "F outside the module and the loss" is what the runtime itself adds to a forward.
 
 - ``pippy_xla:tuned`` rows (unless ``--no-tuned``), for the list-scheduled schedules (``zbh1``,
   ``interleaved_zb``, ``zbv``): a third pipeline in the same processes, steps interleaved with the
@@ -329,10 +336,14 @@ def _attach_all(modules, *instruments):
     return [h for mod in modules for ins in instruments for h in ins.attach(mod)]
 
 
-def _analysis(regime, modules, step, f_durations_us, reset_stash_peak, stash_peak) -> dict:
+def _analysis(
+    regime, modules, step, f_durations_us, reset_stash_peak, stash_peak, loss_us=None
+) -> dict:
     """The untimed analysis steps of either library: (1) the stage modules' own forward time
-    next to the runtime's F durations (``f_durations_us()``) of the same step; (2) stash and
-    autograd-saved peaks. Compiled stages get no hooks (dynamo would recompile)."""
+    next to the runtime's F durations (``f_durations_us()``) of the same step, and the time its
+    F actions spent in the loss (``loss_us()``: the step's loss calls, us; ``None`` where F does
+    not include the loss); (2) stash and autograd-saved peaks. Compiled stages get no hooks
+    (dynamo would recompile)."""
     import torch.distributed as dist
 
     hooks = not regime.get("compile")
@@ -348,7 +359,9 @@ def _analysis(regime, modules, step, f_durations_us, reset_stash_peak, stash_pea
     out = {}
     if hooks:
         instrumented(clock)
-        out["clock_step_f_us"] = statistics.fmean(f_durations_us())
+        fs = f_durations_us()
+        out["clock_step_f_us"] = statistics.fmean(fs)
+        out["clock_step_loss_per_f_us"] = sum(loss_us()) / len(fs) if loss_us else 0.0
     reset_stash_peak()
     instrumented(saved)
     out["stash_peak_bytes"] = int(stash_peak())
@@ -398,9 +411,22 @@ def _pippy(regime, schedule, tuned=False):
     if isinstance(pipe, dict):
         return pipe
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
+    pipeline_times = []
+    loss_calls_us = []
+    runner = pipe._runner  # the loss the pipeline's F calls, timed in the analysis steps
+    own_loss = runner.loss_fn
+
+    def timed_loss(*a, **k):
+        t0 = time.perf_counter_ns()
+        try:
+            return own_loss(*a, **k)
+        finally:
+            loss_calls_us.append((time.perf_counter_ns() - t0) / 1e3)
 
     def step():
+        t0 = time.perf_counter()
         loss = pipe.run_train(**batch)
+        pipeline_times.append(time.perf_counter() - t0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
@@ -408,11 +434,19 @@ def _pippy(regime, schedule, tuned=False):
     def report(losses, times):
         timings = pipe.timings()  # of the last timed step
 
+        def clock_step_losses():
+            calls = list(loss_calls_us)
+            runner.loss_fn = own_loss
+            return calls
+
         def untimed_step():
             pipe.run_train(**batch)
             opt.zero_grad(set_to_none=True)
 
         out = {"losses": losses, "step_times": times, "timings": [list(t) for t in timings]}
+        out["pipeline_times"] = pipeline_times[-len(times) :]
+        if not regime.get("compile"):  # timed in the clock step; clock_step_losses() undoes it
+            runner.loss_fn = timed_loss
         out["num_stages"] = len(pipe.stages)
         out["order"] = pipe.engine.schedule.to_csv()
         out |= _analysis(
@@ -422,6 +456,7 @@ def _pippy(regime, schedule, tuned=False):
             lambda: [(e - s) / 1e3 for op, _, _, s, e in pipe.timings() if op == "F"],
             pipe.reset_stash_peak,
             lambda: pipe.stash_peak_bytes,
+            clock_step_losses,
         )
         return out
 
@@ -522,10 +557,12 @@ def _torch(regime, schedule):
     kwargs = {n: batch[n] for n in pipe.input_names}
     holds_last = any(st.index == num_stages - 1 for st in local)
     last_rank = pipe.engine.schedule.stage_rank[-1]  # a V puts the last stage on rank 0
+    pipeline_times = []
 
     def step():
         clocks.clear()
         mb_losses: list = []
+        t0 = time.perf_counter()
         sched.step(
             target=batch["labels"] if holds_last else None,
             losses=mb_losses if holds_last else None,
@@ -536,6 +573,7 @@ def _torch(regime, schedule):
         if holds_last:
             total = torch.stack([x.detach().float() for x in mb_losses]).sum()
         dist.broadcast(total, src=last_rank)
+        pipeline_times.append(time.perf_counter() - t0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return total
@@ -543,6 +581,7 @@ def _torch(regime, schedule):
     def report(losses, times):
         action_us = {f"{k}{i}": [x / 1e3 for x in v] for (k, i), v in clocks.items()}
         out = {"losses": losses, "step_times": times, "action_us": action_us}
+        out["pipeline_times"] = pipeline_times[-len(times) :]
         out["num_stages"] = num_stages
         out |= _analysis(
             regime,
@@ -687,6 +726,7 @@ def _summarize_run(lib, schedule, regime, ranks, single_median):
             "F_minus_module_forward": r["clock_step_f_us"] - r["module_forward_us"]
             if r["module_forward_us"] is not None
             else None,
+            "loss_per_F": r.get("clock_step_loss_per_f_us"),
         }
         row["per_action_us"].append(entry)
     if lib in (PIPPY, TUNED):
@@ -705,6 +745,11 @@ def _summarize_run(lib, schedule, regime, ranks, single_median):
     row["ideal_s"] = ideal
     row["last_step_s"] = last_step
     row["efficiency"] = ideal / last_step if ideal else None
+    # The same ideal over the pipeline call alone (run_train; torch: schedule.step and the loss
+    # broadcast), without the optimizer step both libraries run after it.
+    last_call = max(r["pipeline_times"][-1] for r in ranks)
+    row["last_pipeline_call_s"] = last_call
+    row["pipeline_efficiency"] = ideal / last_call if ideal else None
     row["busy_ratio"] = max(busy) / last_step
     return row
 
@@ -744,13 +789,18 @@ def _fmt_bytes(n: int | None) -> str:
     return "n/a" if n is None else format_bytes(n)
 
 
+def _us(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
 def _overhead_table(results) -> str:
     """pippy_xla's per-action costs (medians over the last timed step, us) per rank: the gap
     between consecutive actions, each transfer action, and the F action minus the stage module's
     own forward (the runtime's cost around a forward; eager stages only)."""
     lines = [
-        "| regime | schedule | rank | gap | RF | SF | RB | SB | F outside the module |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| regime | schedule | rank | gap | RF | SF | RB | SB | F outside the module "
+        "| loss per F | F outside the module and the loss |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, reg in results.items():
         for row in reg["rows"]:
@@ -759,11 +809,13 @@ def _overhead_table(results) -> str:
             for rank, (a, per) in enumerate(zip(row["actions"], row["per_action_us"], strict=True)):
                 med = a["median_us"]
                 cells = [f"{med[op]:.1f}" if op in med else "-" for op in ("RF", "SF", "RB", "SB")]
-                outside = per["F_minus_module_forward"]
+                outside, loss = per["F_minus_module_forward"], per.get("loss_per_F")
+                runtime = None if outside is None or loss is None else outside - loss
                 lines.append(
                     f"| {name} | {row['schedule']} | {rank} | {a['gap_median_us']:.1f} | "
                     + " | ".join(cells)
-                    + f" | {'-' if outside is None else f'{outside:.1f}'} |"
+                    + f" | {_us(outside)} | {_us(None if outside is None else loss)} "
+                    f"| {_us(runtime)} |"
                 )
     return "\n".join(lines)
 
@@ -771,23 +823,26 @@ def _overhead_table(results) -> str:
 def _table(results) -> str:
     lines = [
         "| regime | schedule | library | step s (median, min-max) | vs torch | vs 1 process "
-        "| efficiency | busy / step | stash peak (rank 0, 1) | autograd saved peak (rank 0, 1) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| efficiency | efficiency of run_train | busy / step | stash peak (rank 0, 1) "
+        "| autograd saved peak (rank 0, 1) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, reg in results.items():
         s = reg["single"]["step_s"]
         lines.append(
             f"| {name} | - | single process | {s['median']:.4f} ({s['min']:.4f}-{s['max']:.4f}) "
-            "| | 1.00x | | | | |"
+            "| | 1.00x | | | | | |"
         )
         for row in reg["rows"]:
             st = row["step_s"]
             eff = f"{row['efficiency'] * 100:.1f}%" if row["efficiency"] else "n/a"
+            call = row.get("pipeline_efficiency")
+            eff_call = f"{call * 100:.1f}%" if call else "n/a"
             vs = f"{row['vs_torch']:.2f}x" if row.get("vs_torch") else "-"
             lines.append(
                 f"| {name} | {row['schedule']} | {row['library']} | {st['median']:.4f} "
                 f"({st['min']:.4f}-{st['max']:.4f}) | {vs} | {row['speedup_vs_single']:.2f}x "
-                f"| {eff} | {row['busy_ratio'] * 100:.1f}% "
+                f"| {eff} | {eff_call} | {row['busy_ratio'] * 100:.1f}% "
                 f"| {', '.join(_fmt_bytes(b) for b in row['stash_peak_bytes'])} "
                 f"| {', '.join(_fmt_bytes(b) for b in row['saved_peak_bytes'])} |"
             )

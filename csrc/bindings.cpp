@@ -175,6 +175,10 @@ PYBIND11_MODULE(_C, m) {
       "this rank reaches that way (0: none, the group's own transport stays).");
   m.def("shm_peers", &shm_peers, py::arg("group_name"),
         "How many peers of the group this rank reaches through shared memory.");
+  m.def("shm_spin_us", &shm_spin_us, py::arg("group_name"),
+        "How many microseconds this rank's waits on the group's shared-memory channels poll "
+        "before they sleep (0: they sleep at once; see [Note: spinning before sleeping] in "
+        "csrc/ops/shm.cpp).");
   m.def("content_digest", &content_digest, py::arg("tensor"),
         py::call_guard<py::gil_scoped_release>(),
         "A 64-bit fingerprint of the tensor's bytes (not a cryptographic hash).");
@@ -201,6 +205,7 @@ PYBIND11_MODULE(_C, m) {
 
   m.attr("RECV_LOOKAHEAD") = kRecvLookahead;
   m.attr("SHM_SLOTS") = kShmSlots;
+  m.attr("SHM_SPIN_US") = kShmSpinUs;
   m.attr("DEFAULT_TIMEOUT_MS") = kDefaultTimeoutMs;
   py::class_<WeightWork>(m, "WeightWork",
                          "What a split backward's W runs for one microbatch of a stage "

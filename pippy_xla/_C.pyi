@@ -289,6 +289,10 @@ RECV_LOOKAHEAD: int
 SHM_SLOTS: int
 """Messages a same-host channel holds at once (more are deferred; see [Note: deferred sends])."""
 
+SHM_SPIN_US: int
+"""How long a same-host wait polls before it sleeps, where every rank of the host has a core of
+its own (see [Note: spinning before sleeping])."""
+
 DEFAULT_TIMEOUT_MS: int
 """How long a transfer waits when no timeout is given (the engine's and the ops' default)."""
 
@@ -392,6 +396,11 @@ def shm_attach(group_name: str, timeout_ms: int) -> int:
 
 def shm_peers(group_name: str) -> int:
     """How many peers of the group this rank reaches through shared memory."""
+
+def shm_spin_us(group_name: str) -> int:
+    """How many microseconds this rank's waits on the group's shared-memory channels poll before
+    they sleep (0: they sleep at once; see [Note: spinning before sleeping] in
+    csrc/ops/shm.cpp)."""
 
 def content_digest(tensor: torch.Tensor) -> int:
     """A 64-bit fingerprint of the tensor's bytes (not a cryptographic hash)."""

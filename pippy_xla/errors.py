@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import atexit
 import logging
+import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TypeVar
@@ -26,9 +28,10 @@ its sockets for gloo to notice. So:
 
 - the failing rank posts an abort record, ``"<rank>\\n<exception text>"``, into the c10d store of
   the job (the rendezvous store every rank already shares) under a key of this pipeline;
-- during every step each rank runs a small watcher thread that checks that key every
-  ``POLL_S`` seconds; when it appears, the watcher calls the engine's ``abort()``, which wakes the
-  rank's blocked transfer waits (c10d's ``Work::abort``) so that its step fails at once;
+- during every step a watcher thread of the rank (one per pipeline, started at its first step
+  and armed at every step's start) checks that key every ``POLL_S`` seconds; when it appears,
+  the watcher calls the engine's ``abort()``, which wakes the rank's blocked transfer waits
+  (c10d's ``Work::abort``) so that its step fails at once;
 - every rank raises a :class:`PipelineError` naming the rank that failed first and its exception
   text. The pipeline then refuses further steps (peers were left mid-step).
 
@@ -241,13 +244,14 @@ have no ``Work::abort``, and a peer that raised and lives on keeps its sockets o
 waiting for it would wait out the process group's timeout. So each of them runs through one
 helper, :meth:`FailureState.watched` (:meth:`AbortChannel.call`):
 
-- the collective runs on a short-lived daemon thread (every one of them releases the GIL while
-  it waits), and the calling thread waits for it in slices of ``POLL_S`` seconds, checking the
-  abort record between slices (no store traffic when the collective completes within the first
-  slice, as it does in a healthy job);
+- the collective runs on a daemon thread of the pipeline (one, started at the first such call
+  and reused: a fresh thread per call cost 0.1-2 ms in a step, more than the collective itself;
+  every collective releases the GIL while it waits), and the calling thread waits for it in
+  slices of ``POLL_S`` seconds, checking the abort record between slices (no store traffic when
+  the collective completes within the first slice, as it does in a healthy job);
 - a peer's record (its own failure, or a rank it found dead) ends the wait at once: the caller
   raises :class:`PipelineError` naming that rank, ``aborted=True``; the collective's thread is
-  left behind and ends when the transport fails (the failed peer exits) or at the collective's
+  left behind (a later call starts another) and ends when the transport fails (the failed peer exits) or at the collective's
   timeout (the pipeline is unusable from then on, as after any failed step). At exit, the
   process waits for such threads (at most ``ABANDONED_EXIT_S`` seconds): one that returned
   from C++ during interpreter finalization would take the GIL there, and Python 3.11 ends it
@@ -288,6 +292,99 @@ class PeerFailed(Exception):
         super().__init__(f"rank {origin[0]} {'died' if origin[1] else 'failed'}: {origin[2]}")
 
 
+class _Worker:
+    """The daemon thread that runs an :class:`AbortChannel`'s watched collectives, one at a time
+    (see [Note: watched collectives]). It lives as long as its channel, or until a peer's
+    failure leaves it stuck in a collective."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(
+            target=_Worker._loop, args=(self.jobs,), name="pippy_xla-collective", daemon=True
+        )
+        self.thread.start()
+        _IDLE.add(self)
+        weakref.finalize(self, self.jobs.put, None)  # the channel is gone: the thread ends
+
+    @staticmethod
+    def _loop(jobs: queue.SimpleQueue) -> None:
+        while (job := jobs.get()) is not None:
+            fn, args, outcome, done = job
+            try:
+                outcome.append((True, fn(*args)))
+            except BaseException as e:  # noqa: BLE001  (re-raised by the caller)
+                outcome.append((False, e))
+            finally:
+                done.set()
+            del job, fn, args, outcome, done  # nothing of a finished call stays alive
+
+
+class _Watcher:
+    """The daemon thread behind :meth:`AbortChannel.watch`: while an engine is armed, it reads
+    the abort record every ``POLL_S`` seconds and aborts that engine's step when a record
+    appears. Started once per channel, so a step costs no thread start (it cost 100-250 us)."""
+
+    def __init__(self, channel: AbortChannel) -> None:
+        self._cv = threading.Condition()
+        self._engine = None
+        self._step = 0  # bumped at every arm and disarm
+        thread = threading.Thread(
+            target=_Watcher._loop,
+            args=(weakref.ref(self), weakref.ref(channel), self._cv),
+            name="pippy_xla-abort-watch",
+            daemon=True,
+        )
+        thread.start()
+
+    def arm(self, engine) -> None:
+        """Watches ``engine``'s step from now on (``None``: the step ended)."""
+        with self._cv:
+            self._engine = engine
+            self._step += 1
+            if engine is not None:
+                self._cv.notify()
+
+    @staticmethod
+    def _loop(me: weakref.ref, channel: weakref.ref, cv: threading.Condition) -> None:
+        while True:
+            with cv:
+                while (watcher := me()) is not None and watcher._engine is None:
+                    del watcher
+                    cv.wait(POLL_S)  # a timeout, so that a dropped channel ends the thread
+                if watcher is None:
+                    return
+                step, engine = watcher._step, watcher._engine
+                del watcher
+            time.sleep(POLL_S)  # a step shorter than POLL_S never reads the store
+            with cv:
+                watcher = me()
+                current = watcher is not None and watcher._step == step
+                del watcher
+            owner = channel() if current else None
+            failed = owner is not None and owner.read() is not None
+            del owner
+            with cv:
+                watcher = me()
+                if watcher is not None and failed and watcher._step == step:
+                    engine.abort()
+                    while watcher._step == step:  # one abort per step
+                        cv.wait(POLL_S)
+                del watcher, engine
+
+
+_IDLE: weakref.WeakSet[_Worker] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_workers() -> None:
+    """Ends the idle collective threads before the interpreter finalizes (a daemon thread that
+    wakes during finalization is killed mid-C++; see [Note: watched collectives])."""
+    for worker in list(_IDLE):
+        if worker.thread not in _ABANDONED:
+            worker.jobs.put(None)
+            worker.thread.join(timeout=1.0)
+
+
 class AbortChannel:
     """The abort record of one pipeline in the job's c10d store. See [Note: failing fast]."""
 
@@ -313,6 +410,8 @@ class AbortChannel:
             self._store = None
         if self._store is not None and self.global_ranks:
             _Heartbeat.ensure(self._store, self.global_ranks[rank])
+        self._worker: _Worker | None = None  # runs call()'s collectives, started on first use
+        self._watcher: _Watcher | None = None  # watch()'s poller, started on first use
 
     def announce(self, text: str, origin: int | None = None, died: bool = False) -> None:
         """Posts a failure (this rank's, or the death of rank ``origin``) unless another came
@@ -361,23 +460,20 @@ class AbortChannel:
         collectives]."""
         if self._store is None:
             return fn(*args)
+        worker = self._worker
+        if worker is None:
+            worker = self._worker = _Worker()
         outcome: list = []
         done = threading.Event()
-
-        def run() -> None:
-            try:
-                outcome.append((True, fn(*args)))
-            except BaseException as e:  # noqa: BLE001  (re-raised by the caller)
-                outcome.append((False, e))
-            finally:
-                done.set()
-
-        thread = threading.Thread(target=run, name="pippy_xla-collective", daemon=True)
-        thread.start()
+        worker.jobs.put((fn, args, outcome, done))
         while not done.wait(POLL_S):
             origin = self.read()
             if origin is not None and (origin[0] != self.rank or origin[1]):
-                _ABANDONED.append(thread)
+                # Stuck in fn: it ends once fn returns (the transport fails, or its timeout);
+                # a later call starts another.
+                worker.jobs.put(None)
+                _ABANDONED.append(worker.thread)
+                self._worker = None
                 raise PeerFailed(origin)
         ok, value = outcome[0]
         if ok:
@@ -390,21 +486,13 @@ class AbortChannel:
         if self._store is None:
             yield
             return
-        stop = threading.Event()
-
-        def poll() -> None:
-            while not stop.wait(POLL_S):
-                if self.read() is not None:
-                    engine.abort()
-                    return
-
-        thread = threading.Thread(target=poll, name="pippy_xla-abort-watch", daemon=True)
-        thread.start()
+        if self._watcher is None:
+            self._watcher = _Watcher(self)
+        self._watcher.arm(engine)
         try:
             yield
         finally:
-            stop.set()
-            thread.join()
+            self._watcher.arm(None)
 
     def error(
         self, exc: BaseException, action: str, failure: _C.Failure | None = None

@@ -45,6 +45,7 @@ def _worker(rank, world_size, port, fn, args, results, pg_timeout, backend):
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_RANK="0" if backend == "nccl" else str(rank),
+        LOCAL_WORLD_SIZE="1" if backend == "nccl" else str(world_size),
     )
     if backend == "nccl":
         os.environ["NCCL_HOSTID"] = f"host{rank}"

@@ -67,6 +67,38 @@ def _messages(rank, world):
     return peers, _C.shm_peers(group), len(got_many), os.getpid()
 
 
+def _spin_expected(ranks_on_host: int) -> int:
+    """[Note: spinning before sleeping]: waits poll only where every rank of the host, with its
+    intra-op threads, has a CPU of its own (run_ranks gives each rank one thread)."""
+    cpus = len(os.sched_getaffinity(0))
+    return _C.SHM_SPIN_US if ranks_on_host * torch.get_num_threads() <= cpus else 0
+
+
+def _spin_policy(rank, world):
+    """The spin budget follows the ranks this host runs: the group's own, or torchrun's
+    LOCAL_WORLD_SIZE where that says more (ranks of other groups share the cores)."""
+    group = ops.group_name_of(None)
+    _C.shm_attach(group, TIMEOUT_MS)
+    crowded = dist.new_group(list(range(world)))
+    os.environ["LOCAL_WORLD_SIZE"] = str(len(os.sched_getaffinity(0)) + 1)
+    _C.shm_attach(crowded.group_name, TIMEOUT_MS)
+    unattached = dist.new_group(list(range(world)))
+    return (
+        _spin_expected(world),
+        _C.shm_spin_us(group),
+        _C.shm_spin_us(crowded.group_name),
+        _C.shm_spin_us(unattached.group_name),
+    )
+
+
+def test_waits_poll_only_where_every_rank_has_a_core():
+    for world in (2, 4):
+        for expected, spin, crowded, unattached in run_ranks(world, _spin_policy):
+            assert spin == expected
+            assert crowded == 0 and unattached == 0
+    assert _C.SHM_SPIN_US > 0
+
+
 def _recv_from(peer, like, tag, group):
     token = ops.recv(like.shape, like.dtype, peer, tag, group)
     return ops.wait_recv(token, like.shape, like.dtype, timeout_ms=TIMEOUT_MS)

@@ -14,9 +14,12 @@
 //   takes the full slot with its tag (the oldest, if several) and copies out. No thread besides
 //   the caller's ever runs.
 // - Waiting (a receive whose message is not there yet, a send that finds every slot full) sleeps
-//   on a futex word of the channel that every post and every freed slot bumps, for at most
-//   kShmWakeMs at a time: in between it checks its deadline, Work::abort and whether the peer's
-//   process still exists (a dead peer fails the wait at once, as a closed socket fails gloo's).
+//   (after polling for up to kShmSpinUs where every rank of the host has a core of its own,
+//   [Note: spinning before sleeping] in shm.cpp) on a futex word of the channel that every post
+//   and every freed slot bumps, for at most
+//   kShmWakeMs at a time: in between it checks its deadline, Work::abort and, once per slice
+//   slept, whether the peer's process still exists (a dead peer fails the wait within a slice,
+//   as a closed socket fails gloo's; a wait shorter than a slice never reads /proc).
 // - Every name under /dev/shm is unlinked as soon as both sides have mapped it, so nothing stays
 //   behind after the processes end; what a crash leaves, a later attach on the machine unlinks
 //   ([Note: shared-memory names] in shm.cpp).
@@ -40,6 +43,9 @@ namespace pippy_xla {
 
 constexpr uint32_t kShmSlots = 1024;
 constexpr int64_t kShmWakeMs = 100;
+// How long a wait polls before it sleeps, where every rank of the host has a core of its own
+// ([Note: spinning before sleeping] in shm.cpp).
+constexpr int64_t kShmSpinUs = 2000;
 
 // Collective over the process group `group_name` (every rank calls it, in the same order as the
 // group's other collectives): maps a channel to and from every rank of the group on this host.
@@ -62,6 +68,10 @@ c10::intrusive_ptr<c10d::Work> shm_recv(const c10d::ProcessGroup& group,
 
 // How many peers of `group_name` this rank reaches through shared memory (0: none attached).
 int64_t shm_peers(const std::string& group_name);
+
+// How many microseconds this rank's waits on `group_name`'s channels poll before they sleep
+// (0: they sleep at once, or the group is not attached).
+int64_t shm_spin_us(const std::string& group_name);
 
 // Whether this rank reaches every other rank of `group` through shared memory: then the small
 // collectives of p2p.h run over it too ([Note: small collectives over shared memory] in p2p.cpp).
