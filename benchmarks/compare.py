@@ -47,11 +47,12 @@ Reported per run (``benchmarks/results/compare.json``, ``compare.png``):
 - ``step_s``: median, min, max, IQR of the step time over ``--steps`` steps after ``--warmup``.
 - ``vs_torch``: torch's median step time / this run's (throughput ratio; > 1 is faster).
 - ``speedup_vs_single``: single-process median step time (whole batch, one thread) / this run's.
-- ``efficiency``: ``ideal / measured step``, both of the last timed step, where ``ideal`` is the
-  makespan of the same schedule simulated by ``_C.Schedule.simulate`` with zero communication
-  cost and per-stage F and B costs equal to the library's own measured mean F and B durations on
-  that stage in that step. 100% means the runtime adds nothing to the schedule's compute and
-  inherent bubble.
+- ``efficiency``: the median over the timed steps of ``ideal / measured step``, where a step's
+  ``ideal`` is the makespan of the same schedule simulated by ``_C.Schedule.simulate`` with zero
+  communication cost and per-stage F, B and W costs equal to the library's own measured mean
+  durations on that stage in that step (``efficiency_per_step`` lists every step's). 100% means
+  the runtime adds nothing to the schedule's compute and inherent bubble; the variation of
+  single actions (a slow F here and there delays its peers) counts against it.
   pippy_xla's F/B durations are its engine's ``timings()`` actions ``F`` / ``B``; torch's are
   ``forward_one_chunk`` (+ the loss on the last stage) and ``backward_one_chunk``, timed by
   wrapping those methods of the stage instance (pippy_xla's engine starts an F or B's clock once
@@ -431,6 +432,9 @@ def _pippy(regime, schedule, tuned=False):
         opt.zero_grad(set_to_none=True)
         return loss
 
+    step_actions = []
+    step.snapshot = lambda: step_actions.append(_action_us(pipe.timings()))
+
     def report(losses, times):
         timings = pipe.timings()  # of the last timed step
 
@@ -445,6 +449,7 @@ def _pippy(regime, schedule, tuned=False):
 
         out = {"losses": losses, "step_times": times, "timings": [list(t) for t in timings]}
         out["pipeline_times"] = pipeline_times[-len(times) :]
+        out["step_actions"] = step_actions[-len(times) :]
         if not regime.get("compile"):  # timed in the clock step; clock_step_losses() undoes it
             runner.loss_fn = timed_loss
         out["num_stages"] = len(pipe.stages)
@@ -578,10 +583,16 @@ def _torch(regime, schedule):
         opt.zero_grad(set_to_none=True)
         return total
 
+    def clock_us():
+        return {f"{k}{i}": [x / 1e3 for x in v] for (k, i), v in clocks.items()}
+
+    step_actions = []
+    step.snapshot = lambda: step_actions.append(clock_us())
+
     def report(losses, times):
-        action_us = {f"{k}{i}": [x / 1e3 for x in v] for (k, i), v in clocks.items()}
-        out = {"losses": losses, "step_times": times, "action_us": action_us}
+        out = {"losses": losses, "step_times": times, "action_us": clock_us()}
         out["pipeline_times"] = pipeline_times[-len(times) :]
+        out["step_actions"] = step_actions[-len(times) :]
         out["num_stages"] = num_stages
         out |= _analysis(
             regime,
@@ -628,12 +639,21 @@ def _paired(rank, world, regime, schedule, steps, warmup, libs):
             loss = step()
             times[lib].append(time.perf_counter() - t0)
             losses[lib].append(float(loss))
+            step.snapshot()  # this step's action durations, untimed
             if i == warmup - 1 and len(runs[lib]) > 2:
                 runs[lib][2]()  # tune after the last warm-up step (untimed)
     return {lib: runs[lib][1](losses[lib], times[lib][warmup:]) for lib in libs}
 
 
 # ------------------------------------------------------------------------------ analysis
+
+
+def _action_us(timings) -> dict[str, list[float]]:
+    """``{"F3": [us, ...], ...}``: the durations of one step's engine actions per op and stage."""
+    out: dict[str, list[float]] = {}
+    for op, stage, _, s, e in timings:
+        out.setdefault(f"{op}{stage}", []).append((e - s) / 1e3)
+    return out
 
 
 def _pippy_actions(ranks):
@@ -737,20 +757,26 @@ def _summarize_run(lib, schedule, regime, ranks, single_median):
             entry["gap_between_actions"] = a["gap_mean_us"]
     chunks = num_stages // p
     order = ranks[0].get("order")  # pippy_xla: the order that ran (a tuned one's own)
-    ideal = _simulated_ideal(schedule, p, m, chunks, costs, order)
     row["stage_costs_s"] = costs
     row["stage_busy_s"] = busy
-    # The per-action costs are those of the last timed step, so compare them with that step.
-    last_step = _step_series(ranks)[-1]
-    row["ideal_s"] = ideal
-    row["last_step_s"] = last_step
-    row["efficiency"] = ideal / last_step if ideal else None
-    # The same ideal over the pipeline call alone (run_train; torch: schedule.step and the loss
-    # broadcast), without the optimizer step both libraries run after it.
-    last_call = max(r["pipeline_times"][-1] for r in ranks)
-    row["last_pipeline_call_s"] = last_call
-    row["pipeline_efficiency"] = ideal / last_call if ideal else None
-    row["busy_ratio"] = max(busy) / last_step
+    # Every timed step against its own ideal (its own measured costs); the median is reported.
+    steps = _step_series(ranks)
+    calls = [max(ts) for ts in zip(*(r["pipeline_times"] for r in ranks), strict=True)]
+    ideals = [
+        _simulated_ideal(schedule, p, m, chunks, _stage_costs(list(acts), num_stages), order)
+        for acts in zip(*(r["step_actions"] for r in ranks), strict=True)
+    ]
+    row["ideal_s"] = ideals
+    if all(ideals):
+        row["efficiency_per_step"] = [i / t for i, t in zip(ideals, steps, strict=True)]
+        # The same ideal over the pipeline call alone (run_train; torch: schedule.step and the
+        # loss broadcast), without the optimizer step both libraries run after it.
+        row["pipeline_efficiency_per_step"] = [i / t for i, t in zip(ideals, calls, strict=True)]
+        row["efficiency"] = statistics.median(row["efficiency_per_step"])
+        row["pipeline_efficiency"] = statistics.median(row["pipeline_efficiency_per_step"])
+    else:
+        row["efficiency"] = row["pipeline_efficiency"] = None
+    row["busy_ratio"] = max(busy) / steps[-1]  # the last step's, like the per-action costs
     return row
 
 

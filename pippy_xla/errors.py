@@ -251,8 +251,9 @@ helper, :meth:`FailureState.watched` (:meth:`AbortChannel.call`):
   the collective completes within the first slice, as it does in a healthy job);
 - a peer's record (its own failure, or a rank it found dead) ends the wait at once: the caller
   raises :class:`PipelineError` naming that rank, ``aborted=True``; the collective's thread is
-  left behind (a later call starts another) and ends when the transport fails (the failed peer exits) or at the collective's
-  timeout (the pipeline is unusable from then on, as after any failed step). At exit, the
+  left behind (a later call starts another) and ends when the transport fails (the failed peer
+  exits) or at the collective's timeout (the pipeline is unusable from then on, as after any
+  failed step). At exit, the
   process waits for such threads (at most ``ABANDONED_EXIT_S`` seconds): one that returned
   from C++ during interpreter finalization would take the GIL there, and Python 3.11 ends it
   with ``pthread_exit``, whose unwinding through C++ kills the process with SIGABRT

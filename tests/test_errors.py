@@ -448,9 +448,15 @@ def _python_collectives_of_a_run(rank, world):
     torch.manual_seed(0)
     model, layer_cls = gpt2()  # tied embeddings across the first and last stage
     pipe = px.PipelineModel(model, layer_cls=GPT2Block, num_microbatches=4, schedule="interleaved")
-    loss = pipe.run_train(**make_batch(seed=0))
+    for _ in range(3):
+        loss = pipe.run_train(**make_batch(seed=0))
     out = pipe.run_eval(**make_batch(seed=1))
-    return calls, float(loss), float(out.loss)
+    import threading
+
+    # The abort watcher and the watched collectives' thread are started once, not per step or
+    # per call ([Note: watched collectives]).
+    threads = sorted(t.name for t in threading.enumerate() if t.name.startswith("pippy_xla-"))
+    return calls, float(loss), float(out.loss), threads
 
 
 def test_build_and_steps_hand_no_python_tensor_to_a_collective():
@@ -461,9 +467,10 @@ def test_build_and_steps_hand_no_python_tensor_to_a_collective():
     # pipeline and running its steps must therefore not use torch.distributed's Python
     # collectives at all.
     out = run_ranks(2, _python_collectives_of_a_run)
-    for calls, loss, eval_loss in out:
+    for calls, loss, eval_loss, threads in out:
         assert calls == [], calls
         assert loss > 0 and eval_loss > 0
+        assert threads == ["pippy_xla-abort-watch", "pippy_xla-collective", "pippy_xla-heartbeat"]
     assert len({(o[1], o[2]) for o in out}) == 1  # every rank got the broadcast losses
 
 
