@@ -253,11 +253,11 @@ helper, :meth:`FailureState.watched` (:meth:`AbortChannel.call`):
   raises :class:`PipelineError` naming that rank, ``aborted=True``; the collective's thread is
   left behind (a later call starts another) and ends when the transport fails (the failed peer
   exits) or at the collective's timeout (the pipeline is unusable from then on, as after any
-  failed step). At exit, the
-  process waits for such threads (at most ``ABANDONED_EXIT_S`` seconds): one that returned
-  from C++ during interpreter finalization would take the GIL there, and Python 3.11 ends it
-  with ``pthread_exit``, whose unwinding through C++ kills the process with SIGABRT
-  ("terminate called without an active exception"; seen in the tests before this wait);
+  failed step). At exit, the process waits for such threads (at most ``ABANDONED_EXIT_S``
+  seconds): one that returned from C++ during interpreter finalization would take the GIL
+  there, and Python 3.11 ends it with ``pthread_exit``, whose unwinding through C++ kills the
+  process with SIGABRT ("terminate called without an active exception"; seen in the tests
+  before this wait), and it ends the idle ones;
 - the collective's own error is this rank's failure: its record is posted (after the dead-rank
   check of [Note: naming a dead rank] when it is a transport error, gloo's or DCP's report of
   one), so the ranks still waiting are woken by it in turn.
