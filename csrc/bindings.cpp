@@ -166,13 +166,17 @@ PYBIND11_MODULE(_C, m) {
       "Python (see [Note: collectives on C++-owned buffers] in csrc/ops/p2p.h).");
   m.def(
       "shm_attach",
-      [](const std::string& group_name, int64_t timeout_ms) {
-        return shm_attach(group_name, std::chrono::milliseconds(timeout_ms));
+      [](const std::string& group_name, int64_t timeout_ms, int64_t spin_us) {
+        return shm_attach(group_name, std::chrono::milliseconds(timeout_ms), spin_us);
       },
-      py::arg("group_name"), py::arg("timeout_ms"), py::call_guard<py::gil_scoped_release>(),
+      py::arg("group_name"), py::arg("timeout_ms"), py::arg("spin_us") = -1,
+      py::call_guard<py::gil_scoped_release>(),
       "Collective: moves the group's point-to-point transfers between ranks of this host onto "
       "shared memory (see [Note: same-host transport] in csrc/ops/shm.h). Returns how many peers "
-      "this rank reaches that way (0: none, the group's own transport stays).");
+      "this rank reaches that way (0: none, the group's own transport stays). `spin_us`: how "
+      "long this rank's waits on the group poll before they sleep (negative: decided from the "
+      "host's ranks and cores, [Note: spinning before sleeping]); attaching again with "
+      "`spin_us` >= 0 sets it anew.");
   m.def("shm_peers", &shm_peers, py::arg("group_name"),
         "How many peers of the group this rank reaches through shared memory.");
   m.def("shm_spin_us", &shm_spin_us, py::arg("group_name"),

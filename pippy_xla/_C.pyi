@@ -389,10 +389,13 @@ def all_gather_int64(
     """Every rank's ``values`` (the same count on every rank), gathered on buffers that never
     reach Python."""
 
-def shm_attach(group_name: str, timeout_ms: int) -> int:
+def shm_attach(group_name: str, timeout_ms: int, spin_us: int = -1) -> int:
     """Collective: moves the group's point-to-point transfers between ranks of this host onto
     shared memory (see [Note: same-host transport] in csrc/ops/shm.h). Returns how many peers
-    this rank reaches that way (0: none, the group's own transport stays)."""
+    this rank reaches that way (0: none, the group's own transport stays). ``spin_us``: how long
+    this rank's waits on the group poll before they sleep (negative: decided from the host's
+    ranks and cores, [Note: spinning before sleeping]); attaching again with ``spin_us`` >= 0
+    sets it anew."""
 
 def shm_peers(group_name: str) -> int:
     """How many peers of the group this rank reaches through shared memory."""

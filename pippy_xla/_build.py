@@ -428,7 +428,8 @@ def attach_transport(config: PipelineConfig, place: Placement) -> int:
                 "use transport='auto' (NCCL moves CUDA tensors)"
             )
         return 0
-    peers = _C.shm_attach(place.group_name, place.timeout_ms)
+    spin = -1 if config.transport_spin_us is None else config.transport_spin_us
+    peers = _C.shm_attach(place.group_name, place.timeout_ms, spin)
     if config.transport == "shm":
         what = f"[rank {place.rank}] transport check"
         counts = _C.all_gather_int64([peers], place.group_name, "cpu", place.timeout_ms, what)

@@ -83,6 +83,13 @@ class PipelineConfig:
     (between hosts, on CUDA, or where ``/dev/shm`` is unusable); ``"shm"`` is the same but an
     error unless every pair of CPU ranks shares the host; ``"process_group"`` always uses the
     group's send and receive (gloo on CPU)."""
+    transport_spin_us: int | None = None
+    """How many microseconds a same-host wait polls for its message before it sleeps (a sleeping
+    receiver costs each transfer 20-50 us to wake). ``None``: ``_C.SHM_SPIN_US`` (2000) where
+    every rank of the host, with its intra-op threads, has a CPU of its own (ranks counted by the
+    group and by torchrun's ``LOCAL_WORLD_SIZE``), else 0; set 0 where other jobs share the
+    cores. A setting of the group's transport: the last pipeline built on the group that sets it
+    wins. See [Note: spinning before sleeping] in ``csrc/ops/shm.cpp``."""
     timeout: float = _C.DEFAULT_TIMEOUT_MS / 1000
     """Seconds any single wait on a peer may take before the step fails."""
     check_batch_content: bool = True
@@ -125,6 +132,9 @@ class PipelineConfig:
             raise ValueError(f"chunks must be a positive int, got {self.chunks!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        spin = self.transport_spin_us
+        if spin is not None and (isinstance(spin, bool) or not isinstance(spin, int) or spin < 0):
+            raise ValueError(f"transport_spin_us must be None or an int >= 0, got {spin!r}")
         if not (isinstance(self.timeout, int | float) and 0 < self.timeout < math.inf):
             raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
         if isinstance(self.input_names, str) or not self.input_names:

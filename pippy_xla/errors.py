@@ -304,7 +304,7 @@ class _Worker:
             target=_Worker._loop, args=(self.jobs,), name="pippy_xla-collective", daemon=True
         )
         self.thread.start()
-        _IDLE.add(self)
+        _WORKERS.add(self)
         weakref.finalize(self, self.jobs.put, None)  # the channel is gone: the thread ends
 
     @staticmethod
@@ -373,14 +373,15 @@ class _Watcher:
                 del watcher, engine
 
 
-_IDLE: weakref.WeakSet[_Worker] = weakref.WeakSet()
+_WORKERS: weakref.WeakSet[_Worker] = weakref.WeakSet()
+"""Every live :class:`_Worker` (ended at exit unless a failure left it in a collective)."""
 
 
 @atexit.register
 def _stop_workers() -> None:
     """Ends the idle collective threads before the interpreter finalizes (a daemon thread that
     wakes during finalization is killed mid-C++; see [Note: watched collectives])."""
-    for worker in list(_IDLE):
+    for worker in list(_WORKERS):
         if worker.thread not in _ABANDONED:
             worker.jobs.put(None)
             worker.thread.join(timeout=1.0)

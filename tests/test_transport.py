@@ -83,19 +83,22 @@ def _spin_policy(rank, world):
     os.environ["LOCAL_WORLD_SIZE"] = str(len(os.sched_getaffinity(0)) + 1)
     _C.shm_attach(crowded.group_name, TIMEOUT_MS)
     unattached = dist.new_group(list(range(world)))
-    return (
+    out = (
         _spin_expected(world),
         _C.shm_spin_us(group),
         _C.shm_spin_us(crowded.group_name),
         _C.shm_spin_us(unattached.group_name),
     )
+    _C.shm_attach(crowded.group_name, TIMEOUT_MS, 123)  # attached again: set anew
+    return (*out, _C.shm_spin_us(crowded.group_name))
 
 
 def test_waits_poll_only_where_every_rank_has_a_core():
     for world in (2, 4):
-        for expected, spin, crowded, unattached in run_ranks(world, _spin_policy):
+        for expected, spin, crowded, unattached, set_anew in run_ranks(world, _spin_policy):
             assert spin == expected
             assert crowded == 0 and unattached == 0
+            assert set_anew == 123
     assert _C.SHM_SPIN_US > 0
 
 
@@ -164,10 +167,12 @@ def _both_transports(rank, world):
             num_microbatches=4,
             schedule="zbv",
             transport=transport,
+            transport_spin_us=0 if transport == "shm" else None,  # waits sleep at once
             group=group,
         )
         out[transport] = float(pipe.run_train(**batch))
         out[transport + " peers"] = pipe.shm_peers
+        out[transport + " spin"] = _C.shm_spin_us(pipe._place.group_name)
     with pytest.raises(ValueError, match="already moves its transfers through shared memory"):
         px.PipelineModel(model, layer_cls=layer_cls, num_microbatches=4, transport="process_group")
     return out
@@ -177,13 +182,17 @@ def test_pipelines_over_shared_memory_and_over_gloo_give_the_same_losses():
     out = run_ranks(2, _both_transports)
     for r in out:
         assert r["shm peers"] == 1 and r["process_group peers"] == 0
+        assert r["shm spin"] == 0 and r["process_group spin"] == 0
         assert r["shm"] == r["process_group"], r  # the same bits: only the wire differs
     assert out[0]["shm"] == out[1]["shm"]
 
 
-def test_transport_must_be_a_known_name():
+def test_transport_options_must_be_valid():
     with pytest.raises(ValueError, match="transport must be one of"):
         px.PipelineConfig(num_microbatches=2, transport="tcp")
+    for bad in (-1, 1.5, True, "fast"):
+        with pytest.raises(ValueError, match="transport_spin_us must be None or an int >= 0"):
+            px.PipelineConfig(num_microbatches=2, transport_spin_us=bad)
 
 
 def _collectives(rank, world):

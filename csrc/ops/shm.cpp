@@ -132,14 +132,15 @@ inline void cpu_relax() {
 // LOCAL_WORLD_SIZE, which torchrun sets, counts ranks of other groups on the host). With more
 // ranks than cores (the CI's 4-rank tests) a poller would steal the core of the rank it waits
 // for, so there waits sleep at once.
-std::chrono::microseconds spin_budget(int64_t ranks_on_host) {
+int64_t spin_budget_us(int64_t ranks_on_host) {
   int64_t ranks = ranks_on_host;
-  if (const char* env = std::getenv("LOCAL_WORLD_SIZE")) ranks = std::max<int64_t>(ranks, std::atoll(env));
+  if (const char* env = std::getenv("LOCAL_WORLD_SIZE"))
+    ranks = std::max<int64_t>(ranks, std::atoll(env));
   cpu_set_t set;
   CPU_ZERO(&set);
   const int64_t cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  return std::chrono::microseconds(ranks * threads <= cpus ? kShmSpinUs : 0);
+  return ranks * threads <= cpus ? kShmSpinUs : 0;
 }
 
 void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, int64_t ms) {
@@ -175,15 +176,16 @@ struct Segment {
 class Channel {
  public:
   // `data_prefix`: the names of the slots' data segments start with it.
-  // `spin`: how long a wait polls before it sleeps ([Note: spinning before sleeping]).
+  // `spin_us`: how long a wait polls before it sleeps, shared by the group's channels ([Note:
+  // spinning before sleeping]).
   Channel(Header* header, std::string data_prefix, bool sender, int64_t peer_pid, int64_t peer,
-          std::chrono::microseconds spin)
+          std::shared_ptr<const std::atomic<int64_t>> spin_us)
       : h_(header),
         data_prefix_(std::move(data_prefix)),
         sender_(sender),
         peer_pid_(peer_pid),
         peer_(peer),
-        spin_(spin),
+        spin_us_(std::move(spin_us)),
         segments_(kShmSlots) {}
   ~Channel() {
     for (auto& s : segments_)
@@ -255,8 +257,9 @@ class Channel {
       const size_t nbytes = slot.nbytes;
       if (nbytes != buffer.nbytes()) {
         slot.state.store(kFull, std::memory_order_release);
-        TORCH_CHECK(false, "same-host receive from rank ", peer_, " (tag ", tag, "): the message has ",
-                    nbytes, " bytes but the receive buffer ", buffer.nbytes());
+        TORCH_CHECK(false, "same-host receive from rank ", peer_, " (tag ", tag,
+                    "): the message has ", nbytes, " bytes but the receive buffer ",
+                    buffer.nbytes());
       }
       Segment& seg = segments_[best];
       if (nbytes && seg.gen != slot.gen) {
@@ -286,7 +289,9 @@ class Channel {
     // The peer's liveness is read from /proc (10-20 us), so only once per full sleep slice: a
     // wait that ends within the first slice, the common case, never pays for it.
     auto next_check = start + std::chrono::milliseconds(kShmWakeMs);
-    const auto spin_end = std::min(start + spin_, deadline);
+    const auto spin_end =
+        std::min(start + std::chrono::microseconds(spin_us_->load(std::memory_order_relaxed)),
+                 deadline);
     for (;;) {
       const uint32_t seen = h_->seq.load(std::memory_order_seq_cst);
       if (attempt()) return true;
@@ -331,7 +336,7 @@ class Channel {
   bool sender_;
   int64_t peer_pid_;
   int64_t peer_;
-  std::chrono::microseconds spin_;
+  std::shared_ptr<const std::atomic<int64_t>> spin_us_;
   std::vector<Segment> segments_;
 };
 
@@ -384,7 +389,8 @@ struct Attached {
   std::vector<std::shared_ptr<Channel>> to;    // by peer: this rank's sends (null: not attached)
   std::vector<std::shared_ptr<Channel>> from;  // by peer: this rank's receives
   int64_t peers = 0;
-  int64_t spin_us = 0;  // how long its waits poll before sleeping
+  // How long its waits poll before sleeping (every channel of the group reads it).
+  std::shared_ptr<std::atomic<int64_t>> spin_us = std::make_shared<std::atomic<int64_t>>(0);
 
   // [Note: deferred sends] A send that finds every slot of its channel full stays pending until
   // a slot frees. Its own wait pushes it, and so does every receive's wait on this rank: an
@@ -485,10 +491,14 @@ void unlink_stale_names() {
 
 }  // namespace
 
-int64_t shm_attach(const std::string& group_name, std::chrono::milliseconds timeout) {
+int64_t shm_attach(const std::string& group_name, std::chrono::milliseconds timeout,
+                   int64_t spin_us) {
   auto pg = c10d::resolve_process_group(group_name);
   TORCH_CHECK(pg, "no process group registered under the name '", group_name, "'");
-  if (auto a = attached(*pg, group_name)) return a->peers;
+  if (auto a = attached(*pg, group_name)) {
+    if (spin_us >= 0 && a->peers) a->spin_us->store(spin_us);
+    return a->peers;
+  }
   const int64_t rank = pg->getRank();
   const int64_t size = pg->getSize();
   std::random_device rd;
@@ -505,7 +515,8 @@ int64_t shm_attach(const std::string& group_name, std::chrono::milliseconds time
   std::vector<int64_t> peers;
   for (int64_t p = 0; p < size; ++p)
     if (p != rank && info[p][0] == info[rank][0]) peers.push_back(p);
-  const auto spin = spin_budget(static_cast<int64_t>(peers.size()) + 1);
+  const auto ranks_here = static_cast<int64_t>(peers.size()) + 1;
+  a->spin_us->store(spin_us >= 0 ? spin_us : spin_budget_us(ranks_here));
   // Every rank creates the channels it receives on; if one cannot, no rank uses shared memory.
   std::string error;
   for (int64_t p : peers) {
@@ -516,7 +527,7 @@ int64_t shm_attach(const std::string& group_name, std::chrono::milliseconds time
     h->sender_pid = info[p][2];
     h->receiver_pid = info[rank][2];
     a->from[p] = std::make_shared<Channel>(h, shm_name(info[p][2], job, p, rank), false,
-                                           peer_pid(info[p][2]), p, spin);
+                                           peer_pid(info[p][2]), p, a->spin_us);
   }
   const auto created = all_gather_int64({error.empty() ? 1 : 0}, group_name, cpu, timeout,
                                         "same-host transport: creating channels");
@@ -534,7 +545,7 @@ int64_t shm_attach(const std::string& group_name, std::chrono::milliseconds time
         break;
       }
       a->to[p] = std::make_shared<Channel>(h, shm_name(info[rank][2], job, rank, p), true,
-                                           peer_pid(info[p][2]), p, spin);
+                                           peer_pid(info[p][2]), p, a->spin_us);
     }
   } else {
     for (int64_t p : peers) shm_unlink(shm_name(info[rank][2], job, p, rank).c_str());
@@ -546,9 +557,9 @@ int64_t shm_attach(const std::string& group_name, std::chrono::milliseconds time
   if (!ok) {
     a->to.assign(size, nullptr);
     a->from.assign(size, nullptr);
+    a->spin_us->store(0);
   } else {
     a->peers = static_cast<int64_t>(peers.size());
-    a->spin_us = peers.empty() ? 0 : spin.count();
   }
   std::lock_guard<std::mutex> lock(registry_mutex);
   registry()[group_name] = a;
@@ -602,7 +613,7 @@ int64_t shm_spin_us(const std::string& group_name) {
   auto pg = c10d::resolve_process_group(group_name);
   if (!pg) return 0;
   auto a = attached(*pg, group_name);
-  return a ? a->spin_us : 0;
+  return a && a->peers ? a->spin_us->load() : 0;
 }
 
 }  // namespace pippy_xla

@@ -16,10 +16,10 @@
 // - Waiting (a receive whose message is not there yet, a send that finds every slot full) sleeps
 //   (after polling for up to kShmSpinUs where every rank of the host has a core of its own,
 //   [Note: spinning before sleeping] in shm.cpp) on a futex word of the channel that every post
-//   and every freed slot bumps, for at most
-//   kShmWakeMs at a time: in between it checks its deadline, Work::abort and, once per slice
-//   slept, whether the peer's process still exists (a dead peer fails the wait within a slice,
-//   as a closed socket fails gloo's; a wait shorter than a slice never reads /proc).
+//   and every freed slot bumps, for at most kShmWakeMs at a time: in between it checks its
+//   deadline, Work::abort and, once per slice, whether the peer's process still exists (a dead
+//   peer fails the wait within a slice, as a closed socket fails gloo's; a wait shorter than a
+//   slice never reads /proc).
 // - Every name under /dev/shm is unlinked as soon as both sides have mapped it, so nothing stays
 //   behind after the processes end; what a crash leaves, a later attach on the machine unlinks
 //   ([Note: shared-memory names] in shm.cpp).
@@ -51,8 +51,11 @@ constexpr int64_t kShmSpinUs = 2000;
 // group's other collectives): maps a channel to and from every rank of the group on this host.
 // Returns how many peers are attached (0 if the group has no same-host pair or some rank could
 // not create its channels; then every rank keeps the group's transport). Attaching a group
-// twice returns the first count.
-int64_t shm_attach(const std::string& group_name, std::chrono::milliseconds timeout);
+// twice returns the first count. `spin_us`: how long this rank's waits on the group poll before
+// they sleep; negative: decided from the ranks and cores of the host ([Note: spinning before
+// sleeping] in shm.cpp). Attaching again with `spin_us` >= 0 sets it anew.
+int64_t shm_attach(const std::string& group_name, std::chrono::milliseconds timeout,
+                   int64_t spin_us = -1);
 
 // The same-host transfer to / from group rank `peer`, or an empty pointer when that pair is not
 // attached (`group` is the group that `group_name` resolves to now: channels attached to an
