@@ -59,10 +59,11 @@ Reported per run (``benchmarks/results/compare.json``, ``compare.png``):
   its receives are complete, so waiting is not counted as compute). ``busy_ratio`` is the plainer
   ``max over ranks of (sum of F + B) / measured step`` (last timed step; it includes the
   schedule's bubble, so it is at most m / (m + p - 1)).
-- ``pipeline_efficiency`` ("efficiency of run_train"): the same ideal over the last timed step's
-  pipeline call alone: ``run_train`` (torch: ``schedule.step`` and the loss broadcast), without
-  the ``optimizer.step()`` and ``zero_grad()`` that both libraries run after it (about 0.8 ms of
-  AdamW over the stage's parameters in the overhead regimes).
+- ``pipeline_efficiency`` ("efficiency of run_train"): the same, each step's ideal over that
+  step's pipeline call alone (median over the timed steps): ``run_train`` (torch:
+  ``schedule.step`` and the loss broadcast), without the ``optimizer.step()`` and ``zero_grad()``
+  that both libraries run after it (about 0.8 ms of AdamW over the stage's parameters in the
+  overhead regimes).
 - Memory, peak per rank, in one extra untimed step:
   ``stash_peak_bytes``: tensors the runtime itself keeps between a microbatch's forward and its
   backward: pippy_xla's stash (stage inputs and outputs, ``pipe.stash_peak_bytes``) and torch's
