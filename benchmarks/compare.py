@@ -715,11 +715,10 @@ def _pippy_actions(ranks):
     out = []
     for r in ranks:
         tl = sorted(r["timings"], key=lambda t: t[3])
-        by_key: dict[str, list[float]] = {}
+        by_key = _action_us(tl)
         by_op: dict[str, list[float]] = {}
-        for op, stage, _, s, e in tl:
-            by_key.setdefault(f"{op}{stage}", []).append((e - s) / 1e3)
-            by_op.setdefault(op, []).append((e - s) / 1e3)
+        for key, v in by_key.items():
+            by_op.setdefault(_split_key(key)[0], []).extend(v)
         gaps = [(tl[i + 1][3] - tl[i][4]) / 1e3 for i in range(len(tl) - 1)]
         span = (tl[-1][4] - tl[0][3]) / 1e3 if tl else 0.0
         out.append(

@@ -557,7 +557,6 @@ int64_t shm_attach(const std::string& group_name, std::chrono::milliseconds time
   if (!ok) {
     a->to.assign(size, nullptr);
     a->from.assign(size, nullptr);
-    a->spin_us->store(0);
   } else {
     a->peers = static_cast<int64_t>(peers.size());
   }
@@ -602,17 +601,23 @@ bool shm_whole_group(const c10d::ProcessGroup& group, const std::string& group_n
   return a && a->peers == group.getSize() - 1;
 }
 
-int64_t shm_peers(const std::string& group_name) {
+namespace {
+
+// The channels attached to the group that `group_name` resolves to now, if any.
+std::shared_ptr<Attached> attached_by_name(const std::string& group_name) {
   auto pg = c10d::resolve_process_group(group_name);
-  if (!pg) return 0;
-  auto a = attached(*pg, group_name);
+  return pg ? attached(*pg, group_name) : nullptr;
+}
+
+}  // namespace
+
+int64_t shm_peers(const std::string& group_name) {
+  auto a = attached_by_name(group_name);
   return a ? a->peers : 0;
 }
 
 int64_t shm_spin_us(const std::string& group_name) {
-  auto pg = c10d::resolve_process_group(group_name);
-  if (!pg) return 0;
-  auto a = attached(*pg, group_name);
+  auto a = attached_by_name(group_name);
   return a && a->peers ? a->spin_us->load() : 0;
 }
 
