@@ -756,7 +756,7 @@ def partition(
     layer_index = {_ROOT_PREFIX + n: i for i, n in enumerate(layer_names)}
 
     root, graph = _traced_root(model, layer_cls, input_names, device_type)
-    output = next(reversed(graph.nodes))
+    output = next(iter(reversed(graph.nodes)))  # torch 2.11: a _node_list, no iterator
     if output.op != "output":
         raise ValueError("traced graph does not end in an output node")
     added_loss = _separate_added_loss(graph, output, type(model).__name__)
