@@ -190,8 +190,9 @@ Transfer Engine::track(Transfer t) {
   return t;
 }
 
-TransferContext Engine::context(const Action& a, int64_t peer) const {
-  return TransferContext{a.stage, a.mb, peer, op_name(a.op)};
+TransferContext Engine::context(const Action& a, int64_t peer, const char* object,
+                                 int64_t index) const {
+  return TransferContext{a.stage, a.mb, peer, op_name(a.op), rank_, object, index};
 }
 
 Failure Engine::failure_of(const StepState& st, std::exception_ptr error) const {
@@ -249,9 +250,8 @@ void Engine::do_recv_f(StepState& st, const Action& a) {
         at::empty({kHeaderLen}, at::TensorOptions().dtype(at::kLong).device(options_.device));
     st.headers.emplace(
         Slot{a.stage, a.mb},
-        track(irecv(buf, peer, tag(kHeader, a.stage, a.mb, 0), options_.group_name,
-                    where(a, c10::str("receive of the boundary header from rank ", peer).c_str()),
-                    context(a, peer))));
+        track(irecv(buf, peer, tag(kHeader, a.stage, a.mb, 0), options_.group_name, {},
+                    context(a, peer, "the boundary header"))));
   } else {
     post_activation_recvs(st, a);
   }
@@ -266,9 +266,8 @@ void Engine::post_activation_recvs(StepState& st, const Action& a) {
     auto buf = at::empty(specs[i].shape,
                          at::TensorOptions().dtype(specs[i].dtype).device(options_.device));
     ts.push_back(
-        track(irecv(buf, peer, tag(kActivation, a.stage, a.mb, i), options_.group_name,
-                    where(a, c10::str("receive of activation ", i, " from rank ", peer).c_str()),
-                    context(a, peer))));
+        track(irecv(buf, peer, tag(kActivation, a.stage, a.mb, i), options_.group_name, {},
+                    context(a, peer, "activation", i))));
   }
 }
 
@@ -335,16 +334,13 @@ void Engine::do_send_f(StepState& st, const Action& a) {
   if (st.discover) {
     st.sends[st.pos].push_back(
         track(isend(encode_header(st.specs->out.at(slot), where(a, "header")).to(options_.device),
-                    peer, tag(kHeader, a.stage + 1, a.mb, 0), options_.group_name,
-                    where(a, c10::str("send of the boundary header to rank ", peer).c_str()),
-                    context(a, peer))));
+                    peer, tag(kHeader, a.stage + 1, a.mb, 0), options_.group_name, {},
+                    context(a, peer, "the boundary header"))));
   }
   for (size_t i = 0; i < outputs.size(); ++i) {
     st.sends[st.pos].push_back(
         track(isend(outputs[i].detach().contiguous(), peer, tag(kActivation, a.stage + 1, a.mb, i),
-                    options_.group_name,
-                    where(a, c10::str("send of activation ", i, " to rank ", peer).c_str()),
-                    context(a, peer))));
+                    options_.group_name, {}, context(a, peer, "activation", i))));
   }
 }
 
@@ -358,9 +354,8 @@ void Engine::do_recv_b(StepState& st, const Action& a) {
     auto buf = at::empty(specs[i].shape,
                          at::TensorOptions().dtype(specs[i].dtype).device(options_.device));
     ts.push_back(
-        track(irecv(buf, peer, tag(kGradient, a.stage, a.mb, i), options_.group_name,
-                    where(a, c10::str("receive of gradient ", i, " from rank ", peer).c_str()),
-                    context(a, peer))));
+        track(irecv(buf, peer, tag(kGradient, a.stage, a.mb, i), options_.group_name, {},
+                    context(a, peer, "gradient", i))));
   }
 }
 
@@ -452,9 +447,9 @@ void Engine::do_send_b(StepState& st, const Action& a) {
   size_t j = 0;
   for (size_t i = 0; i < specs.size(); ++i) {
     if (!specs[i].requires_grad) continue;
-    st.sends[st.pos].push_back(track(isend(
-        grads.at(j++).contiguous(), peer, tag(kGradient, a.stage - 1, a.mb, i), options_.group_name,
-        where(a, c10::str("send of gradient ", i, " to rank ", peer).c_str()), context(a, peer))));
+    st.sends[st.pos].push_back(
+        track(isend(grads.at(j++).contiguous(), peer, tag(kGradient, a.stage - 1, a.mb, i),
+                    options_.group_name, {}, context(a, peer, "gradient", i))));
   }
 }
 

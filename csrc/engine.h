@@ -111,7 +111,9 @@ class Engine {
   void do_weight(StepState& st, const Action& a);
   std::vector<at::Tensor> wait_all(std::vector<Transfer>& ts);
   Transfer track(Transfer t);  // registers its work for abort()
-  TransferContext context(const Action& a, int64_t peer) const;
+  // A transfer of `a` with `peer`, described only if it fails (see TransferContext).
+  TransferContext context(const Action& a, int64_t peer, const char* object,
+                          int64_t index = -1) const;
   Failure failure_of(const StepState& st, std::exception_ptr error) const;
   std::string where(const Action& a, const char* what) const;
   int64_t tag(int kind, int64_t stage, int64_t mb, int64_t idx) const;

@@ -31,10 +31,19 @@ Transfer::~Transfer() = default;
 Transfer::Transfer(Transfer&&) noexcept = default;
 Transfer& Transfer::operator=(Transfer&&) noexcept = default;
 
+std::string describe(const std::string& what, const TransferContext& c) {
+  if (!what.empty() || c.object == nullptr) return what;
+  const bool send = !c.action.empty() && c.action[0] == 'S';
+  return c10::str("[rank ", c.rank, " stage ", c.stage, "] ", c.action, " microbatch ",
+                  c.microbatch, ": ", send ? "send of " : "receive of ", c.object,
+                  c.index >= 0 ? c10::str(" ", c.index) : std::string(),
+                  send ? " to rank " : " from rank ", c.peer);
+}
+
 bool Transfer::completed() const { return !work_ || work_->isCompleted(); }
 
 at::Tensor Transfer::wait(std::chrono::milliseconds timeout) {
-  TORCH_CHECK(work_, what_, ": waited twice or never posted");
+  TORCH_CHECK(work_, describe(what_, context_), ": waited twice or never posted");
   bool ok = false;
   std::string error;
   try {
@@ -47,12 +56,12 @@ at::Tensor Transfer::wait(std::chrono::milliseconds timeout) {
   const bool timed_out = (error.empty() && !ok) || error.find("Timed out") != std::string::npos;
   if (timed_out) {
     throw TransferError(
-        c10::str(what_, " did not complete within ", timeout.count(),
+        c10::str(describe(what_, context_), " did not complete within ", timeout.count(),
                  " ms (the peer may be stuck or dead; raise `timeout` if it is just slow)"),
         context_);
   }
   if (!error.empty()) {
-    throw TransferError(c10::str(what_, " failed: ", error,
+    throw TransferError(c10::str(describe(what_, context_), " failed: ", error,
                                  " (the peer may have died or raised an error; see its log)"),
                         context_);
   }
@@ -68,9 +77,10 @@ c10::intrusive_ptr<c10d::ProcessGroup> group(const std::string& name) {
   return pg;
 }
 
-void check_wire_tensor(const at::Tensor& t, const std::string& what) {
-  TORCH_CHECK(t.defined(), what, ": tensor is undefined");
-  TORCH_CHECK(t.layout() == at::kStrided && t.is_contiguous(), what,
+void check_wire_tensor(const at::Tensor& t, const std::string& what,
+                       const TransferContext& context) {
+  TORCH_CHECK(t.defined(), describe(what, context), ": tensor is undefined");
+  TORCH_CHECK(t.layout() == at::kStrided && t.is_contiguous(), describe(what, context),
               ": only dense contiguous tensors can be transferred, got a tensor with strides ",
               t.strides());
 }
@@ -79,7 +89,7 @@ void check_wire_tensor(const at::Tensor& t, const std::string& what) {
 
 Transfer isend(const at::Tensor& tensor, int64_t peer, int64_t tag, const std::string& group_name,
                std::string what, TransferContext context) {
-  check_wire_tensor(tensor, what);
+  check_wire_tensor(tensor, what, context);
   auto pg = group(group_name);
   auto work = shm_send(*pg, group_name, peer, tag, tensor);
   if (!work) {
@@ -91,7 +101,7 @@ Transfer isend(const at::Tensor& tensor, int64_t peer, int64_t tag, const std::s
 
 Transfer irecv(at::Tensor buffer, int64_t peer, int64_t tag, const std::string& group_name,
                std::string what, TransferContext context) {
-  check_wire_tensor(buffer, what);
+  check_wire_tensor(buffer, what, context);
   auto pg = group(group_name);
   auto work = shm_recv(*pg, group_name, peer, tag, buffer);
   if (!work) {

@@ -24,13 +24,22 @@ namespace pippy_xla {
 // _C.DEFAULT_TIMEOUT_MS).
 constexpr int64_t kDefaultTimeoutMs = 300000;
 
-// What a transfer is part of, for errors: set by the engine (the ops leave it empty).
+// What a transfer is part of, for errors: set by the engine (the ops leave it empty). With
+// `object` set and no `what`, a transfer's description is written from these fields only when an
+// error needs it: formatting it for every transfer cost more than posting the transfer.
 struct TransferContext {
   int64_t stage = -1;
   int64_t microbatch = -1;
   int64_t peer = -1;
   std::string action;  // "RF", "SF", "RB", "SB"
+  int64_t rank = -1;
+  const char* object = nullptr;  // "activation", "gradient", "the boundary header"
+  int64_t index = -1;            // which activation or gradient (-1: none)
 };
+
+// `what`, or (empty) the description the engine's context makes:
+// "[rank 1 stage 2] SF microbatch 3: send of activation 0 to rank 2".
+std::string describe(const std::string& what, const TransferContext& context);
 
 // A transfer that failed or timed out; `what()` starts with the transfer's description.
 class TransferError : public std::runtime_error {
@@ -54,9 +63,9 @@ class Transfer {
   ~Transfer();
 
   bool completed() const;
-  // Waits up to `timeout`; on failure throws a TransferError that starts with `what` (which
-  // names rank, stage, microbatch and action). Returns the tensor (the received data for a
-  // receive).
+  // Waits up to `timeout`; on failure throws a TransferError that starts with its description
+  // (`describe`: it names rank, stage, microbatch and action). Returns the tensor (the received
+  // data for a receive).
   at::Tensor wait(std::chrono::milliseconds timeout);
   // The c10d work, for aborting it from another thread (Work::abort wakes a blocked wait).
   const c10::intrusive_ptr<c10d::Work>& work() const { return work_; }
