@@ -153,15 +153,26 @@ PYBIND11_MODULE(_C, m) {
       .def("reset_peak", &Stash::reset_peak)
       .def("check_empty", &Stash::check_empty);
 
+  py::class_<Abortable, std::shared_ptr<Abortable>>(
+      m, "Abortable",
+      "Lets another thread end a collective's waits: pass it as `abortable` to a collective "
+      "over shared memory and call abort() (see [Note: watched collectives] in "
+      "pippy_xla/errors.py).")
+      .def(py::init<>())
+      .def("abort", &Abortable::abort, py::call_guard<py::gil_scoped_release>(),
+           "Ends the waits of the collective it was given to, and of any it is given to later, "
+           "with an error (thread-safe).")
+      .def_property_readonly("aborted", &Abortable::aborted);
   m.def(
       "all_gather_int64",
       [](const std::vector<int64_t>& values, const std::string& group_name,
-         const std::string& device, int64_t timeout_ms, std::string what) {
+         const std::string& device, int64_t timeout_ms, std::string what,
+         Abortable* abortable) {
         return all_gather_int64(values, group_name, c10::Device(device),
-                                std::chrono::milliseconds(timeout_ms), std::move(what));
+                                std::chrono::milliseconds(timeout_ms), std::move(what), abortable);
       },
       py::arg("values"), py::arg("group_name"), py::arg("device"), py::arg("timeout_ms"),
-      py::arg("what"), py::call_guard<py::gil_scoped_release>(),
+      py::arg("what"), py::arg("abortable") = nullptr, py::call_guard<py::gil_scoped_release>(),
       "Every rank's values (the same count on every rank), gathered on buffers that never reach "
       "Python (see [Note: collectives on C++-owned buffers] in csrc/ops/p2p.h).");
   m.def(
@@ -179,6 +190,11 @@ PYBIND11_MODULE(_C, m) {
       "`spin_us` >= 0 sets it anew.");
   m.def("shm_peers", &shm_peers, py::arg("group_name"),
         "How many peers of the group this rank reaches through shared memory.");
+  m.def(
+      "shm_whole_group", [](const std::string& name) { return shm_whole_group(name); },
+      py::arg("group_name"),
+      "Whether this rank reaches every other rank of the group through shared memory (its "
+      "small collectives then run there, and an Abortable can end their waits).");
   m.def("shm_spin_us", &shm_spin_us, py::arg("group_name"),
         "How many microseconds this rank's waits on the group's shared-memory channels poll "
         "before they sleep (0: they sleep at once; see [Note: spinning before sleeping] in "
@@ -189,22 +205,22 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "broadcast_copy",
       [](const at::Tensor& tensor, int64_t root, const std::string& group_name, int64_t timeout_ms,
-         std::string what) {
+         std::string what, Abortable* abortable) {
         return broadcast_copy(tensor, root, group_name, std::chrono::milliseconds(timeout_ms),
-                              std::move(what));
+                              std::move(what), abortable);
       },
       py::arg("tensor"), py::arg("root"), py::arg("group_name"), py::arg("timeout_ms"),
-      py::arg("what"), py::call_guard<py::gil_scoped_release>(),
+      py::arg("what"), py::arg("abortable") = nullptr, py::call_guard<py::gil_scoped_release>(),
       "A copy of group rank `root`'s tensor, broadcast on a buffer that never reaches Python.");
   m.def(
       "all_reduce_sum_copy",
       [](const at::Tensor& tensor, const std::string& group_name, int64_t timeout_ms,
-         std::string what) {
+         std::string what, Abortable* abortable) {
         return all_reduce_sum_copy(tensor, group_name, std::chrono::milliseconds(timeout_ms),
-                                   std::move(what));
+                                   std::move(what), abortable);
       },
       py::arg("tensor"), py::arg("group_name"), py::arg("timeout_ms"), py::arg("what"),
-      py::call_guard<py::gil_scoped_release>(),
+      py::arg("abortable") = nullptr, py::call_guard<py::gil_scoped_release>(),
       "The sum of every rank's tensor, all-reduced on a buffer that never reaches Python.");
 
   m.attr("RECV_LOOKAHEAD") = kRecvLookahead;

@@ -74,7 +74,7 @@ std::vector<at::Tensor> Engine::wait_all(std::vector<Transfer>& ts) {
 }
 
 void Engine::run(int64_t signature, const StageFn& forward, const GradsReadyFn& grads_ready) {
-  TORCH_CHECK(!broken_ && !aborted_, "[rank ", rank_,
+  TORCH_CHECK(!broken_ && !live_.aborted(), "[rank ", rank_,
               "] the pipeline engine failed in an earlier step and its peers were left mid-step; "
               "restart the job");
   StepState st;
@@ -145,48 +145,19 @@ void Engine::run(int64_t signature, const StageFn& forward, const GradsReadyFn& 
     failure_ = failure_of(st, std::current_exception());
     stash_.clear();
     failed_.push_back(std::make_unique<StepState>(std::move(st)));
-    {
-      std::lock_guard<std::mutex> g(live_mu_);
-      live_.clear();
-    }
+    live_.clear();
     throw;
   }
-  {
-    std::lock_guard<std::mutex> g(live_mu_);
-    live_.clear();
-  }
+  live_.clear();
   if (st.discover) specs_.emplace(signature, std::move(fresh));
 }
 
 Engine::~Engine() = default;
 
-void Engine::abort() {
-  aborted_ = true;
-  std::lock_guard<std::mutex> g(live_mu_);
-  for (auto& weak : live_) {
-    auto w = weak.lock();
-    if (!w) continue;  // finished and dropped
-    try {
-      w->abort();
-    } catch (const std::exception&) {
-      // A backend without Work::abort: the wait ends at its timeout instead.
-    }
-  }
-}
+void Engine::abort() { live_.abort(); }
 
 Transfer Engine::track(Transfer t) {
-  std::lock_guard<std::mutex> g(live_mu_);
-  // Weak: a strong reference would keep the Work, and with it the tensor it sends or receives
-  // into, alive until the end of the step (measured: one boundary tensor per transfer).
-  live_.erase(std::remove_if(live_.begin(), live_.end(), [](const auto& w) { return w.expired(); }),
-              live_.end());
-  live_.push_back(c10::weak_intrusive_ptr<c10d::Work>(t.work()));
-  if (aborted_) {  // abort() ran just before this transfer was posted
-    try {
-      t.work()->abort();
-    } catch (const std::exception&) {
-    }
-  }
+  live_.track(t);
   return t;
 }
 
@@ -214,7 +185,7 @@ Failure Engine::failure_of(const StepState& st, std::exception_ptr error) const 
       f.action = "end of step (waiting for sends)";
     }
   }
-  f.aborted = aborted_;
+  f.aborted = live_.aborted();
   return f;
 }
 

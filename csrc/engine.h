@@ -130,9 +130,7 @@ class Engine {
   int64_t compute_start_ns_ = 0;  // set by F / B once their inputs are there
   bool broken_ = false;
   std::optional<Failure> failure_;
-  std::atomic<bool> aborted_{false};
-  std::mutex live_mu_;  // guards live_: abort() runs on another thread
-  std::vector<c10::weak_intrusive_ptr<c10d::Work>> live_;  // works of the running step
+  Abortable live_;  // the running step's transfers (abort() runs on another thread)
   std::vector<std::unique_ptr<StepState>>
       failed_;  // transfers of failed steps stay alive: peers may still write
 };

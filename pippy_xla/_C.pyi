@@ -383,8 +383,25 @@ class TransferError(RuntimeError):
 
 # ---- collectives on C++-owned buffers (csrc/ops/p2p.h)
 
+class Abortable:
+    """Lets another thread end a collective's waits: pass it as ``abortable`` to a collective
+    over shared memory and call :meth:`abort` (see [Note: watched collectives] in
+    pippy_xla/errors.py)."""
+
+    def __init__(self) -> None: ...
+    def abort(self) -> None:
+        """Ends the waits of the collective it was given to, and of any it is given to later,
+        with an error (thread-safe)."""
+    @property
+    def aborted(self) -> bool: ...
+
 def all_gather_int64(
-    values: Sequence[int], group_name: str, device: str, timeout_ms: int, what: str
+    values: Sequence[int],
+    group_name: str,
+    device: str,
+    timeout_ms: int,
+    what: str,
+    abortable: Abortable | None = None,
 ) -> list[list[int]]:
     """Every rank's ``values`` (the same count on every rank), gathered on buffers that never
     reach Python."""
@@ -400,6 +417,10 @@ def shm_attach(group_name: str, timeout_ms: int, spin_us: int = -1) -> int:
 def shm_peers(group_name: str) -> int:
     """How many peers of the group this rank reaches through shared memory."""
 
+def shm_whole_group(group_name: str) -> bool:
+    """Whether this rank reaches every other rank of the group through shared memory (its small
+    collectives then run there, and an :class:`Abortable` can end their waits)."""
+
 def shm_spin_us(group_name: str) -> int:
     """How many microseconds this rank's waits on the group's shared-memory channels poll before
     they sleep (0: they sleep at once; see [Note: spinning before sleeping] in
@@ -409,12 +430,21 @@ def content_digest(tensor: torch.Tensor) -> int:
     """A 64-bit fingerprint of the tensor's bytes (not a cryptographic hash)."""
 
 def broadcast_copy(
-    tensor: torch.Tensor, root: int, group_name: str, timeout_ms: int, what: str
+    tensor: torch.Tensor,
+    root: int,
+    group_name: str,
+    timeout_ms: int,
+    what: str,
+    abortable: Abortable | None = None,
 ) -> torch.Tensor:
     """A copy of group rank ``root``'s tensor, broadcast on a buffer that never reaches Python."""
 
 def all_reduce_sum_copy(
-    tensor: torch.Tensor, group_name: str, timeout_ms: int, what: str
+    tensor: torch.Tensor,
+    group_name: str,
+    timeout_ms: int,
+    what: str,
+    abortable: Abortable | None = None,
 ) -> torch.Tensor:
     """The sum of every rank's tensor, all-reduced on a buffer that never reaches Python."""
 

@@ -22,8 +22,9 @@ usable.
 from __future__ import annotations
 
 import hashlib
+import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -64,13 +65,16 @@ def split_batch(
     device: torch.device,
     dp_rank: int = 0,
     dp_size: int = 1,
+    split: Collection[str] | None = None,
 ) -> tuple[Batch, dict[str, tuple[torch.Tensor, ...]]]:
     """Checks a step's batch and splits it.
 
     Returns the batch as the pipeline reads it (``None`` entries dropped, a default
-    ``attention_mask`` added) and, per input, this replica's rows (replica ``dp_rank`` of
-    ``dp_size``: see [Note: pipeline x data parallel]) on ``device`` in ``num_microbatches``
-    chunks. Raises ``ValueError`` / ``TypeError`` naming what is wrong, before any communication.
+    ``attention_mask`` added) and, per input of ``split`` (default: every input; a rank splits
+    only what its stages read: 32 views of an input cost 15-40 us), this replica's rows (replica
+    ``dp_rank`` of ``dp_size``: see [Note: pipeline x data parallel]) on ``device`` in
+    ``num_microbatches`` chunks. Raises ``ValueError`` / ``TypeError`` naming what is wrong,
+    before any communication.
     """
     if need_labels and "labels" not in batch:
         raise ValueError("run_train needs labels=...")
@@ -114,21 +118,41 @@ def split_batch(
             raise ValueError(f"batch['{k}'] has {v.dim()} dims; at most {MAX_DIMS}")
     share = size // dp
     rows = slice(dp_rank * share, (dp_rank + 1) * share)
-    return batch, {k: v[rows].to(device).chunk(m) for k, v in batch.items()}
+    parts = {}
+    for k, v in batch.items():
+        if split is not None and k not in split:
+            continue
+        if dp > 1:
+            v = v[rows]
+        if v.device != device:
+            v = v.to(device)
+        parts[k] = v.chunk(m)
+    return batch, parts
 
 
 def batch_signature(batch: Batch) -> int:
     """A 64-bit digest of the batch's input names, shapes and dtypes."""
-    rows = []
-    for k in sorted(batch):
-        v = batch[k]
-        dims = list(v.shape) + [-1] * (MAX_DIMS - v.dim())
-        rows.extend([zlib.crc32(k.encode()), zlib.crc32(str(v.dtype).encode()), v.dim(), *dims])
-    return _digest_ints(rows)
+    layout = tuple((k, batch[k].shape, batch[k].dtype) for k in sorted(batch))
+    signature = _SIGNATURES.get(layout)
+    if signature is None:
+        rows = []
+        for k, shape, dtype in layout:
+            dims = list(shape) + [-1] * (MAX_DIMS - len(shape))
+            names = [zlib.crc32(k.encode()), zlib.crc32(str(dtype).encode())]
+            rows.extend([*names, len(shape), *dims])
+        signature = _digest_ints(rows)
+        if len(_SIGNATURES) >= 1024:  # a job with ever-new shapes: keep the memory bounded
+            _SIGNATURES.clear()
+        _SIGNATURES[layout] = signature
+    return signature
+
+
+_SIGNATURES: dict[tuple, int] = {}
+"""Signatures of the batch layouts seen (a training job sees a few; computing one cost 20 us)."""
 
 
 def _digest_ints(values: Sequence[int]) -> int:
-    return digest64(torch.tensor(values, dtype=torch.long).numpy().tobytes())
+    return digest64(struct.pack(f"<{len(values)}q", *values))
 
 
 def content_digests(batch: Batch) -> list[int]:

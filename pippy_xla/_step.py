@@ -142,6 +142,18 @@ class StepRunner:
         """Explanations of the recompilations seen after each mode's first step."""
         self._last_parts: torch.Tensor | None = None
         """The last step's ``[total, aux]`` (read on demand: no device sync per step)."""
+        last = len(self.stages) - 1
+        self._reads = {n for i in self.runners for n in self.stages[i].batch_inputs}
+        """The batch inputs this rank's stages read (the only ones it splits into microbatches),
+        with the labels where the last stage is."""
+        if last in self.runners:
+            self._reads.add("labels")
+        self._abortable = self.place.device.type == "cpu" and _C.shm_whole_group(
+            self.place.group_name
+        )
+        """Whether the step's collectives over the pipeline's group run over shared memory,
+        where a peer's failure can abort them on this thread (see [Note: watched
+        collectives])."""
 
     def train(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Forward and backward of every microbatch; the batch's mean loss on every rank."""
@@ -186,15 +198,22 @@ class StepRunner:
         place, norm_type = self.place, float(norm_type)
         scaled, counted = local_gradients(params, self.ties, place.rank)
 
-        def pipeline_sum(t: torch.Tensor, what: str) -> torch.Tensor:
-            where = f"[rank {place.rank}] {what}"
-            return _C.all_reduce_sum_copy(t, place.group_name, place.timeout_ms, where)
+        sharded = self.dp is not None and self.dp.sharded
 
-        reductions = [(pipeline_sum, place.rank, place.num_ranks)]
-        if self.dp is not None and self.dp.sharded:
-            reductions.append((self.dp.all_reduce_sum, place.dp_rank, place.dp_size))
+        def norm(abortable: _C.Abortable | None = None) -> torch.Tensor:
+            def pipeline_sum(t: torch.Tensor, what: str) -> torch.Tensor:
+                where = f"[rank {place.rank}] {what}"
+                return _C.all_reduce_sum_copy(
+                    t, place.group_name, place.timeout_ms, where, abortable=abortable
+                )
+
+            reductions = [(pipeline_sum, place.rank, place.num_ranks)]
+            if sharded:
+                reductions.append((self.dp.all_reduce_sum, place.dp_rank, place.dp_size))
+            return global_norm(counted, norm_type, place.device, reductions)
+
         total = self.failures.watched(
-            "gradient norm all_reduce", global_norm, counted, norm_type, place.device, reductions
+            "gradient norm all_reduce", norm, abortable=self._abortable and not sharded
         )
         clip_(
             scaled,
@@ -285,6 +304,7 @@ class StepRunner:
             device=place.device,
             dp_rank=place.dp_rank,
             dp_size=place.dp_size,
+            split=self._reads,
         )
         key, contents = step_key(kind, batch, self.config.check_batch_content)
 
@@ -297,6 +317,7 @@ class StepRunner:
                 str(place.device),
                 place.timeout_ms,
                 f"[rank {place.rank}] {what}",
+                abortable=self._abortable,
             )
 
         # A mismatch leaves the pipeline usable: no transfer of the step has started.
@@ -373,6 +394,7 @@ class StepRunner:
             place.group_name,
             place.timeout_ms,
             f"[rank {place.rank}] loss broadcast",
+            abortable=self._abortable,
         )
         if self.dp is not None:
             total = self.failures.watched(

@@ -262,6 +262,14 @@ helper, :meth:`FailureState.watched` (:meth:`AbortChannel.call`):
   check of [Note: naming a dead rank] when it is a transport error, gloo's or DCP's report of
   one), so the ranks still waiting are woken by it in turn.
 
+Where a collective runs over shared memory (the step handshake, the loss broadcast and the
+gradient-norm all-reduce of a pipeline whose whole group is on one host: [Note: small
+collectives over shared memory] in csrc/ops/p2p.cpp), its waits can be aborted like the
+engine's: :meth:`FailureState.watched` with ``abortable=True`` (:meth:`AbortChannel.call_abortable`)
+runs it on the calling thread with an ``_C.Abortable`` armed in the step's watcher, which aborts
+it when a peer's record appears (the caller then raises as above). The hand-off to the helper
+thread and back cost 30-150 us per call in a rank process, the collective itself 2-5 us.
+
 On a mesh the record spans every replica (the data-parallel groups cross the pipelines), and
 the ranks a :class:`PipelineError` names are the job's ranks.
 """
@@ -321,13 +329,14 @@ class _Worker:
 
 
 class _Watcher:
-    """The daemon thread behind :meth:`AbortChannel.watch`: while an engine is armed, it reads
-    the abort record every ``POLL_S`` seconds and aborts that engine's step when a record
-    appears. Started once per channel, so a step costs no thread start (it cost 100-250 us)."""
+    """The daemon thread behind :meth:`AbortChannel.watch`: while a target (an engine's step, or
+    an ``_C.Abortable`` given to a collective) is armed, it reads the abort record every
+    ``POLL_S`` seconds and calls the target's ``abort()`` when a record appears. Started once
+    per channel, so a step costs no thread start (it cost 100-250 us)."""
 
     def __init__(self, channel: AbortChannel) -> None:
         self._cv = threading.Condition()
-        self._engine = None
+        self._target = None
         self._step = 0  # bumped at every arm and disarm
         thread = threading.Thread(
             target=_Watcher._loop,
@@ -337,24 +346,24 @@ class _Watcher:
         )
         thread.start()
 
-    def arm(self, engine) -> None:
-        """Watches ``engine``'s step from now on (``None``: the step ended)."""
+    def arm(self, target) -> None:
+        """Watches ``target`` (with an ``abort()``) from now on (``None``: it ended). The thread
+        is not woken: it looks every ``POLL_S`` seconds (waking it cost the caller 20-60 us per
+        arming, as much as a step's handshake), so a record is seen within ``2 * POLL_S``."""
         with self._cv:
-            self._engine = engine
+            self._target = target
             self._step += 1
-            if engine is not None:
-                self._cv.notify()
 
     @staticmethod
     def _loop(me: weakref.ref, channel: weakref.ref, cv: threading.Condition) -> None:
         while True:
             with cv:
-                while (watcher := me()) is not None and watcher._engine is None:
+                while (watcher := me()) is not None and watcher._target is None:
                     del watcher
                     cv.wait(POLL_S)  # a timeout, so that a dropped channel ends the thread
                 if watcher is None:
                     return
-                step, engine = watcher._step, watcher._engine
+                step, target = watcher._step, watcher._target
                 del watcher
             time.sleep(POLL_S)  # a step shorter than POLL_S never reads the store
             with cv:
@@ -367,10 +376,10 @@ class _Watcher:
             with cv:
                 watcher = me()
                 if watcher is not None and failed and watcher._step == step:
-                    engine.abort()
-                    while watcher._step == step:  # one abort per step
+                    target.abort()
+                    while watcher._step == step:  # one abort per arming
                         cv.wait(POLL_S)
-                del watcher, engine
+                del watcher, target
 
 
 _WORKERS: weakref.WeakSet[_Worker] = weakref.WeakSet()
@@ -482,15 +491,32 @@ class AbortChannel:
             return value
         raise value
 
+    def call_abortable(self, fn: Callable[..., T], *args) -> T:
+        """``fn(*args, abortable=...)``, a collective whose waits the ``_C.Abortable`` it is given
+        can end, run on this thread: a peer's record aborts it, which raises
+        :class:`PeerFailed`. See [Note: watched collectives]."""
+        if self._store is None:
+            return fn(*args)
+        abortable = _C.Abortable()
+        try:
+            with self.watch(abortable):
+                return fn(*args, abortable=abortable)
+        except BaseException:
+            origin = self.read()
+            if origin is not None and (origin[0] != self.rank or origin[1]):
+                raise PeerFailed(origin) from None
+            raise
+
     @contextmanager
-    def watch(self, engine) -> Iterator[None]:
-        """While the block runs, aborts ``engine``'s step as soon as a peer posts a failure."""
+    def watch(self, target) -> Iterator[None]:
+        """While the block runs, calls ``target.abort()`` (an engine's, which aborts its step,
+        or an ``_C.Abortable``'s) as soon as a peer posts a failure."""
         if self._store is None:
             yield
             return
         if self._watcher is None:
             self._watcher = _Watcher(self)
-        self._watcher.arm(engine)
+        self._watcher.arm(target)
         try:
             yield
         finally:
@@ -572,11 +598,14 @@ class FailureState:
         logger.error("%s", err)
         return err
 
-    def watched(self, action: str, fn: Callable[..., T], *args) -> T:
+    def watched(self, action: str, fn: Callable[..., T], *args, abortable: bool = False) -> T:
         """``fn(*args)``, a collective outside the engine, run as ``action``: a peer's failure
-        ends the wait within ``POLL_S`` seconds, and any failure becomes :meth:`error`'s. See
-        [Note: watched collectives]."""
+        ends the wait within ``POLL_S`` seconds, and any failure becomes :meth:`error`'s.
+        ``abortable``: ``fn`` takes an ``abortable=`` (an ``_C.Abortable``) that ends its waits,
+        so it runs on this thread (see [Note: watched collectives])."""
         with self.guard(action):
+            if abortable:
+                return self.abort.call_abortable(fn, *args)
             return self.abort.call(fn, *args)
 
     @contextmanager

@@ -11,6 +11,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <mutex>
@@ -69,6 +70,41 @@ at::Tensor Transfer::wait(std::chrono::milliseconds timeout) {
   return tensor_;
 }
 
+Abortable::Abortable() = default;
+Abortable::~Abortable() = default;
+
+void Abortable::track(const Transfer& t) {
+  std::lock_guard<std::mutex> g(mu_);
+  live_.erase(std::remove_if(live_.begin(), live_.end(), [](const auto& w) { return w.expired(); }),
+              live_.end());
+  live_.push_back(c10::weak_intrusive_ptr<c10d::Work>(t.work()));
+  if (aborted_) {  // abort() ran just before this transfer was posted
+    try {
+      t.work()->abort();
+    } catch (const std::exception&) {
+    }
+  }
+}
+
+void Abortable::abort() {
+  aborted_ = true;
+  std::lock_guard<std::mutex> g(mu_);
+  for (auto& weak : live_) {
+    auto w = weak.lock();
+    if (!w) continue;  // finished and dropped
+    try {
+      w->abort();
+    } catch (const std::exception&) {
+      // A backend without Work::abort: the wait ends at its timeout instead.
+    }
+  }
+}
+
+void Abortable::clear() {
+  std::lock_guard<std::mutex> g(mu_);
+  live_.clear();
+}
+
 namespace {
 
 c10::intrusive_ptr<c10d::ProcessGroup> group(const std::string& name) {
@@ -125,7 +161,12 @@ namespace {
 // Sums add the ranks' tensors in rank order, so every rank gets the same bits.
 std::vector<at::Tensor> exchange(const c10d::ProcessGroup& pg, const std::string& group_name,
                                  const at::Tensor& mine, const std::vector<int64_t>& senders,
-                                 std::chrono::milliseconds timeout, const std::string& what) {
+                                 std::chrono::milliseconds timeout, const std::string& what,
+                                 Abortable* abortable) {
+  const auto posted = [abortable](Transfer t) {
+    if (abortable) abortable->track(t);
+    return t;
+  };
   const int64_t rank = pg.getRank(), size = pg.getSize();
   const auto data = mine.contiguous();
   std::vector<Transfer> sends;
@@ -133,14 +174,16 @@ std::vector<at::Tensor> exchange(const c10d::ProcessGroup& pg, const std::string
   for (int64_t s : senders) {
     if (s != rank) continue;
     for (int64_t p = 0; p < size; ++p)
-      if (p != rank) sends.push_back(isend(data, p, kShmCollectiveTag, group_name, what));
+      if (p != rank) sends.push_back(posted(isend(data, p, kShmCollectiveTag, group_name, what)));
     out[rank] = data;
   }
   for (int64_t s : senders) {
     if (s == rank) continue;
-    out[s] = irecv(at::empty_like(data), s, kShmCollectiveTag, group_name, what).wait(timeout);
+    out[s] = posted(irecv(at::empty_like(data), s, kShmCollectiveTag, group_name, what))
+                 .wait(timeout);
   }
   for (auto& t : sends) t.wait(timeout);
+  if (abortable) abortable->clear();
   return out;
 }
 
@@ -156,14 +199,15 @@ std::vector<std::vector<int64_t>> all_gather_int64(const std::vector<int64_t>& v
                                                    const std::string& group_name,
                                                    c10::Device device,
                                                    std::chrono::milliseconds timeout,
-                                                   std::string what) {
+                                                   std::string what, Abortable* abortable) {
   auto pg = group(group_name);
   const auto n = static_cast<int64_t>(values.size());
   if (device.is_cpu() && shm_whole_group(*pg, group_name)) {
     auto mine = at::empty({n}, at::TensorOptions().dtype(at::kLong));
     std::memcpy(mine.data_ptr<int64_t>(), values.data(), n * sizeof(int64_t));
     std::vector<std::vector<int64_t>> out;
-    for (const auto& t : exchange(*pg, group_name, mine, every_rank(pg->getSize()), timeout, what))
+    for (const auto& t : exchange(*pg, group_name, mine, every_rank(pg->getSize()), timeout, what,
+                                 abortable))
       out.emplace_back(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + n);
     return out;
   }
@@ -218,10 +262,11 @@ at::Tensor on_copy(const at::Tensor& tensor, std::chrono::milliseconds timeout, 
 }  // namespace
 
 at::Tensor broadcast_copy(const at::Tensor& tensor, int64_t root, const std::string& group_name,
-                          std::chrono::milliseconds timeout, std::string what) {
+                          std::chrono::milliseconds timeout, std::string what,
+                          Abortable* abortable) {
   auto pg = group(group_name);
   if (tensor.device().is_cpu() && shm_whole_group(*pg, group_name))
-    return exchange(*pg, group_name, tensor, {root}, timeout, what)[root].clone();
+    return exchange(*pg, group_name, tensor, {root}, timeout, what, abortable)[root].clone();
   c10d::BroadcastOptions options;
   options.rootRank = root;
   return on_copy(tensor, timeout, std::move(what), [&](std::vector<at::Tensor>& buffer) {
@@ -230,10 +275,12 @@ at::Tensor broadcast_copy(const at::Tensor& tensor, int64_t root, const std::str
 }
 
 at::Tensor all_reduce_sum_copy(const at::Tensor& tensor, const std::string& group_name,
-                               std::chrono::milliseconds timeout, std::string what) {
+                               std::chrono::milliseconds timeout, std::string what,
+                               Abortable* abortable) {
   auto pg = group(group_name);
   if (tensor.device().is_cpu() && shm_whole_group(*pg, group_name)) {
-    const auto parts = exchange(*pg, group_name, tensor, every_rank(pg->getSize()), timeout, what);
+    const auto parts =
+        exchange(*pg, group_name, tensor, every_rank(pg->getSize()), timeout, what, abortable);
     auto sum = parts[0].clone();
     for (size_t r = 1; r < parts.size(); ++r) sum.add_(parts[r]);
     return sum;

@@ -7,8 +7,10 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -77,6 +79,28 @@ class Transfer {
   TransferContext context_;
 };
 
+// Transfers that another thread may abort (c10d::Work::abort wakes their waits): an engine's
+// step, or a watched collective over shared memory (see [Note: watched collectives] in
+// pippy_xla/errors.py). Thread-safe.
+class Abortable {
+ public:
+  Abortable();
+  ~Abortable();  // out of line: c10d::Work is incomplete here
+  // Registers `t`'s work for abort(); aborts it at once if abort() already ran.
+  void track(const Transfer& t);
+  void abort();
+  bool aborted() const { return aborted_.load(); }
+  // Forgets the registered works (their step or collective ended).
+  void clear();
+
+ private:
+  std::atomic<bool> aborted_{false};
+  std::mutex mu_;
+  // Weak: a strong reference would keep the Work, and with it the tensor it sends or receives
+  // into, alive until the end of the step (measured: one boundary tensor per transfer).
+  std::vector<c10::weak_intrusive_ptr<c10d::Work>> live_;
+};
+
 // Posts an asynchronous send of one dense contiguous tensor to group-local rank `peer`.
 Transfer isend(const at::Tensor& tensor, int64_t peer, int64_t tag, const std::string& group_name,
                std::string what, TransferContext context = {});
@@ -91,7 +115,9 @@ Transfer irecv(at::Tensor buffer, int64_t peer, int64_t tag, const std::string& 
 // then (the program's last step, then exit), that GIL acquire ends the thread inside a noexcept
 // destructor and the process dies with "terminate called without an active exception" (SIGABRT). So
 // the collectives a step runs go through these two functions: their buffers are created here and
-// never reach Python, and what they return is a copy made after the wait.
+// never reach Python, and what they return is a copy made after the wait. Where they run over
+// shared memory ([Note: small collectives over shared memory] in p2p.cpp) `abortable`, if given,
+// can end their waits from another thread; over the group's backend it is not used.
 
 // Every rank's `values` (the same count on every rank), in group rank order, gathered on `device`
 // (the group's backend's device).
@@ -99,17 +125,20 @@ std::vector<std::vector<int64_t>> all_gather_int64(const std::vector<int64_t>& v
                                                    const std::string& group_name,
                                                    c10::Device device,
                                                    std::chrono::milliseconds timeout,
-                                                   std::string what);
+                                                   std::string what,
+                                                   Abortable* abortable = nullptr);
 // A 64-bit fingerprint of `tensor`'s bytes (copied to the host first if it lives elsewhere), to
 // compare the batches that ranks were given; not a cryptographic hash.
 int64_t content_digest(const at::Tensor& tensor);
 // A copy of group-local rank `root`'s `tensor` (every rank passes a tensor of the same shape and
 // dtype).
 at::Tensor broadcast_copy(const at::Tensor& tensor, int64_t root, const std::string& group_name,
-                          std::chrono::milliseconds timeout, std::string what);
+                          std::chrono::milliseconds timeout, std::string what,
+                          Abortable* abortable = nullptr);
 // The element-wise sum of every rank's `tensor` (same shape and dtype on every rank), as a copy.
 at::Tensor all_reduce_sum_copy(const at::Tensor& tensor, const std::string& group_name,
-                               std::chrono::milliseconds timeout, std::string what);
+                               std::chrono::milliseconds timeout, std::string what,
+                               Abortable* abortable = nullptr);
 
 int64_t group_rank(const std::string& group_name);
 int64_t group_size(const std::string& group_name);

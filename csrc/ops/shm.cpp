@@ -616,6 +616,11 @@ int64_t shm_peers(const std::string& group_name) {
   return a ? a->peers : 0;
 }
 
+bool shm_whole_group(const std::string& group_name) {
+  auto pg = c10d::resolve_process_group(group_name);
+  return pg && shm_whole_group(*pg, group_name);
+}
+
 int64_t shm_spin_us(const std::string& group_name) {
   auto a = attached_by_name(group_name);
   return a && a->peers ? a->spin_us->load() : 0;

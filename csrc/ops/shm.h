@@ -79,6 +79,8 @@ int64_t shm_spin_us(const std::string& group_name);
 // Whether this rank reaches every other rank of `group` through shared memory: then the small
 // collectives of p2p.h run over it too ([Note: small collectives over shared memory] in p2p.cpp).
 bool shm_whole_group(const c10d::ProcessGroup& group, const std::string& group_name);
+// The same for the group registered under `group_name` (false if none is).
+bool shm_whole_group(const std::string& group_name);
 
 // The tag of those collectives' messages: above every tag gloo can carry (31 bits), so no
 // transfer of the engine, the ties or the ops can share it.
