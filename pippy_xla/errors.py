@@ -29,9 +29,10 @@ its sockets for gloo to notice. So:
 - the failing rank posts an abort record, ``"<rank>\\n<exception text>"``, into the c10d store of
   the job (the rendezvous store every rank already shares) under a key of this pipeline;
 - during every step a watcher thread of the rank (one per pipeline, started at its first step
-  and armed at every step's start) checks that key every ``POLL_S`` seconds; when it appears,
-  the watcher calls the engine's ``abort()``, which wakes the rank's blocked transfer waits
-  (c10d's ``Work::abort``) so that its step fails at once;
+  and armed at every step's start without being woken) checks that key every ``POLL_S``
+  seconds; when it appears (within ``2 * POLL_S``), the watcher calls the engine's ``abort()``,
+  which wakes the rank's blocked transfer waits (c10d's ``Work::abort``) so that its step fails
+  at once;
 - every rank raises a :class:`PipelineError` naming the rank that failed first and its exception
   text. The pipeline then refuses further steps (peers were left mid-step).
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import os
 import subprocess
+import threading
 import time
 
 import pytest
@@ -229,3 +230,31 @@ def _collectives(rank, world):
 def test_small_collectives_over_shared_memory_equal_gloos():
     out = run_ranks(4, _collectives)
     assert all(torch.equal(o, out[0]) for o in out)  # every rank the same bits
+
+
+def _aborted_collective(rank, world):
+    group = ops.group_name_of(None)
+    assert _C.shm_attach(group, TIMEOUT_MS) == 1
+    assert _C.shm_whole_group(group)
+    dist.barrier()
+    if rank == 1:  # never joins: rank 0's gather can only end by its timeout, or an abort
+        dist.barrier()
+        return None
+    abortable = _C.Abortable()
+    threading.Timer(0.3, abortable.abort).start()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="the wait was aborted") as err:
+        _C.all_gather_int64([1], group, "cpu", TIMEOUT_MS, "gather", abortable=abortable)
+    elapsed = time.monotonic() - start
+    assert abortable.aborted
+    # Aborted once, aborted for good: a later collective given it fails at once.
+    with pytest.raises(RuntimeError, match="the wait was aborted"):
+        _C.broadcast_copy(torch.ones(1), 1, group, TIMEOUT_MS, "broadcast", abortable=abortable)
+    dist.barrier()
+    return elapsed, str(err.value)
+
+
+def test_an_abortable_ends_a_collectives_wait_from_another_thread():
+    elapsed, message = run_ranks(2, _aborted_collective)[0]
+    assert 0.3 <= elapsed < 5, (elapsed, message)  # the timeout is 60 s
+    assert message.startswith("gather failed: the wait was aborted"), message

@@ -359,7 +359,9 @@ class ShmWork : public c10d::Work {
   bool wait(std::chrono::milliseconds timeout) override {
     if (done_) return true;
     if (timeout.count() <= 0) timeout = std::chrono::milliseconds(kDefaultTimeoutMs);
-    return channel_->wait_for([this] { return attempt(); }, timeout, aborted_);
+    const bool done = channel_->wait_for([this] { return attempt(); }, timeout, aborted_);
+    TORCH_CHECK(done || !aborted_, "the wait was aborted");
+    return done;
   }
   void abort() override {
     aborted_ = true;
