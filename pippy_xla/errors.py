@@ -349,7 +349,7 @@ class _Watcher:
 
     def arm(self, target) -> None:
         """Watches ``target`` (with an ``abort()``) from now on (``None``: it ended). The thread
-        is not woken: it looks every ``POLL_S`` seconds (waking it cost the caller 20-60 us per
+        is not woken: it looks every ``POLL_S`` seconds (waking it cost the caller 10-40 us per
         arming, as much as a step's handshake), so a record is seen within ``2 * POLL_S``."""
         with self._cv:
             self._target = target
