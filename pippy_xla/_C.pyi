@@ -383,7 +383,7 @@ class TransferError(RuntimeError):
 
 # ---- collectives on C++-owned buffers (csrc/ops/p2p.h)
 
-class Abortable:
+class Abortable(_pybind11_object):
     """Lets another thread end a collective's waits: pass it as ``abortable`` to a collective
     over shared memory and call :meth:`abort` (see [Note: watched collectives] in
     pippy_xla/errors.py)."""
