@@ -136,22 +136,37 @@ def test_shared_memory_messages_arrive_by_tag_in_order_and_whole():
 def _peer_exits(rank, world):
     group = ops.group_name_of(None)
     assert _C.shm_attach(group, TIMEOUT_MS) == 1
+    assert _C.shm_whole_group(group)
     dist.barrier()
     if rank == 1:
-        time.sleep(0.5)
-        os._exit(0)  # never sends
+        time.sleep(1.0)
+        os._exit(0)  # never sends, nor joins a collective
+    # A collective whose peer does not come can be ended from another thread (the pipeline's
+    # watcher does so on a peer's abort record), and an Abortable aborted once stays aborted.
+    abortable = _C.Abortable()
+    threading.Timer(0.3, abortable.abort).start()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="the wait was aborted") as err:
+        _C.all_gather_int64([1], group, "cpu", TIMEOUT_MS, "gather", abortable=abortable)
+    aborted = time.monotonic() - start, str(err.value), abortable.aborted
+    with pytest.raises(RuntimeError, match="the wait was aborted"):
+        _C.broadcast_copy(torch.ones(1), 1, group, TIMEOUT_MS, "broadcast", abortable=abortable)
+    # A wait on a peer that exits fails once it is gone.
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="exited while this rank waited") as err:
         _recv_from(1, torch.zeros(2), 0, group)
-    return time.monotonic() - start, str(err.value)
+    return aborted, (time.monotonic() - start, str(err.value))
 
 
-def test_a_wait_on_a_peer_that_exited_fails_instead_of_timing_out():
+def test_a_wait_on_a_peer_that_exited_or_was_aborted_fails_instead_of_timing_out():
     out = run_ranks(2, _peer_exits, may_exit=(1,), pg_timeout=20, timeout=120)
-    elapsed, message = out[0]
-    # The timeout is 60 s; the liveness check runs every kShmWakeMs (100 ms).
-    assert elapsed < TIMEOUT_MS / 1000 / 2, (elapsed, message)
-    assert "rank 1" in message
+    (elapsed, message, aborted), (gone_after, gone_message) = out[0]
+    # The timeout is 60 s; the abort came after 0.3 s.
+    assert 0.3 <= elapsed < 5 and aborted, (elapsed, message)
+    assert message.startswith("gather failed: the wait was aborted"), message
+    # The liveness check runs every kShmWakeMs (100 ms).
+    assert gone_after < TIMEOUT_MS / 1000 / 2, (gone_after, gone_message)
+    assert "rank 1" in gone_message
 
 
 def _both_transports(rank, world):
@@ -230,31 +245,3 @@ def _collectives(rank, world):
 def test_small_collectives_over_shared_memory_equal_gloos():
     out = run_ranks(4, _collectives)
     assert all(torch.equal(o, out[0]) for o in out)  # every rank the same bits
-
-
-def _aborted_collective(rank, world):
-    group = ops.group_name_of(None)
-    assert _C.shm_attach(group, TIMEOUT_MS) == 1
-    assert _C.shm_whole_group(group)
-    dist.barrier()
-    if rank == 1:  # never joins: rank 0's gather can only end by its timeout, or an abort
-        dist.barrier()
-        return None
-    abortable = _C.Abortable()
-    threading.Timer(0.3, abortable.abort).start()
-    start = time.monotonic()
-    with pytest.raises(RuntimeError, match="the wait was aborted") as err:
-        _C.all_gather_int64([1], group, "cpu", TIMEOUT_MS, "gather", abortable=abortable)
-    elapsed = time.monotonic() - start
-    assert abortable.aborted
-    # Aborted once, aborted for good: a later collective given it fails at once.
-    with pytest.raises(RuntimeError, match="the wait was aborted"):
-        _C.broadcast_copy(torch.ones(1), 1, group, TIMEOUT_MS, "broadcast", abortable=abortable)
-    dist.barrier()
-    return elapsed, str(err.value)
-
-
-def test_an_abortable_ends_a_collectives_wait_from_another_thread():
-    elapsed, message = run_ranks(2, _aborted_collective)[0]
-    assert 0.3 <= elapsed < 5, (elapsed, message)  # the timeout is 60 s
-    assert message.startswith("gather failed: the wait was aborted"), message
