@@ -288,18 +288,25 @@ class _ModuleClock:
         self.count = 0
 
     def attach(self, module):
-        forward = module.forward
-
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter_ns()
-            try:
-                return forward(*args, **kwargs)
-            finally:
-                self.total_ns += time.perf_counter_ns() - t0
-                self.count += 1
-
-        module.forward = timed
+        module.forward = _timed(module.forward, self._add)
         return [_Unwrap(module)]
+
+    def _add(self, ns: int) -> None:
+        self.total_ns += ns
+        self.count += 1
+
+
+def _timed(fn, record):
+    """``fn``, wrapped to pass each call's duration (ns) to ``record``."""
+
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter_ns()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            record(time.perf_counter_ns() - t0)
+
+    return wrapper
 
 
 class _Unwrap:
@@ -441,12 +448,7 @@ def _pippy(regime, schedule, tuned=False):
     runner = pipe._runner  # the loss the pipeline's F calls, timed in the analysis steps
     own_loss = runner.loss_fn
 
-    def timed_loss(*a, **k):
-        t0 = time.perf_counter_ns()
-        try:
-            return own_loss(*a, **k)
-        finally:
-            loss_calls_us.append((time.perf_counter_ns() - t0) / 1e3)
+    timed_loss = _timed(own_loss, lambda ns: loss_calls_us.append(ns / 1e3))
 
     def step():
         t0 = time.perf_counter()
@@ -543,14 +545,7 @@ def _torch(regime, schedule):
     clocks: dict[tuple[str, int], list[int]] = {}
 
     def timed(kind, index, fn):
-        def wrapper(*a, **k):
-            t0 = time.perf_counter_ns()
-            try:
-                return fn(*a, **k)
-            finally:
-                clocks.setdefault((kind, index), []).append(time.perf_counter_ns() - t0)
-
-        return wrapper
+        return _timed(fn, lambda ns: clocks.setdefault((kind, index), []).append(ns))
 
     def loss_fn(logits, labels):
         return loss_function(
