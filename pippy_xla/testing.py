@@ -5,6 +5,20 @@ process group with a short timeout, runs ``fn(rank, world_size, *args)`` in each
 ranks' return values. A rank that raises, dies or outlives ``timeout`` fails the test with every
 rank's traceback, and all ranks are killed: a bug fails fast instead of hanging CI.
 
+[Note: ranks forked from a preloaded server] A rank started by ``spawn`` is a new interpreter
+that imports torch and transformers before it runs anything: 3-5 s of CPU per rank on CI's 2
+cores (a 2-rank run took 5.4 s, a 4-rank one 12 s, for a function that returns at once), most of
+the suite's time. Ranks of a function defined in an importable module are therefore forked from
+multiprocessing's forkserver, which imports torch, transformers, pippy_xla and that module once
+per session (0.5 s per run after the first). What a forked rank does not get: interpreter
+finalization (a forked child ends with ``os._exit``), so the worker runs the ``atexit`` handlers
+itself (pippy_xla's exit hook among them) and the clean-exit check below still sees a crash
+there; its own hash seed (``rank_env`` runs spawn); the parent's environment at call time (the
+server's is the parent's when it started). ``spawn`` remains for ``backend="nccl"``, for
+``rank_env`` and for functions of ``__main__`` (the benchmarks), and on request
+(``start_method="spawn"``). User jobs run under torchrun, whose ranks are interpreters of their
+own; the README's jobs are tested that way.
+
 ``backend="nccl"`` (GPU tests) puts every rank on ``cuda:0`` with its own ``NCCL_HOSTID``: NCCL
 refuses two ranks on one GPU of one host, and with distinct host ids it treats them as two hosts
 and carries the traffic over its socket transport. Such runs test correctness, not scaling.
@@ -12,6 +26,7 @@ and carries the traffic over its socket transport. Such runs test correctness, n
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import faulthandler
 import multiprocessing as mp
@@ -38,7 +53,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, results, pg_timeout, backend):
+_PRELOAD = ("torch", "torch.distributed", "transformers", "pippy_xla")
+"""What the forkserver imports before it forks any rank, with the first caller's module."""
+
+
+def _context(fn: Callable[..., Any], start_method: str | None, spawn_only: bool):
+    """The multiprocessing context that starts the ranks; see [Note: ranks forked from a
+    preloaded server]."""
+    module = getattr(fn, "__module__", None)
+    if start_method is None:
+        importable = module not in (None, "__main__", "__mp_main__")
+        start_method = "forkserver" if importable and not spawn_only else "spawn"
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload([*_PRELOAD, module])  # used when the server starts
+    return ctx
+
+
+def _worker(rank, world_size, port, fn, args, results, pg_timeout, backend, forked):
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -72,6 +104,8 @@ def _worker(rank, world_size, port, fn, args, results, pg_timeout, backend):
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001
                 pass
+        if forked:  # what an interpreter's exit would run: see [Note: ranks forked ...]
+            atexit._run_exitfuncs()
 
 
 def run_ranks(
@@ -83,19 +117,24 @@ def run_ranks(
     may_exit: tuple[int, ...] = (),
     backend: str = "gloo",
     rank_env: dict[int, dict[str, str]] | None = None,
+    start_method: str | None = None,
 ) -> list[Any]:
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` ranks; returns their results.
 
     Ranks listed in ``may_exit`` may end their process without reporting (tests of dead
     peers); their result is ``None``. ``rank_env[r]`` is added to rank ``r``'s environment
     before its interpreter starts (``PYTHONHASHSEED``, as torchrun's ranks each have their own).
+    ``start_method``: ``"spawn"`` or ``"forkserver"``; by default forkserver where it can (see
+    [Note: ranks forked from a preloaded server]).
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context(fn, start_method, spawn_only=backend == "nccl" or bool(rank_env))
+    forked = ctx.get_start_method() != "spawn"
     results = ctx.Queue()
     port = _free_port()
     procs = [
         ctx.Process(
-            target=_worker, args=(r, world_size, port, fn, args, results, pg_timeout, backend)
+            target=_worker,
+            args=(r, world_size, port, fn, args, results, pg_timeout, backend, forked),
         )
         for r in range(world_size)
     ]

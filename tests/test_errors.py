@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import time
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from models import gpt2, llama, make_batch
+from torch.distributed.distributed_c10d import _get_default_store
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
 import pippy_xla as px
@@ -237,8 +239,6 @@ def _shape_changes(rank, world):
     err = info.value
     # Rank 0 keeps its sockets open until rank 1 has its error, so rank 1 can only learn of the
     # failure from rank 0's abort record (not from rank 0's exit closing the connection).
-    from torch.distributed.distributed_c10d import _get_default_store
-
     store = _get_default_store()
     if rank == 1:
         store.set("test/rank1_raised", "1")
@@ -276,12 +276,15 @@ def _peer_dies(rank, world, how):
         def forward(*a):
             if how == "dies":
                 os._exit(0)
-            time.sleep(8)  # sends nothing within the 3 s timeout
+            # Sends nothing within the 3 s timeout: until rank 0 has its error.
+            _get_default_store().wait(["test/rank0_raised"], datetime.timedelta(seconds=60))
             return original(*a)
 
         gm.forward = forward
     with pytest.raises(px.PipelineError) as info:
         pipe.run_train(**batch)
+    if rank == 0:
+        _get_default_store().set("test/rank0_raised", "1")
     return str(info.value)
 
 
@@ -349,11 +352,16 @@ def _fault(rank, world, case):
     else:
         with pytest.raises(px.PipelineError, match="failed in an earlier step"):
             pipe.run_train(**make_batch(seed=1))
-    if case == "raise" and rank == last:
-        # The raising rank lives on (a notebook, a retrying loop): its sockets stay open, so its
-        # peers can only learn of the failure from its abort record. Its error chains the cause.
-        assert isinstance(raised.__cause__, ValueError)
-        time.sleep(12)
+    if case == "raise":
+        # The raising rank lives on (a notebook, a retrying loop) until every peer has raised:
+        # its sockets stay open, so its peers can only learn of the failure from its abort
+        # record. Its error chains the cause.
+        store = _get_default_store()
+        if rank == last:
+            assert isinstance(raised.__cause__, ValueError)
+            store.wait([f"test/raised/{r}" for r in range(last)])
+        else:
+            store.set(f"test/raised/{rank}", "1")
     return out
 
 
@@ -537,7 +545,6 @@ def _raised_then_wait(rank, world, raiser, fn):
     """Runs ``fn()`` (which must raise PipelineError) after a barrier; returns the error's fields
     and how long it took. The raising rank lives on until every other rank has raised."""
     import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _get_default_store
 
     dist.barrier()
     start = time.monotonic()
