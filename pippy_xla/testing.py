@@ -10,11 +10,12 @@ that imports torch and transformers before it runs anything: 3-5 s of CPU per ra
 cores (a 2-rank run took 5.4 s, a 4-rank one 12 s, for a function that returns at once), most of
 the suite's time. Ranks of a function defined in an importable module are therefore forked from
 multiprocessing's forkserver, which imports torch, transformers, pippy_xla and that module once
-per session (0.5 s per run after the first). What a forked rank does not get: interpreter
-finalization (a forked child ends with ``os._exit``), so the worker runs the ``atexit`` handlers
-itself (pippy_xla's exit hook among them) and the clean-exit check below still sees a crash
-there; its own hash seed (``rank_env`` runs spawn); the parent's environment at call time (the
-server's is the parent's when it started). ``spawn`` remains for ``backend="nccl"``, for
+per session (0.1-0.2 s per run after the first, for the same function; the suite went from 22 to
+13 minutes). What a forked rank does not get: interpreter finalization (a forked child ends with
+``os._exit``), so the worker runs the ``atexit`` handlers itself (``atexit._run_exitfuncs``;
+pippy_xla's exit hook among them) and the clean-exit check below still sees a crash in them;
+its own hash seed (``rank_env`` runs spawn); the parent's environment at call time (the server's
+is the parent's when it started). ``spawn`` remains for ``backend="nccl"``, for
 ``rank_env`` and for functions of ``__main__`` (the benchmarks), and on request
 (``start_method="spawn"``). User jobs run under torchrun, whose ranks are interpreters of their
 own; the README's jobs are tested that way.
