@@ -315,6 +315,16 @@ def _fields(err: px.PipelineError) -> dict:
     return {k: getattr(err, k) for k in fields}
 
 
+def _raiser_outlives_peers(rank, world, raiser):
+    """Every rank but ``raiser`` says (through the store) that it raised; ``raiser`` waits until
+    all have, so its sockets stay open until then."""
+    store = _get_default_store()
+    if rank != raiser:
+        store.set(f"test/raised/{rank}", "1")
+    else:
+        store.wait([f"test/raised/{r}" for r in range(world) if r != raiser])
+
+
 def _fault(rank, world, case):
     """One step with a fault on the last rank; returns what this rank raised, and when."""
     torch.manual_seed(0)
@@ -356,12 +366,9 @@ def _fault(rank, world, case):
         # The raising rank lives on (a notebook, a retrying loop) until every peer has raised:
         # its sockets stay open, so its peers can only learn of the failure from its abort
         # record. Its error chains the cause.
-        store = _get_default_store()
         if rank == last:
             assert isinstance(raised.__cause__, ValueError)
-            store.wait([f"test/raised/{r}" for r in range(last)])
-        else:
-            store.set(f"test/raised/{rank}", "1")
+        _raiser_outlives_peers(rank, world, last)
     return out
 
 
@@ -551,11 +558,7 @@ def _raised_then_wait(rank, world, raiser, fn):
     with pytest.raises(px.PipelineError) as info:
         fn()
     elapsed = time.monotonic() - start
-    store = _get_default_store()
-    if rank != raiser:
-        store.set(f"test/raised/{rank}", "1")
-    else:
-        store.wait([f"test/raised/{r}" for r in range(world) if r != raiser])
+    _raiser_outlives_peers(rank, world, raiser)
     return {**_fields(info.value), "message": str(info.value), "elapsed": elapsed}
 
 
