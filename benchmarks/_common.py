@@ -21,6 +21,7 @@ __all__ = [
     "RESULTS",
     "ROOT",
     "Phase",
+    "SpinBarrier",
     "llama_and_batch",
     "llama_config",
     "machine",
@@ -167,3 +168,49 @@ class Phase:
             "anon_peak_bytes": self.peak["RssAnon"],
             "rss_peak_bytes": self.peak["VmRSS"],
         }
+
+
+class SpinBarrier:
+    """A barrier of the ranks of one host for timing steps: every rank writes how many barriers
+    it has reached into its own byte of a shared page and spins (yielding its core) until every
+    rank has reached as many. It releases the ranks within microseconds of each other and keeps
+    their cores busy while they wait, as a training loop's back-to-back steps would.
+
+    ``torch.distributed.barrier`` (gloo) is no clock for a step of a few tens of milliseconds:
+    on the 2-core machine of the README table its ranks left it up to 2.5 ms apart, and the rank
+    that left first counted the difference as step time; and its waiting ranks sleep, after which
+    the next step's stage forwards ran slower (rank 1's compiled F about 800 us against 600 us
+    after this barrier, overhead regime of ``compare.py``). Both libraries are timed through the
+    same barrier. Created collectively (rank 0 names the page, every rank maps it)."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        import mmap
+        import os
+
+        import torch.distributed as dist
+
+        name = [f"/dev/shm/pippy_xla_bench_{os.getpid()}_{time.time_ns()}" if rank == 0 else ""]
+        dist.broadcast_object_list(name, src=0)
+        path = name[0]
+        if rank == 0:
+            with open(path, "wb") as f:
+                f.write(bytes(world))
+        dist.barrier()
+        with open(path, "r+b") as f:
+            self._page = mmap.mmap(f.fileno(), world)
+        dist.barrier()
+        if rank == 0:
+            os.unlink(path)
+        self._rank, self._world, self._count = rank, world, 0
+
+    def wait(self) -> None:
+        import os
+
+        # A rank is at most one barrier ahead of another that still waits here, so a byte that
+        # is no longer the previous count (mod 256) has reached this one.
+        previous = self._count % 256
+        self._count += 1
+        page = self._page
+        page[self._rank] = self._count % 256
+        while any(page[r] == previous for r in range(self._world)):
+            os.sched_yield()

@@ -33,7 +33,8 @@ Same computation in both libraries:
 - Same microbatches (``chunk`` along dim 0), same AdamW (fused: :func:`_optimizer`), same
   initial weights.
 - A timed step is ``run_train`` / ``schedule.step`` + ``optimizer.step()`` + ``zero_grad()``;
-  ranks meet at a barrier before each step (not timed); the step time is the slower rank's.
+  ranks meet at a barrier before each step (``_common.SpinBarrier``, not timed); the step time is
+  the slower rank's.
 - Both libraries run in the same two processes, their steps interleaved (pippy_xla, torch,
   then torch, pippy_xla, ...), so that the slow and fast spells of a shared machine fall on
   both alike. Run one after the other, the same configuration differed by up to 30% between
@@ -112,7 +113,7 @@ import subprocess
 import sys
 import time
 
-from _common import RESULTS, machine, run_ranks, save, summarize
+from _common import RESULTS, SpinBarrier, machine, run_ranks, save, summarize
 
 from pippy_xla.units import format_bytes
 
@@ -654,10 +655,9 @@ LIBRARIES = {
 def _paired(rank, world, regime, schedule, steps, warmup, libs):
     """Runs the libraries ``libs`` side by side in the same processes, alternating their steps
     (ABAB..., the order flipped every step), so that a slower or faster spell of a shared
-    machine falls on both alike. A step is timed from a barrier to the end of the optimizer
-    step. Returns ``{lib: report}``, or ``{lib: {"skipped": why}}`` if a library refuses."""
-    import torch.distributed as dist
-
+    machine falls on both alike. A step is timed from a barrier (:class:`SpinBarrier`) to the
+    end of the optimizer step. Returns ``{lib: report}``, or ``{lib: {"skipped": why}}`` if a
+    library refuses."""
     runs = {}
     for lib in libs:
         made = LIBRARIES[lib](regime, schedule)
@@ -666,10 +666,11 @@ def _paired(rank, world, regime, schedule, steps, warmup, libs):
         runs[lib] = made
     losses = {lib: [] for lib in libs}
     times = {lib: [] for lib in libs}
+    barrier = SpinBarrier(rank, world)
     for i in range(warmup + steps):
         for lib in libs if i % 2 == 0 else libs[::-1]:
             step = runs[lib][0]
-            dist.barrier()
+            barrier.wait()
             t0 = time.perf_counter()
             loss = step()
             times[lib].append(time.perf_counter() - t0)
