@@ -327,7 +327,7 @@ class StepRunner:
     def _forward(self, batch, microbatches, losses, added, logits) -> StageForward:
         labels = batch.get("labels")
         num_items = None
-        if labels is not None:
+        if labels is not None and len(self.stages) - 1 in self.runners:  # only the loss needs it
             num_items = self.config.num_items_fn(labels).to(self.place.device)
         return stage_forward(
             self.stages,
