@@ -17,6 +17,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+import torch.nn.modules.module as _module
 
 from pippy_xla._batch import agree_on_step, digest64, split_batch, step_key
 from pippy_xla._build import BuiltPipeline
@@ -29,7 +30,7 @@ from pippy_xla.data_parallel import local_tensor
 from pippy_xla.errors import FailureState
 from pippy_xla.partition import StageGraph
 
-__all__ = ["EvalOutput", "StageForward", "StepRunner", "stage_forward"]
+__all__ = ["EvalOutput", "StageForward", "StepRunner", "direct_forward", "stage_forward"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,41 @@ def stage_forward(
         return [loss]
 
     return forward
+
+
+"""[Note: calling a stage's forward]
+
+Calling an fx ``GraphModule`` runs three Python frames before its ``forward``: fx's
+``_WrappedCall`` and ``nn.Module``'s ``_wrapped_call_impl`` and ``_call_impl``, which only look for
+hooks. Once per forward action that cost 13-14 us in the overhead regime of
+``benchmarks/compare.py`` and 40-65 us in its compute regime (the same frames, run after a forward
+whose tensors pushed the interpreter's own code and data out of the caches), time the F action
+spends outside the stage's work. So a step calls ``module.forward`` directly where calling the
+module would do nothing else (:func:`direct_forward`): a ``GraphModule`` of the usual class, with no
+hooks of its own or global ones and no ``Module.compile``. That is decided at every step, so hooks
+registered between steps are honoured; a compiled stage (dynamo's ``OptimizedModule``) is always
+called as a module.
+"""
+
+_HOOKS = ("_backward_hooks", "_backward_pre_hooks", "_forward_hooks", "_forward_pre_hooks")
+
+
+def direct_forward(module: Callable) -> Callable:
+    """``module.forward`` where calling ``module`` would only call it, else ``module`` (see
+    [Note: calling a stage's forward])."""
+    if not isinstance(module, torch.fx.GraphModule):
+        return module
+    wrapped = getattr(type(module), "_wrapped_call", None)
+    if getattr(wrapped, "cls_call", True) is not None:  # a class with its own __call__
+        return module
+    try:
+        hooked = any(getattr(module, n) for n in _HOOKS) or any(
+            getattr(_module, f"_global{n}") for n in _HOOKS
+        )
+        hooked = hooked or module._compiled_call_impl is not None
+    except AttributeError:  # an nn.Module of another torch than the one this was written for
+        return module
+    return module if hooked else module.forward
 
 
 @dataclass(kw_only=True, slots=True)
@@ -331,7 +367,7 @@ class StepRunner:
             num_items = self.config.num_items_fn(labels).to(self.place.device)
         return stage_forward(
             self.stages,
-            self.runners,
+            {s: direct_forward(m) for s, m in self.runners.items()},
             microbatches=microbatches,
             labels=microbatches.get("labels"),
             num_items=num_items,

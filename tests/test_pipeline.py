@@ -95,6 +95,41 @@ def _tune(pipe, schedule, world, mbs):
         pipe.stage_costs()  # the new order has not run yet
 
 
+def _hooks_between_steps(rank, world):
+    """A step calls a stage's forward directly only while calling the module would do nothing
+    else ([Note: calling a stage's forward]): hooks registered between steps run in the next."""
+    model, layer_cls = _build("llama")
+    pipe = px.PipelineModel(model, layer_cls=layer_cls, num_microbatches=4, timeout=60)
+    module = pipe.module
+    calls = {"own": 0, "global": 0, "scaled": 0}
+
+    def scale(mod, args, out):  # a hook that changes the stage's outputs
+        calls["scaled"] += 1
+        return tuple(o * 1.0 for o in out)
+
+    losses = [float(pipe.run_train(**make_batch(seed=0)))]
+    own = module.register_forward_pre_hook(
+        lambda mod, args: calls.__setitem__("own", calls["own"] + 1)
+    )
+    glob = torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda mod, args: calls.__setitem__("global", calls["global"] + (mod is module))
+    )
+    out = module.register_forward_hook(scale)
+    losses.append(float(pipe.run_train(**make_batch(seed=0))))
+    counted = dict(calls)
+    for handle in (own, glob, out):
+        handle.remove()
+    losses.append(float(pipe.run_train(**make_batch(seed=0))))
+    return counted, calls, losses
+
+
+def test_hooks_registered_between_steps_run():
+    for counted, after, losses in run_ranks(2, _hooks_between_steps):
+        assert counted == {"own": 4, "global": 4, "scaled": 4}  # one per microbatch
+        assert after == counted  # removed: the third step called forward directly again
+        assert losses[0] == losses[1] == losses[2]  # no optimizer step: the same loss
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_two_ranks_match_single_process(family):
     out = run_ranks(2, _train_equal, family, "1f1b", [1, 2, 4, 8])
