@@ -387,14 +387,12 @@ def _analysis(
     F actions spent in the loss (``loss_us()``: the step's loss calls, us; ``None`` where F does
     not include the loss); (2) stash and autograd-saved peaks. Compiled stages get no hooks
     (dynamo would recompile)."""
-    import torch.distributed as dist
-
     hooks = not regime.get("compile")
     clock, saved = _ModuleClock(), _SavedBytes(modules)
 
     def instrumented(instrument):
         handles = _attach_all(modules, instrument) if hooks else []
-        dist.barrier()
+        _spin_barrier().wait()  # as before a timed step
         step()
         for h in handles:
             h.remove()
@@ -652,6 +650,20 @@ LIBRARIES = {
 }
 
 
+_SPIN: SpinBarrier | None = None
+
+
+def _spin_barrier() -> SpinBarrier:
+    """This process's :class:`SpinBarrier` (made collectively by the ranks at first use), which
+    the timed steps and the analysis steps start from."""
+    global _SPIN
+    if _SPIN is None:
+        import torch.distributed as dist
+
+        _SPIN = SpinBarrier(dist.get_rank(), dist.get_world_size())
+    return _SPIN
+
+
 def _paired(rank, world, regime, schedule, steps, warmup, libs):
     """Runs the libraries ``libs`` side by side in the same processes, alternating their steps
     (ABAB..., the order flipped every step), so that a slower or faster spell of a shared
@@ -666,7 +678,7 @@ def _paired(rank, world, regime, schedule, steps, warmup, libs):
         runs[lib] = made
     losses = {lib: [] for lib in libs}
     times = {lib: [] for lib in libs}
-    barrier = SpinBarrier(rank, world)
+    barrier = _spin_barrier()
     for i in range(warmup + steps):
         for lib in libs if i % 2 == 0 else libs[::-1]:
             step = runs[lib][0]
