@@ -178,11 +178,12 @@ class StepRunner:
         """Explanations of the recompilations seen after each mode's first step."""
         self._last_parts: torch.Tensor | None = None
         """The last step's ``[total, aux]`` (read on demand: no device sync per step)."""
-        last = len(self.stages) - 1
+        self._holds_last = len(self.stages) - 1 in self.runners
+        """Whether this rank runs the last stage (the loss, and the only use of the labels)."""
         self._reads = {n for i in self.runners for n in self.stages[i].batch_inputs}
         """The batch inputs this rank's stages read (the only ones it splits into microbatches),
         with the labels where the last stage is."""
-        if last in self.runners:
+        if self._holds_last:
             self._reads.add("labels")
         self._abortable = self.place.device.type == "cpu" and _C.shm_whole_group(
             self.place.group_name
@@ -363,7 +364,7 @@ class StepRunner:
     def _forward(self, batch, microbatches, losses, added, logits) -> StageForward:
         labels = batch.get("labels")
         num_items = None
-        if labels is not None and len(self.stages) - 1 in self.runners:  # only the loss needs it
+        if labels is not None and self._holds_last:  # only the loss needs the token count
             num_items = self.config.num_items_fn(labels).to(self.place.device)
         return stage_forward(
             self.stages,
