@@ -11,7 +11,34 @@ from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 debug = os.environ.get("DEBUG", "0") == "1"
-cxx_flags = ["-std=c++17", "-O0", "-g"] if debug else ["-std=c++17", "-O2"]
+# No -std flag: torch's BuildExtension adds the C++ standard torch itself was built with (C++20
+# from torch 2.10 on). The sources are C++17; forcing -std=c++17 compiled torch's headers under
+# another standard than libtorch's, [Note: the C++ standard of the build] in csrc/compat.h.
+cxx_flags = ["-O0", "-g"] if debug else ["-O2"]
+
+
+def torch_libstdcxx() -> list[str]:
+    """The libstdc++ shared object that this process (which imported torch) runs with.
+
+    [Note: one libstdc++] The extension must call the same libstdc++ as libtorch. A compiler whose
+    own libstdc++ is only a static archive (the GPU machine's /opt/gcc/bin/g++) copied parts of
+    it into the extension: streams made there found no number-formatting facet in the locale
+    libtorch's copy set up, so every c10::str of an integer (error messages, a c10d work's
+    description) crashed with SIGSEGV on torch 2.11 and printed nothing on 2.13. Naming the
+    loaded libstdc++ on the link line resolves every std:: symbol there first, so no archive
+    member is pulled in; pippy_xla/_native.py refuses a build that still holds its own copy.
+    """
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1]
+                if os.path.basename(path).startswith("libstdc++.so"):
+                    return [path]
+    except OSError:  # not Linux: the compiler's default applies
+        pass
+    return []
+
+
 sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/ops/*.cpp"))
 
 setup(
@@ -21,6 +48,7 @@ setup(
             sources,
             include_dirs=[os.path.abspath("csrc")],
             extra_compile_args={"cxx": cxx_flags},
+            extra_link_args=torch_libstdcxx(),
         )
     ],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},

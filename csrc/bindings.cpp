@@ -1,6 +1,9 @@
 // The one pybind11 translation unit: pippy_xla._C.
+#include <dlfcn.h>
 #include <pybind11/operators.h>
 #include <torch/extension.h>
+
+#include <locale>
 
 #include "engine.h"
 #include "memory.h"
@@ -26,6 +29,17 @@ py::class_<T> def_action_fields(py::class_<T> c) {
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
+  m.def(
+      "libstdcxx_file",
+      [] {
+        // std::locale::classic is never inline: the file holding the definition this module
+        // calls is the libstdc++ it runs with ([Note: one libstdc++] in setup.py).
+        Dl_info info{};
+        auto fn = reinterpret_cast<void*>(&std::locale::classic);
+        return dladdr(fn, &info) != 0 && info.dli_fname ? std::string(info.dli_fname)
+                                                         : std::string();
+      },
+      "The shared object that defines the libstdc++ functions this module calls ('' if unknown).");
   m.doc() = "pippy_xla C++ core: schedules, stash, engine, planner (see _C.pyi for the types)";
   // A failed or timed-out transfer or collective (as opposed to an error of the stage's own
   // code): Python tells a dead peer apart by it (see [Note: naming a dead rank] in errors.py).

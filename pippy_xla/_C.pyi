@@ -190,6 +190,9 @@ class ScheduleInfo(_NoConstructor):
         """Whether the order is list-scheduled at per-stage costs (:func:`make_schedule`'s
         ``forward`` / ``backward`` / ``weight``; ``[Note: list scheduling at costs]``)."""
 
+def libstdcxx_file() -> str:
+    """The shared object that defines the libstdc++ functions this module calls ('' if unknown)."""
+
 def schedule_table() -> list[ScheduleInfo]:
     """Every generated schedule's facts, ``"forward"`` (evaluation) last."""
 

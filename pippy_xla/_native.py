@@ -9,6 +9,8 @@ types are in ``pippy_xla/_C.pyi``, which the test suite checks against the built
 
 from __future__ import annotations
 
+import os
+
 import torch  # noqa: F401  (libtorch's symbols must be loaded before the extension's)
 
 __all__ = ["_C"]
@@ -21,3 +23,13 @@ except ImportError as e:
         "repository root with `pip install --no-build-isolation -e .` (or `bash "
         "scripts/setup.sh`), against the torch that is installed now"
     ) from e
+
+_stdcxx = _C.libstdcxx_file()
+if _stdcxx and os.path.realpath(_stdcxx) == os.path.realpath(_C.__file__):
+    raise ImportError(
+        f"pippy_xla's C++ extension ({_C.__file__}) holds its own copy of libstdc++ (its compiler "
+        "linked the static archive), which breaks C++ streams shared with libtorch (crashes "
+        "when formatting numbers). Rebuild it with `pip install --no-build-isolation -e .`, whose "
+        "setup.py links the libstdc++ torch runs with, or with a compiler that links libstdc++ "
+        "as a shared library; see [Note: one libstdc++] in setup.py"
+    )
