@@ -291,13 +291,21 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<Engine>(m, "Engine")
       .def(py::init([](Schedule schedule, std::string group_name, int64_t timeout_ms,
-                       const std::string& device) {
-             return std::make_unique<Engine>(
-                 std::move(schedule),
-                 EngineOptions{std::move(group_name), timeout_ms, c10::Device(device)});
+                       const std::string& device, std::vector<std::string> in_order) {
+             EngineOptions options{std::move(group_name), timeout_ms, c10::Device(device), {}};
+             if (!in_order.empty()) {
+               TORCH_CHECK(in_order.size() == 3,
+                           "in_order names three process groups (up, down, header), got ",
+                           in_order.size());
+               options.in_order = InOrderGroups{in_order[0], in_order[1], in_order[2]};
+             }
+             return std::make_unique<Engine>(std::move(schedule), std::move(options));
            }),
            py::arg("schedule"), py::arg("group_name"), py::arg("timeout_ms"),
-           py::arg("device") = EngineOptions{}.device.str())
+           py::arg("device") = EngineOptions{}.device.str(),
+           py::arg("in_order") = std::vector<std::string>{},
+           "`in_order`: the names of the up, down and header groups of an engine whose transfers "
+           "are matched in posting order (NCCL); see [Note: transfers matched in order].")
       .def(
           "run",
           [](Engine& e, int64_t signature, py::function forward, py::object grads_ready) {

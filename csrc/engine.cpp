@@ -1,5 +1,6 @@
 // Engine::run, the per-step loop of engine.h: walks this rank's action list, posts receives in
-// order and a few ahead of a blocked wait ([Note: receives posted ahead]), posts sends
+// order and a few ahead of a blocked wait ([Note: receives posted ahead]; in each sender's order
+// where transfers match in order, [Note: transfers matched in order] in engine.h), posts sends
 // asynchronously and drops them once causally complete, calls the stage's forward on F and
 // stashes what B needs, runs B (and W) with the C++ autograd API, reports a stage's gradients
 // ready early, and turns a failure into a Failure that abort() can also cause. What it runs by
@@ -18,6 +19,7 @@
 
 #include <algorithm>
 #include <torch/csrc/distributed/c10d/Work.hpp>
+#include <tuple>
 
 namespace pippy_xla {
 
@@ -46,11 +48,46 @@ Engine::Engine(Schedule schedule, EngineOptions options)
   TORCH_CHECK(size == schedule_.num_ranks, "schedule '", schedule_.name, "' is for ",
               schedule_.num_ranks, " ranks but process group '", options_.group_name, "' has ",
               size);
+  std::map<std::tuple<Op, int64_t, int64_t>, size_t> receive_at;  // (op, stage, mb) -> position
+  for (size_t i = 0; i < mine.size(); ++i) {
+    const Action& a = mine[i];
+    if (a.op == Op::RECV_F || a.op == Op::RECV_B) receive_at[{a.op, a.stage, a.mb}] = i;
+    if (a.op == Op::RECV_F) recv_f_pos_[{a.stage, a.mb}] = i;
+  }
+  if (options_.in_order) {  // [Note: transfers matched in order]
+    const auto& g = *options_.in_order;
+    for (const std::string* name : {&g.up_group, &g.down_group, &g.header_group})
+      TORCH_CHECK(group_size(*name) == size && group_rank(*name) == rank_, "process group '",
+                  *name, "' must hold the ranks of '", options_.group_name, "' in its order");
+    for (int64_t src = 0; src < schedule_.num_ranks; ++src) {
+      if (src == rank_) continue;
+      for (const Action& a : schedule_.actions[src]) {
+        std::tuple<Op, int64_t, int64_t> key;
+        if (a.op == Op::SEND_F && schedule_.stage_rank[a.stage + 1] == rank_) {
+          key = {Op::RECV_F, a.stage + 1, a.mb};
+        } else if (a.op == Op::SEND_B && schedule_.stage_rank[a.stage - 1] == rank_) {
+          key = {Op::RECV_B, a.stage - 1, a.mb};
+        } else {
+          continue;
+        }
+        auto it = receive_at.find(key);
+        TORCH_CHECK(it != receive_at.end(), "schedule '", schedule_.name, "': rank ", src, " ",
+                    op_name(a.op), "s stage ", a.stage, " microbatch ", a.mb, " to rank ", rank_,
+                    ", which has no receive for it");
+        auto& order = in_order_[src];
+        in_order_index_[it->second] = {src, order.size()};
+        order.push_back(it->second);
+      }
+    }
+    for (const auto& [key, pos] : receive_at)
+      TORCH_CHECK(in_order_index_.count(pos), "schedule '", schedule_.name, "': rank ", rank_,
+                  " has a receive at position ", pos, " that no rank sends");
+  }
   TORCH_CHECK(options_.timeout_ms > 0, "timeout must be positive, got ", options_.timeout_ms,
               " ms");
   // See [Note: transfer tags] in engine.h.
   TORCH_CHECK(tag(kHeader, schedule_.num_stages - 1, schedule_.num_microbatches - 1,
-                  kMaxBoundaryTensors - 1) < kTiedWeightTagBase,
+                  kMaxBoundaryTensors - 1) < kInOrderTag,
               "schedule '", schedule_.name, "': ", schedule_.num_stages, " stages x ",
               schedule_.num_microbatches,
               " microbatches need more transfer tags than the engine has");
@@ -63,6 +100,15 @@ std::string Engine::where(const Action& a, const char* what) const {
 
 int64_t Engine::tag(int kind, int64_t stage, int64_t mb, int64_t idx) const {
   return ((stage * schedule_.num_microbatches + mb) * 3 + kind) * kMaxBoundaryTensors + idx;
+}
+
+const std::string& Engine::group_of(int64_t from, int64_t to) const {
+  if (!options_.in_order) return options_.group_name;
+  return from < to ? options_.in_order->up_group : options_.in_order->down_group;
+}
+
+int64_t Engine::data_tag(int kind, int64_t stage, int64_t mb, int64_t idx) const {
+  return options_.in_order ? kInOrderTag : tag(kind, stage, mb, idx);
 }
 
 std::vector<at::Tensor> Engine::wait_all(std::vector<Transfer>& ts) {
@@ -203,29 +249,75 @@ void Engine::post_ahead(StepState& st, const std::vector<Transfer>& waiting) {
   for (size_t j : receives_ahead_[st.pos]) {
     const Action& b = actions[j];
     if (st.posted[j]) continue;
+    if (options_.in_order) {
+      post_in_order(st, j);
+      continue;
+    }
     st.posted[j] = true;
     const int64_t t0 = now_ns();
     if (b.op == Op::RECV_F) {
       post_activation_recvs(st, b);
     } else {
-      do_recv_b(st, b);
+      post_gradient_recvs(st, b);
     }
     timings_.push_back({b, t0, now_ns()});
   }
 }
 
+void Engine::post_in_order(StepState& st, size_t pos) {
+  // [Note: transfers matched in order] Every receive from this source that it sends before the
+  // one at `pos` is posted first. Posting one of a discovery step needs its header: the source
+  // sent that header before the message this rank is about to wait for, so reading it here
+  // waits no longer than that wait would.
+  const auto [src, k] = in_order_index_.at(pos);
+  const auto& order = in_order_.at(src);
+  const auto& actions = schedule_.actions[rank_];
+  for (size_t& next = st.in_order_next[src]; next <= k; ++next) {
+    const size_t q = order[next];
+    const Action& b = actions[q];
+    const int64_t t0 = now_ns();
+    if (b.op == Op::RECV_F) {
+      if (st.discover) {
+        if (!st.posted[q]) post_header_recv(st, b);
+        read_header(st, b);
+      }
+      post_activation_recvs(st, b);
+    } else {
+      post_gradient_recvs(st, b);
+    }
+    if (!st.posted[q] && q != st.pos) timings_.push_back({b, t0, now_ns()});
+    st.posted[q] = true;
+  }
+}
+
+void Engine::read_header(StepState& st, const Action& a) {
+  const Slot slot{a.stage, a.mb};
+  auto it = st.headers.find(slot);
+  TORCH_CHECK(it != st.headers.end(), where(a, "no header receive was posted"));
+  const auto header = it->second.wait(std::chrono::milliseconds(options_.timeout_ms));
+  st.specs->in[slot] = decode_header(header);
+  st.headers.erase(it);
+}
+
 void Engine::do_recv_f(StepState& st, const Action& a) {
-  const int64_t peer = schedule_.stage_rank[a.stage - 1];
   if (st.discover) {
-    auto buf =
-        at::empty({kHeaderLen}, at::TensorOptions().dtype(at::kLong).device(options_.device));
-    st.headers.emplace(
-        Slot{a.stage, a.mb},
-        track(irecv(buf, peer, tag(kHeader, a.stage, a.mb, 0), options_.group_name, {},
-                    context(a, peer, "the boundary header"))));
+    post_header_recv(st, a);
+  } else if (options_.in_order) {
+    post_in_order(st, st.pos);
   } else {
     post_activation_recvs(st, a);
   }
+}
+
+void Engine::post_header_recv(StepState& st, const Action& a) {
+  const int64_t peer = schedule_.stage_rank[a.stage - 1];
+  // In order, headers go over the tag-matched header group on the CPU.
+  const auto device = options_.in_order ? c10::Device(c10::kCPU) : options_.device;
+  const auto& group = options_.in_order ? options_.in_order->header_group : options_.group_name;
+  auto buf = at::empty({kHeaderLen}, at::TensorOptions().dtype(at::kLong).device(device));
+  st.headers.emplace(Slot{a.stage, a.mb},
+                     track(irecv(buf, peer, tag(kHeader, a.stage, a.mb, 0), group, {},
+                                 context(a, peer, "the boundary header"))));
 }
 
 void Engine::post_activation_recvs(StepState& st, const Action& a) {
@@ -236,9 +328,8 @@ void Engine::post_activation_recvs(StepState& st, const Action& a) {
   for (size_t i = 0; i < specs.size(); ++i) {
     auto buf = at::empty(specs[i].shape,
                          at::TensorOptions().dtype(specs[i].dtype).device(options_.device));
-    ts.push_back(
-        track(irecv(buf, peer, tag(kActivation, a.stage, a.mb, i), options_.group_name, {},
-                    context(a, peer, "activation", i))));
+    ts.push_back(track(irecv(buf, peer, data_tag(kActivation, a.stage, a.mb, i),
+                             group_of(peer, rank_), {}, context(a, peer, "activation", i))));
   }
 }
 
@@ -246,12 +337,10 @@ void Engine::do_forward(StepState& st, const Action& a, const StageFn& forward) 
   const Slot slot{a.stage, a.mb};
   std::vector<at::Tensor> inputs;
   if (a.stage > 0 && schedule_.stage_rank[a.stage - 1] != rank_) {
-    if (st.discover) {
-      auto it = st.headers.find(slot);
-      TORCH_CHECK(it != st.headers.end(), where(a, "no header receive was posted"));
-      auto specs = decode_header(it->second.wait(std::chrono::milliseconds(options_.timeout_ms)));
-      st.headers.erase(it);
-      st.specs->in[slot] = std::move(specs);
+    if (options_.in_order) {
+      post_in_order(st, recv_f_pos_.at(slot));
+    } else if (st.discover) {
+      read_header(st, a);
       post_activation_recvs(st, a);
     }
     post_ahead(st, st.recv_f[slot]);
@@ -303,19 +392,28 @@ void Engine::do_send_f(StepState& st, const Action& a) {
   auto outputs = std::move(st.fwd_out.at(slot));
   st.fwd_out.erase(slot);
   if (st.discover) {
-    st.sends[st.pos].push_back(
-        track(isend(encode_header(st.specs->out.at(slot), where(a, "header")).to(options_.device),
-                    peer, tag(kHeader, a.stage + 1, a.mb, 0), options_.group_name, {},
-                    context(a, peer, "the boundary header"))));
+    auto header = encode_header(st.specs->out.at(slot), where(a, "header"));
+    if (!options_.in_order) header = header.to(options_.device);
+    const auto& group = options_.in_order ? options_.in_order->header_group : options_.group_name;
+    st.sends[st.pos].push_back(track(isend(header, peer, tag(kHeader, a.stage + 1, a.mb, 0), group,
+                                           {}, context(a, peer, "the boundary header"))));
   }
   for (size_t i = 0; i < outputs.size(); ++i) {
-    st.sends[st.pos].push_back(
-        track(isend(outputs[i].detach().contiguous(), peer, tag(kActivation, a.stage + 1, a.mb, i),
-                    options_.group_name, {}, context(a, peer, "activation", i))));
+    st.sends[st.pos].push_back(track(isend(
+        outputs[i].detach().contiguous(), peer, data_tag(kActivation, a.stage + 1, a.mb, i),
+        group_of(rank_, peer), {}, context(a, peer, "activation", i))));
   }
 }
 
 void Engine::do_recv_b(StepState& st, const Action& a) {
+  if (options_.in_order) {
+    post_in_order(st, st.pos);
+  } else {
+    post_gradient_recvs(st, a);
+  }
+}
+
+void Engine::post_gradient_recvs(StepState& st, const Action& a) {
   const Slot slot{a.stage, a.mb};
   const int64_t peer = schedule_.stage_rank[a.stage + 1];
   auto& ts = st.recv_b[slot];
@@ -324,9 +422,8 @@ void Engine::do_recv_b(StepState& st, const Action& a) {
     if (!specs[i].requires_grad) continue;
     auto buf = at::empty(specs[i].shape,
                          at::TensorOptions().dtype(specs[i].dtype).device(options_.device));
-    ts.push_back(
-        track(irecv(buf, peer, tag(kGradient, a.stage, a.mb, i), options_.group_name, {},
-                    context(a, peer, "gradient", i))));
+    ts.push_back(track(irecv(buf, peer, data_tag(kGradient, a.stage, a.mb, i),
+                             group_of(peer, rank_), {}, context(a, peer, "gradient", i))));
   }
 }
 
@@ -419,8 +516,8 @@ void Engine::do_send_b(StepState& st, const Action& a) {
   for (size_t i = 0; i < specs.size(); ++i) {
     if (!specs[i].requires_grad) continue;
     st.sends[st.pos].push_back(
-        track(isend(grads.at(j++).contiguous(), peer, tag(kGradient, a.stage - 1, a.mb, i),
-                    options_.group_name, {}, context(a, peer, "gradient", i))));
+        track(isend(grads.at(j++).contiguous(), peer, data_tag(kGradient, a.stage - 1, a.mb, i),
+                    group_of(rank_, peer), {}, context(a, peer, "gradient", i))));
   }
 }
 

@@ -31,15 +31,37 @@ using StageFn = std::function<std::vector<at::Tensor>(int64_t, int64_t, std::vec
 // [Note: transfer tags] The engine's transfers use tags below kTiedWeightTagBase (Engine::tag);
 // tied-weight transfers outside the engine (pippy_xla/_ties.py) use two tags per tie from it.
 constexpr int64_t kTiedWeightTagBase = int64_t{1} << 30;
+// The one tag of every activation and gradient transfer of an engine whose transfers are matched
+// in order ([Note: transfers matched in order]).
+constexpr int64_t kInOrderTag = kTiedWeightTagBase - 1;
 inline int64_t tied_weight_tag(int64_t tie) { return kTiedWeightTagBase + 2 * tie; }
 
 // grads_ready(stage): the stage's parameter gradients of this step are complete.
 using GradsReadyFn = std::function<void(int64_t)>;
 
+// [Note: transfers matched in order] NCCL ignores tags: the transfers between two ranks match in
+// the order each side posts them, and one stream per pair of ranks runs both directions, so a
+// receive posted before a send blocks that send until the receive completes. The engine's
+// receivers post in their own action order (and ahead of it, [Note: receives posted ahead]),
+// which differs from the sender's order in most schedules (a header posted before the previous
+// microbatch's activation, a gradient before an activation). With `in_order` set, the engine
+// (1) posts its receives from each source in the order the source's action list sends them,
+// posting the earlier ones first where it posts one (post_in_order; every rank knows every
+// rank's list), (2) sends to higher ranks over `up_group` and to lower ranks over `down_group`,
+// two groups of the pipeline's ranks, so that each pair's stream carries one direction, and (3)
+// moves the boundary headers of a discovery step over `header_group` (gloo, CPU tensors, matched
+// by tag), whose activation receives cannot be posted before their header is read. On the CPU
+// the same path runs over gloo groups with one tag (gloo matches a source's messages of one tag
+// in order), which is how the tests check the order without a GPU.
+struct InOrderGroups {
+  std::string up_group, down_group, header_group;
+};
+
 struct EngineOptions {
   std::string group_name;
   int64_t timeout_ms = kDefaultTimeoutMs;
   c10::Device device = c10::Device(c10::kCPU);
+  std::optional<InOrderGroups> in_order;  // see [Note: transfers matched in order]
 };
 
 struct ActionTiming {
@@ -96,13 +118,18 @@ class Engine {
     std::map<size_t, std::vector<Transfer>> sends;  // by the position of their send action
     size_t pos = 0;            // index of the running action in this rank's list
     std::vector<bool> posted;  // receive actions already posted (in order, or ahead)
+    std::map<int64_t, size_t> in_order_next;  // by source: receives posted of in_order_[source]
     // Split backward: what W still has to do, per (stage, mb) (see split_backward.h).
     std::map<Slot, WeightWork> weight_work;
   };
 
   void post_ahead(StepState& st, const std::vector<Transfer>& waiting);
+  void post_in_order(StepState& st, size_t pos);
+  void read_header(StepState& st, const Action& a);
   void do_recv_f(StepState& st, const Action& a);
+  void post_header_recv(StepState& st, const Action& a);
   void post_activation_recvs(StepState& st, const Action& a);
+  void post_gradient_recvs(StepState& st, const Action& a);
   void do_forward(StepState& st, const Action& a, const StageFn& forward);
   void do_send_f(StepState& st, const Action& a);
   void do_recv_b(StepState& st, const Action& a);
@@ -117,6 +144,9 @@ class Engine {
   Failure failure_of(const StepState& st, std::exception_ptr error) const;
   std::string where(const Action& a, const char* what) const;
   int64_t tag(int kind, int64_t stage, int64_t mb, int64_t idx) const;
+  // The group and tag of an activation or gradient transfer from rank `from` to rank `to`.
+  const std::string& group_of(int64_t from, int64_t to) const;
+  int64_t data_tag(int kind, int64_t stage, int64_t mb, int64_t idx) const;
 
   Schedule schedule_;
   EngineOptions options_;
@@ -125,6 +155,11 @@ class Engine {
   std::map<size_t, int64_t> last_grad_;            // index of a stage's last B (or W) -> its stage
   std::vector<std::vector<size_t>> send_release_;  // see [Note: send release] (schedule_analysis)
   std::vector<std::vector<size_t>> receives_ahead_;  // per action position, see receives_ahead
+  // With options_.in_order: by source rank, the positions of this rank's receive actions from it
+  // in the order the source sends them; by position, (source, index there) of a receive action.
+  std::map<int64_t, std::vector<size_t>> in_order_;
+  std::map<size_t, std::pair<int64_t, size_t>> in_order_index_;
+  std::map<Slot, size_t> recv_f_pos_;  // the position of the receive action of a slot's inputs
   Stash stash_;
   std::vector<ActionTiming> timings_;
   int64_t compute_start_ns_ = 0;  // set by F / B once their inputs are there

@@ -347,8 +347,15 @@ class Engine(_pybind11_object):
     """Runs one rank's action list of a schedule every step."""
 
     def __init__(
-        self, schedule: Schedule, group_name: str, timeout_ms: int, device: str = "cpu"
-    ) -> None: ...
+        self,
+        schedule: Schedule,
+        group_name: str,
+        timeout_ms: int,
+        device: str = "cpu",
+        in_order: list[str] = [],
+    ) -> None:
+        """``in_order``: the up, down and header groups of an engine whose transfers are matched
+        in posting order (NCCL); see [Note: transfers matched in order] in csrc/engine.h."""
     def run(
         self,
         signature: int,

@@ -75,6 +75,15 @@ class Placement:
     """Where the local stages and every buffer the runtime allocates live."""
     timeout_ms: int
     """How long any single wait on a peer may take."""
+    in_order: tuple[str, ...] = ()
+    """The up, down and header groups' names where transfers are matched in posting order (see
+    :func:`in_order_groups`); empty where they are matched by tag."""
+
+    def engine(self, schedule: _C.Schedule) -> _C.Engine:
+        """A C++ engine running ``schedule`` on this placement."""
+        return _C.Engine(
+            schedule, self.group_name, self.timeout_ms, str(self.device), list(self.in_order)
+        )
 
     @property
     def dp_rank(self) -> int:
@@ -134,6 +143,7 @@ def build(
     local_stages = [stages[s] for s in train_schedule.stages_of(place.rank)]
     build_key = check_ranks_agree(stages, config, place)
     attach_transport(config, place)
+    place.in_order = in_order_groups(config, place, train_schedule.stage_rank)
     tied = tied_names(model)  # before materializing replaces meta parameters
     materialize(model, local_stages, place.device)
     if place.mesh is not None:  # [Note: a copy per stage on a mesh]
@@ -142,7 +152,6 @@ def build(
     modules = {st.index: st.module for st in local_stages}
     dp = _replicas(modules, config, place, build_key)
     runners, watch = _runners(modules, config, split=train_schedule.split_backward)
-    engine_args = (place.group_name, place.timeout_ms, str(place.device))
     eval_schedule = _schedule("forward", place.num_ranks, config, train_schedule)
     return BuiltPipeline(
         place=place,
@@ -150,8 +159,8 @@ def build(
         stages=stages,
         local_stages=local_stages,
         runners=runners,
-        train_engine=_C.Engine(train_schedule, *engine_args),
-        eval_engine=_C.Engine(eval_schedule, *engine_args),
+        train_engine=place.engine(train_schedule),
+        eval_engine=place.engine(eval_schedule),
         # After wrapping: FSDP replaces the parameters with its own (DTensors).
         ties=[(tie, params_named(local_stages, tie.names)) for tie in ties],
         aliases={n: names for names in tied for n in names},
@@ -413,6 +422,15 @@ def attach_transport(config: PipelineConfig, place: Placement) -> int:
     [Note: same-host transport] in ``csrc/ops/shm.h``). Returns how many peers this rank reaches
     that way. ``transport="shm"`` raises ``RuntimeError`` on every rank unless every pair of
     ranks does."""
+    nccl = "nccl" in dist.get_backend(place.group or dist.group.WORLD)
+    if nccl and config.transport not in ("auto", "in_order"):
+        raise ValueError(
+            f"transport={config.transport!r} with an NCCL group: NCCL matches transfers in "
+            "posting order, not by tag; use transport='auto' (see [Note: transfers matched in "
+            "order] in csrc/engine.h)"
+        )
+    if config.transport == "in_order":
+        return 0
     if config.transport == "process_group":
         if _C.shm_peers(place.group_name):
             raise ValueError(
@@ -441,6 +459,40 @@ def attach_transport(config: PipelineConfig, place: Placement) -> int:
                 "transport='auto'"
             )
     return peers
+
+
+def in_order_groups(
+    config: PipelineConfig, place: Placement, stage_rank: Sequence[int]
+) -> tuple[str, ...]:
+    """The up, down and header groups of an engine whose transfers are matched in posting order
+    (an NCCL pipeline of several ranks, or ``transport="in_order"``), made over the pipeline's
+    ranks; ``()`` otherwise. See [Note: transfers matched in order] in ``csrc/engine.h``.
+
+    Collective over the pipeline's ranks only (``use_local_synchronization``). Each pair of ranks
+    that exchanges transfers then sends one message each way over its group, pairs in one order
+    on every rank: NCCL creates a pair's communicator at its first transfer and both ranks must
+    take part, which a receive posted early during a step could otherwise wait on for as long as
+    the peer is busy elsewhere."""
+    group = place.group or dist.group.WORLD
+    backend = dist.get_backend(group)
+    if place.num_ranks == 1 or (config.transport != "in_order" and "nccl" not in backend):
+        return ()  # one rank transfers nothing
+    ranks = dist.get_process_group_ranks(group)
+
+    def make(backend: str) -> dist.ProcessGroup:
+        return dist.new_group(ranks, backend=backend, use_local_synchronization=True)
+
+    up, down, header = make(backend), make(backend), make("gloo")
+    pairs = {(a, b) for a, b in zip(stage_rank, stage_rank[1:], strict=False) if a != b}
+    pairs |= {(b, a) for a, b in pairs}
+    token = torch.zeros(1, device=place.device)
+    for src, dst in sorted(pairs, key=lambda p: (min(p), max(p), p[0] > p[1])):
+        g = up if src < dst else down
+        if place.rank == src:
+            dist.send(token, dist.get_global_rank(g, dst), group=g)
+        elif place.rank == dst:
+            dist.recv(token, dist.get_global_rank(g, src), group=g)
+    return tuple(group_name_of(g) for g in (up, down, header))
 
 
 def check_ranks_agree(

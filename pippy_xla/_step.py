@@ -311,9 +311,7 @@ class StepRunner:
             agreed = self.failures.watched(what, self.dp.agree, key, what) and agreed
         if not agreed:
             raise RuntimeError(f"{what}: the ranks generated different orders from their costs")
-        self.train_engine = _C.Engine(
-            schedule, place.group_name, place.timeout_ms, str(place.device)
-        )
+        self.train_engine = place.engine(schedule)
         logger.info("[rank %d] %r reordered for the measured costs", place.rank, schedule.name)
         logger.debug("[rank %d] %s", place.rank, schedule.table())
         return schedule

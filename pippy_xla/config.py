@@ -35,7 +35,7 @@ def causal_lm_num_items(labels: torch.Tensor) -> torch.Tensor:
     return (labels[..., 1:] != -100).sum()
 
 
-TRANSPORTS = ("auto", "shm", "process_group")
+TRANSPORTS = ("auto", "shm", "process_group", "in_order")
 """The values of :attr:`PipelineConfig.transport`."""
 
 
@@ -82,7 +82,10 @@ class PipelineConfig:
     transport] in ``csrc/ops/shm.h``) and uses the process group's send and receive otherwise
     (between hosts, on CUDA, or where ``/dev/shm`` is unusable); ``"shm"`` is the same but an
     error unless every pair of CPU ranks shares the host; ``"process_group"`` always uses the
-    group's send and receive (gloo on CPU)."""
+    group's send and receive (gloo on CPU); ``"in_order"`` uses send and receive matched in
+    posting order, over two groups of the pipeline's ranks (one per direction) with the boundary
+    headers over a gloo group: what NCCL needs, and so what ``"auto"`` does on CUDA; on the CPU it
+    runs that path over gloo (see [Note: transfers matched in order] in ``csrc/engine.h``)."""
     transport_spin_us: int | None = None
     """How many microseconds a same-host wait polls for its message before it sleeps (a sleeping
     receiver costs each transfer 20-50 us to wake). ``None``: ``_C.SHM_SPIN_US`` (2000) where

@@ -190,6 +190,13 @@ def run_ranks(
             end = time.monotonic() + EXIT_TIMEOUT_S
             for p in procs:
                 p.join(timeout=max(0.1, end - time.monotonic()))
+        # A rank still running past the deadline hangs: SIGABRT makes faulthandler (enabled in
+        # every rank) print all its threads' Python stacks before it dies.
+        hung = [p for r, p in enumerate(procs) if r not in outs and p.is_alive()]
+        for p in hung:
+            os.kill(p.pid, signal.SIGABRT)
+        for p in hung:
+            p.join(timeout=5)
         for p in procs:
             if p.is_alive():
                 p.kill()
@@ -212,7 +219,10 @@ def run_ranks(
         elif status == "exited":
             problems.append(f"--- rank {r} exited with code {value} without reporting")
         else:
-            problems.append(f"--- rank {r} did not finish within {timeout:.0f} s (killed)")
+            problems.append(
+                f"--- rank {r} did not finish within {timeout:.0f} s (killed; its threads' "
+                "Python stacks are in the captured stderr)"
+            )
     if problems:
         raise AssertionError("multi-rank test failed:\n" + "\n".join(problems))
     return [outs[r][1] if outs[r][0] == "ok" else None for r in range(world_size)]

@@ -38,7 +38,7 @@ def _assert_params_equal(pipe, ref, where: str) -> int:
     return n
 
 
-def _mesh_trains_like_one_process(rank, world, schedule, families, steps=3, mbs=2):
+def _mesh_trains_like_one_process(rank, world, schedule, families, transport, steps=3, mbs=2):
     """For each family and mode: per step the loss and every gradient equal the reference's on
     the global batch; after AdamW steps the parameters still match. Each replica starts from
     another seed: the pipeline must copy the first replica's values (the reference's)."""
@@ -59,6 +59,7 @@ def _mesh_trains_like_one_process(rank, world, schedule, families, steps=3, mbs=
                 mesh=mesh,
                 data_parallel=mode,
                 timeout=60,
+                transport=transport,
             )
             assert (pipe.dp_rank, pipe.dp_size, pipe.num_ranks) == (dp_rank, 2, 2)
             params = dict(pipe.named_parameters())
@@ -108,13 +109,18 @@ def _mesh_trains_like_one_process(rank, world, schedule, families, steps=3, mbs=
 
 
 @pytest.mark.parametrize(
-    "schedule,families",
+    "schedule,families,transport",
     # ZB-V with GPT-2: a split backward, and the tied embedding and head on one rank, each stage
-    # with its copy ([Note: a copy per stage on a mesh]).
-    [("1f1b", ("llama", "gpt2")), ("zbv", ("gpt2",)), ("interleaved", ("llama",))],
+    # with its copy ([Note: a copy per stage on a mesh]). Interleaved with the transfers matched
+    # in order: each replica's pipeline makes its own groups ([Note: transfers matched in order]).
+    [
+        ("1f1b", ("llama", "gpt2"), "auto"),
+        ("zbv", ("gpt2",), "auto"),
+        ("interleaved", ("llama",), "in_order"),
+    ],
 )
-def test_two_by_two_mesh_matches_one_process(schedule, families):
-    out = run_ranks(4, _mesh_trains_like_one_process, schedule, families, timeout=420)
+def test_two_by_two_mesh_matches_one_process(schedule, families, transport):
+    out = run_ranks(4, _mesh_trains_like_one_process, schedule, families, transport, timeout=420)
     for family in families:
         model, _ = _build(family, seed=0)
         names = {n for n, _ in model.named_parameters()}

@@ -681,3 +681,19 @@ def test_a_failure_in_a_save_fails_every_rank_fast_and_keeps_the_last_checkpoint
     assert load_into_module(model, directory) == 1
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
         load_into_module(model, directory / ".step-00000002.partial")
+
+
+def _rank_one_hangs(rank, world):
+    if rank == 1:
+        time.sleep(120)  # the frame a hang report must show
+    return rank
+
+
+def test_a_hung_rank_reports_its_stack(capfd):
+    # run_ranks' deadline: the rank that hangs prints its Python stack (SIGABRT, faulthandler)
+    # before it is killed, so a hang on a machine one cannot log into says where it was.
+    # Spawned: a forkserver started by an earlier test writes to that test's captured stderr.
+    with pytest.raises(AssertionError, match="rank 1 did not finish within 20 s"):
+        run_ranks(2, _rank_one_hangs, timeout=20, start_method="spawn")
+    err = capfd.readouterr().err
+    assert "Fatal Python error: Aborted" in err and "in _rank_one_hangs" in err, err[-2000:]

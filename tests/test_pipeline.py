@@ -42,7 +42,9 @@ def _check_grads(pipe, ref, where):
     assert n > 0
 
 
-def _train_equal(rank, world, family, schedule, mb_counts, steps=3, layers=4, tune_after=None):
+def _train_equal(
+    rank, world, family, schedule, mb_counts, steps=3, layers=4, tune_after=None, transport="auto"
+):
     """Per step: loss and every local gradient equal the reference's; after AdamW steps the
     parameters still match (with ``tune_after``: after that step the schedule is reordered for
     the measured costs). Returns what each rank checked, for the parent to assert on."""
@@ -51,8 +53,14 @@ def _train_equal(rank, world, family, schedule, mb_counts, steps=3, layers=4, tu
         model, layer_cls = _build(family, layers=layers)
         ref = copy.deepcopy(model)
         pipe = px.PipelineModel(
-            model, layer_cls=layer_cls, num_microbatches=mbs, schedule=schedule, timeout=60
+            model,
+            layer_cls=layer_cls,
+            num_microbatches=mbs,
+            schedule=schedule,
+            timeout=60,
+            transport=transport,
         )
+        assert len(pipe._place.in_order) == 3 * (transport == "in_order")
         opt = torch.optim.AdamW(pipe.parameters(), **ADAM)
         ref_opt = torch.optim.AdamW(ref.parameters(), **ADAM)
         for step in range(steps):
@@ -162,6 +170,21 @@ def _schedules_equal(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_multi_stage_and_zero_bubble_schedules_match_single_process(world):
     run_ranks(world, _schedules_equal, timeout=600)
+
+
+def _in_order_equal(rank, world):
+    # [Note: transfers matched in order]: the NCCL path's transfer order, run over gloo groups
+    # with one tag (gloo then matches a source's messages in order, as NCCL does), for every
+    # schedule: a receive posted out of the sender's order gets another message (a wrong size, or
+    # the wrong microbatch's tensor) and the step fails or its gradients differ. Two steps: the
+    # discovery step (headers over the header group) and a step with known shapes.
+    for schedule in ["1f1b", "gpipe", *MULTI_STAGE_SCHEDULES]:
+        _train_equal(rank, world, "gpt2", schedule, [2 * world], 2, 8, transport="in_order")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_transfers_matched_in_order_match_single_process(world):
+    run_ranks(world, _in_order_equal, timeout=600)
 
 
 def _csv_schedule_trains(rank, world, csv_text):
