@@ -16,7 +16,7 @@ if [ "${SKIP_BUILD:-0}" != 1 ]; then
   MAX_JOBS=16 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$out/build.log" 2>&1 \
     || { echo "build failed"; tail -40 "$out/build.log"; exit 1; }
 fi
-timeout "${GPU_TESTS_S:-420}" python3 -m pytest -q tests/test_gpu.py --timeout 200 \
+timeout "${GPU_TESTS_S:-420}" python3 -m pytest -q tests/test_gpu.py --timeout 700 \
   > "$out/gpu_tests.log" 2>&1
 echo "gpu tests: exit $? $(tail -1 "$out/gpu_tests.log")"
 # One rank: torchrun gives every rank the same environment, so two ranks on one GPU would share a

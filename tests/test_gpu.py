@@ -27,6 +27,10 @@ TOL = {"rtol": 1e-4, "atol": 1e-5}
 # bf16: one bf16 rounding of a gradient is 2^-8 relative (0.4%); sums of rounded terms in another
 # order differ by a few of those, so 3e-2 relative and 1e-2 absolute.
 BF16_TOL = {"rtol": 3e-2, "atol": 1e-2}
+# Two ranks over NCCL. A hang ends at run_ranks' deadline, which prints every rank's Python stack
+# (SIGABRT, faulthandler), set before NCCL's watchdog (the group's timeout) tears the ranks down
+# without one.
+NCCL = {"backend": "nccl", "timeout": 90, "pg_timeout": 120}
 
 
 def _train_vs_reference(rank, world, family, schedule, dtype_name):
@@ -58,12 +62,12 @@ def _train_vs_reference(rank, world, family, schedule, dtype_name):
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "interleaved", "zbh1"])
 def test_nccl_schedules_match_one_process(schedule):
-    assert all(run_ranks(2, _train_vs_reference, "llama", schedule, "float32", backend="nccl"))
+    assert all(run_ranks(2, _train_vs_reference, "llama", schedule, "float32", **NCCL))
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16"])
 def test_nccl_bf16_and_tied_weights(dtype):
-    assert all(run_ranks(2, _train_vs_reference, "gpt2", "1f1b", dtype, backend="nccl"))
+    assert all(run_ranks(2, _train_vs_reference, "gpt2", "1f1b", dtype, **NCCL))
 
 
 def _compiled(rank, world):
@@ -76,7 +80,7 @@ def _compiled(rank, world):
 
 
 def test_nccl_compiled_stages_never_recompile():
-    assert run_ranks(2, _compiled, backend="nccl", timeout=600) == [[], []]
+    assert run_ranks(2, _compiled, backend="nccl", timeout=600, pg_timeout=660) == [[], []]
 
 
 def _meta_on_gpu(rank, world):
@@ -109,4 +113,4 @@ def _check_materialized(out) -> None:
 
 
 def test_meta_model_materializes_on_the_gpu():
-    _check_materialized(run_ranks(2, _meta_on_gpu, backend="nccl"))
+    _check_materialized(run_ranks(2, _meta_on_gpu, **NCCL))
