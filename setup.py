@@ -11,9 +11,8 @@ from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 debug = os.environ.get("DEBUG", "0") == "1"
-# No -std flag: torch's BuildExtension adds the C++ standard torch itself was built with (C++20
-# from torch 2.10 on). The sources are C++17; forcing -std=c++17 compiled torch's headers under
-# another standard than libtorch's, [Note: the C++ standard of the build] in csrc/compat.h.
+# No -std flag: torch's BuildExtension adds the standard its headers need (C++17 up to torch 2.11,
+# C++20 in 2.13); the sources are C++17 and build under either.
 cxx_flags = ["-O0", "-g"] if debug else ["-O2"]
 
 

@@ -48,13 +48,13 @@ Engine::Engine(Schedule schedule, EngineOptions options)
   TORCH_CHECK(size == schedule_.num_ranks, "schedule '", schedule_.name, "' is for ",
               schedule_.num_ranks, " ranks but process group '", options_.group_name, "' has ",
               size);
-  std::map<std::tuple<Op, int64_t, int64_t>, size_t> receive_at;  // (op, stage, mb) -> position
-  for (size_t i = 0; i < mine.size(); ++i) {
-    const Action& a = mine[i];
-    if (a.op == Op::RECV_F || a.op == Op::RECV_B) receive_at[{a.op, a.stage, a.mb}] = i;
-    if (a.op == Op::RECV_F) recv_f_pos_[{a.stage, a.mb}] = i;
-  }
   if (options_.in_order) {  // [Note: transfers matched in order]
+    std::map<std::tuple<Op, int64_t, int64_t>, size_t> receive_at;  // (op, stage, mb) -> position
+    for (size_t i = 0; i < mine.size(); ++i) {
+      const Action& a = mine[i];
+      if (a.op == Op::RECV_F || a.op == Op::RECV_B) receive_at[{a.op, a.stage, a.mb}] = i;
+      if (a.op == Op::RECV_F) recv_f_pos_[{a.stage, a.mb}] = i;
+    }
     const auto& g = *options_.in_order;
     for (const std::string* name : {&g.up_group, &g.down_group, &g.header_group})
       TORCH_CHECK(group_size(*name) == size && group_rank(*name) == rank_, "process group '",

@@ -159,7 +159,7 @@ class Engine {
   // in the order the source sends them; by position, (source, index there) of a receive action.
   std::map<int64_t, std::vector<size_t>> in_order_;
   std::map<size_t, std::pair<int64_t, size_t>> in_order_index_;
-  std::map<Slot, size_t> recv_f_pos_;  // the position of the receive action of a slot's inputs
+  std::map<Slot, size_t> recv_f_pos_;  // in order: the receive action of a slot's inputs
   Stash stash_;
   std::vector<ActionTiming> timings_;
   int64_t compute_start_ns_ = 0;  // set by F / B once their inputs are there

@@ -86,6 +86,11 @@ class Placement:
         )
 
     @property
+    def nccl(self) -> bool:
+        """Whether the pipeline's group runs NCCL (which matches transfers by order, not tag)."""
+        return "nccl" in dist.get_backend(self.group or dist.group.WORLD)
+
+    @property
     def dp_rank(self) -> int:
         return self.mesh.dp_rank if self.mesh is not None else 0
 
@@ -422,8 +427,7 @@ def attach_transport(config: PipelineConfig, place: Placement) -> int:
     [Note: same-host transport] in ``csrc/ops/shm.h``). Returns how many peers this rank reaches
     that way. ``transport="shm"`` raises ``RuntimeError`` on every rank unless every pair of
     ranks does."""
-    nccl = "nccl" in dist.get_backend(place.group or dist.group.WORLD)
-    if nccl and config.transport not in ("auto", "in_order"):
+    if place.nccl and config.transport not in ("auto", "in_order"):
         raise ValueError(
             f"transport={config.transport!r} with an NCCL group: NCCL matches transfers in "
             "posting order, not by tag; use transport='auto' (see [Note: transfers matched in "
@@ -473,10 +477,10 @@ def in_order_groups(
     on every rank: NCCL creates a pair's communicator at its first transfer and both ranks must
     take part, which a receive posted early during a step could otherwise wait on for as long as
     the peer is busy elsewhere."""
+    if place.num_ranks == 1 or (config.transport != "in_order" and not place.nccl):
+        return ()  # one rank transfers nothing
     group = place.group or dist.group.WORLD
     backend = dist.get_backend(group)
-    if place.num_ranks == 1 or (config.transport != "in_order" and "nccl" not in backend):
-        return ()  # one rank transfers nothing
     ranks = dist.get_process_group_ranks(group)
 
     def make(backend: str) -> dist.ProcessGroup:
