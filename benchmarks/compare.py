@@ -86,6 +86,9 @@ Reported per run (``benchmarks/results/compare.json``, ``compare.png``):
   ``loss_per_F``: pippy_xla's F on the last stage includes the loss (the model's, which the
   single process computes too); its time in the same analysis step, per F action of the rank,
   so that "F outside the module and the loss" is what the runtime itself adds to a forward.
+  ``PRE`` / ``POST`` (pippy_xla): the step's own work before the engine's first action (batch
+  checks and split, the step handshake) and after its last (the loss reduction), medians over
+  the timed steps, from the step's timings ([Note: step spans]).
 
 - ``pippy_xla:tuned`` rows (unless ``--no-tuned``), for the list-scheduled schedules (``zbh1``,
   ``interleaved_zb``, ``zbv``): a third pipeline in the same processes, steps interleaved with the
@@ -466,17 +469,19 @@ def _pippy(regime, schedule, tuned=False):
         opt.zero_grad(set_to_none=True)
         return loss
 
-    step_actions, step_orders = [], []
+    step_actions, step_orders, step_spans = [], [], []
 
     def snapshot():
         timings = pipe.timings()
-        step_actions.append(_action_us(timings))
-        step_orders.append(_compute_order(timings))
+        actions = _engine_actions(timings)
+        step_actions.append(_action_us(actions))
+        step_orders.append(_compute_order(actions))
+        step_spans.append({op: (e - s) / 1e3 for op, st, _, s, e in timings if st < 0})
 
     step.snapshot = snapshot
 
     def report(losses, times):
-        timings = pipe.timings()  # of the last timed step
+        timings = _engine_actions(pipe.timings())  # of the last timed step
 
         def clock_step_losses():
             calls = list(loss_calls_us)
@@ -491,6 +496,7 @@ def _pippy(regime, schedule, tuned=False):
         out["pipeline_times"] = pipeline_times[-len(times) :]
         out["step_actions"] = step_actions[-len(times) :]
         out["step_orders"] = step_orders[-len(times) :]
+        out["step_spans_us"] = step_spans[-len(times) :]
         if not regime.get("compile"):  # timed in the clock step; clock_step_losses() undoes it
             runner.loss_fn = timed_loss
         out["num_stages"] = len(pipe.stages)
@@ -696,6 +702,12 @@ def _paired(rank, world, regime, schedule, steps, warmup, libs):
 # ------------------------------------------------------------------------------ analysis
 
 
+def _engine_actions(timings) -> list:
+    """A step's timings without the step's own spans around the engine (``PRE`` / ``POST``,
+    stage -1: [Note: step spans])."""
+    return [t for t in timings if t[1] >= 0]
+
+
 def _action_us(timings) -> dict[str, list[float]]:
     """``{"F3": [us, ...], ...}``: the durations of one step's engine actions per op and stage."""
     out: dict[str, list[float]] = {}
@@ -836,11 +848,13 @@ def _summarize_run(lib, schedule, regime, ranks, single_median):
         }
         row["per_action_us"].append(entry)
     if lib in (PIPPY, TUNED):
-        for entry, a in zip(row["per_action_us"], engine, strict=True):
+        for entry, a, r in zip(row["per_action_us"], engine, ranks, strict=True):
             entry["comm_actions"] = {
                 op: a["mean_us"][op] for op in ("RF", "SF", "RB", "SB") if op in a["mean_us"]
             }
             entry["gap_between_actions"] = a["gap_mean_us"]
+            for op in ("PRE", "POST"):  # the step's own work around the engine, timed steps
+                entry[op] = statistics.median(spans[op] for spans in r["step_spans_us"])
     chunks = num_stages // p
     order = ranks[0].get("order")  # pippy_xla: the order that ran (a tuned one's own)
     row["stage_costs_s"] = costs
@@ -919,11 +933,13 @@ def _us(x: float | None) -> str:
 def _overhead_table(results) -> str:
     """pippy_xla's per-action costs (medians over the last timed step, us) per rank: the gap
     between consecutive actions, each transfer action, and the F action minus the stage module's
-    own forward (the runtime's cost around a forward; eager stages only)."""
+    own forward (the runtime's cost around a forward; eager stages only); and the step's own
+    work before and after the engine (medians over the timed steps)."""
     lines = [
         "| regime | schedule | rank | gap | RF | SF | RB | SB | F outside the module "
-        "| loss per F | F outside the module and the loss |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| loss per F | F outside the module and the loss | step before the engine (PRE) "
+        "| step after the engine (POST) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, reg in results.items():
         for row in reg["rows"]:
@@ -938,7 +954,7 @@ def _overhead_table(results) -> str:
                     f"| {name} | {row['schedule']} | {rank} | {a['gap_median_us']:.1f} | "
                     + " | ".join(cells)
                     + f" | {_us(outside)} | {_us(None if outside is None else loss)} "
-                    f"| {_us(runtime)} |"
+                    f"| {_us(runtime)} | {_us(per.get('PRE'))} | {_us(per.get('POST'))} |"
                 )
     return "\n".join(lines)
 

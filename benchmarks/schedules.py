@@ -13,9 +13,10 @@
   model and batch; every schedule's pipeline is built in the same processes and their timed steps
   interleave (step k of every schedule, then step k+1), so that the slow and fast spells of a shared
   machine fall on all of them alike. A step is ``run_train`` + AdamW ``step`` + ``zero_grad``; the
-  slower rank's time counts. Reported: the median step, its ratio to 1F1B's (> 1 is faster), the
-  schedule's simulated makespan from the run's own F / B / W durations (engine timings) and the
-  efficiency (that makespan over the measured step).
+  slower rank's time counts; ranks start each step from ``_common.SpinBarrier`` (not gloo's
+  barrier, which released ranks up to 2.5 ms apart and let them sleep). Reported: the median
+  step, its ratio to 1F1B's (> 1 is faster), the schedule's simulated makespan from the run's own
+  F / B / W durations (engine timings) and the efficiency (that makespan over the measured step).
 - ``--compile``: the speed part with ``compile=True`` stages (results under ``speed_compiled``).
   Under a split-backward schedule each compiled stage has an input-gradient and a weight-gradient
   graph ([Note: compiled W]), so W is real work there too; the claim checked: compiled ``zbh1`` and
@@ -35,7 +36,7 @@ import copy
 import json
 import time
 
-from _common import RESULTS, run_ranks, save, summarize
+from _common import RESULTS, SpinBarrier, run_ranks, save, summarize
 from compare import REGIMES, _build, _SavedBytes
 
 TUNED = ":tuned"
@@ -82,15 +83,15 @@ def _memory(rank, world, regime, schedules, m) -> dict:
 
 def _speed(rank, world, regime, schedules, m, steps, warmup, compile) -> dict:
     import torch
-    import torch.distributed as dist
 
     made = _pipes(regime, schedules, m, compile)
     opts = {n: torch.optim.AdamW(p.parameters(), lr=1e-3) for n, p in made["pipes"].items()}
     times: dict[str, list[float]] = {n: [] for n in schedules}
     losses: dict[str, list[float]] = {n: [] for n in schedules}
+    barrier = SpinBarrier(rank, world)
     for k in range(warmup + steps):
         for name, pipe in made["pipes"].items():
-            dist.barrier()
+            barrier.wait()
             t0 = time.perf_counter()
             loss = pipe.run_train(**made["batch"])
             opts[name].step()

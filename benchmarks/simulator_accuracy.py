@@ -50,6 +50,7 @@ def _run(rank, world, schedule, steps):
 def _predict(schedule, events, num_stages, num_ranks, transfers=True):
     from pippy_xla import _C
 
+    events = [e for e in events if e[2] >= 0]  # the engine's actions: no PRE / POST step spans
     sched = _C.make_schedule(schedule, num_ranks, 8, num_stages // num_ranks)
     dur = {op: [[] for _ in range(num_stages)] for op in ("F", "B", "W")}
     for _, op, stage, _, start, end in events:

@@ -1,10 +1,12 @@
 """Batches of a pipeline step: checking and splitting them, and the per-step handshake.
 
-Every rank gets the whole batch. :func:`split_batch` checks it and cuts this replica's rows into
-microbatches; :func:`step_key` and :func:`agree_on_step` make sure every rank of the pipeline runs
-the same kind of step on the same batch before any point-to-point transfer. The batch signature is
-also the key under which the engine remembers the boundary shapes (see [Note: boundary specs] in
-csrc/boundary.h). The step runner (:class:`pippy_xla._step.StepRunner`) calls these in that order.
+Every rank gets the whole batch. :func:`check_batch` checks it; :func:`step_key` and
+:func:`agree_on_step` make sure every rank of the pipeline runs the same kind of step on the same
+batch before any point-to-point transfer; :func:`split_batch` then cuts this replica's rows into
+microbatches (after the handshake, so that a rank's splitting does not delay its peers' start).
+The batch signature is also the key under which the engine remembers the boundary shapes (see
+[Note: boundary specs] in csrc/boundary.h). The step runner (:class:`pippy_xla._step.StepRunner`)
+calls these in that order.
 
 [Note: step handshake]
 
@@ -39,6 +41,7 @@ __all__ = [
     "StepKey",
     "agree_on_step",
     "batch_signature",
+    "check_batch",
     "content_digests",
     "digest64",
     "split_batch",
@@ -56,26 +59,17 @@ def digest64(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
 
 
-def split_batch(
+def check_batch(
     batch: Batch,
     *,
     input_names: Sequence[str],
     num_microbatches: int,
     need_labels: bool,
-    device: torch.device,
-    dp_rank: int = 0,
     dp_size: int = 1,
-    split: Collection[str] | None = None,
-) -> tuple[Batch, dict[str, tuple[torch.Tensor, ...]]]:
-    """Checks a step's batch and splits it.
-
-    Returns the batch as the pipeline reads it (``None`` entries dropped, a default
-    ``attention_mask`` added) and, per input of ``split`` (default: every input; a rank splits
-    only what its stages read: 32 views of an input cost 15-40 us), this replica's rows (replica
-    ``dp_rank`` of ``dp_size``: see [Note: pipeline x data parallel]) on ``device`` in
-    ``num_microbatches`` chunks. Raises ``ValueError`` / ``TypeError`` naming what is wrong,
-    before any communication.
-    """
+) -> Batch:
+    """Checks a step's batch; returns it as the pipeline reads it (``None`` entries dropped, a
+    default ``attention_mask`` added). Raises ``ValueError`` / ``TypeError`` naming what is
+    wrong, before any communication."""
     if need_labels and "labels" not in batch:
         raise ValueError("run_train needs labels=...")
     names = list(input_names)
@@ -116,18 +110,34 @@ def split_batch(
     for k, v in batch.items():
         if v.dim() > MAX_DIMS:
             raise ValueError(f"batch['{k}'] has {v.dim()} dims; at most {MAX_DIMS}")
-    share = size // dp
+    return batch
+
+
+def split_batch(
+    batch: Batch,
+    *,
+    num_microbatches: int,
+    device: torch.device,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    split: Collection[str] | None = None,
+) -> dict[str, tuple[torch.Tensor, ...]]:
+    """A checked batch (:func:`check_batch`) split: per input of ``split`` (default: every input;
+    a rank splits only what its stages read: 32 views of an input cost 15-40 us), this replica's
+    rows (replica ``dp_rank`` of ``dp_size``: see [Note: pipeline x data parallel]) on ``device``
+    in ``num_microbatches`` chunks."""
+    share = next(iter(batch.values())).shape[0] // dp_size
     rows = slice(dp_rank * share, (dp_rank + 1) * share)
     parts = {}
     for k, v in batch.items():
         if split is not None and k not in split:
             continue
-        if dp > 1:
+        if dp_size > 1:
             v = v[rows]
         if v.device != device:
             v = v.to(device)
-        parts[k] = v.chunk(m)
-    return batch, parts
+        parts[k] = v.chunk(num_microbatches)
+    return parts
 
 
 def batch_signature(batch: Batch) -> int:

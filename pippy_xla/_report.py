@@ -22,10 +22,13 @@ class Report:
     def timings(self) -> list[Timing]:
         """The last step's actions on this rank: ``(op, stage, microbatch, start_ns, end_ns)``,
         in system-clock nanoseconds. With a mesh, each stage's data-parallel gradient reduction
-        is there too, as op ``"DP"`` with microbatch -1."""
-        engine = self._runner.last_engine
+        is there too, as op ``"DP"`` with microbatch -1; and the step's own work before and after
+        the engine, as ops ``"PRE"`` and ``"POST"`` with stage and microbatch -1 (see [Note: step
+        spans] in ``_step.py``)."""
+        runner = self._runner
+        engine = runner.last_engine
         measured = [(t.op, t.stage, t.mb, t.start_ns, t.end_ns) for t in engine.timings()]
-        return measured + self._runner.reduce_spans
+        return measured + runner.reduce_spans + runner.step_spans
 
     def timeline(self, json_path: str | None = None, png_path: str | None = None) -> list:
         """Gathers the last step's measured actions of every rank (a collective over the

@@ -2,8 +2,8 @@
 every rank, runs the C++ engine with :func:`stage_forward` as the stage's forward, sums tied-weight
 gradients and reduces the loss.
 
-A step: ``_batch.split_batch`` -> ``_batch.step_key`` -> ``_batch.agree_on_step`` (the step
-handshake) -> ``_C.Engine.run`` (which calls the forward of
+A step: ``_batch.check_batch`` -> ``_batch.step_key`` -> ``_batch.agree_on_step`` (the step
+handshake) -> ``_batch.split_batch`` -> ``_C.Engine.run`` (which calls the forward of
 :func:`stage_forward` for every forward action, and with a mesh the replicas' reduction of each
 stage as soon as its gradients are complete) -> tied-gradient sums -> loss broadcast.
 """
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.modules.module as _module
 
-from pippy_xla._batch import agree_on_step, digest64, split_batch, step_key
+from pippy_xla._batch import agree_on_step, check_batch, digest64, split_batch, step_key
 from pippy_xla._build import BuiltPipeline
 from pippy_xla._grads import clip_, global_norm, local_gradients
 from pippy_xla._native import _C
@@ -151,6 +151,18 @@ the batch.
 """
 
 
+"""[Note: step spans]
+
+A step's timings (:meth:`pippy_xla._report.Report.timings`) hold, besides the engine's actions, the
+step's own work around the engine as two spans with stage and microbatch -1: ``PRE``, from the
+call of ``run_train`` / ``run_eval`` to the engine's start (the batch's checks and split, the step
+handshake, the forward's setup), and ``POST``, from the engine's end to the return (the recompile
+check of compiled stages, tied-weight gradient sums, the loss reduction). Both sit on the step's
+critical path on every rank: they are the per-step cost that no schedule hides, and they are drawn
+in the timeline. A step that fails records what it reached.
+"""
+
+
 class StepRunner:
     """Runs one rank's training and evaluation steps of a built pipeline."""
 
@@ -174,6 +186,8 @@ class StepRunner:
         """The engine of the last step."""
         self.reduce_spans: list[tuple[str, int, int, int, int]] = []
         """The last step's data-parallel reductions, as timings."""
+        self.step_spans: list[tuple[str, int, int, int, int]] = []
+        """The last step's work outside the engine, as timings (see [Note: step spans])."""
         self.recompiles: list[str] = []
         """Explanations of the recompilations seen after each mode's first step."""
         self._last_parts: torch.Tensor | None = None
@@ -194,33 +208,43 @@ class StepRunner:
 
     def train(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Forward and backward of every microbatch; the batch's mean loss on every rank."""
+        start = self._begin_step()
         batch, microbatches, signature = self._prepare(batch, "train")
         losses: dict[int, torch.Tensor] = {}
         added: dict[int, torch.Tensor] = {}
         forward = self._forward(batch, microbatches, losses, added, logits=None)
         earlier = set_aside_grads(self.ties)  # [Note: tied gradients accumulate once]
         try:
-            self._run(self.train_engine, forward, signature)
+            end = self._run(self.train_engine, forward, signature, start)
             if self.ties:
                 self.failures.watched("tied-weight gradient sum", self._sum_tied_grads)
         finally:
             add_back_grads(self.ties, earlier)
-        return self._reduce_loss(losses, added)
+        loss = self._reduce_loss(losses, added)
+        self.step_spans.append(("POST", -1, -1, end, time.time_ns()))
+        return loss
 
     def evaluate(self, batch: dict[str, torch.Tensor]) -> EvalOutput:
         """Forward only: the logits on the last stage's rank and, given labels, the loss."""
+        start = self._begin_step()
         batch, microbatches, signature = self._prepare(batch, "eval")
         losses: dict[int, torch.Tensor] = {}
         added: dict[int, torch.Tensor] = {}
         logits: dict[int, torch.Tensor] = {}
         forward = self._forward(batch, microbatches, losses, added, logits)
-        self._run(self.eval_engine, forward, signature)
+        end = self._run(self.eval_engine, forward, signature, start)
         if self.dp is not None:
             self.dp.after_eval()
         is_last = self.place.rank == self.last_rank
         all_logits = torch.cat([logits[mb] for mb in sorted(logits)]) if is_last else None
         loss = self._reduce_loss(losses, added) if "labels" in batch else None
+        self.step_spans.append(("POST", -1, -1, end, time.time_ns()))
         return EvalOutput(loss=loss, logits=all_logits)
+
+    def _begin_step(self) -> int:
+        """Starts a step's :attr:`step_spans`; returns the step's start (system clock ns)."""
+        self.step_spans.clear()
+        return time.time_ns()
 
     def clip_grad_norm_(
         self,
@@ -328,18 +352,16 @@ class StepRunner:
 
     def _prepare(self, batch: dict[str, torch.Tensor], kind: str):
         """A step's batch checked and split, and its signature, after every rank agreed on the
-        step (see [Note: step handshake])."""
+        step (see [Note: step handshake]). The split comes after the handshake: a rank that
+        splits more inputs (the last stage's, with the labels) does not hold the others back."""
         self.failures.check_usable()
         place = self.place
-        batch, microbatches = split_batch(
+        batch = check_batch(
             batch,
             input_names=self.config.input_names,
             num_microbatches=self.config.num_microbatches,
             need_labels=kind == "train",
-            device=place.device,
-            dp_rank=place.dp_rank,
             dp_size=place.dp_size,
-            split=self._reads,
         )
         key, contents = step_key(kind, batch, self.config.check_batch_content)
 
@@ -357,6 +379,15 @@ class StepRunner:
 
         # A mismatch leaves the pipeline usable: no transfer of the step has started.
         agree_on_step(key, contents, batch, place.rank, gather)
+        with self.failures.guard("batch split"):  # its peers are on their way to the engine
+            microbatches = split_batch(
+                batch,
+                num_microbatches=self.config.num_microbatches,
+                device=place.device,
+                dp_rank=place.dp_rank,
+                dp_size=place.dp_size,
+                split=self._reads,
+            )
         return batch, microbatches, key.signature
 
     def _forward(self, batch, microbatches, losses, added, logits) -> StageForward:
@@ -378,8 +409,9 @@ class StepRunner:
             added_scale=1.0 / (self.config.num_microbatches * self.place.dp_size),
         )
 
-    def _run(self, engine: _C.Engine, forward: StageForward, signature: int) -> None:
-        """Runs one step of ``engine`` for the batch of ``signature``."""
+    def _run(self, engine: _C.Engine, forward: StageForward, signature: int, start: int) -> int:
+        """Runs one step of ``engine`` for the batch of ``signature``, in a step that began at
+        ``start``; returns when the engine's run ended (system clock ns)."""
         # A split backward (B with retain_graph, then W) cannot use the buffers AOTAutograd
         # donates to a compiled backward: compile those stages without donation.
         split = self.watch is not None and engine.schedule.split_backward
@@ -392,7 +424,9 @@ class StepRunner:
         if self.dp is not None and self.dp.sharded:
             self.failures.watched("data-parallel all-gather", self.dp.unshard)
         with donation, self.failures.guard("step", engine):
+            self.step_spans.append(("PRE", -1, -1, start, time.time_ns()))
             engine.run(signature, forward, grads_ready)
+        end = time.time_ns()
         self.last_engine = engine
         if self.watch is not None:
             mode = "train" if engine is self.train_engine else "eval"
@@ -401,6 +435,7 @@ class StepRunner:
                 msg = f"[rank {self.place.rank}] stage recompiled: {why}"
                 logger.warning("%s", msg)
                 self.recompiles.append(msg)
+        return end
 
     def _reduce_stage(self, stage: int) -> None:
         """The engine's ``grads_ready`` callback: reduces ``stage``'s gradients over the

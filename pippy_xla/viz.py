@@ -21,7 +21,8 @@ Event = tuple[int, str, int, int, float, float]
 """``(rank, op, stage, microbatch, start_s, end_s)``."""
 
 # Compute in saturated colours, communication posts in light grey, data-parallel gradient
-# reductions (DP) in purple.
+# reductions (DP) in purple, the step's own work before and after the engine (PRE, POST) in dark
+# grey.
 _COLORS = {
     "F": "#3b78c4",
     "B": "#e0843a",
@@ -31,16 +32,19 @@ _COLORS = {
     "SB": "#b8b8b8",
     "RB": "#d0d0d0",
     "DP": "#8e5bb5",
+    "PRE": "#6e6e6e",
+    "POST": "#5a5a5a",
 }
 
 
 def write_chrome_trace(events: Sequence[Event], path: str | Path) -> Path:
     """Writes ``events`` as a Chrome trace (open in Perfetto or chrome://tracing): one process
-    row per rank, complete events ("X") in microseconds from the earliest start."""
+    row per rank, complete events ("X") in microseconds from the earliest start, named
+    ``F3.0`` (op, stage, microbatch) or, for a step's own spans, ``PRE`` / ``POST``."""
     t0 = min((e[4] for e in events), default=0.0)
     trace = [
         {
-            "name": f"{op}{stage}.{mb}",
+            "name": f"{op}{stage}.{mb}" if stage >= 0 else op,
             "cat": op,
             "ph": "X",
             "pid": rank,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -137,6 +138,49 @@ def test_hooks_registered_between_steps_run():
         assert after == counted  # removed: the third step called forward directly again
         # No optimizer step: the same batch gives the same loss unless the hook scaled it.
         assert losses[0] == losses[2] != losses[1]
+
+
+def _step_spans(rank, world, trace_path):
+    """[Note: step spans]: each step's timings frame the engine's actions with one PRE and one
+    POST span; stage costs and the timeline take them as they are."""
+    model, layer_cls = _build("llama")
+    pipe = px.PipelineModel(model, layer_cls=layer_cls, num_microbatches=4, timeout=60)
+    checked = []
+    for kind in ("train", "eval", "train"):
+        batch = make_batch(seed=0)
+        pipe.run_train(**batch) if kind == "train" else pipe.run_eval(**batch)
+        timings = pipe.timings()
+        spans = {op: [t for t in timings if t[0] == op] for op in ("PRE", "POST")}
+        assert [len(v) for v in spans.values()] == [1, 1], (kind, timings)
+        (_, *pre_at, pre_start, pre_end), (_, *post_at, post_start, post_end) = (
+            spans["PRE"][0],
+            spans["POST"][0],
+        )
+        actions = [t for t in timings if t[0] not in spans]
+        assert {op for op, *_ in actions} >= ({"F", "B"} if kind == "train" else {"F"}), kind
+        assert pre_at == post_at == [-1, -1]
+        assert pre_start <= pre_end <= min(t[3] for t in actions), kind
+        assert max(t[4] for t in actions) <= post_start <= post_end, kind
+        checked.append((kind, (pre_end - pre_start) / 1e9, (post_end - post_start) / 1e9))
+    costs = pipe.stage_costs()  # engine actions only
+    assert all(len(v) == 2 and min(v) > 0 for v in (costs["forward"], costs["backward"])), costs
+    events = pipe.timeline(json_path=trace_path if rank == 0 else None)  # a collective
+    assert sorted((r, op) for r, op, *_ in events if op in ("PRE", "POST")) == [
+        (0, "POST"),
+        (0, "PRE"),
+        (1, "POST"),
+        (1, "PRE"),
+    ]
+    return checked
+
+
+def test_step_spans_frame_the_engine_actions(tmp_path):
+    trace = tmp_path / "trace.json"
+    for checked in run_ranks(2, _step_spans, str(trace)):
+        assert [kind for kind, *_ in checked] == ["train", "eval", "train"]
+        assert all(pre > 0 and post > 0 for _, pre, post in checked), checked
+    names = {e["name"] for e in json.loads(trace.read_text())["traceEvents"]}
+    assert {"PRE", "POST", "F0.0", "B1.3"} <= names
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
