@@ -13,13 +13,20 @@ class RecompileWatch:
     why: dynamo's guard failures plus which stage input changed shape, dtype or grad mode.
 
     It counts dynamo's cache entries of the stage graphs' own ``forward`` code (each fx
-    GraphModule has its own), so other compiled code in the process does not count. It reads
-    two private dynamo helpers (``_debug_get_cache_entry_list`` and ``guard_failures``); this
-    class is the only place that does."""
+    GraphModule has its own), so other compiled code in the process does not count, after every
+    step during which dynamo started a compilation anywhere in the process (its compile-start
+    callbacks; counting every step cost about 30 us, on the step's critical path). Entries that
+    appear during a mode's first step are that mode's graphs (evaluation compiles its own, grad
+    mode off); entries that appear during a later step are its recompilations. It reads private
+    dynamo helpers (``_debug_get_cache_entry_list``, ``guard_failures``, ``callback_handler``);
+    this class is the only place that does."""
 
     def __init__(self, modules: list[nn.Module]) -> None:
         self._codes = [m.forward.__code__ for m in modules]
-        self._graphs: dict[str, int] = {}
+        self._count = 0
+        """The stage graphs' cache entries when last counted."""
+        self._compiles_seen = -1
+        """:func:`_compiles` when they were last counted (-1: never)."""
         self._first_args: dict[str, dict[int, list[str]]] = {}
         self._step_args: dict[int, list[str]] = {}
 
@@ -44,14 +51,17 @@ class RecompileWatch:
         """After a step of ``mode`` (``"train"`` or ``"eval"``): why dynamo compiled a new graph
         since that mode's first step, or ``None`` if it did not."""
         args, self._step_args = self._step_args, {}
-        count = self._graph_count()
-        if mode not in self._graphs:
-            self._graphs[mode] = count
+        first_step = mode not in self._first_args
+        if first_step:
             self._first_args[mode] = args
+        compiles = _compiles()
+        if compiles == self._compiles_seen:
+            return None  # dynamo compiled nothing since the last count
+        self._compiles_seen = compiles
+        count = self._graph_count()
+        grew, self._count = count != self._count, count
+        if first_step or not grew:
             return None
-        if count == self._graphs[mode]:
-            return None
-        self._graphs[mode] = count
         first = self._first_args[mode]
         changed = [
             f"stage {s} input {i}: {a} -> {b}"
@@ -68,3 +78,29 @@ class RecompileWatch:
         if reasons:
             parts.append("guard failures: " + " | ".join(str(r) for r in reasons))
         return "; ".join(parts) or "dynamo compiled a new graph (no guard failure recorded)"
+
+
+_COMPILES = 0
+"""How many compilations dynamo started in this process since :func:`_compiles` registered its
+callback."""
+
+
+def _count_compile(_args: object) -> None:
+    global _COMPILES
+    _COMPILES += 1
+
+
+def _compiles() -> int:
+    """:data:`_COMPILES`, with the counting callback registered: again after a
+    ``torch._dynamo.reset()``, which drops callbacks (the number then moves, so the graphs are
+    counted once more). Without dynamo's callbacks (another torch), a number that always moves."""
+    global _COMPILES
+    try:
+        from torch._dynamo.callback import callback_handler
+    except ImportError:
+        _COMPILES += 1
+        return _COMPILES
+    if _count_compile not in callback_handler.start_callbacks:
+        callback_handler.register_start_callback(_count_compile)
+        _COMPILES += 1
+    return _COMPILES

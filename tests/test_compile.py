@@ -50,6 +50,15 @@ def _compiled_training(rank, world):
     pipe.run_train(**make_batch(seed=0))
     assert pipe.recompiles == []
 
+    # Evaluation compiles graphs of its own (grad mode off): neither its first step nor the
+    # training steps after it are recompiles, even with other code compiled in between.
+    pipe.run_eval(**make_batch(seed=0))
+    pipe.run_train(**make_batch(seed=0))
+    torch.compile(lambda x: x * 3, backend="eager")(torch.ones(2))
+    pipe.run_train(**make_batch(seed=0))
+    pipe.run_eval(**make_batch(seed=0))
+    assert pipe.recompiles == [], pipe.recompiles
+
     # A real recompile (another sequence length) is reported with its cause.
     pipe.run_train(**make_batch(seed=0, seq=12))
     assert len(pipe.recompiles) == 1
