@@ -87,8 +87,9 @@ Reported per run (``benchmarks/results/compare.json``, ``compare.png``):
   single process computes too); its time in the same analysis step, per F action of the rank,
   so that "F outside the module and the loss" is what the runtime itself adds to a forward.
   ``PRE`` / ``POST`` (pippy_xla): the step's own work before the engine's first action (batch
-  checks and split, the step handshake) and after its last (the loss reduction), medians over
-  the timed steps, from the step's timings ([Note: step spans]).
+  checks and split, the step handshake, with the wait for the other rank there) and after its
+  last (the loss reduction; on a rank whose engine ends before the last stage's, with the wait
+  for the loss), medians over the timed steps, from the step's timings ([Note: step spans]).
 
 - ``pippy_xla:tuned`` rows (unless ``--no-tuned``), for the list-scheduled schedules (``zbh1``,
   ``interleaved_zb``, ``zbv``): a third pipeline in the same processes, steps interleaved with the

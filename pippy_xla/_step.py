@@ -157,9 +157,10 @@ A step's timings (:meth:`pippy_xla._report.Report.timings`) hold, besides the en
 step's own work around the engine as two spans with stage and microbatch -1: ``PRE``, from the
 call of ``run_train`` / ``run_eval`` to the engine's start (the batch's checks and split, the step
 handshake, the forward's setup), and ``POST``, from the engine's end to the return (the recompile
-check of compiled stages, tied-weight gradient sums, the loss reduction). Both sit on the step's
-critical path on every rank: they are the per-step cost that no schedule hides, and they are drawn
-in the timeline. A step that fails records what it reached.
+check of compiled stages, tied-weight gradient sums, the loss reduction). They are the per-step
+cost that no schedule hides, and they are drawn in the timeline. ``PRE`` includes the wait for the
+last rank to reach the handshake, and ``POST`` on a rank whose engine ends before the last stage's
+the wait for the loss. A step that fails records what it reached.
 """
 
 
