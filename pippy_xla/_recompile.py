@@ -27,8 +27,8 @@ class RecompileWatch:
         """The stage graphs' cache entries when last counted."""
         self._compiles_seen = -1
         """:func:`_compiles` when they were last counted (-1: never)."""
-        self._first_args: dict[str, dict[int, list[str]]] = {}
-        self._step_args: dict[int, list[str]] = {}
+        self._first_args: dict[str, dict[int, list]] = {}
+        self._step_args: dict[int, list] = {}
 
     def _graph_count(self) -> int:
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
@@ -36,14 +36,12 @@ class RecompileWatch:
         return sum(len(_debug_get_cache_entry_list(code)) for code in self._codes)
 
     def see(self, stage: int, args: list) -> None:
-        """Records a stage's inputs, once per stage and step."""
+        """Records what dynamo guards on of a stage's inputs, once per stage and step (on a
+        step's first forward: described in words only for a report)."""
         if stage in self._step_args:
             return
         self._step_args[stage] = [
-            f"{str(a.dtype).removeprefix('torch.')}{list(a.shape)}"
-            + (" requires_grad" if a.requires_grad else "")
-            if isinstance(a, torch.Tensor)
-            else repr(a)
+            (a.dtype, a.shape, a.requires_grad) if isinstance(a, torch.Tensor) else repr(a)
             for a in args
         ]
 
@@ -64,7 +62,7 @@ class RecompileWatch:
             return None
         first = self._first_args[mode]
         changed = [
-            f"stage {s} input {i}: {a} -> {b}"
+            f"stage {s} input {i}: {_describe(a)} -> {_describe(b)}"
             for s in sorted(args)
             for i, (a, b) in enumerate(zip(first.get(s, []), args[s], strict=False))
             if a != b
@@ -78,6 +76,15 @@ class RecompileWatch:
         if reasons:
             parts.append("guard failures: " + " | ".join(str(r) for r in reasons))
         return "; ".join(parts) or "dynamo compiled a new graph (no guard failure recorded)"
+
+
+def _describe(seen: tuple | str) -> str:
+    """An input as :meth:`RecompileWatch.see` recorded it, in words: ``int64[2, 16]``."""
+    if isinstance(seen, str):
+        return seen
+    dtype, shape, requires_grad = seen
+    words = f"{str(dtype).removeprefix('torch.')}{list(shape)}"
+    return words + (" requires_grad" if requires_grad else "")
 
 
 _COMPILES = 0
