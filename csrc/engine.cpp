@@ -111,6 +111,14 @@ int64_t Engine::data_tag(int kind, int64_t stage, int64_t mb, int64_t idx) const
   return options_.in_order ? kInOrderTag : tag(kind, stage, mb, idx);
 }
 
+const std::string& Engine::header_group() const {
+  return options_.in_order ? options_.in_order->header_group : options_.group_name;
+}
+
+c10::Device Engine::header_device() const {
+  return options_.in_order ? c10::Device(c10::kCPU) : options_.device;
+}
+
 std::vector<at::Tensor> Engine::wait_all(std::vector<Transfer>& ts) {
   std::vector<at::Tensor> out;
   out.reserve(ts.size());
@@ -311,12 +319,9 @@ void Engine::do_recv_f(StepState& st, const Action& a) {
 
 void Engine::post_header_recv(StepState& st, const Action& a) {
   const int64_t peer = schedule_.stage_rank[a.stage - 1];
-  // In order, headers go over the tag-matched header group on the CPU.
-  const auto device = options_.in_order ? c10::Device(c10::kCPU) : options_.device;
-  const auto& group = options_.in_order ? options_.in_order->header_group : options_.group_name;
-  auto buf = at::empty({kHeaderLen}, at::TensorOptions().dtype(at::kLong).device(device));
+  auto buf = at::empty({kHeaderLen}, at::TensorOptions().dtype(at::kLong).device(header_device()));
   st.headers.emplace(Slot{a.stage, a.mb},
-                     track(irecv(buf, peer, tag(kHeader, a.stage, a.mb, 0), group, {},
+                     track(irecv(buf, peer, tag(kHeader, a.stage, a.mb, 0), header_group(), {},
                                  context(a, peer, "the boundary header"))));
 }
 
@@ -392,11 +397,10 @@ void Engine::do_send_f(StepState& st, const Action& a) {
   auto outputs = std::move(st.fwd_out.at(slot));
   st.fwd_out.erase(slot);
   if (st.discover) {
-    auto header = encode_header(st.specs->out.at(slot), where(a, "header"));
-    if (!options_.in_order) header = header.to(options_.device);
-    const auto& group = options_.in_order ? options_.in_order->header_group : options_.group_name;
-    st.sends[st.pos].push_back(track(isend(header, peer, tag(kHeader, a.stage + 1, a.mb, 0), group,
-                                           {}, context(a, peer, "the boundary header"))));
+    auto header = encode_header(st.specs->out.at(slot), where(a, "header")).to(header_device());
+    st.sends[st.pos].push_back(
+        track(isend(header, peer, tag(kHeader, a.stage + 1, a.mb, 0), header_group(), {},
+                    context(a, peer, "the boundary header"))));
   }
   for (size_t i = 0; i < outputs.size(); ++i) {
     st.sends[st.pos].push_back(track(isend(

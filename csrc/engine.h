@@ -147,6 +147,9 @@ class Engine {
   // The group and tag of an activation or gradient transfer from rank `from` to rank `to`.
   const std::string& group_of(int64_t from, int64_t to) const;
   int64_t data_tag(int kind, int64_t stage, int64_t mb, int64_t idx) const;
+  // Where boundary headers travel: in order, over the tag-matched header group on the CPU.
+  const std::string& header_group() const;
+  c10::Device header_device() const;
 
   Schedule schedule_;
   EngineOptions options_;
