@@ -217,6 +217,17 @@ PYBIND11_MODULE(_C, m) {
         py::call_guard<py::gil_scoped_release>(),
         "A 64-bit fingerprint of the tensor's bytes (not a cryptographic hash).");
   m.def(
+      "batch_key",
+      [](const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
+         bool check_content) {
+        auto key = batch_key(names, tensors, check_content);
+        return py::make_tuple(key.signature, key.content, key.contents);
+      },
+      py::arg("names"), py::arg("tensors"), py::arg("check_content"),
+      "`(signature, content, contents)`: fingerprints of a batch's input names, dtypes and shapes "
+      "and (with `check_content`, else 0 and []) of its values, whole and per input "
+      "(content_digest), for the step handshake.");
+  m.def(
       "broadcast_copy",
       [](const at::Tensor& tensor, int64_t root, const std::string& group_name, int64_t timeout_ms,
          std::string what, Abortable* abortable) {

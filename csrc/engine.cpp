@@ -15,6 +15,7 @@
 #include <ATen/ops/ones_like.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/util/Exception.h>
+#include <c10/util/ScopeExit.h>
 #include <torch/csrc/autograd/autograd.h>
 
 #include <algorithm>
@@ -102,17 +103,25 @@ int64_t Engine::tag(int kind, int64_t stage, int64_t mb, int64_t idx) const {
   return ((stage * schedule_.num_microbatches + mb) * 3 + kind) * kMaxBoundaryTensors + idx;
 }
 
-const std::string& Engine::group_of(int64_t from, int64_t to) const {
-  if (!options_.in_order) return options_.group_name;
-  return from < to ? options_.in_order->up_group : options_.in_order->down_group;
+void Engine::resolve_routes() {
+  route_ = Route(options_.group_name);
+  if (!options_.in_order) return;
+  up_route_ = Route(options_.in_order->up_group);
+  down_route_ = Route(options_.in_order->down_group);
+  header_route_ = Route(options_.in_order->header_group);
+}
+
+const Route& Engine::group_of(int64_t from, int64_t to) const {
+  if (!options_.in_order) return route_;
+  return from < to ? up_route_ : down_route_;
 }
 
 int64_t Engine::data_tag(int kind, int64_t stage, int64_t mb, int64_t idx) const {
   return options_.in_order ? kInOrderTag : tag(kind, stage, mb, idx);
 }
 
-const std::string& Engine::header_group() const {
-  return options_.in_order ? options_.in_order->header_group : options_.group_name;
+const Route& Engine::header_group() const {
+  return options_.in_order ? header_route_ : route_;
 }
 
 c10::Device Engine::header_device() const {
@@ -131,6 +140,12 @@ void Engine::run(int64_t signature, const StageFn& forward, const GradsReadyFn& 
   TORCH_CHECK(!broken_ && !live_.aborted(), "[rank ", rank_,
               "] the pipeline engine failed in an earlier step and its peers were left mid-step; "
               "restart the job");
+  resolve_routes();
+  // Between steps the engine holds no group: one destroyed after a step must be free to go (see
+  // [Note: releasing the group at exit] in pippy_xla/_exit.py).
+  const auto release = c10::make_scope_exit([this] {
+    route_ = up_route_ = down_route_ = header_route_ = Route();
+  });
   StepState st;
   st.discover = !specs_.count(signature);
   SignatureSpecs fresh;

@@ -144,11 +144,13 @@ class Engine {
   Failure failure_of(const StepState& st, std::exception_ptr error) const;
   std::string where(const Action& a, const char* what) const;
   int64_t tag(int kind, int64_t stage, int64_t mb, int64_t idx) const;
+  // Looks up the step's groups (see [Note: routes] in ops/p2p.h).
+  void resolve_routes();
   // The group and tag of an activation or gradient transfer from rank `from` to rank `to`.
-  const std::string& group_of(int64_t from, int64_t to) const;
+  const Route& group_of(int64_t from, int64_t to) const;
   int64_t data_tag(int kind, int64_t stage, int64_t mb, int64_t idx) const;
   // Where boundary headers travel: in order, over the tag-matched header group on the CPU.
-  const std::string& header_group() const;
+  const Route& header_group() const;
   c10::Device header_device() const;
 
   Schedule schedule_;
@@ -169,6 +171,9 @@ class Engine {
   bool broken_ = false;
   std::optional<Failure> failure_;
   Abortable live_;  // the running step's transfers (abort() runs on another thread)
+  // The running step's groups: options_.group_name's and, in order, the up, down and header
+  // groups (resolve_routes; released when the step ends).
+  Route route_, up_route_, down_route_, header_route_;
   std::vector<std::unique_ptr<StepState>>
       failed_;  // transfers of failed steps stay alive: peers may still write
 };

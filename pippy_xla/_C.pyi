@@ -439,6 +439,13 @@ def shm_spin_us(group_name: str) -> int:
 def content_digest(tensor: torch.Tensor) -> int:
     """A 64-bit fingerprint of the tensor's bytes (not a cryptographic hash)."""
 
+def batch_key(
+    names: Sequence[str], tensors: Sequence[torch.Tensor], check_content: bool
+) -> tuple[int, int, list[int]]:
+    """`(signature, content, contents)`: fingerprints of a batch's input names, dtypes and shapes
+    and (with `check_content`, else 0 and []) of its values, whole and per input
+    (content_digest), for the step handshake."""
+
 def broadcast_copy(
     tensor: torch.Tensor,
     root: int,

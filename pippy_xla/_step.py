@@ -164,6 +164,21 @@ the wait for the loss. A step that fails records what it reached.
 """
 
 
+"""[Note: a step's own time]
+
+What a step does around its engine runs once per step, but on the pipeline's critical path: the
+first rank's ``PRE`` delays every stage's first forward and the last rank's ``POST`` the step's
+end (see [Note: step spans]). It runs cold: after a step's compute the interpreter's code and
+data are out of the caches, and the same Python costs 3-5 times what a loop of it costs
+(measured in the overhead-compiled regime of ``benchmarks/compare.py``: the step key 51 us
+against 7-12 in a loop, the handshake 65 against 14). So the path is kept short in lines and
+objects rather than tuned call by call: the step key is one C++ call (``_C.batch_key``), the
+engine's run and the watched collectives pair their abort watch in ``try`` / ``finally`` instead
+of generator context managers (2-3 us each hot, about 10 cold), tied-gradient bookkeeping is
+skipped without ties, and the loss sums stack the microbatch losses once.
+"""
+
+
 class StepRunner:
     """Runs one rank's training and evaluation steps of a built pipeline."""
 
@@ -424,9 +439,9 @@ class StepRunner:
             grads_ready = self._reduce_stage
         if self.dp is not None and self.dp.sharded:
             self.failures.watched("data-parallel all-gather", self.dp.unshard)
-        with donation, self.failures.guard("step", engine):
+        with donation:
             self.step_spans.append(("PRE", -1, -1, start, time.time_ns()))
-            engine.run(signature, forward, grads_ready)
+            self.failures.run_step(engine, signature, forward, grads_ready)
         end = time.time_ns()
         self.last_engine = engine
         if self.watch is not None:
@@ -452,11 +467,13 @@ class StepRunner:
         """The sum of the last stage's microbatch losses, on every rank (and, with a mesh, over
         the replicas: their shares add up to the global mean); kept for :attr:`last_losses`."""
         place = self.place
-        total = torch.zeros(2, dtype=torch.float32, device=place.device)
         if place.rank == self.last_rank:
-            for part, values in enumerate((losses, added)):
-                if values:
-                    total[part] = torch.stack([values[mb].float() for mb in sorted(values)]).sum()
+            # One dtype per part: stacked, then widened once (exact), then summed in float32.
+            main = torch.stack([losses[mb] for mb in sorted(losses)]).float().sum()
+            aux = torch.stack([added[mb] for mb in sorted(added)]).float().sum() if added else None
+            total = torch.stack([main, main.new_zeros(()) if aux is None else aux])
+        else:
+            total = torch.zeros(2, dtype=torch.float32, device=place.device)
         total = self.failures.watched(
             "loss broadcast",
             _C.broadcast_copy,

@@ -157,6 +157,8 @@ def set_aside_grads(ties: TiedParams) -> list[torch.Tensor | None]:
 
 def add_back_grads(ties: TiedParams, held: Sequence[torch.Tensor | None]) -> None:
     """Adds the gradients :func:`set_aside_grads` took back onto the tied parameters."""
+    if not ties:
+        return
     earlier = iter(held)
     with torch.no_grad():
         for _, params in ties:

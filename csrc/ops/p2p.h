@@ -10,12 +10,14 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 namespace c10d {
+class ProcessGroup;
 class Work;
 }  // namespace c10d
 
@@ -56,8 +58,9 @@ class TransferError : public std::runtime_error {
 class Transfer {
  public:
   Transfer() = default;
+  // `done_when_posted`: the work completed as it was posted (a send over shared memory).
   Transfer(c10::intrusive_ptr<c10d::Work> work, at::Tensor tensor, std::string what,
-           TransferContext context = {});
+           TransferContext context = {}, bool done_when_posted = false);
   Transfer(Transfer&&) noexcept;
   Transfer& operator=(Transfer&&) noexcept;
   Transfer(const Transfer&) = delete;
@@ -71,12 +74,14 @@ class Transfer {
   at::Tensor wait(std::chrono::milliseconds timeout);
   // The c10d work, for aborting it from another thread (Work::abort wakes a blocked wait).
   const c10::intrusive_ptr<c10d::Work>& work() const { return work_; }
+  bool done_when_posted() const { return done_when_posted_; }
 
  private:
   c10::intrusive_ptr<c10d::Work> work_;
   at::Tensor tensor_;
   std::string what_;
   TransferContext context_;
+  bool done_when_posted_ = false;
 };
 
 // Transfers that another thread may abort (c10d::Work::abort wakes their waits): an engine's
@@ -86,7 +91,8 @@ class Abortable {
  public:
   Abortable();
   ~Abortable();  // out of line: c10d::Work is incomplete here
-  // Registers `t`'s work for abort(); aborts it at once if abort() already ran.
+  // Registers `t`'s work for abort() (unless it completed when posted); aborts it at once if
+  // abort() already ran.
   void track(const Transfer& t);
   void abort();
   bool aborted() const { return aborted_.load(); }
@@ -101,10 +107,33 @@ class Abortable {
   std::vector<c10::weak_intrusive_ptr<c10d::Work>> live_;
 };
 
+struct Attached;  // a group's same-host channels (ops/shm.cpp)
+
+// [Note: routes] A transfer goes through the process group registered under its group's name and,
+// where its ranks share a host, that group's shared-memory channels ([Note: same-host transport]).
+// Looking both up by name (two registries, each behind a lock) took 0.6-1 us of every transfer
+// on the 2-core machine, a fifth of an engine's send action. A Route holds both, looked up once:
+// the engine resolves its groups at the start of each step (so a group registered again under the
+// same name between steps is found) and posts its transfers through them.
+struct Route {
+  Route();
+  // The group registered under `group_name` now (an error if none is) and its channels, if any.
+  explicit Route(const std::string& group_name);
+  Route(const Route&);
+  Route& operator=(const Route&);
+  ~Route();  // out of line: c10d::ProcessGroup is incomplete here
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  std::shared_ptr<Attached> channels;  // null: none attached
+};
+
 // Posts an asynchronous send of one dense contiguous tensor to group-local rank `peer`.
+Transfer isend(const at::Tensor& tensor, int64_t peer, int64_t tag, const Route& route,
+               std::string what, TransferContext context = {});
 Transfer isend(const at::Tensor& tensor, int64_t peer, int64_t tag, const std::string& group_name,
                std::string what, TransferContext context = {});
 // Posts an asynchronous receive into `buffer` (dense, contiguous) from group-local rank `peer`.
+Transfer irecv(at::Tensor buffer, int64_t peer, int64_t tag, const Route& route,
+               std::string what, TransferContext context = {});
 Transfer irecv(at::Tensor buffer, int64_t peer, int64_t tag, const std::string& group_name,
                std::string what, TransferContext context = {});
 
@@ -130,6 +159,17 @@ std::vector<std::vector<int64_t>> all_gather_int64(const std::vector<int64_t>& v
 // A 64-bit fingerprint of `tensor`'s bytes (copied to the host first if it lives elsewhere), to
 // compare the batches that ranks were given; not a cryptographic hash.
 int64_t content_digest(const at::Tensor& tensor);
+
+// What the step handshake compares ([Note: step handshake] in pippy_xla/_batch.py): a fingerprint
+// of a batch's input names, dtypes and shapes, and, when `check_content`, of its values
+// (`contents`: each input's content_digest, in the order given; `content`: theirs, 0 when off).
+struct BatchKey {
+  int64_t signature = 0;
+  int64_t content = 0;
+  std::vector<int64_t> contents;
+};
+BatchKey batch_key(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
+                   bool check_content);
 // A copy of group-local rank `root`'s `tensor` (every rank passes a tensor of the same shape and
 // dtype).
 at::Tensor broadcast_copy(const at::Tensor& tensor, int64_t root, const std::string& group_name,

@@ -340,6 +340,10 @@ class Channel {
   std::vector<Segment> segments_;
 };
 
+}  // namespace
+
+// Outside the anonymous namespace: ops/p2p.h declares Attached (a Route holds one).
+class ShmWork;
 struct Attached;
 
 class ShmWork : public c10d::Work {
@@ -385,9 +389,12 @@ class ShmWork : public c10d::Work {
 
 // The channels of one attached process group on this rank.
 struct Attached {
-  explicit Attached(const c10::intrusive_ptr<c10d::ProcessGroup>& pg) : group(pg), raw(pg.get()) {}
+  explicit Attached(const c10::intrusive_ptr<c10d::ProcessGroup>& pg)
+      : group(pg), raw(pg.get()), rank(pg->getRank()), size(pg->getSize()) {}
   c10::weak_intrusive_ptr<c10d::ProcessGroup> group;
   const c10d::ProcessGroup* raw;
+  int rank;
+  int64_t size;
   std::vector<std::shared_ptr<Channel>> to;    // by peer: this rank's sends (null: not attached)
   std::vector<std::shared_ptr<Channel>> from;  // by peer: this rank's receives
   int64_t peers = 0;
@@ -426,6 +433,8 @@ bool ShmWork::attempt() {
   if (!done_) done_ = send_ ? channel_->try_post(tag_, tensor_) : channel_->try_take(tag_, tensor_);
   return done_;
 }
+
+namespace {
 
 std::mutex registry_mutex;
 std::unordered_map<std::string, std::shared_ptr<Attached>>& registry() {
@@ -570,32 +579,33 @@ int64_t shm_attach(const std::string& group_name, std::chrono::milliseconds time
 namespace {
 
 // A send's or a receive's work over the channel to / from `peer`, or empty if not attached.
-c10::intrusive_ptr<ShmWork> shm_work(const c10d::ProcessGroup& group,
-                                     const std::string& group_name, int64_t peer, int64_t tag,
-                                     const at::Tensor& tensor, bool send) {
-  auto a = attached(group, group_name);
-  if (!a || peer < 0 || peer >= group.getSize()) return {};
+c10::intrusive_ptr<ShmWork> shm_work(const std::shared_ptr<Attached>& a, int64_t peer,
+                                     int64_t tag, const at::Tensor& tensor, bool send) {
+  if (!a || peer < 0 || peer >= a->size) return {};
   const auto& channel = send ? a->to[peer] : a->from[peer];
   if (!channel) return {};
   TORCH_CHECK(tensor.device().is_cpu(), "same-host transfers move CPU tensors, got one on ",
               tensor.device());
-  auto work = c10::make_intrusive<ShmWork>(channel, a, send, tag, tensor, group.getRank());
+  auto work = c10::make_intrusive<ShmWork>(channel, a, send, tag, tensor, a->rank);
   if (send && !work->attempt()) a->defer(work);  // see [Note: deferred sends]
   return work;
 }
 
 }  // namespace
 
-c10::intrusive_ptr<c10d::Work> shm_send(const c10d::ProcessGroup& group,
-                                        const std::string& group_name, int64_t peer, int64_t tag,
-                                        const at::Tensor& tensor) {
-  return shm_work(group, group_name, peer, tag, tensor, true);
+std::shared_ptr<Attached> shm_channels(const c10d::ProcessGroup& group,
+                                       const std::string& group_name) {
+  return attached(group, group_name);
 }
 
-c10::intrusive_ptr<c10d::Work> shm_recv(const c10d::ProcessGroup& group,
-                                        const std::string& group_name, int64_t peer, int64_t tag,
-                                        const at::Tensor& buffer) {
-  return shm_work(group, group_name, peer, tag, buffer, false);
+c10::intrusive_ptr<c10d::Work> shm_send(const std::shared_ptr<Attached>& channels,
+                                        int64_t peer, int64_t tag, const at::Tensor& tensor) {
+  return shm_work(channels, peer, tag, tensor, true);
+}
+
+c10::intrusive_ptr<c10d::Work> shm_recv(const std::shared_ptr<Attached>& channels,
+                                        int64_t peer, int64_t tag, const at::Tensor& buffer) {
+  return shm_work(channels, peer, tag, buffer, false);
 }
 
 bool shm_whole_group(const c10d::ProcessGroup& group, const std::string& group_name) {

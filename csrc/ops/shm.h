@@ -32,6 +32,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 namespace c10d {
@@ -57,17 +58,22 @@ constexpr int64_t kShmSpinUs = 2000;
 int64_t shm_attach(const std::string& group_name, std::chrono::milliseconds timeout,
                    int64_t spin_us = -1);
 
-// The same-host transfer to / from group rank `peer`, or an empty pointer when that pair is not
-// attached (`group` is the group that `group_name` resolves to now: channels attached to an
-// earlier group of the same name are not used). A send's work is complete on return unless
+struct Attached;  // one process group's same-host channels on this rank (shm.cpp)
+
+// The channels attached to `group` under `group_name`, or null when none are (channels attached
+// to an earlier group of the same name are not used). Resolved once, they serve any number of
+// transfers: the engine resolves its groups once per step ([Note: routes] in p2p.h).
+std::shared_ptr<Attached> shm_channels(const c10d::ProcessGroup& group,
+                                       const std::string& group_name);
+
+// The same-host transfer to / from group rank `peer` over `channels` (shm_channels'), or an
+// empty pointer when that pair is not attached. A send's work is complete on return unless
 // every slot was full ([Note: deferred sends] in shm.cpp); a receive's wait fails if the
 // message's size differs from `buffer`'s.
-c10::intrusive_ptr<c10d::Work> shm_send(const c10d::ProcessGroup& group,
-                                        const std::string& group_name, int64_t peer, int64_t tag,
-                                        const at::Tensor& tensor);
-c10::intrusive_ptr<c10d::Work> shm_recv(const c10d::ProcessGroup& group,
-                                        const std::string& group_name, int64_t peer, int64_t tag,
-                                        const at::Tensor& buffer);
+c10::intrusive_ptr<c10d::Work> shm_send(const std::shared_ptr<Attached>& channels,
+                                        int64_t peer, int64_t tag, const at::Tensor& tensor);
+c10::intrusive_ptr<c10d::Work> shm_recv(const std::shared_ptr<Attached>& channels,
+                                        int64_t peer, int64_t tag, const at::Tensor& buffer);
 
 // How many peers of `group_name` this rank reaches through shared memory (0: none attached).
 int64_t shm_peers(const std::string& group_name);
