@@ -330,7 +330,7 @@ class _Worker:
 
 
 class _Watcher:
-    """The daemon thread behind :meth:`AbortChannel.watch`: while a target (an engine's step, or
+    """The daemon thread behind :meth:`AbortChannel.arm`: while a target (an engine's step, or
     an ``_C.Abortable`` given to a collective) is armed, it reads the abort record every
     ``POLL_S`` seconds and calls the target's ``abort()`` when a record appears. Started once
     per channel, so a step costs no thread start (it cost 100-250 us)."""
@@ -423,7 +423,7 @@ class AbortChannel:
         if self._store is not None and self.global_ranks:
             _Heartbeat.ensure(self._store, self.global_ranks[rank])
         self._worker: _Worker | None = None  # runs call()'s collectives, started on first use
-        self._watcher: _Watcher | None = None  # watch()'s poller, started on first use
+        self._watcher: _Watcher | None = None  # arm()'s poller, started on first use
 
     def announce(self, text: str, origin: int | None = None, died: bool = False) -> None:
         """Posts a failure (this rank's, or the death of rank ``origin``) unless another came
@@ -500,18 +500,18 @@ class AbortChannel:
             return fn(*args)
         abortable = _C.Abortable()
         try:
-            self._arm(abortable)
+            self.arm(abortable)
             try:
                 return fn(*args, abortable=abortable)
             finally:
-                self._arm(None)
+                self.arm(None)
         except BaseException:
             origin = self.read()
             if origin is not None and (origin[0] != self.rank or origin[1]):
                 raise PeerFailed(origin) from None
             raise
 
-    def _arm(self, target) -> None:
+    def arm(self, target) -> None:
         """From now on calls ``target.abort()`` (an engine's, which aborts its step, or an
         ``_C.Abortable``'s) as soon as a peer posts a failure; ``None`` ends the watch. Callers
         pair the two in ``try`` / ``finally`` (a generator context manager cost 2-3 us a step
@@ -612,13 +612,13 @@ class FailureState:
 
     def run_step(self, engine, *args) -> None:
         """``engine.run(*args)``, a step's engine run: a peer's posted failure aborts it early
-        (see :meth:`AbortChannel._arm`), and any failure becomes :meth:`error`'s."""
+        (see :meth:`AbortChannel.arm`), and any failure becomes :meth:`error`'s."""
         try:
-            self.abort._arm(engine)
+            self.abort.arm(engine)
             try:
                 engine.run(*args)
             finally:
-                self.abort._arm(None)
+                self.abort.arm(None)
         except BaseException as e:
             self._raise(e, "step", engine)
 
