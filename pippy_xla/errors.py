@@ -330,7 +330,7 @@ class _Worker:
 
 
 class _Watcher:
-    """The daemon thread behind :meth:`AbortChannel.arm`: while a target (an engine's step, or
+    """The daemon thread behind :meth:`AbortChannel.run_armed`: while a target (an engine's step, or
     an ``_C.Abortable`` given to a collective) is armed, it reads the abort record every
     ``POLL_S`` seconds and calls the target's ``abort()`` when a record appears. Started once
     per channel, so a step costs no thread start (it cost 100-250 us)."""
@@ -423,7 +423,7 @@ class AbortChannel:
         if self._store is not None and self.global_ranks:
             _Heartbeat.ensure(self._store, self.global_ranks[rank])
         self._worker: _Worker | None = None  # runs call()'s collectives, started on first use
-        self._watcher: _Watcher | None = None  # arm()'s poller, started on first use
+        self._watcher: _Watcher | None = None  # run_armed()'s poller, started on first use
 
     def announce(self, text: str, origin: int | None = None, died: bool = False) -> None:
         """Posts a failure (this rank's, or the death of rank ``origin``) unless another came
@@ -500,22 +500,25 @@ class AbortChannel:
             return fn(*args)
         abortable = _C.Abortable()
         try:
-            self.arm(abortable)
-            try:
-                return fn(*args, abortable=abortable)
-            finally:
-                self.arm(None)
+            return self.run_armed(abortable, fn, *args, abortable=abortable)
         except BaseException:
             origin = self.read()
             if origin is not None and (origin[0] != self.rank or origin[1]):
                 raise PeerFailed(origin) from None
             raise
 
-    def arm(self, target) -> None:
-        """From now on calls ``target.abort()`` (an engine's, which aborts its step, or an
-        ``_C.Abortable``'s) as soon as a peer posts a failure; ``None`` ends the watch. Callers
-        pair the two in ``try`` / ``finally`` (a generator context manager cost 2-3 us a step
-        hot, 10 cold: [Note: a step's own time])."""
+    def run_armed(self, target, fn: Callable[..., T], *args, **kwargs) -> T:
+        """``fn(*args, **kwargs)``, during which ``target.abort()`` (an engine's, which aborts its
+        step, or an ``_C.Abortable``'s) is called as soon as a peer posts a failure. A plain
+        ``try`` / ``finally``: a generator context manager cost 2-3 us a step hot, 10 cold
+        ([Note: a step's own time])."""
+        self._arm(target)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._arm(None)
+
+    def _arm(self, target) -> None:
         if self._store is None:
             return
         if self._watcher is None:
@@ -612,13 +615,9 @@ class FailureState:
 
     def run_step(self, engine, *args) -> None:
         """``engine.run(*args)``, a step's engine run: a peer's posted failure aborts it early
-        (see :meth:`AbortChannel.arm`), and any failure becomes :meth:`error`'s."""
+        (see :meth:`AbortChannel.run_armed`), and any failure becomes :meth:`error`'s."""
         try:
-            self.abort.arm(engine)
-            try:
-                engine.run(*args)
-            finally:
-                self.abort.arm(None)
+            self.abort.run_armed(engine, engine.run, *args)
         except BaseException as e:
             self._raise(e, "step", engine)
 
@@ -632,6 +631,7 @@ class FailureState:
             self._raise(e, action, None)
 
     def _raise(self, e: BaseException, action: str, engine) -> NoReturn:
+        """Raises ``e`` as the failure of ``action`` (see :meth:`error`)."""
         if e is self.failed:  # a watched collective inside the block already reported it
             raise e
         err = self.error(e, action, engine)

@@ -182,16 +182,15 @@ namespace {
 // after another, and messages of one tag match in order, so they cannot mix; a rank that runs
 // another collective than its peers fails on the message's size instead of mixing them up.
 // Sums add the ranks' tensors in rank order, so every rank gets the same bits.
-std::vector<at::Tensor> exchange(const c10d::ProcessGroup& pg, const std::string& group_name,
-                                 const at::Tensor& mine, const std::vector<int64_t>& senders,
+std::vector<at::Tensor> exchange(const Route& route, const at::Tensor& mine,
+                                 const std::vector<int64_t>& senders,
                                  std::chrono::milliseconds timeout, const std::string& what,
                                  Abortable* abortable) {
   const auto posted = [abortable](Transfer t) {
     if (abortable) abortable->track(t);
     return t;
   };
-  const int64_t rank = pg.getRank(), size = pg.getSize();
-  const Route route(group_name);
+  const int64_t rank = route.group->getRank(), size = route.group->getSize();
   const auto data = mine.contiguous();
   std::vector<Transfer> sends;
   std::vector<at::Tensor> out(size);
@@ -224,13 +223,14 @@ std::vector<std::vector<int64_t>> all_gather_int64(const std::vector<int64_t>& v
                                                    c10::Device device,
                                                    std::chrono::milliseconds timeout,
                                                    std::string what, Abortable* abortable) {
-  auto pg = group(group_name);
+  const Route route(group_name);
+  const auto& pg = route.group;
   const auto n = static_cast<int64_t>(values.size());
   if (device.is_cpu() && shm_whole_group(*pg, group_name)) {
     auto mine = at::empty({n}, at::TensorOptions().dtype(at::kLong));
     std::memcpy(mine.data_ptr<int64_t>(), values.data(), n * sizeof(int64_t));
     std::vector<std::vector<int64_t>> out;
-    for (const auto& t : exchange(*pg, group_name, mine, every_rank(pg->getSize()), timeout, what,
+    for (const auto& t : exchange(route, mine, every_rank(pg->getSize()), timeout, what,
                                  abortable))
       out.emplace_back(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + n);
     return out;
@@ -324,9 +324,10 @@ at::Tensor on_copy(const at::Tensor& tensor, std::chrono::milliseconds timeout, 
 at::Tensor broadcast_copy(const at::Tensor& tensor, int64_t root, const std::string& group_name,
                           std::chrono::milliseconds timeout, std::string what,
                           Abortable* abortable) {
-  auto pg = group(group_name);
+  const Route route(group_name);
+  const auto& pg = route.group;
   if (tensor.device().is_cpu() && shm_whole_group(*pg, group_name))
-    return exchange(*pg, group_name, tensor, {root}, timeout, what, abortable)[root].clone();
+    return exchange(route, tensor, {root}, timeout, what, abortable)[root].clone();
   c10d::BroadcastOptions options;
   options.rootRank = root;
   return on_copy(tensor, timeout, std::move(what), [&](std::vector<at::Tensor>& buffer) {
@@ -337,10 +338,11 @@ at::Tensor broadcast_copy(const at::Tensor& tensor, int64_t root, const std::str
 at::Tensor all_reduce_sum_copy(const at::Tensor& tensor, const std::string& group_name,
                                std::chrono::milliseconds timeout, std::string what,
                                Abortable* abortable) {
-  auto pg = group(group_name);
+  const Route route(group_name);
+  const auto& pg = route.group;
   if (tensor.device().is_cpu() && shm_whole_group(*pg, group_name)) {
     const auto parts =
-        exchange(*pg, group_name, tensor, every_rank(pg->getSize()), timeout, what, abortable);
+        exchange(route, tensor, every_rank(pg->getSize()), timeout, what, abortable);
     auto sum = parts[0].clone();
     for (size_t r = 1; r < parts.size(); ++r) sum.add_(parts[r]);
     return sum;

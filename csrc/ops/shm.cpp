@@ -343,7 +343,6 @@ class Channel {
 }  // namespace
 
 // Outside the anonymous namespace: ops/p2p.h declares Attached (a Route holds one).
-class ShmWork;
 struct Attached;
 
 class ShmWork : public c10d::Work {
