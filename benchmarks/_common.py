@@ -93,6 +93,7 @@ def machine() -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "threads_per_rank": 1,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
 
 

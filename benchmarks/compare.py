@@ -2,6 +2,7 @@
 
     python benchmarks/compare.py [--steps 8] [--warmup 2] [--regimes REGIME,...]
         [--schedules NAME,...] [--no-tuned] [--out NAME] [--transport auto|process_group]
+        [--device cpu|cuda]
 
 For every schedule both libraries have (pippy_xla's ``_C.train_schedule_names()`` read at run time,
 kept if ``PipelineModel(schedule=...)`` accepts it and ``TORCH_SCHEDULES`` names torch's
@@ -103,6 +104,14 @@ Reported per run (``benchmarks/results/compare.json``, ``compare.png``):
   ([Note: same-host transport]); ``process_group`` keeps gloo, the wire torch's schedules use, on
   a group of its own, to compare the runtimes alone.
 
+- ``--device cuda`` (the GPU machine): the two ranks share one GPU over NCCL (``run_ranks``
+  gives each its own ``NCCL_HOSTID``), the single process runs there too, and every timed step
+  ends with ``torch.cuda.synchronize()``. Default regimes ``gpu-compute`` (a model whose stages
+  take milliseconds of GPU time) and ``overhead``. The efficiency, replay and busy columns stay
+  empty: the engine's and the wrapped methods' clocks are the host's, which on a GPU time the
+  launches, not the work. A run cut short leaves ``NAME_partial.json`` (rewritten after every
+  schedule); a loss mismatch leaves ``NAME_rejected.json``.
+
 Targets (reported, never asserted): throughput >= 1.05x torch compute-bound, >= 1.5x
 overhead-bound; efficiency >= 95%.
 """
@@ -182,6 +191,38 @@ REGIMES = {
 # hook-based analyses (module clock, autograd-saved bytes) would make dynamo recompile, so this
 # regime reports neither.
 REGIMES["overhead-compiled"] = dict(REGIMES["overhead"], compile=True)
+# ``--device cuda``: two ranks sharing one GPU over NCCL (their own ``NCCL_HOSTID`` each, see
+# ``pippy_xla.testing.run_ranks``), the stages' matmuls large enough that a step is mostly GPU
+# work (float32, a few ms per forward of a stage).
+REGIMES["gpu-compute"] = dict(
+    model=dict(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+    ),
+    batch=16,
+    seq=512,
+    microbatches=8,
+)
+
+
+def _device(regime: dict):
+    """The regime's device: every rank on ``cuda:0`` with ``--device cuda`` (the one GPU that
+    the ranks share), else the CPU."""
+    import torch
+
+    return torch.device("cuda", 0) if regime.get("device") == "cuda" else torch.device("cpu")
+
+
+def _sync(regime: dict) -> None:
+    """Waits for the GPU's queued work (a step's time is the GPU's, not its launches')."""
+    if regime.get("device") == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
 
 
 # ------------------------------------------------------------------------------ shared helpers
@@ -200,7 +241,9 @@ def _build(regime: dict):
     mask = torch.ones_like(ids)
     mask[0, -3:] = 0  # a little padding, so the valid-token count matters
     labels = ids.masked_fill(mask == 0, -100)
-    return model, {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    device = _device(regime)
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    return model, {k: v.to(device) for k, v in batch.items()}
 
 
 def _storage_key(t):
@@ -362,6 +405,7 @@ def _single(rank, world, regime, steps, warmup):
     import torch
 
     model, batch = _build(regime)
+    model.to(_device(regime))
     opt = _optimizer(model.parameters())
     run = torch.compile(model) if regime.get("compile") else model
     losses, times = [], []
@@ -371,6 +415,7 @@ def _single(rank, world, regime, steps, warmup):
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        _sync(regime)
         times.append(time.perf_counter() - t0)
         losses.append(float(out.loss.detach()))
     return {"losses": losses, "step_times": times[warmup:]}
@@ -465,9 +510,11 @@ def _pippy(regime, schedule, tuned=False):
     def step():
         t0 = time.perf_counter()
         loss = pipe.run_train(**batch)
+        _sync(regime)
         pipeline_times.append(time.perf_counter() - t0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        _sync(regime)
         return loss
 
     step_actions, step_orders, step_spans = [], [], []
@@ -576,7 +623,7 @@ def _torch(regime, schedule):
     for st in local:
         gm = torch.compile(st.module) if regime.get("compile") else st.module
         module = _torch_stage_module(gm, st.batch_inputs, st.index == num_stages - 1)
-        stage = tpp.PipelineStage(module, st.index, num_stages, torch.device("cpu"))
+        stage = tpp.PipelineStage(module, st.index, num_stages, _device(regime))
 
         def forward_and_measure(*a, _fwd=stage.forward_one_chunk, **k):
             out = _fwd(*a, **k)
@@ -615,13 +662,15 @@ def _torch(regime, schedule):
             return_outputs=False,
             **kwargs,
         )
-        total = torch.zeros((), dtype=torch.float32)
+        total = torch.zeros((), dtype=torch.float32, device=_device(regime))
         if holds_last:
             total = torch.stack([x.detach().float() for x in mb_losses]).sum()
         dist.broadcast(total, src=last_rank)
+        _sync(regime)
         pipeline_times.append(time.perf_counter() - t0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        _sync(regime)
         return total
 
     def clock_us():
@@ -868,7 +917,10 @@ def _summarize_run(lib, schedule, regime, ranks, single_median):
         for acts in zip(*(r["step_actions"] for r in ranks), strict=True)
     ]
     row["ideal_s"] = ideals
-    if all(ideals):
+    # On a GPU the actions' clocks are the host's (an F ends when its kernels are queued), so no
+    # ideal made from them says anything about the GPU's step: no efficiency there.
+    host_clocks = regime.get("device") == "cuda"
+    if all(ideals) and not host_clocks:
         row["efficiency_per_step"] = [i / t for i, t in zip(ideals, steps, strict=True)]
         # The same ideal over the pipeline call alone (run_train; torch: schedule.step and the
         # loss broadcast), without the optimizer step both libraries run after it.
@@ -877,7 +929,7 @@ def _summarize_run(lib, schedule, regime, ranks, single_median):
         row["pipeline_efficiency"] = statistics.median(row["pipeline_efficiency_per_step"])
     else:
         row["efficiency"] = row["pipeline_efficiency"] = None
-    if "step_orders" in ranks[0]:  # pippy_xla: every step's own actions replayed, see above
+    if "step_orders" in ranks[0] and not host_clocks:  # pippy_xla: each step replayed, see above
         replays = [
             _replay_makespan(list(orders), num_stages)
             for orders in zip(*(r["step_orders"] for r in ranks), strict=True)
@@ -888,7 +940,8 @@ def _summarize_run(lib, schedule, regime, ranks, single_median):
         )
     else:
         row["replay_efficiency"] = None
-    row["busy_ratio"] = max(busy) / steps[-1]  # the last step's, like the per-action costs
+    # The last step's, like the per-action costs.
+    row["busy_ratio"] = None if host_clocks else max(busy) / steps[-1]
     return row
 
 
@@ -981,17 +1034,18 @@ def _table(results) -> str:
             replay = row.get("replay_efficiency")
             eff_replay = f"{replay * 100:.1f}%" if replay else "n/a"
             vs = f"{row['vs_torch']:.2f}x" if row.get("vs_torch") else "-"
+            busy = f"{row['busy_ratio'] * 100:.1f}%" if row["busy_ratio"] else "n/a"
             lines.append(
                 f"| {name} | {row['schedule']} | {row['library']} | {st['median']:.4f} "
                 f"({st['min']:.4f}-{st['max']:.4f}) | {vs} | {row['speedup_vs_single']:.2f}x "
-                f"| {eff} | {eff_call} | {eff_replay} | {row['busy_ratio'] * 100:.1f}% "
+                f"| {eff} | {eff_call} | {eff_replay} | {busy} "
                 f"| {', '.join(_fmt_bytes(b) for b in row['stash_peak_bytes'])} "
                 f"| {', '.join(_fmt_bytes(b) for b in row['saved_peak_bytes'])} |"
             )
     return "\n".join(lines)
 
 
-def _chart(results, path) -> None:
+def _chart(results, path, where: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1034,7 +1088,7 @@ def _chart(results, path) -> None:
         ax2.set_ylim(0, 105)
         ax2.set_ylabel("efficiency % (simulated ideal / step)")
         ax2.set_title(f"{name}: pipeline efficiency")
-    fig.suptitle("pippy_xla vs torch.distributed.pipelining, 2 CPU ranks x 1 thread", fontsize=10)
+    fig.suptitle(f"pippy_xla vs torch.distributed.pipelining, {where}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -1075,7 +1129,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--regimes", default="compute,overhead,overhead-compiled")
+    p.add_argument(
+        "--regimes",
+        default="",
+        help="default: compute,overhead,overhead-compiled (cpu); gpu-compute,overhead (cuda)",
+    )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="cuda: the two ranks share one GPU over NCCL (pippy_xla's transport then 'auto', "
+        "which is in-order NCCL transfers); no efficiency columns there (host clocks)",
+    )
     p.add_argument("--schedules", default="", help="comma list; default: every shared schedule")
     p.add_argument(
         "--no-tuned",
@@ -1097,6 +1162,15 @@ def main() -> None:
         "benchmarks/results/compare_profile_LIB.txt instead of comparing",
     )
     args = p.parse_args()
+    cuda = args.device == "cuda"
+    if cuda and args.transport != "auto":
+        p.error("--device cuda runs pippy_xla's 'auto' transport (in-order NCCL transfers)")
+    regimes = args.regimes or (
+        "gpu-compute,overhead" if cuda else "compute,overhead,overhead-compiled"
+    )
+    # Every rank on cuda:0 with its own NCCL host id (run_ranks), the single process too.
+    ranks_kw = {"timeout": 1800, "backend": "nccl" if cuda else "gloo"}
+    where = "2 ranks sharing one GPU (NCCL)" if cuda else "2 CPU ranks x 1 thread"
     if args.profile:
         lib, sched, regime = args.profile.split(":")
         report = run_ranks(
@@ -1119,10 +1193,10 @@ def main() -> None:
     print(f"schedules: {names} (no torch counterpart: {no_torch}); {load_before['uptime']}")
 
     results, problems, failures = {}, [], []
-    for name in args.regimes.split(","):
-        regime = dict(REGIMES[name], transport=args.transport)
+    for name in regimes.split(","):
+        regime = dict(REGIMES[name], transport=args.transport, device=args.device)
         t0 = time.perf_counter()
-        single = run_ranks(1, _single, regime, args.steps, args.warmup, timeout=1800)[0]
+        single = run_ranks(1, _single, regime, args.steps, args.warmup, **ranks_kw)[0]
         single_step = summarize(single["step_times"])
         rows = []
         for sched in names:
@@ -1130,7 +1204,7 @@ def main() -> None:
             libs = (PIPPY, "torch", TUNED) if tune else (PIPPY, "torch")
             try:
                 ranks = run_ranks(
-                    2, _paired, regime, sched, args.steps, args.warmup, libs, timeout=1800
+                    2, _paired, regime, sched, args.steps, args.warmup, libs, **ranks_kw
                 )
             except AssertionError as e:
                 # torch cannot run this schedule on these stages: say so, run pippy_xla alone.
@@ -1138,7 +1212,7 @@ def main() -> None:
                 print(failures[-1])
                 libs = (PIPPY, TUNED) if tune else (PIPPY,)
                 ranks = run_ranks(
-                    2, _paired, regime, sched, args.steps, args.warmup, libs, timeout=1800
+                    2, _paired, regime, sched, args.steps, args.warmup, libs, **ranks_kw
                 )
             skipped = [r[lib]["skipped"] for r in ranks for lib in r if "skipped" in r[lib]]
             if skipped:
@@ -1151,6 +1225,9 @@ def main() -> None:
                     )
                 )
                 print(f"{name}/{sched}/{lib}: median {rows[-1]['step_s']['median']:.4f} s")
+            # What has run so far, should the run be cut short (a device call's time limit).
+            progress = {**results, name: {"config": regime, "single": single, "rows": rows}}
+            save(f"{args.out}_partial", {"config": vars(args), "results": progress})
         for row in rows:
             ref = next(
                 (r for r in rows if r["schedule"] == row["schedule"] and r["library"] == "torch"),
@@ -1169,6 +1246,11 @@ def main() -> None:
         print("LOSSES DISAGREE - no times reported:")
         for pr in problems:
             print("  " + pr)
+        # Kept for the diagnosis (a GPU run cannot simply be rerun), never as the results.
+        kept = save(
+            f"{args.out}_rejected", {"config": vars(args), "problems": problems, "results": results}
+        )
+        print(f"saved {kept}")
         sys.exit(1)
     print(
         f"losses agree (pippy_xla vs torch rtol {LIB_RTOL:g}, vs single process rtol {REF_RTOL:g})"
@@ -1198,7 +1280,8 @@ def main() -> None:
         "per_action_markdown": overhead,
     }
     path = save(args.out, payload)
-    _chart(results, RESULTS / f"{args.out}.png")
+    (RESULTS / f"{args.out}_partial.json").unlink(missing_ok=True)
+    _chart(results, RESULTS / f"{args.out}.png", where)
     print(f"saved {path} and {RESULTS / f'{args.out}.png'}")
     print(f"machine: {machine()}")
 

@@ -23,7 +23,8 @@ echo "gpu tests: exit $? $(tail -1 "$out/gpu_tests.log")"
 # NCCL host id and device (the tests set them per rank instead).
 OMP_NUM_THREADS=1 timeout "${EXAMPLE_S:-120}" torchrun --standalone --nproc-per-node 1 \
   examples/train_llama.py --device cuda --steps 20 > "$out/example_cuda.log" 2>&1
-echo "example --device cuda: exit $? $(grep -E '^step' "$out/example_cuda.log" | tail -1)"
+# tqdm redraws its bar with carriage returns: the step lines follow them.
+echo "example --device cuda: exit $? $(tr '\r' '\n' < "$out/example_cuda.log" | grep -E '^ *step ' | tail -1)"
 # Issue 12: the planner's predicted peak memory and step time against the GPU's own counters.
 timeout "${PLANNER_S:-240}" python3 benchmarks/planner_gpu.py > "$out/planner_gpu.log" 2>&1
 echo "planner_gpu: exit $? $(grep -c 'fits True' "$out/planner_gpu.log") plans fit"
