@@ -213,6 +213,22 @@ PYBIND11_MODULE(_C, m) {
         "How many microseconds this rank's waits on the group's shared-memory channels poll "
         "before they sleep (0: they sleep at once; see [Note: spinning before sleeping] in "
         "csrc/ops/shm.cpp).");
+  m.def(
+      "_receive_checked_at_step_end",
+      [](at::Tensor buffer, int64_t peer, int64_t tag, const std::string& group_name,
+         int64_t timeout_ms) {
+        const std::chrono::milliseconds timeout(timeout_ms);
+        DeviceWaits waits;
+        Abortable live;
+        waits.add(irecv(buffer, peer, tag, group_name, "a receive checked at the end of a step"),
+                  timeout);
+        waits.finish(timeout, live);
+        return buffer;
+      },
+      py::arg("buffer"), py::arg("peer"), py::arg("tag"), py::arg("group_name"),
+      py::arg("timeout_ms"), py::call_guard<py::gil_scoped_release>(),
+      "For tests: a receive into `buffer` that DeviceWaits checks (see [Note: waits on a GPU]): "
+      "returns `buffer` once it arrived, or raises TransferError at `timeout_ms`.");
   m.def("content_digest", &content_digest, py::arg("tensor"),
         py::call_guard<py::gil_scoped_release>(),
         "A 64-bit fingerprint of the tensor's bytes (not a cryptographic hash).");

@@ -128,12 +128,29 @@ c10::Device Engine::header_device() const {
   return options_.in_order ? c10::Device(c10::kCPU) : options_.device;
 }
 
-std::vector<at::Tensor> Engine::wait_all(std::vector<Transfer>& ts) {
+std::vector<at::Tensor> Engine::wait_all(StepState& st, std::vector<Transfer>& ts) {
+  const std::chrono::milliseconds timeout(options_.timeout_ms);
   std::vector<at::Tensor> out;
   out.reserve(ts.size());
-  for (auto& t : ts) out.push_back(t.wait(std::chrono::milliseconds(options_.timeout_ms)));
+  for (auto& t : ts) {
+    if (t.on_device()) {  // [Note: waits on a GPU] in ops/p2p.h
+      out.push_back(t.wait_on_stream());
+      st.on_device.add(std::move(t), timeout);
+    } else {
+      out.push_back(t.wait(timeout));
+    }
+  }
   ts.clear();
   return out;
+}
+
+void Engine::release_send(StepState& st, Transfer& t) {
+  const std::chrono::milliseconds timeout(options_.timeout_ms);
+  if (t.on_device()) {
+    st.on_device.add(std::move(t), timeout);
+  } else {
+    t.wait(timeout);
+  }
 }
 
 void Engine::run(int64_t signature, const StageFn& forward, const GradsReadyFn& grads_ready) {
@@ -193,7 +210,7 @@ void Engine::run(int64_t signature, const StageFn& forward, const GradsReadyFn& 
       for (size_t i : send_release_[st.pos]) {
         auto it = st.sends.find(i);
         if (it == st.sends.end()) continue;
-        for (auto& t : it->second) t.wait(std::chrono::milliseconds(options_.timeout_ms));
+        for (auto& t : it->second) release_send(st, t);
         st.sends.erase(it);
       }
       if (auto it = last_grad_.find(st.pos); grads_ready && it != last_grad_.end())
@@ -206,8 +223,9 @@ void Engine::run(int64_t signature, const StageFn& forward, const GradsReadyFn& 
       }
     }
     for (auto& [pos, ts] : st.sends)
-      for (auto& t : ts) t.wait(std::chrono::milliseconds(options_.timeout_ms));
+      for (auto& t : ts) release_send(st, t);
     st.sends.clear();
+    st.on_device.finish(std::chrono::milliseconds(options_.timeout_ms), live_);
     if (schedule_.backward) stash_.check_empty();
   } catch (...) {
     broken_ = true;
@@ -364,7 +382,7 @@ void Engine::do_forward(StepState& st, const Action& a, const StageFn& forward) 
       post_activation_recvs(st, a);
     }
     post_ahead(st, st.recv_f[slot]);
-    inputs = wait_all(st.recv_f[slot]);
+    inputs = wait_all(st, st.recv_f[slot]);
     st.recv_f.erase(slot);
     const auto& specs = st.specs->in.at(slot);
     for (size_t i = 0; i < inputs.size(); ++i)
@@ -468,7 +486,7 @@ void Engine::do_backward(StepState& st, const Action& a) {
       st.local_grads.erase(slot);
     } else {
       post_ahead(st, st.recv_b.at(slot));
-      incoming = wait_all(st.recv_b.at(slot));
+      incoming = wait_all(st, st.recv_b.at(slot));
       st.recv_b.erase(slot);
     }
     size_t j = 0;

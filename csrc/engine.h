@@ -121,6 +121,8 @@ class Engine {
     std::map<int64_t, size_t> in_order_next;  // by source: receives posted of in_order_[source]
     // Split backward: what W still has to do, per (stage, mb) (see split_backward.h).
     std::map<Slot, WeightWork> weight_work;
+    // Transfers of CUDA tensors not waited for on the host ([Note: waits on a GPU], ops/p2p.h).
+    DeviceWaits on_device;
   };
 
   void post_ahead(StepState& st, const std::vector<Transfer>& waiting);
@@ -136,7 +138,10 @@ class Engine {
   void do_backward(StepState& st, const Action& a);
   void do_send_b(StepState& st, const Action& a);
   void do_weight(StepState& st, const Action& a);
-  std::vector<at::Tensor> wait_all(std::vector<Transfer>& ts);
+  // The received tensors of `ts`: waited for on the host, or on the stream for CUDA tensors.
+  std::vector<at::Tensor> wait_all(StepState& st, std::vector<Transfer>& ts);
+  // A send that may go: waited for on the host, or (a CUDA tensor) checked at the end of the step.
+  void release_send(StepState& st, Transfer& t);
   Transfer track(Transfer t);  // registers its work for abort()
   // A transfer of `a` with `peer`, described only if it fails (see TransferContext).
   TransferContext context(const Action& a, int64_t peer, const char* object,

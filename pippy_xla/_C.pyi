@@ -436,6 +436,12 @@ def shm_spin_us(group_name: str) -> int:
     they sleep (0: they sleep at once; see [Note: spinning before sleeping] in
     csrc/ops/shm.cpp)."""
 
+def _receive_checked_at_step_end(
+    buffer: torch.Tensor, peer: int, tag: int, group_name: str, timeout_ms: int
+) -> torch.Tensor:
+    """For tests: a receive into `buffer` that DeviceWaits checks (see [Note: waits on a GPU]):
+    returns `buffer` once it arrived, or raises TransferError at `timeout_ms`."""
+
 def content_digest(tensor: torch.Tensor) -> int:
     """A 64-bit fingerprint of the tensor's bytes (not a cryptographic hash)."""
 

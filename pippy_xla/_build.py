@@ -86,6 +86,16 @@ class Placement:
         )
 
     @property
+    def handshake(self) -> tuple[str, str]:
+        """The group name and device of the step's handshake: where transfers are matched in
+        order, the header group (gloo, host memory), so that on NCCL the handshake neither waits
+        behind the GPU's queue nor copies its few integers to the GPU and back; else the
+        pipeline's group on its device."""
+        if self.in_order:
+            return self.in_order[2], "cpu"
+        return self.group_name, str(self.device)
+
+    @property
     def nccl(self) -> bool:
         """Whether the pipeline's group runs NCCL (which matches transfers by order, not tag)."""
         return "nccl" in dist.get_backend(self.group or dist.group.WORLD)

@@ -393,13 +393,15 @@ class StepRunner:
         )
         key, contents = step_key(kind, batch, self.config.check_batch_content)
 
+        group_name, device = place.handshake
+
         def gather(values: Sequence[int], what: str) -> list[list[int]]:
             return self.failures.watched(
                 what,
                 _C.all_gather_int64,
                 values,
-                place.group_name,
-                str(place.device),
+                group_name,
+                device,
                 place.timeout_ms,
                 f"[rank {place.rank}] {what}",
                 abortable=self._abortable,

@@ -178,6 +178,40 @@ def test_compiled_receive_compute_send_across_two_ranks():
     assert out[0] > 0 and out[1] > 0
 
 
+def _checked_at_step_end(rank, world):
+    """A receive left to DeviceWaits (how the engine checks transfers of CUDA tensors at the end of
+    a step, [Note: waits on a GPU]): it returns the data once it arrived, and a peer that sends
+    nothing ends the wait with an error naming the receive at the timeout, not a hang."""
+    import time
+
+    # Over shared memory, whose works report completion as it happens (NCCL's do too; gloo's
+    # point-to-point works only in their wait).
+    group = ops.group_name_of(dist.new_group([0, 1], backend="gloo"))
+    assert px._C.shm_attach(group, 30_000) == 1
+    x = torch.arange(6, dtype=torch.float32) + 0.25
+    if rank == 1:
+        ops.wait_send(ops.send(x, 0, 5, group), 30_000)
+        dist.barrier()  # rank 0 timed out on tag 6
+        ops.wait_send(ops.send(x, 0, 6, group), 30_000)  # what its posted receive waits for
+        dist.barrier()
+        return None
+    got = px._C._receive_checked_at_step_end(torch.empty(6), 1, 5, group, 30_000)
+    t0 = time.monotonic()
+    with pytest.raises(px._C.TransferError) as err:
+        px._C._receive_checked_at_step_end(torch.empty(6), 1, 6, group, 400)
+    waited = time.monotonic() - t0
+    dist.barrier()
+    dist.barrier()
+    return got.tolist(), str(err.value), waited
+
+
+def test_transfers_checked_at_the_end_of_a_step_complete_or_time_out():
+    got, msg, waited = run_ranks(2, _checked_at_step_end)[0]
+    assert got == [0.25, 1.25, 2.25, 3.25, 4.25, 5.25]
+    assert "a receive checked at the end of a step did not complete within 400 ms" in msg, msg
+    assert 0.3 < waited < 10, waited
+
+
 def test_engine_and_ops_share_one_transfer_path():
     # The engine is built on the same C++ isend/irecv as the ops (csrc/ops/p2p.h); nothing in
     # the Python package talks to torch.distributed's point-to-point API directly.

@@ -15,6 +15,7 @@
 #include <atomic>
 #include <cstring>
 #include <mutex>
+#include <thread>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <unordered_map>
@@ -56,12 +57,7 @@ at::Tensor Transfer::wait(std::chrono::milliseconds timeout) {
   // Backends report a timeout either by returning false or by throwing (gloo: "Timed out"); an
   // aborted wait (Work::abort) returns false too, and the engine says why it aborted.
   const bool timed_out = (error.empty() && !ok) || error.find("Timed out") != std::string::npos;
-  if (timed_out) {
-    throw TransferError(
-        c10::str(describe(what_, context_), " did not complete within ", timeout.count(),
-                 " ms (the peer may be stuck or dead; raise `timeout` if it is just slow)"),
-        context_);
-  }
+  if (timed_out) throw_timed_out(timeout);
   if (!error.empty()) {
     throw TransferError(c10::str(describe(what_, context_), " failed: ", error,
                                  " (the peer may have died or raised an error; see its log)"),
@@ -69,6 +65,51 @@ at::Tensor Transfer::wait(std::chrono::milliseconds timeout) {
   }
   work_.reset();
   return tensor_;
+}
+
+void Transfer::throw_timed_out(std::chrono::milliseconds timeout) const {
+  throw TransferError(
+      c10::str(describe(what_, context_), " did not complete within ", timeout.count(),
+               " ms (the peer may be stuck or dead; raise `timeout` if it is just slow)"),
+      context_);
+}
+
+at::Tensor Transfer::wait_on_stream() {
+  TORCH_CHECK(work_, describe(what_, context_), ": waited twice or never posted");
+  try {
+    work_->wait(::kNoTimeout);  // the stream waits; see [Note: waits on a GPU]
+  } catch (const std::exception& e) {
+    throw TransferError(c10::str(describe(what_, context_), " failed: ", e.what(),
+                                 " (the peer may have died or raised an error; see its log)"),
+                        context_);
+  }
+  return tensor_;
+}
+
+void DeviceWaits::add(Transfer t, std::chrono::milliseconds timeout) {
+  size_t kept = 0;
+  for (size_t i = 0; i < pending_.size(); ++i) {
+    if (pending_[i].completed()) {
+      pending_[i].wait(timeout);  // returns at once, or raises the transfer's error
+    } else {
+      if (kept != i) pending_[kept] = std::move(pending_[i]);
+      ++kept;
+    }
+  }
+  pending_.resize(kept);
+  pending_.push_back(std::move(t));
+}
+
+void DeviceWaits::finish(std::chrono::milliseconds timeout, const Abortable& live) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (auto& t : pending_) {
+    while (!t.completed() && !live.aborted()) {
+      if (std::chrono::steady_clock::now() >= deadline) t.throw_timed_out(timeout);
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+    t.wait(timeout);  // complete: returns at once or raises its error; aborted: ends at once
+  }
+  pending_.clear();
 }
 
 Abortable::Abortable() = default;

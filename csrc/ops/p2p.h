@@ -72,6 +72,13 @@ class Transfer {
   // (`describe`: it names rank, stage, microbatch and action). Returns the tensor (the received
   // data for a receive).
   at::Tensor wait(std::chrono::milliseconds timeout);
+  // A transfer of a CUDA tensor (see [Note: waits on a GPU]).
+  bool on_device() const { return tensor_.defined() && tensor_.is_cuda(); }
+  // Makes the current stream wait for the transfer, not the host, and returns the tensor; the
+  // transfer stays posted until a DeviceWaits checks it.
+  at::Tensor wait_on_stream();
+  // The error of a wait that ran out of `timeout`.
+  [[noreturn]] void throw_timed_out(std::chrono::milliseconds timeout) const;
   // The c10d work, for aborting it from another thread (Work::abort wakes a blocked wait).
   const c10::intrusive_ptr<c10d::Work>& work() const { return work_; }
   bool done_when_posted() const { return done_when_posted_; }
@@ -105,6 +112,34 @@ class Abortable {
   // Weak: a strong reference would keep the Work, and with it the tensor it sends or receives
   // into, alive until the end of the step (measured: one boundary tensor per transfer).
   std::vector<c10::weak_intrusive_ptr<c10d::Work>> live_;
+};
+
+// [Note: waits on a GPU] torch's `WorkNCCL::wait(timeout)` makes the current stream wait for the
+// NCCL stream and then, whenever a timeout is given, blocks the calling thread until the work has
+// completed on the GPU, polling with a sleep in between (torch 2.11's ProcessGroupNCCL.cpp; without
+// a timeout it only makes the stream wait). An engine that waited for each transfer with its
+// timeout stopped its host at every receive until the data had arrived, and at every send release
+// until the peer had taken it; the GPU then idled while the host launched the next kernels (one
+// H100, two ranks over NCCL: gaps of 0.3-5 ms between actions, `benchmarks/results/gpu_check.md`).
+// So a transfer of a CUDA tensor is waited for on the stream (a receive: the kernels that read the
+// data are queued behind it) or not at all (a send: NCCL keeps its tensor until it completes), and
+// its work goes to a DeviceWaits, which checks it on the host, with the timeout, at the end of the
+// step: a dead peer still ends the step with an error within the timeout, not a hang. Transfers
+// of CPU tensors (gloo, shared memory) wait on the host as before: their data is needed there.
+// DeviceWaits polls `Work::isCompleted`, which NCCL's and the shared-memory works answer as the
+// transfer progresses (gloo's point-to-point works only learn it in their wait).
+class DeviceWaits {
+ public:
+  // Keeps `t` until it is checked. Kept transfers already complete are checked on the way (their
+  // errors raised) and dropped, so that their tensors go.
+  void add(Transfer t, std::chrono::milliseconds timeout);
+  // Waits on the host until every kept transfer has completed, `timeout` for all of them, and
+  // raises the first failure (as Transfer::wait); an abort of `live` ends the wait early.
+  void finish(std::chrono::milliseconds timeout, const Abortable& live);
+  size_t size() const { return pending_.size(); }
+
+ private:
+  std::vector<Transfer> pending_;
 };
 
 struct Attached;  // a group's same-host channels (ops/shm.cpp)
