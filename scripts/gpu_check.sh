@@ -2,9 +2,13 @@
 # What a session with the GPU machine runs through the `device` tool, in one call:
 #   bash scripts/gpu_check.sh
 # Builds the extension against that machine's torch, runs the GPU tests (two ranks sharing the
-# GPU over NCCL), the example with --device cuda, the planner's GPU check, then the CPU suite;
-# summaries and logs go to $OUT (or ./gpu_check_out). Every step has a time limit (seconds, from
-# the environment) so that one device call of at most 10 minutes ends with its logs written.
+# GPU over NCCL), the comparison with torch.distributed.pipelining on the GPU (a few schedules),
+# the example with --device cuda, the planner's GPU check, and (only when CPU_SUITE_S is set)
+# the CPU suite; summaries and logs go to $OUT (or ./gpu_check_out), at most 8 files (what a
+# device call brings back). Every step has a time limit (seconds, from the environment; at most
+# 600 s together) so that one device call of at most 10 minutes ends with its logs written. On the
+# H100 (2026-11-26) the steps took about 40 s (build), 140 s (tests), 35 s per schedule of the
+# comparison, 20 s (example) and 90 s (planner).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu_check_out}"
@@ -16,19 +20,27 @@ if [ "${SKIP_BUILD:-0}" != 1 ]; then
   MAX_JOBS=16 python3 -m pip install -q --no-build-isolation --no-deps -e . > "$out/build.log" 2>&1 \
     || { echo "build failed"; tail -40 "$out/build.log"; exit 1; }
 fi
-timeout "${GPU_TESTS_S:-420}" python3 -m pytest -q tests/test_gpu.py --timeout 700 \
+timeout "${GPU_TESTS_S:-220}" python3 -m pytest -q tests/test_gpu.py --timeout 700 \
   > "$out/gpu_tests.log" 2>&1
 echo "gpu tests: exit $? $(tail -1 "$out/gpu_tests.log")"
+# Two ranks sharing the GPU against torch.distributed.pipelining (about 35 s per schedule).
+timeout "${COMPARE_S:-170}" python3 benchmarks/compare.py --device cuda --regimes gpu-compute \
+  --no-tuned --schedules "${COMPARE_SCHEDULES:-1f1b,gpipe,interleaved,zbh1}" --out compare_gpu_check \
+  > "$out/compare_gpu.log" 2>&1
+echo "compare --device cuda: exit $? $(grep -c ': median' "$out/compare_gpu.log") rows"
+cp benchmarks/results/compare_gpu_check*.json "$out/" 2>/dev/null
 # One rank: torchrun gives every rank the same environment, so two ranks on one GPU would share a
 # NCCL host id and device (the tests set them per rank instead).
-OMP_NUM_THREADS=1 timeout "${EXAMPLE_S:-120}" torchrun --standalone --nproc-per-node 1 \
+OMP_NUM_THREADS=1 timeout "${EXAMPLE_S:-60}" torchrun --standalone --nproc-per-node 1 \
   examples/train_llama.py --device cuda --steps 20 > "$out/example_cuda.log" 2>&1
 # tqdm redraws its bar with carriage returns: the step lines follow them.
 echo "example --device cuda: exit $? $(tr '\r' '\n' < "$out/example_cuda.log" | grep -E '^ *step ' | tail -1)"
 # Issue 12: the planner's predicted peak memory and step time against the GPU's own counters.
-timeout "${PLANNER_S:-240}" python3 benchmarks/planner_gpu.py > "$out/planner_gpu.log" 2>&1
+timeout "${PLANNER_S:-110}" python3 benchmarks/planner_gpu.py > "$out/planner_gpu.log" 2>&1
 echo "planner_gpu: exit $? $(grep -c 'fits True' "$out/planner_gpu.log") plans fit"
 cp benchmarks/results/planner_gpu.json "$out/" 2>/dev/null
-timeout "${CPU_SUITE_S:-900}" python3 -m pytest -q -n 8 tests --ignore=tests/test_gpu.py \
-  > "$out/cpu_suite.log" 2>&1
-echo "cpu suite: exit $? $(tail -1 "$out/cpu_suite.log")"
+if [ -n "${CPU_SUITE_S:-}" ]; then
+  timeout "$CPU_SUITE_S" python3 -m pytest -q -n 8 tests --ignore=tests/test_gpu.py \
+    > "$out/cpu_suite.log" 2>&1
+  echo "cpu suite: exit $? $(tail -1 "$out/cpu_suite.log")"
+fi

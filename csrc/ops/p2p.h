@@ -136,7 +136,6 @@ class DeviceWaits {
   // Waits on the host until every kept transfer has completed, `timeout` for all of them, and
   // raises the first failure (as Transfer::wait); an abort of `live` ends the wait early.
   void finish(std::chrono::milliseconds timeout, const Abortable& live);
-  size_t size() const { return pending_.size(); }
 
  private:
   std::vector<Transfer> pending_;
