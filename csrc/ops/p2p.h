@@ -126,6 +126,9 @@ class Abortable {
 // its work goes to a DeviceWaits, which checks it on the host, with the timeout, at the end of the
 // step: a dead peer still ends the step with an error within the timeout, not a hang. Transfers
 // of CPU tensors (gloo, shared memory) wait on the host as before: their data is needed there.
+// Where the host must wait for a CUDA transfer (the small collectives, whose results it reads),
+// Transfer::wait polls the work itself every 20 us before NCCL's wait, which would sleep a
+// millisecond or more between its checks.
 // DeviceWaits polls `Work::isCompleted`, which NCCL's and the shared-memory works answer as the
 // transfer progresses (gloo's point-to-point works only learn it in their wait).
 class DeviceWaits {
