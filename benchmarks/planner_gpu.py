@@ -13,7 +13,10 @@ one AdamW step (so gradients and optimizer state exist), then ``--steps`` measur
 - ``peak_measured``: ``torch.cuda.max_memory_allocated`` during the measured steps (on CPU: the
   counting allocator's peak, ``_C.memory_stats``);
 - ``step_measured_s``: median wall time of ``run_train`` (synchronized);
-- against ``peak_predicted`` and ``step_predicted_s`` (the plan's), with their ratios.
+- against ``peak_predicted`` and ``step_predicted_s`` (the plan's), with their ratios;
+- ``cublas_workspace_bytes`` (CUDA): what freeing cuBLAS's workspaces after the measured steps
+  frees (``torch._C._cuda_clearCublasWorkspaces``), to tell whether they are the bytes by which
+  the measured peak exceeds the prediction.
 
 ``python benchmarks/planner_gpu.py`` on the GPU machine; ``--tiny`` runs a small fp32 model on
 CPU (a check of the script itself). Results in ``benchmarks/results/planner_gpu.json`` (or
@@ -86,7 +89,18 @@ def _run(rank, world, args, plan_json):
         sync()
         times.append(time.perf_counter() - t)
     peak = torch.cuda.max_memory_allocated() if cuda else _C.memory_stats().peak_bytes
-    return {"peak_measured": int(peak), "step_measured_s": statistics.median(times), "steps": times}
+    out = {"peak_measured": int(peak), "step_measured_s": statistics.median(times), "steps": times}
+    # The constant 67-68 MiB of measured over predicted peak on the H100 (results/gpu_check.md):
+    # cuBLAS's workspaces (one per handle and stream, allocated through the caching allocator
+    # and kept), if freeing them frees that much. After the measured steps, so they are not
+    # disturbed.
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if cuda and clear is not None:
+        sync()
+        before = torch.cuda.memory_allocated()
+        clear()
+        out["cublas_workspace_bytes"] = int(before - torch.cuda.memory_allocated())
+    return out
 
 
 def main() -> None:
@@ -177,6 +191,11 @@ def main() -> None:
             f"{m['peak_measured'] / 2**30:.2f} GiB ({row['peak_measured_over_predicted']:.3f}); "
             f"step predicted {plan.step_time:.4f} s, measured {m['step_measured_s']:.4f} s "
             f"({row['step_measured_over_predicted']:.3f}); fits {row['fits']}"
+            + (
+                f"; cuBLAS workspaces {m['cublas_workspace_bytes'] / 2**20:.1f} MiB"
+                if "cublas_workspace_bytes" in m
+                else ""
+            )
         )
     name = "planner_gpu_tiny" if args.tiny else "planner_gpu"
     print(f"saved {save(name, {'config': vars(args), 'rows': rows})}")
