@@ -242,6 +242,9 @@ def main() -> None:
         )
         print(f"unigram perplexity of the validation split: {unigram:.1f}", flush=True)
 
+    # Each rank initializes its own stage of the meta-built model: seeded, so that a run repeats
+    # (torch's default generator starts from a random seed in every process).
+    torch.manual_seed(args.seed + rank)
     model, layer_cls = build_model(args, vocab, eos)
     pipe = px.PipelineModel(model, layer_cls=layer_cls, num_microbatches=args.microbatches)
     if args.from_pretrained:
