@@ -50,11 +50,7 @@ at::Tensor Transfer::wait(std::chrono::milliseconds timeout) {
   if (on_device()) {
     // NCCL's own wait with a timeout polls with a sleep of a millisecond or more between checks
     // ([Note: waits on a GPU]); this one checks every 20 us, and NCCL's then returns at once.
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
-    while (!work_->isCompleted()) {
-      if (std::chrono::steady_clock::now() >= deadline) throw_timed_out(timeout);
-      std::this_thread::sleep_for(std::chrono::microseconds(20));
-    }
+    poll(std::chrono::steady_clock::now() + timeout, timeout, nullptr);
   }
   bool ok = false;
   std::string error;
@@ -74,6 +70,14 @@ at::Tensor Transfer::wait(std::chrono::milliseconds timeout) {
   }
   work_.reset();
   return tensor_;
+}
+
+void Transfer::poll(std::chrono::steady_clock::time_point deadline,
+                    std::chrono::milliseconds timeout, const Abortable* live) const {
+  while (!completed() && !(live && live->aborted())) {
+    if (std::chrono::steady_clock::now() >= deadline) throw_timed_out(timeout);
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
 }
 
 void Transfer::throw_timed_out(std::chrono::milliseconds timeout) const {
@@ -112,10 +116,7 @@ void DeviceWaits::add(Transfer t, std::chrono::milliseconds timeout) {
 void DeviceWaits::finish(std::chrono::milliseconds timeout, const Abortable& live) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   for (auto& t : pending_) {
-    while (!t.completed() && !live.aborted()) {
-      if (std::chrono::steady_clock::now() >= deadline) t.throw_timed_out(timeout);
-      std::this_thread::sleep_for(std::chrono::microseconds(20));
-    }
+    t.poll(deadline, timeout, &live);
     t.wait(timeout);  // complete: returns at once or raises its error; aborted: ends at once
   }
   pending_.clear();

@@ -53,6 +53,8 @@ class TransferError : public std::runtime_error {
   TransferContext context;
 };
 
+class Abortable;
+
 // An in-flight transfer. Owns its c10d Work and keeps the tensor it reads from or writes into
 // alive until it completes (gloo and NCCL write into / read from the buffer asynchronously).
 class Transfer {
@@ -77,8 +79,10 @@ class Transfer {
   // Makes the current stream wait for the transfer, not the host, and returns the tensor; the
   // transfer stays posted until a DeviceWaits checks it.
   at::Tensor wait_on_stream();
-  // The error of a wait that ran out of `timeout`.
-  [[noreturn]] void throw_timed_out(std::chrono::milliseconds timeout) const;
+  // Checks the work every 20 us until it completes or `live` (if given) aborts; past `deadline`
+  // throws the error of a wait that ran out of `timeout`.
+  void poll(std::chrono::steady_clock::time_point deadline, std::chrono::milliseconds timeout,
+            const Abortable* live) const;
   // The c10d work, for aborting it from another thread (Work::abort wakes a blocked wait).
   const c10::intrusive_ptr<c10d::Work>& work() const { return work_; }
   bool done_when_posted() const { return done_when_posted_; }
@@ -89,6 +93,8 @@ class Transfer {
   std::string what_;
   TransferContext context_;
   bool done_when_posted_ = false;
+
+  [[noreturn]] void throw_timed_out(std::chrono::milliseconds timeout) const;
 };
 
 // Transfers that another thread may abort (c10d::Work::abort wakes their waits): an engine's
