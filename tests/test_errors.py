@@ -317,12 +317,17 @@ def _fields(err: px.PipelineError) -> dict:
 
 def _raiser_outlives_peers(rank, world, raiser):
     """Every rank but ``raiser`` says (through the store) that it raised; ``raiser`` waits until
-    all have, so its sockets stay open until then."""
+    all have, so its sockets stay open until then. Rank 0 hosts the store (``run_ranks``) and
+    waits in turn until ``raiser`` has seen them all: a rank 0 that raised first and left took
+    the store with it while a slower rank had still to say so (seen once: "Broken pipe")."""
     store = _get_default_store()
     if rank != raiser:
         store.set(f"test/raised/{rank}", "1")
     else:
         store.wait([f"test/raised/{r}" for r in range(world) if r != raiser])
+        store.set("test/raiser_saw_all", "1")
+    if rank == 0 != raiser:
+        store.wait(["test/raiser_saw_all"])
 
 
 def _fault(rank, world, case, transport):
