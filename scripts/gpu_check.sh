@@ -28,7 +28,11 @@ timeout "${COMPARE_S:-170}" python3 benchmarks/compare.py --device cuda --regime
   --no-tuned --schedules "${COMPARE_SCHEDULES:-1f1b,gpipe,interleaved,zbh1}" --out compare_gpu_check \
   > "$out/compare_gpu.log" 2>&1
 echo "compare --device cuda: exit $? $(grep -c ': median' "$out/compare_gpu.log") rows"
-cp benchmarks/results/compare_gpu_check*.json "$out/" 2>/dev/null
+# One of its files (a device call brings back 8): the whole run's, else a rejected run's (with its
+# results), else the partial one of a run cut short.
+for f in compare_gpu_check compare_gpu_check_rejected compare_gpu_check_partial; do
+  [ -f "benchmarks/results/$f.json" ] && { cp "benchmarks/results/$f.json" "$out/"; break; }
+done
 # One rank: torchrun gives every rank the same environment, so two ranks on one GPU would share a
 # NCCL host id and device (the tests set them per rank instead).
 OMP_NUM_THREADS=1 timeout "${EXAMPLE_S:-60}" torchrun --standalone --nproc-per-node 1 \
