@@ -74,7 +74,13 @@ at::Tensor Transfer::wait(std::chrono::milliseconds timeout) {
 
 void Transfer::poll(std::chrono::steady_clock::time_point deadline,
                     std::chrono::milliseconds timeout, const Abortable* live) const {
-  while (!completed() && !(live && live->aborted())) {
+  while (!completed()) {
+    if (live && live->aborted()) {
+      // Not left to the wait that follows: an aborted NCCL work may never report completion,
+      // and Transfer::wait would poll it until the timeout.
+      throw TransferError(c10::str(describe(what_, context_), " aborted (another rank failed)"),
+                          context_);
+    }
     if (std::chrono::steady_clock::now() >= deadline) throw_timed_out(timeout);
     std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
@@ -117,7 +123,7 @@ void DeviceWaits::finish(std::chrono::milliseconds timeout, const Abortable& liv
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   for (auto& t : pending_) {
     t.poll(deadline, timeout, &live);
-    t.wait(timeout);  // complete: returns at once or raises its error; aborted: ends at once
+    t.wait(timeout);  // complete: returns at once or raises its error
   }
   pending_.clear();
 }

@@ -79,8 +79,8 @@ class Transfer {
   // Makes the current stream wait for the transfer, not the host, and returns the tensor; the
   // transfer stays posted until a DeviceWaits checks it.
   at::Tensor wait_on_stream();
-  // Checks the work every 20 us until it completes or `live` (if given) aborts; past `deadline`
-  // throws the error of a wait that ran out of `timeout`.
+  // Checks the work every 20 us until it completes; throws a TransferError once `live` (if given)
+  // aborts, or past `deadline` the error of a wait that ran out of `timeout`.
   void poll(std::chrono::steady_clock::time_point deadline, std::chrono::milliseconds timeout,
             const Abortable* live) const;
   // The c10d work, for aborting it from another thread (Work::abort wakes a blocked wait).
@@ -143,7 +143,8 @@ class DeviceWaits {
   // errors raised) and dropped, so that their tensors go.
   void add(Transfer t, std::chrono::milliseconds timeout);
   // Waits on the host until every kept transfer has completed, `timeout` for all of them, and
-  // raises the first failure (as Transfer::wait); an abort of `live` ends the wait early.
+  // raises the first failure (as Transfer::wait); an abort of `live` ends the wait at once, with
+  // an error.
   void finish(std::chrono::milliseconds timeout, const Abortable& live);
 
  private:
