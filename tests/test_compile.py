@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 from models import MODELS, gpt2, llama, make_batch
 
@@ -68,6 +69,7 @@ def _compiled_training(rank, world):
     return graphs
 
 
+@pytest.mark.compiled
 def test_compiled_stages_never_recompile_and_match_eager():
     out = run_ranks(2, _compiled_training, timeout=600)
     assert all(len(g) == 10 for g in out)
@@ -99,6 +101,7 @@ def _compiled_zero_bubble(rank, world, schedule):
     return busy
 
 
+@pytest.mark.compiled
 def test_compiled_stages_with_split_backward_match_eager():
     # ZB-V: a split backward with two stages per rank in a V (the last rank's two stages hand
     # over locally); every stage compiled into forward, input-gradient and weight-gradient graphs.
@@ -116,6 +119,7 @@ def _stage_and_input():
     return stage, (batch["input_ids"], batch["attention_mask"]), hidden
 
 
+@pytest.mark.compiled
 def test_compiled_stage_leaves_weight_gradients_to_w():
     from torch._dynamo.utils import counters
 

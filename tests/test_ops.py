@@ -173,6 +173,7 @@ def _compiled_relay(rank, world):
     return float(w1.grad.abs().sum())
 
 
+@pytest.mark.compiled
 def test_compiled_receive_compute_send_across_two_ranks():
     out = run_ranks(2, _compiled_relay)
     assert out[0] > 0 and out[1] > 0
