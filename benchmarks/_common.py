@@ -178,11 +178,11 @@ class SpinBarrier:
     their cores busy while they wait, as a training loop's back-to-back steps would.
 
     ``torch.distributed.barrier`` (gloo) is no clock for a step of a few tens of milliseconds:
-    on the 2-core machine of the README table its ranks left it up to 2.5 ms apart, and the rank
-    that left first counted the difference as step time; and its waiting ranks sleep, after which
-    the next step's stage forwards ran slower (rank 1's compiled F about 800 us against 600 us
-    after this barrier, overhead regime of ``compare.py``). Both libraries are timed through the
-    same barrier. Created collectively (rank 0 names the page, every rank maps it)."""
+    on the 2-core machine of docs/benchmarks.md's table its ranks left it up to 2.5 ms apart, and
+    the rank that left first counted the difference as step time; and its waiting ranks sleep,
+    after which the next step's stage forwards ran slower (rank 1's compiled F about 800 us against
+    600 us after this barrier, overhead regime of ``compare.py``). Both libraries are timed through
+    the same barrier. Created collectively (rank 0 names the page, every rank maps it)."""
 
     def __init__(self, rank: int, world: int) -> None:
         import mmap

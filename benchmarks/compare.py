@@ -39,7 +39,7 @@ Same computation in both libraries:
 - Both libraries run in the same two processes, their steps interleaved (pippy_xla, torch,
   then torch, pippy_xla, ...), so that the slow and fast spells of a shared machine fall on
   both alike. Run one after the other, the same configuration differed by up to 30% between
-  runs on the 2-core machine of the README table.
+  runs on the 2-core machine of the table in docs/benchmarks.md.
 
 Before any time is reported the losses of every step are compared: pippy_xla against torch
 (``LIB_RTOL``) and both against the single process (``REF_RTOL``); a mismatch is printed and the
@@ -98,7 +98,7 @@ Reported per run (``benchmarks/results/compare.json``, ``compare.png``):
   (``PipelineModel.tune_schedule``); its losses are checked like the others' and its efficiency
   is that of the order that ran. torch runs its published orders.
 - ``--out NAME`` writes ``benchmarks/results/NAME.json`` / ``NAME.png`` (default ``compare``, the
-  README's table), so that a partial run does not replace the full one.
+  table in docs/benchmarks.md), so that a partial run does not replace the full one.
 - ``--transport``: pippy_xla's ``transport`` (each regime's ``config`` records it). ``auto``, the
   default, moves the two ranks' transfers and the step's small collectives through shared memory
   ([Note: same-host transport]); ``process_group`` keeps gloo, the wire torch's schedules use, on

@@ -74,7 +74,7 @@ def _stage_and_global_norms(rank, world):
 
 
 def test_torch_clip_on_one_stage_sees_only_that_stage():
-    # Why the README says not to call torch.nn.utils.clip_grad_norm_(pipe.parameters()): each
+    # Why docs/usage.md says not to call torch.nn.utils.clip_grad_norm_(pipe.parameters()): each
     # rank would clip by its own stage's norm, and the stages' norms differ from the model's.
     (norm0, global0), (norm1, global1) = run_ranks(2, _stage_and_global_norms)
     torch.manual_seed(0)

@@ -311,8 +311,8 @@ def test_main_job_tunes_a_zero_bubble_schedule():
 
 
 def test_readme_checkpoint_round_trip(tmp_path):
-    """The README's checkpoint commands: save every few steps on 2 ranks, resume on 4 ranks and
-    export; the resumed run continues the first one's losses and HF loads the export."""
+    """The checkpoint commands of docs/checkpoints.md: save every few steps on 2 ranks, resume on
+    4 ranks and export; the resumed run continues the first one's losses and HF loads the export."""
     from transformers import AutoModelForCausalLM
 
     tiny = (*TINY, "--layers", "4")  # 4 layers: one per rank on 4 ranks

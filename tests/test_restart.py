@@ -1,7 +1,7 @@
 """Recovery end to end: a two-node torchrun job (two agents of 2 ranks each on this machine, over
 loopback, c10d rendezvous) loses a rank mid-run; with ``--max-restarts 1`` torchrun restarts
 it, the job resumes from its latest checkpoint and ends with the same final loss, bit for bit,
-as an uninterrupted run. The README's multi-node launch, as it shows it."""
+as an uninterrupted run. The multi-node launch of docs/checkpoints.md, as it shows it."""
 
 from __future__ import annotations
 

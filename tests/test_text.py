@@ -1,5 +1,5 @@
-"""``examples/train_text.py`` run as the README runs it (torchrun, 2 ranks) with tiny flags: it
-beats the corpus's unigram perplexity, exports a model and tokenizer that ``transformers`` loads
+"""``examples/train_text.py`` run as docs/examples.md runs it (torchrun, 2 ranks) with tiny flags:
+it beats the corpus's unigram perplexity, exports a model and tokenizer that ``transformers`` loads
 and generates with, and resumes from its export."""
 
 from __future__ import annotations
