@@ -4,5 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q --disable-pip-version-check torch==2.13.0
-python -m pip install -q --disable-pip-version-check "transformers==5.23.0" pytest ninja tqdm matplotlib "mypy==2.4.1"
+python -m pip install -q --disable-pip-version-check "transformers==5.23.0" pytest ninja tqdm matplotlib "mypy==2.4.1" "ruff==0.17.6"
 MAX_JOBS="${MAX_JOBS:-2}" python -m pip install -q --disable-pip-version-check --no-build-isolation -e .

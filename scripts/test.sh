@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The test suite, as CI runs it (after scripts/setup.sh):
+#  0. ruff's lint and format check over the repository (seconds);
 #  1. the whole Python suite on this CPU's native kernels;
 #  2. the tests that compare compiled stages with eager ones (marker `compiled`) once more with
 #     ATEN_CPU_CAPABILITY=avx2, so that inductor emits the vector code of a lesser CPU and sums in
 #     another order: a tolerance that only this CPU meets fails here, not on a user's machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+ruff check --quiet . && ruff format --check --quiet .
 python -m pytest -q tests "$@"
 ATEN_CPU_CAPABILITY=avx2 python -m pytest -q -m compiled tests "$@"
