@@ -1,6 +1,20 @@
+import getpass
 import os
 import sys
+import tempfile
 
 # Test helpers (models.py) import as top-level modules, in this process and in the
 # processes that the spawn helper starts.
 sys.path.insert(0, os.path.dirname(__file__))
+
+# [Note: one inductor cache per instruction set] Inductor's on-disk caches do not tell graphs
+# compiled under one ATEN_CPU_CAPABILITY from another's (torch 2.13): after a run on this
+# machine's native AVX-512, the same tests under ATEN_CPU_CAPABILITY=avx2 replayed the cached
+# graphs and got NaN losses and a segmentation fault inside the compiled code; with a cache of
+# their own they pass. A run that names a capability therefore gets its own cache directory,
+# inherited by the ranks it starts (scripts/test.sh runs the compiled tests that way).
+_isa = os.environ.get("ATEN_CPU_CAPABILITY")
+if _isa and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{_isa}"
+    )
