@@ -38,7 +38,9 @@ def torch_libstdcxx() -> list[str]:
     return []
 
 
-sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/ops/*.cpp"))
+# One folder per wing (schedule, runtime, transport, plan) and the pybind11 bindings, which only
+# this extension builds (CMakeLists.txt builds and tests the wings without them).
+sources = sorted(glob.glob("csrc/*/*.cpp"))
 
 setup(
     ext_modules=[

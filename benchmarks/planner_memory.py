@@ -8,7 +8,7 @@ checkpointed) the cost model's prediction comes from ``planner.evaluate``. Then 
 model on ``meta``, wrap it with that plan, and run ``--warmup`` steps (``run_train`` and an AdamW
 step, so gradients and optimizer state exist) and one measured step. Each rank counts its live
 CPU tensor bytes with the counting allocator (``_C.memory_stats``, see [Note: counting CPU
-allocator] in csrc/memory.h), installed before the model is built:
+allocator] in csrc/runtime/memory.h), installed before the model is built:
 
 - ``static_measured``: live bytes before the measured step (parameters, gradients, AdamW state,
   buffers, and whatever else the rank keeps between steps);
@@ -19,7 +19,7 @@ allocator] in csrc/memory.h), installed before the model is built:
   (microbatches in flight times saved bytes, and under ZB-H1 microbatches between B and W times
   what they keep), ``buffers`` (receives posted ahead, sends in
   flight), ``transient`` (the largest working set, see
-  [Note: planner cost model] in csrc/planner.h) and their sum ``predicted``. With interleaved a
+  [Note: planner cost model] in csrc/plan/planner.h) and their sum ``predicted``. With interleaved a
   rank runs 2 stages: each stage's row has its own static bytes and activations, and the rank's
   buffers, transient, prediction and measurement.
 

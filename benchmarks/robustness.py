@@ -30,7 +30,7 @@ death by a signal, is seen directly.
   its last broadcast: through ``torch.distributed`` or the pipeline's own ``_C.broadcast_copy``,
   with the group alive, or destroyed but still held, with and without pippy_xla's exit hook.
   Counts rank 0's exit codes and signals (see [Note: collectives on C++-owned buffers] in
-  csrc/ops/p2p.h).
+  csrc/transport/p2p.h).
 
 Results go to ``benchmarks/results/robustness_<mode>.json``.
 """

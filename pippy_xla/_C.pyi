@@ -1,4 +1,4 @@
-"""Type stub of ``pippy_xla._C``, the C++ core (csrc/bindings.cpp): schedules, stash, engine,
+"""Type stub of ``pippy_xla._C``, the C++ core (csrc/bindings/): schedules, stash, engine,
 the pipeline's collectives on C++-owned buffers, the counting CPU allocator and the planner's
 solver. The ``pippy_xla::send/recv/...`` custom ops are registered with ``torch.ops``, not
 here (see ``pippy_xla/ops.py``)."""
@@ -26,7 +26,7 @@ class _NoConstructor(_pybind11_object):
 
     def __init__(self, *args: Never, **kwargs: Never) -> None: ...
 
-# ---- schedules (csrc/schedule.h)
+# ---- schedules (csrc/schedule/)
 
 class Action(_pybind11_object):
     """One action of a rank's list: op (``F B W SF RF SB RB``), stage and microbatch."""
@@ -91,7 +91,7 @@ class SimResult(_NoConstructor):
         """Per rank, per stage of the rank (ascending): the states while that stage computes
         that no other covers, each three counts per stage of the rank: microbatches forwarded
         and not backwarded, backwarded and not weighted, and 1 while a split B runs (see
-        [Note: live states] in csrc/schedule.h)."""
+        [Note: live states] in csrc/schedule/simulator.h)."""
 
 class Schedule(_pybind11_object):
     """Every rank's ordered action list, with the stage -> rank map."""
@@ -131,7 +131,7 @@ class Schedule(_pybind11_object):
     @staticmethod
     def from_csv(text: str, name: str = "csv") -> Schedule:
         """A schedule in torch.distributed.pipelining's CSV action format (the file's text),
-        validated (see [Note: CSV schedules] in csrc/schedule.h)."""
+        validated (see [Note: CSV schedules] in csrc/schedule/schedule.h)."""
     def to_csv(self, comms: bool = False) -> str:
         """This schedule in torch.distributed.pipelining's CSV action format."""
     @property
@@ -240,7 +240,7 @@ def balanced_ranges(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
     """Contiguous layer ranges ``(start, stop)`` whose sizes differ by at most one (earlier
     stages get more); ``ValueError`` as :func:`check_stage_count`, or without stages."""
 
-# ---- activation stash (csrc/stash.h)
+# ---- activation stash (csrc/runtime/stash.h)
 
 class StashSlot(_NoConstructor):
     """What the stash keeps of one (stage, microbatch): references, never copies."""
@@ -278,7 +278,7 @@ class Stash(_pybind11_object):
     def check_empty(self) -> None:
         """Raises ``RuntimeError`` naming the slots still full."""
 
-# ---- engine (csrc/engine.h)
+# ---- engine (csrc/runtime/engine.h)
 
 TIED_WEIGHT_TAG_BASE: int
 """Transfer tags at and above this are not the engine's: tied weights use them."""
@@ -312,7 +312,8 @@ def input_gradients(
     roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], leaves: Sequence[torch.Tensor]
 ) -> tuple[list[torch.Tensor], WeightWork]:
     """B of a split backward, as the engine runs it for zbh1: the gradients of ``leaves``, and
-    the WeightWork W runs later (see [Note: split backward] in csrc/split_backward.cpp)."""
+    the WeightWork W runs later (see [Note: split backward] in
+    csrc/runtime/split_backward.cpp)."""
 
 class ActionTiming(_ActionFields):
     """When an action of the last step ran (system clock, nanoseconds)."""
@@ -343,6 +344,36 @@ class Failure(_NoConstructor):
     def aborted(self) -> bool:
         """The step was aborted because a peer failed, not by its own error."""
 
+class InOrderGroups(_pybind11_object):
+    """The process groups of an engine whose transfers are matched in posting order (see [Note:
+    transfers matched in order] in csrc/runtime/engine.h)."""
+
+    def __init__(self, *, up_group: str, down_group: str, header_group: str) -> None: ...
+    @property
+    def up_group(self) -> str:
+        """Sends to higher ranks."""
+    @property
+    def down_group(self) -> str:
+        """Sends to lower ranks."""
+    @property
+    def header_group(self) -> str:
+        """gloo: boundary headers and the step handshake, in host memory."""
+
+class HeaderChannel(_NoConstructor):
+    """Where boundary headers and the step handshake travel."""
+
+    @property
+    def group_name(self) -> str: ...
+    @property
+    def device(self) -> str: ...
+
+def header_channel(
+    group_name: str, device: str, in_order: InOrderGroups | None = None
+) -> HeaderChannel:
+    """The group and device of an engine's boundary headers and of the step handshake: the
+    pipeline's group on its device, or the header group on the CPU where transfers are matched
+    in order."""
+
 class Engine(_pybind11_object):
     """Runs one rank's action list of a schedule every step."""
 
@@ -352,10 +383,10 @@ class Engine(_pybind11_object):
         group_name: str,
         timeout_ms: int,
         device: str = "cpu",
-        in_order: list[str] = [],
+        in_order: InOrderGroups | None = None,
     ) -> None:
-        """``in_order``: the up, down and header groups of an engine whose transfers are matched
-        in posting order (NCCL); see [Note: transfers matched in order] in csrc/engine.h."""
+        """``in_order``: the groups of an engine whose transfers are matched in posting order
+        (NCCL); see [Note: transfers matched in order] in csrc/runtime/engine.h."""
     def run(
         self,
         signature: int,
@@ -389,9 +420,9 @@ class Engine(_pybind11_object):
         """What the stash holds for (stage, mb)."""
 
 class TransferError(RuntimeError):
-    """A transfer or collective that failed or timed out (csrc/ops/p2p.h)."""
+    """A transfer or collective that failed or timed out (csrc/transport/p2p.h)."""
 
-# ---- collectives on C++-owned buffers (csrc/ops/p2p.h)
+# ---- collectives on C++-owned buffers (csrc/transport/p2p.h)
 
 class Abortable(_pybind11_object):
     """Lets another thread end a collective's waits: pass it as ``abortable`` to a collective
@@ -418,9 +449,9 @@ def all_gather_int64(
 
 def shm_attach(group_name: str, timeout_ms: int, spin_us: int = -1) -> int:
     """Collective: moves the group's point-to-point transfers between ranks of this host onto
-    shared memory (see [Note: same-host transport] in csrc/ops/shm.h). Returns how many peers
-    this rank reaches that way (0: none, the group's own transport stays). ``spin_us``: how long
-    this rank's waits on the group poll before they sleep (negative: decided from the host's
+    shared memory (see [Note: same-host transport] in csrc/transport/shm.h). Returns how many
+    peers this rank reaches that way (0: none, the group's own transport stays). ``spin_us``: how
+    long this rank's waits on the group poll before they sleep (negative: decided from the host's
     ranks and cores, [Note: spinning before sleeping]); attaching again with ``spin_us`` >= 0
     sets it anew."""
 
@@ -434,7 +465,7 @@ def shm_whole_group(group_name: str) -> bool:
 def shm_spin_us(group_name: str) -> int:
     """How many microseconds this rank's waits on the group's shared-memory channels poll before
     they sleep (0: they sleep at once; see [Note: spinning before sleeping] in
-    csrc/ops/shm.cpp)."""
+    csrc/transport/shm.cpp)."""
 
 def _receive_checked_at_step_end(
     buffer: torch.Tensor, peer: int, tag: int, group_name: str, timeout_ms: int
@@ -445,12 +476,25 @@ def _receive_checked_at_step_end(
 def content_digest(tensor: torch.Tensor) -> int:
     """A 64-bit fingerprint of the tensor's bytes (not a cryptographic hash)."""
 
+class BatchKey(_NoConstructor):
+    """What the step handshake compares of a batch ([Note: step handshake] in
+    pippy_xla/_batch.py)."""
+
+    @property
+    def signature(self) -> int:
+        """Fingerprint of the input names, dtypes and shapes."""
+    @property
+    def content(self) -> int:
+        """Fingerprint of the values (0: not checked)."""
+    @property
+    def contents(self) -> list[int]:
+        """Each input's :func:`content_digest` in the order given (empty: not checked)."""
+
 def batch_key(
     names: Sequence[str], tensors: Sequence[torch.Tensor], check_content: bool
-) -> tuple[int, int, list[int]]:
-    """`(signature, content, contents)`: fingerprints of a batch's input names, dtypes and shapes
-    and (with `check_content`, else 0 and []) of its values, whole and per input
-    (content_digest), for the step handshake."""
+) -> BatchKey:
+    """Fingerprints of a batch's input names, dtypes and shapes and (with ``check_content``) of
+    its values, whole and per input (:func:`content_digest`), for the step handshake."""
 
 def broadcast_copy(
     tensor: torch.Tensor,
@@ -471,7 +515,7 @@ def all_reduce_sum_copy(
 ) -> torch.Tensor:
     """The sum of every rank's tensor, all-reduced on a buffer that never reaches Python."""
 
-# ---- counting CPU allocator (csrc/memory.h)
+# ---- counting CPU allocator (csrc/runtime/memory.h)
 
 def memory_tracker_install() -> None:
     """Installs the counting CPU allocator (stays installed)."""
@@ -497,7 +541,7 @@ def memory_stats() -> MemoryStats:
 def memory_reset_peak() -> None:
     """Sets the counted peak to the live bytes now."""
 
-# ---- planner (csrc/planner.h); pippy_xla/cost_model.py re-exports the classes
+# ---- planner (csrc/plan/planner.h); pippy_xla/cost_model.py re-exports the classes
 
 class LayerCost(_pybind11_object):
     """Per-microbatch cost of one decoder layer (see [Note: planner cost model])."""

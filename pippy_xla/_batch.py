@@ -5,8 +5,8 @@ Every rank gets the whole batch. :func:`check_batch` checks it; :func:`step_key`
 batch before any point-to-point transfer; :func:`split_batch` then cuts this replica's rows into
 microbatches (after the handshake, so that a rank's splitting does not delay its peers' start).
 The batch signature is also the key under which the engine remembers the boundary shapes (see
-[Note: boundary specs] in csrc/boundary.h). The step runner (:class:`pippy_xla._step.StepRunner`)
-calls these in that order.
+[Note: boundary specs] in csrc/runtime/boundary.h). The step runner
+(:class:`pippy_xla._step.StepRunner`) calls these in that order.
 
 [Note: step handshake]
 
@@ -155,8 +155,8 @@ def step_key(kind: str, batch: Batch, check_content: bool) -> tuple[StepKey, lis
     Computed in one C++ call (``_C.batch_key``: 51 -> 23 us in a step, where Python's own
     fingerprints ran cold; [Note: a step's own time] in _step.py)."""
     names = sorted(batch)
-    signature, content, contents = _C.batch_key(names, [batch[k] for k in names], check_content)
-    return StepKey(kind=kind, signature=signature, content=content), contents
+    key = _C.batch_key(names, [batch[k] for k in names], check_content)
+    return StepKey(kind=kind, signature=key.signature, content=key.content), key.contents
 
 
 class Gather(Protocol):

@@ -75,25 +75,21 @@ class Placement:
     """Where the local stages and every buffer the runtime allocates live."""
     timeout_ms: int
     """How long any single wait on a peer may take."""
-    in_order: tuple[str, ...] = ()
-    """The up, down and header groups' names where transfers are matched in posting order (see
-    :func:`in_order_groups`); empty where they are matched by tag."""
+    in_order: _C.InOrderGroups | None = None
+    """The up, down and header groups where transfers are matched in posting order (see
+    :func:`in_order_groups`); ``None`` where they are matched by tag."""
 
     def engine(self, schedule: _C.Schedule) -> _C.Engine:
         """A C++ engine running ``schedule`` on this placement."""
         return _C.Engine(
-            schedule, self.group_name, self.timeout_ms, str(self.device), list(self.in_order)
+            schedule, self.group_name, self.timeout_ms, str(self.device), in_order=self.in_order
         )
 
     @property
-    def handshake(self) -> tuple[str, str]:
-        """The group name and device of the step's handshake: where transfers are matched in
-        order, the header group (gloo, host memory), so that on NCCL the handshake neither waits
-        behind the GPU's queue nor copies its few integers to the GPU and back; else the
-        pipeline's group on its device."""
-        if self.in_order:
-            return self.in_order[2], "cpu"
-        return self.group_name, str(self.device)
+    def handshake(self) -> _C.HeaderChannel:
+        """The group and device of the step's handshake: those of the engine's boundary headers
+        (``_C.header_channel``, which decides them)."""
+        return _C.header_channel(self.group_name, str(self.device), self.in_order)
 
     @property
     def nccl(self) -> bool:
@@ -434,14 +430,14 @@ def default_loss(model: nn.Module) -> LossFn:
 def attach_transport(config: PipelineConfig, place: Placement) -> int:
     """Moves the pipeline's CPU transfers between ranks of this host onto shared memory unless
     ``config.transport`` is ``"process_group"`` (a collective over the pipeline's group; see
-    [Note: same-host transport] in ``csrc/ops/shm.h``). Returns how many peers this rank reaches
-    that way. ``transport="shm"`` raises ``RuntimeError`` on every rank unless every pair of
+    [Note: same-host transport] in ``csrc/transport/shm.h``). Returns how many peers this rank
+    reaches that way. ``transport="shm"`` raises ``RuntimeError`` on every rank unless every pair of
     ranks does."""
     if place.nccl and config.transport not in ("auto", "in_order"):
         raise ValueError(
             f"transport={config.transport!r} with an NCCL group: NCCL matches transfers in "
             "posting order, not by tag; use transport='auto' (see [Note: transfers matched in "
-            "order] in csrc/engine.h)"
+            "order] in csrc/runtime/engine.h)"
         )
     if config.transport == "in_order":
         return 0
@@ -477,10 +473,10 @@ def attach_transport(config: PipelineConfig, place: Placement) -> int:
 
 def in_order_groups(
     config: PipelineConfig, place: Placement, stage_rank: Sequence[int]
-) -> tuple[str, ...]:
+) -> _C.InOrderGroups | None:
     """The up, down and header groups of an engine whose transfers are matched in posting order
     (an NCCL pipeline of several ranks, or ``transport="in_order"``), made over the pipeline's
-    ranks; ``()`` otherwise. See [Note: transfers matched in order] in ``csrc/engine.h``.
+    ranks; ``None`` otherwise. See [Note: transfers matched in order] in ``csrc/runtime/engine.h``.
 
     Collective over the pipeline's ranks only (``use_local_synchronization``). Each pair of ranks
     that exchanges transfers then sends one message each way over its group, pairs in one order
@@ -488,7 +484,7 @@ def in_order_groups(
     take part, which a receive posted early during a step could otherwise wait on for as long as
     the peer is busy elsewhere."""
     if place.num_ranks == 1 or (config.transport != "in_order" and not place.nccl):
-        return ()  # one rank transfers nothing
+        return None  # one rank transfers nothing
     group = place.group or dist.group.WORLD
     backend = dist.get_backend(group)
     ranks = dist.get_process_group_ranks(group)
@@ -506,7 +502,11 @@ def in_order_groups(
             dist.send(token, dist.get_global_rank(g, dst), group=g)
         elif place.rank == dst:
             dist.recv(token, dist.get_global_rank(g, src), group=g)
-    return tuple(group_name_of(g) for g in (up, down, header))
+    return _C.InOrderGroups(
+        up_group=group_name_of(up),
+        down_group=group_name_of(down),
+        header_group=group_name_of(header),
+    )
 
 
 def check_ranks_agree(

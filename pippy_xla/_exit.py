@@ -32,7 +32,7 @@ def release_groups_at_exit() -> None:
     into interpreter finalization even after ``destroy_process_group``. A worker thread that then
     lets go of a Python tensor from an earlier collective (the user's own ``all_gather_object``,
     say) takes the GIL during finalization and the process dies with SIGABRT (see [Note:
-    collectives on C++-owned buffers] in csrc/ops/p2p.h). Dropping the pipelines' references
+    collectives on C++-owned buffers] in csrc/transport/p2p.h). Dropping the pipelines' references
     here, while the interpreter is still whole, lets a destroyed group's threads finish and
     exit now. A group the program never destroyed stays alive; that one is torch's to tear down."""
     for holder, attributes in list(_HOLDERS.items()):

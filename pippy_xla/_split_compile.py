@@ -16,7 +16,7 @@ Inductor compiles each graph as AOTAutograd hands it its graphs (``compile_fx_in
 on first use with the real arguments, so during the first step. A call builds two autograd nodes:
 one whose backward runs ``input`` (its edges lead to the stage inputs and to the other node) and
 one whose backward runs ``weight`` (its edges lead to the parameters). A full backward runs both;
-the engine's split backward (``csrc/split_backward.cpp``) runs the first in B and leaves the
+the engine's split backward (``csrc/runtime/split_backward.cpp``) runs the first in B and leaves the
 second to W, and between them a microbatch holds only what ``weight`` reads. Dynamo still owns
 guards and recompiles, so the recompile watch counts graphs as before. A graph this cannot split
 (one that mutates an input or returns an alias of one, has dynamic shapes, or that AOTAutograd's

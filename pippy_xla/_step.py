@@ -393,15 +393,15 @@ class StepRunner:
         )
         key, contents = step_key(kind, batch, self.config.check_batch_content)
 
-        group_name, device = place.handshake
+        handshake = place.handshake
 
         def gather(values: Sequence[int], what: str) -> list[list[int]]:
             return self.failures.watched(
                 what,
                 _C.all_gather_int64,
                 values,
-                group_name,
-                device,
+                handshake.group_name,
+                handshake.device,
                 place.timeout_ms,
                 f"[rank {place.rank}] {what}",
                 abortable=self._abortable,

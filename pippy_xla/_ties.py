@@ -3,7 +3,7 @@
 A parameter that appears under several names of the model stays one parameter on a rank. When
 stages on different ranks hold it, those ranks (its owners) start from the first owner's values
 and sum its gradient every step, over point-to-point transfers of the pipeline's group tagged
-above every engine tag (see [Note: transfer tags] in csrc/engine.h).
+above every engine tag (see [Note: transfer tags] in csrc/runtime/engine.h).
 
 [Note: a copy per stage on a mesh] Data parallelism wraps each stage module on its own (see
 [Note: pipeline x data parallel]), and one parameter cannot belong to two of them: two stages of

@@ -79,20 +79,21 @@ class PipelineConfig:
     transport: str = "auto"
     """How the ranks exchange activations and gradients: ``"auto"`` moves CPU tensors between
     ranks of one host through shared memory (no socket, no helper thread; see [Note: same-host
-    transport] in ``csrc/ops/shm.h``) and uses the process group's send and receive otherwise
+    transport] in ``csrc/transport/shm.h``) and uses the process group's send and receive otherwise
     (between hosts, on CUDA, or where ``/dev/shm`` is unusable); ``"shm"`` is the same but an
     error unless every pair of CPU ranks shares the host; ``"process_group"`` always uses the
     group's send and receive (gloo on CPU); ``"in_order"`` uses send and receive matched in
     posting order, over two groups of the pipeline's ranks (one per direction) with the boundary
     headers over a gloo group: what NCCL needs, and so what ``"auto"`` does on CUDA; on the CPU it
-    runs that path over gloo (see [Note: transfers matched in order] in ``csrc/engine.h``)."""
+    runs that path over gloo (see [Note: transfers matched in order] in
+    ``csrc/runtime/engine.h``)."""
     transport_spin_us: int | None = None
     """How many microseconds a same-host wait polls for its message before it sleeps (a sleeping
     receiver costs each transfer 20-50 us to wake). ``None``: ``_C.SHM_SPIN_US`` (2000) where
     every rank of the host, with its intra-op threads, has a CPU of its own (ranks counted by the
     group and by torchrun's ``LOCAL_WORLD_SIZE``), else 0; set 0 where other jobs share the
     cores. A setting of the group's transport: the last pipeline built on the group that sets it
-    wins. See [Note: spinning before sleeping] in ``csrc/ops/shm.cpp``."""
+    wins. See [Note: spinning before sleeping] in ``csrc/transport/shm.cpp``."""
     timeout: float = _C.DEFAULT_TIMEOUT_MS / 1000
     """Seconds any single wait on a peer may take before the step fails."""
     check_batch_content: bool = True

@@ -2,7 +2,7 @@
 checkpointed layers, and the exact C++ solver over it.
 
 The cost types (:class:`LayerCost`, :class:`StageExtra`, :class:`PlanProblem`) are the C++
-structs of ``csrc/planner.h``, bound with the same field names; the formulas are in
+structs of ``csrc/plan/planner.h``, bound with the same field names; the formulas are in
 [Note: planner cost model] there. :class:`ModelProfile` holds measured costs of a model
 (:func:`pippy_xla.profiler.profile_model`) and turns them into a :class:`PlanProblem` for a
 number of stages.
@@ -167,7 +167,7 @@ def inflight_counts(schedule: str, num_stages: int, num_microbatches: int) -> li
 
 
 def solve(problem: PlanProblem) -> PlanResult:
-    """Runs the exact C++ solver (see [Note: planner exactness] in ``csrc/planner.h``).
+    """Runs the exact C++ solver (see [Note: planner exactness] in ``csrc/plan/planner.h``).
 
     Raises:
         PlanInfeasibleError: no plan fits; the message names the smallest limit that would.

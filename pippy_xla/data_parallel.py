@@ -13,9 +13,9 @@ pipeline over its ``pp`` group; the ranks that run the same stage in different r
   step's microbatches FSDP neither reduces nor reshards (``set_requires_gradient_sync(False)``,
   ``set_reshard_after_backward(False)``): gradients accumulate locally, as torch.distributed.
   pipelining does. When a stage's last backward (or weight-gradient step, for ZB-H1) of the step
-  is done, the engine calls back (see [Note: gradients ready] in csrc/schedule_analysis.cpp) and
-  this module runs FSDP's post-backward for that stage: one reduce-scatter (or all-reduce) of its
-  gradients, while earlier stages still run their cooldown.
+  is done, the engine calls back (see [Note: gradients ready] in csrc/runtime/schedule_analysis.cpp)
+  and this module runs FSDP's post-backward for that stage: one reduce-scatter (or all-reduce) of
+  its gradients, while earlier stages still run their cooldown.
 - Scale: every microbatch loss is divided by the *global* batch's count of valid tokens, so the
   replicas' losses add up to the global mean and their gradients add up to its gradient. FSDP's
   averaging is therefore turned off (divide factor 1, plain sums), and the reported loss is the

@@ -265,7 +265,7 @@ helper, :meth:`FailureState.watched` (:meth:`AbortChannel.call`):
 
 Where a collective runs over shared memory (the step handshake, the loss broadcast and the
 gradient-norm all-reduce of a pipeline whose whole group is on one host: [Note: small
-collectives over shared memory] in csrc/ops/p2p.cpp), its waits can be aborted like the
+collectives over shared memory] in csrc/transport/p2p.cpp), its waits can be aborted like the
 engine's: :meth:`FailureState.watched` with ``abortable=True`` (:meth:`AbortChannel.call_abortable`)
 runs it on the calling thread with an ``_C.Abortable`` armed in the step's watcher, which aborts
 it when a peer's record appears (the caller then raises as above). The hand-off to the helper

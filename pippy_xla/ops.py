@@ -1,7 +1,7 @@
 """Python side of the ``pippy_xla`` point-to-point ops: typed wrappers and fake kernels.
 
-The schemas and kernels live in ``csrc/ops/p2p.cpp``; the engine uses the same C++ transfer code
-(see [Note: one send/recv implementation] there). Two families:
+The schemas and kernels live in ``csrc/transport/p2p.cpp``; the engine uses the same C++ transfer
+code (see [Note: one send/recv implementation] there). Two families:
 
 - asynchronous: ``send`` / ``recv`` post a transfer and return a token (a 0-d int64 tensor, see
   [Note: p2p tokens]); ``wait_send`` / ``wait_recv`` complete it. Each op takes the previous
@@ -105,8 +105,8 @@ def _recv_wait_backward(ctx, grad):
     return anchor_grad, None, None, None, None, None, None, None
 
 
-# Every op of csrc/ops/p2p.cpp's TORCH_LIBRARY(pippy_xla), by name: its fake kernel and, for the
-# differentiable ones, its autograd formula (backward, setup_context).
+# Every op of csrc/transport/p2p.cpp's TORCH_LIBRARY(pippy_xla), by name: its fake kernel and, for
+# the differentiable ones, its autograd formula (backward, setup_context).
 _KERNELS = {
     "send": (_send_fake, None),
     "recv": (_recv_fake, None),

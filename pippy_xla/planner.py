@@ -4,7 +4,7 @@ Under 1F1B, stage ``s`` holds activations of ``min(stages - s, microbatches)`` m
 equal layer counts leave memory unbalanced; ZB-H1 also holds microbatches between B and W, and
 interleaved puts several stages on a rank. :func:`plan` profiles the model once
 (:func:`pippy_xla.profiler.profile_model`), builds the cost model of [Note: planner cost model]
-(``csrc/planner.h``, :mod:`pippy_xla.cost_model`) from the schedule's live states (the C++
+(``csrc/plan/planner.h``, :mod:`pippy_xla.cost_model`) from the schedule's live states (the C++
 simulator's replay of what each rank holds when) and asks the exact C++ solver for contiguous
 layer ranges and a set of checkpointed layers per stage that minimize the bottleneck rank time
 (forward + backward + recomputation) under each rank's memory limit. The plan's reported step
@@ -84,7 +84,7 @@ class StagePlan:
     memory_limit: int
     transient_bytes: int = 0
     """Largest working set on top of static bytes and activations (see [Note: planner cost
-    model] in csrc/planner.h)."""
+    model] in csrc/plan/planner.h)."""
     buffer_bytes: int = 0
     """Transfer buffers: receives posted ahead and the sends in flight."""
     rank: int = 0

@@ -181,7 +181,7 @@ class _WorkingSets:
     inside the region minus the larger of its live bytes at the start and at the end (what the
     region leaves behind is not transient). Live bytes come from the CUDA caching allocator's
     counters, or on CPU from the counting allocator (``_C.memory_stats``, see [Note: counting CPU
-    allocator] in csrc/memory.h), which this installs for the rest of the process.
+    allocator] in csrc/runtime/memory.h), which this installs for the rest of the process.
 
     Regions may overlap: in backward one tensor's gradient hook closes a layer's region and
     opens the next one's, in either order. The device has one peak counter, so before each

@@ -496,7 +496,7 @@ def _python_collectives_of_a_run(rank, world):
 
 
 def test_build_and_steps_hand_no_python_tensor_to_a_collective():
-    # [Note: collectives on C++-owned buffers] (csrc/ops/p2p.h): a collective's tensors are
+    # [Note: collectives on C++-owned buffers] (csrc/transport/p2p.h): a collective's tensors are
     # released by gloo's worker thread after the wait returns; a Python tensor released there
     # while the interpreter finalizes (the last step, then exit) kills the process with SIGABRT
     # ("terminate called without an active exception"). CI saw it on a rank's exit. Building a

@@ -81,7 +81,7 @@ def test_step_memory_does_not_grow_with_microbatches():
     """1F1B holds at most ``stages - s`` microbatches on stage ``s``, so a step's peak must not
     grow with the number of microbatches. It did by one or more boundary tensors per microbatch
     on middle stages while the engine kept every transfer alive until the end of the step (see
-    [Note: send release] in csrc/schedule_analysis.cpp): 8 more microbatches would add 16 or
+    [Note: send release] in csrc/runtime/schedule_analysis.cpp): 8 more microbatches would add 16 or
     more."""
     results = run_ranks(4, _step_peaks, (4, 12), 64)
     for rank, ((few, many), boundary) in enumerate(results):

@@ -1,5 +1,6 @@
-"""The same-host transport ([Note: same-host transport] in csrc/ops/shm.h): messages, ordering,
-sizes, slots running out, a dead peer, and pipelines over it against the process group's own."""
+"""The same-host transport ([Note: same-host transport] in csrc/transport/shm.h): messages,
+ordering, sizes, slots running out, a dead peer, and pipelines over it against the process group's
+own."""
 
 from __future__ import annotations
 
@@ -212,7 +213,7 @@ def test_transport_options_must_be_valid():
 
 
 def _collectives(rank, world):
-    """The small collectives of csrc/ops/p2p.h over shared memory (the world group, attached)
+    """The small collectives of csrc/transport/p2p.h over shared memory (the world group, attached)
     against gloo's (a second group of the same ranks)."""
     shm, gloo = ops.group_name_of(None), dist.new_group(list(range(world))).group_name
     assert _C.shm_attach(shm, TIMEOUT_MS) == world - 1

@@ -151,7 +151,7 @@ class DeviceWaits {
   std::vector<Transfer> pending_;
 };
 
-struct Attached;  // a group's same-host channels (ops/shm.cpp)
+struct Attached;  // a group's same-host channels (shm.cpp)
 
 // [Note: routes] A transfer goes through the process group registered under its group's name and,
 // where its ranks share a host, that group's shared-memory channels ([Note: same-host transport]).
@@ -176,8 +176,8 @@ Transfer isend(const at::Tensor& tensor, int64_t peer, int64_t tag, const Route&
 Transfer isend(const at::Tensor& tensor, int64_t peer, int64_t tag, const std::string& group_name,
                std::string what, TransferContext context = {});
 // Posts an asynchronous receive into `buffer` (dense, contiguous) from group-local rank `peer`.
-Transfer irecv(at::Tensor buffer, int64_t peer, int64_t tag, const Route& route,
-               std::string what, TransferContext context = {});
+Transfer irecv(at::Tensor buffer, int64_t peer, int64_t tag, const Route& route, std::string what,
+               TransferContext context = {});
 Transfer irecv(at::Tensor buffer, int64_t peer, int64_t tag, const std::string& group_name,
                std::string what, TransferContext context = {});
 
@@ -194,12 +194,9 @@ Transfer irecv(at::Tensor buffer, int64_t peer, int64_t tag, const std::string& 
 
 // Every rank's `values` (the same count on every rank), in group rank order, gathered on `device`
 // (the group's backend's device).
-std::vector<std::vector<int64_t>> all_gather_int64(const std::vector<int64_t>& values,
-                                                   const std::string& group_name,
-                                                   c10::Device device,
-                                                   std::chrono::milliseconds timeout,
-                                                   std::string what,
-                                                   Abortable* abortable = nullptr);
+std::vector<std::vector<int64_t>> all_gather_int64(
+    const std::vector<int64_t>& values, const std::string& group_name, c10::Device device,
+    std::chrono::milliseconds timeout, std::string what, Abortable* abortable = nullptr);
 // A 64-bit fingerprint of `tensor`'s bytes (copied to the host first if it lives elsewhere), to
 // compare the batches that ranks were given; not a cryptographic hash.
 int64_t content_digest(const at::Tensor& tensor);

@@ -1,5 +1,6 @@
-// Executes one rank's action list (see schedule.h) every step: transfers, the boundary-shape
-// protocol of boundary.h, the stash, backward (split_backward.h for zero-bubble schedules).
+// Executes one rank's action list (see schedule/schedule.h) every step: transfers, the
+// boundary-shape protocol of boundary.h, the stash, backward (split_backward.h for zero-bubble
+// schedules).
 #pragma once
 
 #include <c10/core/Device.h>
@@ -15,12 +16,12 @@
 #include <string>
 #include <vector>
 
-#include "boundary.h"
-#include "ops/p2p.h"
-#include "schedule.h"
-#include "schedule_analysis.h"
-#include "split_backward.h"
-#include "stash.h"
+#include "runtime/boundary.h"
+#include "runtime/schedule_analysis.h"
+#include "runtime/split_backward.h"
+#include "runtime/stash.h"
+#include "schedule/simulator.h"
+#include "transport/p2p.h"
 
 namespace pippy_xla {
 
@@ -63,6 +64,16 @@ struct EngineOptions {
   c10::Device device = c10::Device(c10::kCPU);
   std::optional<InOrderGroups> in_order;  // see [Note: transfers matched in order]
 };
+
+// Where an engine's boundary headers travel, and with them the step handshake of the Python
+// step runner (pippy_xla/_step.py): the pipeline's group on its device; where transfers are
+// matched in order, the header group in host memory, so that on NCCL neither waits behind the
+// GPU's queue nor copies its few integers to the GPU and back.
+struct HeaderChannel {
+  std::string group_name;
+  c10::Device device = c10::Device(c10::kCPU);
+};
+HeaderChannel header_channel(const EngineOptions& options);
 
 struct ActionTiming {
   Action action;
@@ -116,15 +127,17 @@ class Engine {
     std::map<Slot, std::vector<Transfer>> recv_f, recv_b;
     std::map<Slot, std::vector<at::Tensor>> fwd_out, local_in, grads_out, local_grads;
     std::map<size_t, std::vector<Transfer>> sends;  // by the position of their send action
-    size_t pos = 0;            // index of the running action in this rank's list
-    std::vector<bool> posted;  // receive actions already posted (in order, or ahead)
+    size_t pos = 0;                           // index of the running action in this rank's list
+    std::vector<bool> posted;                 // receive actions already posted (in order, or ahead)
     std::map<int64_t, size_t> in_order_next;  // by source: receives posted of in_order_[source]
     // Split backward: what W still has to do, per (stage, mb) (see split_backward.h).
     std::map<Slot, WeightWork> weight_work;
-    // Transfers of CUDA tensors not waited for on the host ([Note: waits on a GPU], ops/p2p.h).
+    // Transfers of CUDA tensors not waited for on the host ([Note: waits on a GPU],
+    // transport/p2p.h).
     DeviceWaits on_device;
   };
 
+  void index_in_order();  // fills in_order_, in_order_index_ and recv_f_pos_
   void post_ahead(StepState& st, const std::vector<Transfer>& waiting);
   void post_in_order(StepState& st, size_t pos);
   void read_header(StepState& st, const Action& a);
@@ -149,17 +162,15 @@ class Engine {
   Failure failure_of(const StepState& st, std::exception_ptr error) const;
   std::string where(const Action& a, const char* what) const;
   int64_t tag(int kind, int64_t stage, int64_t mb, int64_t idx) const;
-  // Looks up the step's groups (see [Note: routes] in ops/p2p.h).
+  // Looks up the step's groups (see [Note: routes] in transport/p2p.h).
   void resolve_routes();
   // The group and tag of an activation or gradient transfer from rank `from` to rank `to`.
   const Route& group_of(int64_t from, int64_t to) const;
   int64_t data_tag(int kind, int64_t stage, int64_t mb, int64_t idx) const;
-  // Where boundary headers travel: in order, over the tag-matched header group on the CPU.
-  const Route& header_group() const;
-  c10::Device header_device() const;
 
   Schedule schedule_;
   EngineOptions options_;
+  HeaderChannel header_;  // header_channel(options_)
   int64_t rank_ = 0;
   std::map<int64_t, SignatureSpecs> specs_;
   std::map<size_t, int64_t> last_grad_;            // index of a stage's last B (or W) -> its stage
@@ -176,7 +187,7 @@ class Engine {
   bool broken_ = false;
   std::optional<Failure> failure_;
   Abortable live_;  // the running step's transfers (abort() runs on another thread)
-  // The running step's groups: options_.group_name's and, in order, the up, down and header
+  // The running step's groups: options_.group_name's, header_'s and, in order, the up and down
   // groups (resolve_routes; released when the step ends).
   Route route_, up_route_, down_route_, header_route_;
   std::vector<std::unique_ptr<StepState>>

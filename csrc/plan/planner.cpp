@@ -1,4 +1,4 @@
-#include "planner.h"
+#include "plan/planner.h"
 
 #include <c10/util/Exception.h>
 
@@ -6,7 +6,8 @@
 #include <limits>
 #include <optional>
 
-#include "schedule.h"
+#include "schedule/layout.h"
+#include "schedule/simulator.h"
 
 namespace pippy_xla {
 

@@ -7,9 +7,9 @@
 // and builds on lives beside it: the facts of its schedule in schedule_analysis.cpp (receives to
 // post ahead, [Note: send release], [Note: gradients ready]), the boundary header protocol in
 // boundary.cpp ([Note: boundary specs] in boundary.h), the split backward of zero-bubble
-// schedules in split_backward.cpp ([Note: split backward]), the transfers in ops/p2p.cpp
-// ([Note: one send/recv implementation] in ops/p2p.h).
-#include "engine.h"
+// schedules in split_backward.cpp ([Note: split backward]), the transfers in transport/p2p.cpp
+// ([Note: one send/recv implementation] in transport/p2p.h).
+#include "runtime/engine.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/ones_like.h>
@@ -37,8 +37,15 @@ int64_t now_ns() {
 
 }  // namespace
 
+HeaderChannel header_channel(const EngineOptions& options) {
+  if (options.in_order) return {options.in_order->header_group, c10::Device(c10::kCPU)};
+  return {options.group_name, options.device};
+}
+
 Engine::Engine(Schedule schedule, EngineOptions options)
-    : schedule_(std::move(schedule)), options_(std::move(options)) {
+    : schedule_(std::move(schedule)),
+      options_(std::move(options)),
+      header_(header_channel(options_)) {
   validate(schedule_);
   rank_ = group_rank(options_.group_name);
   last_grad_ = last_gradient_actions(schedule_, rank_);
@@ -49,41 +56,7 @@ Engine::Engine(Schedule schedule, EngineOptions options)
   TORCH_CHECK(size == schedule_.num_ranks, "schedule '", schedule_.name, "' is for ",
               schedule_.num_ranks, " ranks but process group '", options_.group_name, "' has ",
               size);
-  if (options_.in_order) {  // [Note: transfers matched in order]
-    std::map<std::tuple<Op, int64_t, int64_t>, size_t> receive_at;  // (op, stage, mb) -> position
-    for (size_t i = 0; i < mine.size(); ++i) {
-      const Action& a = mine[i];
-      if (a.op == Op::RECV_F || a.op == Op::RECV_B) receive_at[{a.op, a.stage, a.mb}] = i;
-      if (a.op == Op::RECV_F) recv_f_pos_[{a.stage, a.mb}] = i;
-    }
-    const auto& g = *options_.in_order;
-    for (const std::string* name : {&g.up_group, &g.down_group, &g.header_group})
-      TORCH_CHECK(group_size(*name) == size && group_rank(*name) == rank_, "process group '",
-                  *name, "' must hold the ranks of '", options_.group_name, "' in its order");
-    for (int64_t src = 0; src < schedule_.num_ranks; ++src) {
-      if (src == rank_) continue;
-      for (const Action& a : schedule_.actions[src]) {
-        std::tuple<Op, int64_t, int64_t> key;
-        if (a.op == Op::SEND_F && schedule_.stage_rank[a.stage + 1] == rank_) {
-          key = {Op::RECV_F, a.stage + 1, a.mb};
-        } else if (a.op == Op::SEND_B && schedule_.stage_rank[a.stage - 1] == rank_) {
-          key = {Op::RECV_B, a.stage - 1, a.mb};
-        } else {
-          continue;
-        }
-        auto it = receive_at.find(key);
-        TORCH_CHECK(it != receive_at.end(), "schedule '", schedule_.name, "': rank ", src, " ",
-                    op_name(a.op), "s stage ", a.stage, " microbatch ", a.mb, " to rank ", rank_,
-                    ", which has no receive for it");
-        auto& order = in_order_[src];
-        in_order_index_[it->second] = {src, order.size()};
-        order.push_back(it->second);
-      }
-    }
-    for (const auto& [key, pos] : receive_at)
-      TORCH_CHECK(in_order_index_.count(pos), "schedule '", schedule_.name, "': rank ", rank_,
-                  " has a receive at position ", pos, " that no rank sends");
-  }
+  if (options_.in_order) index_in_order();
   TORCH_CHECK(options_.timeout_ms > 0, "timeout must be positive, got ", options_.timeout_ms,
               " ms");
   // See [Note: transfer tags] in engine.h.
@@ -92,6 +65,46 @@ Engine::Engine(Schedule schedule, EngineOptions options)
               "schedule '", schedule_.name, "': ", schedule_.num_stages, " stages x ",
               schedule_.num_microbatches,
               " microbatches need more transfer tags than the engine has");
+}
+
+// See [Note: transfers matched in order] in engine.h: by source, this rank's receives in the
+// order the source sends them.
+void Engine::index_in_order() {
+  const auto& mine = schedule_.actions[rank_];
+  const int64_t size = schedule_.num_ranks;
+  std::map<std::tuple<Op, int64_t, int64_t>, size_t> receive_at;  // (op, stage, mb) -> position
+  for (size_t i = 0; i < mine.size(); ++i) {
+    const Action& a = mine[i];
+    if (a.op == Op::RECV_F || a.op == Op::RECV_B) receive_at[{a.op, a.stage, a.mb}] = i;
+    if (a.op == Op::RECV_F) recv_f_pos_[{a.stage, a.mb}] = i;
+  }
+  const auto& g = *options_.in_order;
+  for (const std::string* name : {&g.up_group, &g.down_group, &g.header_group})
+    TORCH_CHECK(group_size(*name) == size && group_rank(*name) == rank_, "process group '", *name,
+                "' must hold the ranks of '", options_.group_name, "' in its order");
+  for (int64_t src = 0; src < schedule_.num_ranks; ++src) {
+    if (src == rank_) continue;
+    for (const Action& a : schedule_.actions[src]) {
+      std::tuple<Op, int64_t, int64_t> key;
+      if (a.op == Op::SEND_F && schedule_.stage_rank[a.stage + 1] == rank_) {
+        key = {Op::RECV_F, a.stage + 1, a.mb};
+      } else if (a.op == Op::SEND_B && schedule_.stage_rank[a.stage - 1] == rank_) {
+        key = {Op::RECV_B, a.stage - 1, a.mb};
+      } else {
+        continue;
+      }
+      auto it = receive_at.find(key);
+      TORCH_CHECK(it != receive_at.end(), "schedule '", schedule_.name, "': rank ", src, " ",
+                  op_name(a.op), "s stage ", a.stage, " microbatch ", a.mb, " to rank ", rank_,
+                  ", which has no receive for it");
+      auto& order = in_order_[src];
+      in_order_index_[it->second] = {src, order.size()};
+      order.push_back(it->second);
+    }
+  }
+  for (const auto& [key, pos] : receive_at)
+    TORCH_CHECK(in_order_index_.count(pos), "schedule '", schedule_.name, "': rank ", rank_,
+                " has a receive at position ", pos, " that no rank sends");
 }
 
 std::string Engine::where(const Action& a, const char* what) const {
@@ -105,10 +118,10 @@ int64_t Engine::tag(int kind, int64_t stage, int64_t mb, int64_t idx) const {
 
 void Engine::resolve_routes() {
   route_ = Route(options_.group_name);
+  header_route_ = header_.group_name == options_.group_name ? route_ : Route(header_.group_name);
   if (!options_.in_order) return;
   up_route_ = Route(options_.in_order->up_group);
   down_route_ = Route(options_.in_order->down_group);
-  header_route_ = Route(options_.in_order->header_group);
 }
 
 const Route& Engine::group_of(int64_t from, int64_t to) const {
@@ -120,20 +133,12 @@ int64_t Engine::data_tag(int kind, int64_t stage, int64_t mb, int64_t idx) const
   return options_.in_order ? kInOrderTag : tag(kind, stage, mb, idx);
 }
 
-const Route& Engine::header_group() const {
-  return options_.in_order ? header_route_ : route_;
-}
-
-c10::Device Engine::header_device() const {
-  return options_.in_order ? c10::Device(c10::kCPU) : options_.device;
-}
-
 std::vector<at::Tensor> Engine::wait_all(StepState& st, std::vector<Transfer>& ts) {
   const std::chrono::milliseconds timeout(options_.timeout_ms);
   std::vector<at::Tensor> out;
   out.reserve(ts.size());
   for (auto& t : ts) {
-    if (t.on_device()) {  // [Note: waits on a GPU] in ops/p2p.h
+    if (t.on_device()) {  // [Note: waits on a GPU] in transport/p2p.h
       out.push_back(t.wait_on_stream());
       st.on_device.add(std::move(t), timeout);
     } else {
@@ -160,9 +165,8 @@ void Engine::run(int64_t signature, const StageFn& forward, const GradsReadyFn& 
   resolve_routes();
   // Between steps the engine holds no group: one destroyed after a step must be free to go (see
   // [Note: releasing the group at exit] in pippy_xla/_exit.py).
-  const auto release = c10::make_scope_exit([this] {
-    route_ = up_route_ = down_route_ = header_route_ = Route();
-  });
+  const auto release =
+      c10::make_scope_exit([this] { route_ = up_route_ = down_route_ = header_route_ = Route(); });
   StepState st;
   st.discover = !specs_.count(signature);
   SignatureSpecs fresh;
@@ -249,7 +253,7 @@ Transfer Engine::track(Transfer t) {
 }
 
 TransferContext Engine::context(const Action& a, int64_t peer, const char* object,
-                                 int64_t index) const {
+                                int64_t index) const {
   return TransferContext{a.stage, a.mb, peer, op_name(a.op), rank_, object, index};
 }
 
@@ -352,9 +356,9 @@ void Engine::do_recv_f(StepState& st, const Action& a) {
 
 void Engine::post_header_recv(StepState& st, const Action& a) {
   const int64_t peer = schedule_.stage_rank[a.stage - 1];
-  auto buf = at::empty({kHeaderLen}, at::TensorOptions().dtype(at::kLong).device(header_device()));
+  auto buf = at::empty({kHeaderLen}, at::TensorOptions().dtype(at::kLong).device(header_.device));
   st.headers.emplace(Slot{a.stage, a.mb},
-                     track(irecv(buf, peer, tag(kHeader, a.stage, a.mb, 0), header_group(), {},
+                     track(irecv(buf, peer, tag(kHeader, a.stage, a.mb, 0), header_route_, {},
                                  context(a, peer, "the boundary header"))));
 }
 
@@ -430,15 +434,15 @@ void Engine::do_send_f(StepState& st, const Action& a) {
   auto outputs = std::move(st.fwd_out.at(slot));
   st.fwd_out.erase(slot);
   if (st.discover) {
-    auto header = encode_header(st.specs->out.at(slot), where(a, "header")).to(header_device());
+    auto header = encode_header(st.specs->out.at(slot), where(a, "header")).to(header_.device);
     st.sends[st.pos].push_back(
-        track(isend(header, peer, tag(kHeader, a.stage + 1, a.mb, 0), header_group(), {},
+        track(isend(header, peer, tag(kHeader, a.stage + 1, a.mb, 0), header_route_, {},
                     context(a, peer, "the boundary header"))));
   }
   for (size_t i = 0; i < outputs.size(); ++i) {
-    st.sends[st.pos].push_back(track(isend(
-        outputs[i].detach().contiguous(), peer, data_tag(kActivation, a.stage + 1, a.mb, i),
-        group_of(rank_, peer), {}, context(a, peer, "activation", i))));
+    st.sends[st.pos].push_back(track(
+        isend(outputs[i].detach().contiguous(), peer, data_tag(kActivation, a.stage + 1, a.mb, i),
+              group_of(rank_, peer), {}, context(a, peer, "activation", i))));
   }
 }
 

@@ -70,10 +70,10 @@ std::shared_ptr<Attached> shm_channels(const c10d::ProcessGroup& group,
 // empty pointer when that pair is not attached. A send's work is complete on return unless
 // every slot was full ([Note: deferred sends] in shm.cpp); a receive's wait fails if the
 // message's size differs from `buffer`'s.
-c10::intrusive_ptr<c10d::Work> shm_send(const std::shared_ptr<Attached>& channels,
-                                        int64_t peer, int64_t tag, const at::Tensor& tensor);
-c10::intrusive_ptr<c10d::Work> shm_recv(const std::shared_ptr<Attached>& channels,
-                                        int64_t peer, int64_t tag, const at::Tensor& buffer);
+c10::intrusive_ptr<c10d::Work> shm_send(const std::shared_ptr<Attached>& channels, int64_t peer,
+                                        int64_t tag, const at::Tensor& tensor);
+c10::intrusive_ptr<c10d::Work> shm_recv(const std::shared_ptr<Attached>& channels, int64_t peer,
+                                        int64_t tag, const at::Tensor& buffer);
 
 // How many peers of `group_name` this rank reaches through shared memory (0: none attached).
 int64_t shm_peers(const std::string& group_name);

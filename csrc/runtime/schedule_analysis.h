@@ -1,14 +1,14 @@
 // Facts of a schedule that the engine runs by, computed once per schedule next to the validator
-// and simulator (schedule.h), so that the engine's loop (engine.cpp) only runs actions: which
-// receives it posts ahead of a blocked wait, which sends are known complete, and each stage's last
-// gradient action; and the receive-buffer replay that the planner counts buffers with.
+// and simulator (schedule/simulator.h), so that the engine's loop (engine.cpp) only runs actions:
+// which receives it posts ahead of a blocked wait, which sends are known complete, and each stage's
+// last gradient action; and the receive-buffer replay that the planner counts buffers with.
 #pragma once
 
 #include <cstdint>
 #include <map>
 #include <vector>
 
-#include "schedule.h"
+#include "schedule/schedule.h"
 
 namespace pippy_xla {
 

@@ -1,4 +1,4 @@
-#include "memory.h"
+#include "runtime/memory.h"
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>

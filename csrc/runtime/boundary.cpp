@@ -1,4 +1,4 @@
-#include "boundary.h"
+#include "runtime/boundary.h"
 
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>

@@ -1,4 +1,4 @@
-#include "stash.h"
+#include "runtime/stash.h"
 
 #include <c10/util/Exception.h>
 

@@ -1,12 +1,12 @@
 // The same-host transport of [Note: same-host transport] in shm.h.
-#include "shm.h"
+#include "transport/shm.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <dirent.h>
 #include <fcntl.h>
-#include <sched.h>
 #include <linux/futex.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -30,7 +30,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "p2p.h"
+#include "transport/p2p.h"
 
 namespace pippy_xla {
 
@@ -99,7 +99,7 @@ void* open_segment(const std::string& name, size_t* bytes, std::string* error) {
     *error = c10::str("shm_open(", name, "): ", errno_text());
     return nullptr;
   }
-  struct stat st {};
+  struct stat st{};
   void* p = nullptr;
   if (fstat(fd, &st) != 0) {
     *error = c10::str("fstat(", name, "): ", errno_text());
@@ -144,9 +144,7 @@ int64_t spin_budget_us(int64_t ranks_on_host) {
 }
 
 void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, int64_t ms) {
-  struct timespec ts {
-    static_cast<time_t>(ms / 1000), static_cast<long>((ms % 1000) * 1000000)
-  };
+  struct timespec ts{static_cast<time_t>(ms / 1000), static_cast<long>((ms % 1000) * 1000000)};
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
 }
 
@@ -289,9 +287,8 @@ class Channel {
     // The peer's liveness is read from /proc (10-20 us), so only once per full sleep slice: a
     // wait that ends within the first slice, the common case, never pays for it.
     auto next_check = start + std::chrono::milliseconds(kShmWakeMs);
-    const auto spin_end =
-        std::min(start + std::chrono::microseconds(spin_us_->load(std::memory_order_relaxed)),
-                 deadline);
+    const auto spin_end = std::min(
+        start + std::chrono::microseconds(spin_us_->load(std::memory_order_relaxed)), deadline);
     for (;;) {
       const uint32_t seen = h_->seq.load(std::memory_order_seq_cst);
       if (attempt()) return true;
@@ -342,14 +339,14 @@ class Channel {
 
 }  // namespace
 
-// Outside the anonymous namespace: ops/p2p.h declares Attached (a Route holds one).
+// Outside the anonymous namespace: p2p.h declares Attached (a Route holds one).
 struct Attached;
 
 class ShmWork : public c10d::Work {
  public:
   // `group`: for a receive, whose deferred sends it pushes while it waits.
-  ShmWork(std::shared_ptr<Channel> channel, std::shared_ptr<Attached> group, bool send,
-          int64_t tag, at::Tensor tensor, int rank)
+  ShmWork(std::shared_ptr<Channel> channel, std::shared_ptr<Attached> group, bool send, int64_t tag,
+          at::Tensor tensor, int rank)
       : c10d::Work(rank, send ? c10d::OpType::SEND : c10d::OpType::RECV),
         channel_(std::move(channel)),
         group_(std::move(group)),
@@ -491,7 +488,7 @@ void unlink_stale_names() {
     const std::string name(e->d_name);
     if (name.rfind(mine, 0) != 0) continue;
     const int64_t creator = std::atoll(name.c_str() + mine.size());
-    struct stat st {};
+    struct stat st{};
     if (creator > 0 && stat(("/dev/shm/" + name).c_str(), &st) == 0 &&
         now - st.st_mtime > kShmStaleSeconds && !process_alive(creator))
       shm_unlink(("/" + name).c_str());
@@ -578,8 +575,8 @@ int64_t shm_attach(const std::string& group_name, std::chrono::milliseconds time
 namespace {
 
 // A send's or a receive's work over the channel to / from `peer`, or empty if not attached.
-c10::intrusive_ptr<ShmWork> shm_work(const std::shared_ptr<Attached>& a, int64_t peer,
-                                     int64_t tag, const at::Tensor& tensor, bool send) {
+c10::intrusive_ptr<ShmWork> shm_work(const std::shared_ptr<Attached>& a, int64_t peer, int64_t tag,
+                                     const at::Tensor& tensor, bool send) {
   if (!a || peer < 0 || peer >= a->size) return {};
   const auto& channel = send ? a->to[peer] : a->from[peer];
   if (!channel) return {};
@@ -597,13 +594,13 @@ std::shared_ptr<Attached> shm_channels(const c10d::ProcessGroup& group,
   return attached(group, group_name);
 }
 
-c10::intrusive_ptr<c10d::Work> shm_send(const std::shared_ptr<Attached>& channels,
-                                        int64_t peer, int64_t tag, const at::Tensor& tensor) {
+c10::intrusive_ptr<c10d::Work> shm_send(const std::shared_ptr<Attached>& channels, int64_t peer,
+                                        int64_t tag, const at::Tensor& tensor) {
   return shm_work(channels, peer, tag, tensor, true);
 }
 
-c10::intrusive_ptr<c10d::Work> shm_recv(const std::shared_ptr<Attached>& channels,
-                                        int64_t peer, int64_t tag, const at::Tensor& buffer) {
+c10::intrusive_ptr<c10d::Work> shm_recv(const std::shared_ptr<Attached>& channels, int64_t peer,
+                                        int64_t tag, const at::Tensor& buffer) {
   return shm_work(channels, peer, tag, buffer, false);
 }
 

@@ -10,7 +10,7 @@
 #include <utility>
 #include <vector>
 
-#include "compat.h"
+#include "runtime/compat.h"
 
 namespace pippy_xla {
 

@@ -35,10 +35,11 @@
 //                + sum_{s on d} (x.forwarded_s * saved_s + x.pending_s * kept_s
 //                                + x.in_b_s * recorded_s)
 // The live states are the schedule's counts per stage of the device ([Note: live states] in
-// schedule.h): microbatches whose activations the stage holds (forwarded, not backwarded); under
-// a split backward, microbatches whose B has run and W not yet (pending), and whether a split B
-// is running (its recorded gradients pile up on the microbatch's graph until B ends). 1F1B on
-// stage s has the single state (min(stages - s, microbatches), 0, 0), GPipe (microbatches, 0, 0).
+// schedule/simulator.h): microbatches whose activations the stage holds (forwarded, not
+// backwarded); under a split backward, microbatches whose B has run and W not yet (pending), and
+// whether a split B is running (its recorded gradients pile up on the microbatch's graph until B
+// ends). 1F1B on stage s has the single state (min(stages - s, microbatches), 0, 0), GPipe
+// (microbatches, 0, 0).
 //
 // transient_s is the largest working set on top of what the stage keeps: the temporaries of one
 // layer's (or the prologue's / epilogue's) forward or backward, measured by the profiler, and for
@@ -84,10 +85,12 @@
 #include <utility>
 #include <vector>
 
+#include "schedule/simulator.h"
+
 namespace pippy_xla {
 
-// Bound to Python with these field names and defaults (csrc/bindings.cpp, pippy_xla/_C.pyi); the
-// Python planner uses the bound classes, so there is one definition of each.
+// Bound to Python with these field names and defaults (csrc/bindings/plan.cpp, pippy_xla/_C.pyi);
+// the Python planner uses the bound classes, so there is one definition of each.
 struct LayerCost {
   double fwd = 0.0;               // forward time
   double bwd = 0.0;               // backward time (without recomputation)
@@ -137,8 +140,8 @@ struct PlanProblem {
   // Per device, per stage of the device (ascending): the schedule's live states while that stage
   // computes, each kLiveCounts counts per stage of the device: [forwarded not backwarded,
   // backwarded not weighted, running split B] (SimResult::live_states, [Note: live states] in
-  // schedule.h).
-  std::vector<std::vector<std::vector<std::vector<int32_t>>>> live_states;
+  // schedule/simulator.h).
+  LiveStates live_states;
   std::vector<int64_t> memory_limit;  // per device
   std::vector<int32_t> stage_device;  // per stage: its device (empty: stage s on device s)
   // Given layer ranges (one per stage); empty: the solver chooses them (one stage per device).

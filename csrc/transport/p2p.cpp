@@ -1,8 +1,6 @@
 // The `pippy_xla` op namespace: functional, token-ordered send/recv over c10d.
 // See [Note: one send/recv implementation] in p2p.h.
-#include "p2p.h"
-
-#include "shm.h"
+#include "transport/p2p.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -19,6 +17,8 @@
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <unordered_map>
+
+#include "transport/shm.h"
 
 namespace pippy_xla {
 
@@ -210,8 +210,8 @@ Transfer isend(const at::Tensor& tensor, int64_t peer, int64_t tag, const std::s
   return isend(tensor, peer, tag, Route(group_name), std::move(what), std::move(context));
 }
 
-Transfer irecv(at::Tensor buffer, int64_t peer, int64_t tag, const Route& route,
-               std::string what, TransferContext context) {
+Transfer irecv(at::Tensor buffer, int64_t peer, int64_t tag, const Route& route, std::string what,
+               TransferContext context) {
   check_wire_tensor(buffer, what, context);
   auto work = shm_recv(route.channels, peer, tag, buffer);
   if (!work) {
@@ -259,8 +259,7 @@ std::vector<at::Tensor> exchange(const Route& route, const at::Tensor& mine,
   }
   for (int64_t s : senders) {
     if (s == rank) continue;
-    out[s] = posted(irecv(at::empty_like(data), s, kShmCollectiveTag, route, what))
-                 .wait(timeout);
+    out[s] = posted(irecv(at::empty_like(data), s, kShmCollectiveTag, route, what)).wait(timeout);
   }
   for (auto& t : sends) t.wait(timeout);
   if (abortable) abortable->clear();
@@ -287,8 +286,7 @@ std::vector<std::vector<int64_t>> all_gather_int64(const std::vector<int64_t>& v
     auto mine = at::empty({n}, at::TensorOptions().dtype(at::kLong));
     std::memcpy(mine.data_ptr<int64_t>(), values.data(), n * sizeof(int64_t));
     std::vector<std::vector<int64_t>> out;
-    for (const auto& t : exchange(route, mine, every_rank(pg->getSize()), timeout, what,
-                                 abortable))
+    for (const auto& t : exchange(route, mine, every_rank(pg->getSize()), timeout, what, abortable))
       out.emplace_back(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + n);
     return out;
   }
@@ -387,9 +385,8 @@ at::Tensor broadcast_copy(const at::Tensor& tensor, int64_t root, const std::str
     return exchange(route, tensor, {root}, timeout, what, abortable)[root].clone();
   c10d::BroadcastOptions options;
   options.rootRank = root;
-  return on_copy(tensor, timeout, std::move(what), [&](std::vector<at::Tensor>& buffer) {
-    return pg->broadcast(buffer, options);
-  });
+  return on_copy(tensor, timeout, std::move(what),
+                 [&](std::vector<at::Tensor>& buffer) { return pg->broadcast(buffer, options); });
 }
 
 at::Tensor all_reduce_sum_copy(const at::Tensor& tensor, const std::string& group_name,
@@ -398,17 +395,15 @@ at::Tensor all_reduce_sum_copy(const at::Tensor& tensor, const std::string& grou
   const Route route(group_name);
   const auto& pg = route.group;
   if (tensor.device().is_cpu() && shm_whole_group(*pg, group_name)) {
-    const auto parts =
-        exchange(route, tensor, every_rank(pg->getSize()), timeout, what, abortable);
+    const auto parts = exchange(route, tensor, every_rank(pg->getSize()), timeout, what, abortable);
     auto sum = parts[0].clone();
     for (size_t r = 1; r < parts.size(); ++r) sum.add_(parts[r]);
     return sum;
   }
   c10d::AllreduceOptions options;
   options.reduceOp = c10d::ReduceOp::SUM;
-  return on_copy(tensor, timeout, std::move(what), [&](std::vector<at::Tensor>& buffer) {
-    return pg->allreduce(buffer, options);
-  });
+  return on_copy(tensor, timeout, std::move(what),
+                 [&](std::vector<at::Tensor>& buffer) { return pg->allreduce(buffer, options); });
 }
 
 int64_t group_rank(const std::string& group_name) { return group(group_name)->getRank(); }

@@ -1,5 +1,5 @@
 // See schedule_analysis.h.
-#include "schedule_analysis.h"
+#include "runtime/schedule_analysis.h"
 
 #include <algorithm>
 #include <set>

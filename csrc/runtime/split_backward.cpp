@@ -1,4 +1,4 @@
-#include "split_backward.h"
+#include "runtime/split_backward.h"
 
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/engine.h>
