@@ -4,9 +4,11 @@
 #  1. the whole Python suite on this CPU's native kernels;
 #  2. the tests that compare compiled stages with eager ones (marker `compiled`) once more with
 #     ATEN_CPU_CAPABILITY=avx2, so that inductor emits the vector code of a lesser CPU and sums in
-#     another order: a tolerance that only this CPU meets fails here, not on a user's machine.
+#     another order: a tolerance that only this CPU meets fails here, not on a user's machine;
+#  3. the C++ unit tests (scripts/ctest.sh; skipped, with the reason, without GoogleTest).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ruff check --quiet . && ruff format --check --quiet .
 python -m pytest -q tests "$@"
 ATEN_CPU_CAPABILITY=avx2 python -m pytest -q -m compiled tests "$@"
+bash scripts/ctest.sh

@@ -231,12 +231,12 @@ struct StageBytes {
   int64_t transient = 0, split_transient = 0;            // working sets: any action, a split B
 };
 
-using LiveStates = std::vector<std::vector<std::vector<int32_t>>>;  // per stage of a device
+using DeviceStates = std::vector<std::vector<std::vector<int32_t>>>;  // per stage of a device
 
 // The peak of a device whose `n` stages (ascending) take `parts[0..n)`: `at` gets the (stage of
 // the device, state) where it is reached. (A pointer and a count, not a vector: the solver calls
 // this for every frontier point of every range.)
-int64_t device_memory(const LiveStates& states, const StageBytes* parts, size_t n,
+int64_t device_memory(const DeviceStates& states, const StageBytes* parts, size_t n,
                       std::pair<size_t, size_t>* at = nullptr) {
   int64_t fixed = 0, live = -1;
   for (size_t k = 0; k < n; ++k) fixed += parts[k].fixed;
@@ -433,6 +433,94 @@ std::string to_string(const StageExtra& e) {
                   ", split_backward=", e.split_backward, ")");
 }
 
+namespace {
+
+// Stage `s` of a plan that gives it layers `range` and checkpoints `checkpoint` (global indices),
+// its device totals not yet set; `*part` gets what the device's memory model needs of it.
+StageEval evaluate_stage(const PlanProblem& p, int32_t s, std::pair<int32_t, int32_t> range,
+                         const std::vector<int32_t>& checkpoint, StageBytes* part) {
+  const auto [start, stop] = range;
+  std::vector<bool> ck(stop - start, false);
+  for (int32_t k : checkpoint) {
+    TORCH_CHECK(k >= start && k < stop, "evaluate_plan: checkpointed layer ", k,
+                " is not in stage ", s, "'s range [", start, ", ", stop, ")");
+    ck[k - start] = true;
+  }
+  const StageExtra& e = p.extras[s];
+  const bool split = e.split_backward;
+  int64_t layers_transient = 0, layers_recompute = 0, layers_split = 0;
+  StageEval ev;
+  ev.start = start;
+  ev.stop = stop;
+  ev.device = device_of(p, s);
+  ev.forward = e.fwd;
+  ev.backward = e.bwd;
+  ev.weight = split ? e.weight : 0.0;
+  ev.saved_bytes = e.saved_bytes;
+  ev.weight_bytes = e.weight_bytes;
+  ev.recorded_bytes = split ? e.recorded_bytes : 0;
+  ev.static_bytes = e.static_bytes;
+  for (int32_t k = start; k < stop; ++k) {
+    const LayerCost& l = p.layers[k];
+    const bool c = ck[k - start];
+    layers_transient = std::max(layers_transient, l.transient_bytes);
+    layers_recompute = std::max(layers_recompute, recompute_bytes(l));
+    layers_split = std::max(layers_split, l.split_transient_bytes);
+    ev.forward += l.fwd;
+    ev.backward += l.bwd + (c ? checkpoint_time(l, split) : 0.0);
+    if (split) ev.weight += c ? l.weight_ckpt : l.weight;
+    ev.saved_bytes += c ? l.saved_bytes_ckpt : l.saved_bytes;
+    ev.weight_bytes += c ? l.weight_bytes_ckpt : l.weight_bytes;
+    if (split) ev.recorded_bytes += l.recorded_bytes;
+    ev.static_bytes += l.static_bytes;
+    if (c) ev.checkpoint.push_back(k);
+  }
+  if (!split) ev.weight_bytes = ev.saved_bytes;  // W, if any, is the whole backward
+  ev.time = ev.forward + ev.backward;
+  const bool any = !ev.checkpoint.empty();
+  ev.transient_bytes = stage_transient(e.transient_bytes, layers_transient, layers_recompute, any);
+  ev.buffer_bytes = e.buffer_bytes;
+  *part = {ev.saved_bytes,
+           ev.weight_bytes,
+           ev.recorded_bytes,
+           ev.static_bytes + e.buffer_bytes,
+           ev.transient_bytes,
+           stage_transient(e.split_transient_bytes, layers_split, layers_recompute, any)};
+  return ev;
+}
+
+// Device totals, and each stage's counts at its device's peak state.
+void add_device_peaks(const PlanProblem& p, const std::vector<StageBytes>& parts,
+                      std::vector<StageEval>& out) {
+  const auto by_device = stages_by_device(p);
+  for (size_t d = 0; d < by_device.size(); ++d) {
+    const auto& mine = by_device[d];
+    std::vector<StageBytes> dev_parts;
+    for (int32_t s : mine) dev_parts.push_back(parts[s]);
+    std::pair<size_t, size_t> at{0, 0};
+    const int64_t memory = device_memory(p.live_states[d], dev_parts.data(), dev_parts.size(), &at);
+    const auto& acting = dev_parts[at.first];
+    const auto& x = p.live_states[d][at.first][at.second];
+    const bool in_b = x[kLiveCounts * at.first + 2] > 0;
+    const int64_t transient = in_b ? acting.split_transient : acting.transient;
+    int64_t buffers = 0;
+    for (int32_t s : mine) buffers += out[s].buffer_bytes;
+    for (size_t k = 0; k < mine.size(); ++k) {
+      StageEval& ev = out[mine[k]];
+      ev.inflight = x[kLiveCounts * k];
+      ev.pending_weight = x[kLiveCounts * k + 1];
+      ev.in_backward = x[kLiveCounts * k + 2] > 0;
+      ev.activation_bytes = ev.inflight * ev.saved_bytes + ev.pending_weight * ev.weight_bytes +
+                            (ev.in_backward ? ev.recorded_bytes : 0);
+      ev.transient_bytes = transient;
+      ev.buffer_bytes = buffers;
+      ev.memory = memory;
+    }
+  }
+}
+
+}  // namespace
+
 std::vector<StageEval> evaluate_plan(const PlanProblem& p,
                                      const std::vector<std::pair<int32_t, int32_t>>& ranges,
                                      const std::vector<std::vector<int32_t>>& checkpoint) {
@@ -445,84 +533,101 @@ std::vector<StageEval> evaluate_plan(const PlanProblem& p,
               "), got ", ranges.size(), " and ", checkpoint.size());
   check_ranges(ranges, num_layers, "evaluate_plan");
   std::vector<StageEval> out;
-  std::vector<StageBytes> parts;
-  for (int32_t s = 0; s < num_stages; ++s) {
-    const auto [start, stop] = ranges[s];
-    std::vector<bool> ck(stop - start, false);
-    for (int32_t k : checkpoint[s]) {
-      TORCH_CHECK(k >= start && k < stop, "evaluate_plan: checkpointed layer ", k,
-                  " is not in stage ", s, "'s range [", start, ", ", stop, ")");
-      ck[k - start] = true;
-    }
-    const StageExtra& e = p.extras[s];
-    int64_t layers_transient = 0, layers_recompute = 0, layers_split = 0;
-    StageEval ev;
-    ev.start = start;
-    ev.stop = stop;
-    ev.device = device_of(p, s);
-    ev.forward = e.fwd;
-    ev.backward = e.bwd;
-    const bool split = e.split_backward;
-    ev.weight = split ? e.weight : 0.0;
-    ev.saved_bytes = e.saved_bytes;
-    ev.weight_bytes = e.weight_bytes;
-    ev.recorded_bytes = split ? e.recorded_bytes : 0;
-    ev.static_bytes = e.static_bytes;
-    for (int32_t k = start; k < stop; ++k) {
-      const LayerCost& l = p.layers[k];
-      const bool c = ck[k - start];
-      layers_transient = std::max(layers_transient, l.transient_bytes);
-      layers_recompute = std::max(layers_recompute, recompute_bytes(l));
-      layers_split = std::max(layers_split, l.split_transient_bytes);
-      ev.forward += l.fwd;
-      ev.backward += l.bwd + (c ? checkpoint_time(l, split) : 0.0);
-      if (split) ev.weight += c ? l.weight_ckpt : l.weight;
-      ev.saved_bytes += c ? l.saved_bytes_ckpt : l.saved_bytes;
-      ev.weight_bytes += c ? l.weight_bytes_ckpt : l.weight_bytes;
-      if (split) ev.recorded_bytes += l.recorded_bytes;
-      ev.static_bytes += l.static_bytes;
-      if (c) ev.checkpoint.push_back(k);
-    }
-    if (!split) ev.weight_bytes = ev.saved_bytes;  // W, if any, is the whole backward
-    ev.time = ev.forward + ev.backward;
-    const bool any = !ev.checkpoint.empty();
-    ev.transient_bytes =
-        stage_transient(e.transient_bytes, layers_transient, layers_recompute, any);
-    ev.buffer_bytes = e.buffer_bytes;
-    parts.push_back(
-        {ev.saved_bytes, ev.weight_bytes, ev.recorded_bytes, ev.static_bytes + e.buffer_bytes,
-         ev.transient_bytes,
-         stage_transient(e.split_transient_bytes, layers_split, layers_recompute, any)});
-    out.push_back(std::move(ev));
-  }
-  // Device totals, and each stage's counts at its device's peak state.
-  const auto by_device = stages_by_device(p);
-  for (size_t d = 0; d < by_device.size(); ++d) {
-    const auto& mine = by_device[d];
-    std::vector<StageBytes> dev_parts;
-    for (int32_t s : mine) dev_parts.push_back(parts[s]);
-    std::pair<size_t, size_t> at{0, 0};
-    const int64_t memory = device_memory(p.live_states[d], dev_parts.data(), dev_parts.size(), &at);
-    const auto& acting = dev_parts[at.first];
-    const bool in_b = p.live_states[d][at.first][at.second][kLiveCounts * at.first + 2] > 0;
-    const int64_t transient = in_b ? acting.split_transient : acting.transient;
-    int64_t buffers = 0;
-    for (int32_t s : mine) buffers += out[s].buffer_bytes;
-    for (size_t k = 0; k < mine.size(); ++k) {
-      StageEval& ev = out[mine[k]];
-      const auto& x = p.live_states[d][at.first][at.second];
-      ev.inflight = x[kLiveCounts * k];
-      ev.pending_weight = x[kLiveCounts * k + 1];
-      ev.in_backward = x[kLiveCounts * k + 2] > 0;
-      ev.activation_bytes = ev.inflight * ev.saved_bytes + ev.pending_weight * ev.weight_bytes +
-                            (ev.in_backward ? ev.recorded_bytes : 0);
-      ev.transient_bytes = transient;
-      ev.buffer_bytes = buffers;
-      ev.memory = memory;
-    }
-  }
+  std::vector<StageBytes> parts(num_stages);
+  for (int32_t s = 0; s < num_stages; ++s)
+    out.push_back(evaluate_stage(p, s, ranges[s], checkpoint[s], &parts[s]));
+  add_device_peaks(p, parts, out);
   return out;
 }
+
+namespace {
+
+// The stage costs of one stage per device, each looked up several times by the DPs below.
+class CachedCosts {
+ public:
+  CachedCosts(const StageCosts& costs, int32_t stages, int32_t layers)
+      : costs_(costs),
+        layers_(layers),
+        cache_(static_cast<size_t>(stages) * (layers + 1) * (layers + 1)),
+        have_(cache_.size(), false) {}
+  const StageCost& operator()(int32_t s, int32_t i, int32_t j) {
+    const size_t k = (static_cast<size_t>(s) * (layers_ + 1) + i) * (layers_ + 1) + j;
+    if (!have_[k]) cache_[k] = costs_.cost(s, i, j), have_[k] = true;
+    return cache_[k];
+  }
+
+ private:
+  const StageCosts& costs_;
+  int32_t layers_;
+  std::vector<StageCost> cache_;
+  std::vector<bool> have_;
+};
+
+// The smallest uniform shift of the limits that admits a plan (minimax over memory excess).
+int64_t smallest_shift(const StageCosts& costs, int32_t S, int32_t L) {
+  constexpr int64_t kBig = std::numeric_limits<int64_t>::max();
+  std::vector<std::vector<int64_t>> X(S, std::vector<int64_t>(L + 1, kBig));
+  for (int32_t j = 1; j <= L - (S - 1); ++j) X[0][j] = costs.excess(0, 0, j);
+  for (int32_t s = 1; s < S; ++s)
+    for (int32_t j = s + 1; j <= L - (S - 1 - s); ++j)
+      for (int32_t i = s; i < j; ++i)
+        if (X[s - 1][i] != kBig)
+          X[s][j] = std::min(X[s][j], std::max(X[s - 1][i], costs.excess(s, i, j)));
+  return X[S - 1][L];
+}
+
+// Minimax DP on the bottleneck stage time.
+double best_bottleneck(CachedCosts& cost, int32_t S, int32_t L) {
+  std::vector<std::vector<double>> D(S, std::vector<double>(L + 1, kInf));
+  for (int32_t j = 1; j <= L - (S - 1); ++j) D[0][j] = cost(0, 0, j).time;
+  for (int32_t s = 1; s < S; ++s)
+    for (int32_t j = s + 1; j <= L - (S - 1 - s); ++j)
+      for (int32_t i = s; i < j; ++i)
+        if (D[s - 1][i] < kInf)
+          D[s][j] = std::min(D[s][j], std::max(D[s - 1][i], cost(s, i, j).time));
+  TORCH_CHECK(D[S - 1][L] < kInf, "planner: internal error: feasible memory but no finite plan");
+  return D[S - 1][L];
+}
+
+// Tie-break: the ranges of least total time among plans whose stages all take at most `best`.
+std::vector<std::pair<int32_t, int32_t>> least_total(CachedCosts& cost, int32_t S, int32_t L,
+                                                     double best) {
+  std::vector<std::vector<double>> E(S, std::vector<double>(L + 1, kInf));
+  std::vector<std::vector<int32_t>> arg(S, std::vector<int32_t>(L + 1, -1));
+  for (int32_t j = 1; j <= L - (S - 1); ++j) {
+    const double c = cost(0, 0, j).time;
+    if (c <= best) E[0][j] = c, arg[0][j] = 0;
+  }
+  for (int32_t s = 1; s < S; ++s)
+    for (int32_t j = s + 1; j <= L - (S - 1 - s); ++j)
+      for (int32_t i = s; i < j; ++i) {
+        if (E[s - 1][i] == kInf) continue;
+        const double c = cost(s, i, j).time;
+        if (c > best) continue;
+        const double total = E[s - 1][i] + c;
+        if (total < E[s][j]) E[s][j] = total, arg[s][j] = i;
+      }
+  TORCH_CHECK(E[S - 1][L] < kInf, "planner: internal error: tie-break DP found no plan");
+  std::vector<std::pair<int32_t, int32_t>> ranges(S);
+  int32_t j = L;
+  for (int32_t s = S - 1; s >= 0; --s) {
+    ranges[s] = {arg[s][j], j};
+    j = ranges[s].first;
+  }
+  return ranges;
+}
+
+// The plan's totals from its evaluated stages.
+void add_totals(const PlanProblem& p, PlanResult& result) {
+  std::vector<double> device_time(p.memory_limit.size(), 0.0);
+  for (const auto& st : result.stages) {
+    device_time[st.device] += st.time;
+    result.total_time += st.time;
+  }
+  result.bottleneck = *std::max_element(device_time.begin(), device_time.end());
+}
+
+}  // namespace
 
 PlanResult solve_plan(const PlanProblem& p) {
   check_problem(p);
@@ -536,76 +641,20 @@ PlanResult solve_plan(const PlanProblem& p) {
     auto found = solve_given_ranges(p, costs, result);
     if (!found) return result;
     ckpt = std::move(*found);
-  } else {
-    // One stage per device. Stage costs are looked up several times: cache them.
-    std::vector<StageCost> cache(static_cast<size_t>(S) * (L + 1) * (L + 1));
-    std::vector<bool> have(cache.size(), false);
-    auto cost = [&](int32_t s, int32_t i, int32_t j) -> const StageCost& {
-      const size_t k = (static_cast<size_t>(s) * (L + 1) + i) * (L + 1) + j;
-      if (!have[k]) cache[k] = costs.cost(s, i, j), have[k] = true;
-      return cache[k];
-    };
-    // Smallest uniform shift of the limits that admits a plan (minimax over memory excess).
-    {
-      constexpr int64_t kBig = std::numeric_limits<int64_t>::max();
-      std::vector<std::vector<int64_t>> X(S, std::vector<int64_t>(L + 1, kBig));
-      for (int32_t j = 1; j <= L - (S - 1); ++j) X[0][j] = costs.excess(0, 0, j);
-      for (int32_t s = 1; s < S; ++s)
-        for (int32_t j = s + 1; j <= L - (S - 1 - s); ++j)
-          for (int32_t i = s; i < j; ++i)
-            if (X[s - 1][i] != kBig)
-              X[s][j] = std::min(X[s][j], std::max(X[s - 1][i], costs.excess(s, i, j)));
-      const int64_t delta = X[S - 1][L];
-      for (int32_t d = 0; d < S; ++d) result.min_memory_limit.push_back(p.memory_limit[d] + delta);
-      if (delta > 0) return result;
-    }
-
-    // Minimax DP on the bottleneck stage time.
-    std::vector<std::vector<double>> D(S, std::vector<double>(L + 1, kInf));
-    for (int32_t j = 1; j <= L - (S - 1); ++j) D[0][j] = cost(0, 0, j).time;
-    for (int32_t s = 1; s < S; ++s)
-      for (int32_t j = s + 1; j <= L - (S - 1 - s); ++j)
-        for (int32_t i = s; i < j; ++i)
-          if (D[s - 1][i] < kInf)
-            D[s][j] = std::min(D[s][j], std::max(D[s - 1][i], cost(s, i, j).time));
-    const double best = D[S - 1][L];
-    TORCH_CHECK(best < kInf, "planner: internal error: feasible memory but no finite plan");
-
-    // Tie-break: least total time among plans whose stages all take at most `best`.
-    std::vector<std::vector<double>> E(S, std::vector<double>(L + 1, kInf));
-    std::vector<std::vector<int32_t>> arg(S, std::vector<int32_t>(L + 1, -1));
-    for (int32_t j = 1; j <= L - (S - 1); ++j) {
-      const double c = cost(0, 0, j).time;
-      if (c <= best) E[0][j] = c, arg[0][j] = 0;
-    }
-    for (int32_t s = 1; s < S; ++s)
-      for (int32_t j = s + 1; j <= L - (S - 1 - s); ++j)
-        for (int32_t i = s; i < j; ++i) {
-          if (E[s - 1][i] == kInf) continue;
-          const double c = cost(s, i, j).time;
-          if (c > best) continue;
-          const double total = E[s - 1][i] + c;
-          if (total < E[s][j]) E[s][j] = total, arg[s][j] = i;
-        }
-    TORCH_CHECK(E[S - 1][L] < kInf, "planner: internal error: tie-break DP found no plan");
-
-    ranges.resize(S);
-    int32_t j = L;
-    for (int32_t s = S - 1; s >= 0; --s) {
-      const int32_t i = arg[s][j];
-      ranges[s] = {i, j};
+  } else {  // one stage per device
+    const int64_t delta = smallest_shift(costs, S, L);
+    for (int32_t d = 0; d < S; ++d) result.min_memory_limit.push_back(p.memory_limit[d] + delta);
+    if (delta > 0) return result;
+    CachedCosts cost(costs, S, L);
+    ranges = least_total(cost, S, L, best_bottleneck(cost, S, L));
+    for (int32_t s = 0; s < S; ++s) {
+      const auto [i, j] = ranges[s];
       ckpt[s] = checkpointed(costs.frontiers(s), i, j, cost(s, i, j).point);
-      j = i;
     }
   }
   result.feasible = true;
   result.stages = evaluate_plan(p, ranges, ckpt);
-  std::vector<double> device_time(p.memory_limit.size(), 0.0);
-  for (const auto& st : result.stages) {
-    device_time[st.device] += st.time;
-    result.total_time += st.time;
-  }
-  result.bottleneck = *std::max_element(device_time.begin(), device_time.end());
+  add_totals(p, result);
   return result;
 }
 

@@ -158,6 +158,56 @@ void Engine::release_send(StepState& st, Transfer& t) {
   }
 }
 
+void Engine::run_action(StepState& st, const Action& a, const StageFn& forward) {
+  const int64_t t0 = now_ns();
+  compute_start_ns_ = 0;
+  switch (a.op) {
+    case Op::RECV_F:
+      do_recv_f(st, a);
+      break;
+    case Op::F:
+      do_forward(st, a, forward);
+      break;
+    case Op::SEND_F:
+      do_send_f(st, a);
+      break;
+    case Op::RECV_B:
+      do_recv_b(st, a);
+      break;
+    case Op::B:
+      do_backward(st, a);
+      break;
+    case Op::SEND_B:
+      do_send_b(st, a);
+      break;
+    case Op::W:
+      do_weight(st, a);
+      break;
+  }
+  // F and B record their start after their receives completed: waiting is idle time (a gap in
+  // the timeline), not part of the action's cost.
+  timings_.push_back({a, compute_start_ns_ ? compute_start_ns_ : t0, now_ns()});
+}
+
+void Engine::release_known_sends(StepState& st) {
+  // Sends known complete now (their wait returns at once) free their tensors here rather than at
+  // the end of the step. See [Note: send release].
+  for (size_t i : send_release_[st.pos]) {
+    auto it = st.sends.find(i);
+    if (it == st.sends.end()) continue;
+    for (auto& t : it->second) release_send(st, t);
+    st.sends.erase(it);
+  }
+}
+
+void Engine::finish_step(StepState& st) {
+  for (auto& [pos, ts] : st.sends)
+    for (auto& t : ts) release_send(st, t);
+  st.sends.clear();
+  st.on_device.finish(std::chrono::milliseconds(options_.timeout_ms), live_);
+  if (schedule_.backward) stash_.check_empty();
+}
+
 void Engine::run(int64_t signature, const StageFn& forward, const GradsReadyFn& grads_ready) {
   TORCH_CHECK(!broken_ && !live_.aborted(), "[rank ", rank_,
               "] the pipeline engine failed in an earlier step and its peers were left mid-step; "
@@ -181,42 +231,8 @@ void Engine::run(int64_t signature, const StageFn& forward, const GradsReadyFn& 
       const Action& a = actions[st.pos];
       if (st.posted[st.pos]) continue;  // a receive posted early (see post_ahead)
       if (a.op == Op::RECV_F || a.op == Op::RECV_B) st.posted[st.pos] = true;
-      const int64_t t0 = now_ns();
-      compute_start_ns_ = 0;
-      switch (a.op) {
-        case Op::RECV_F:
-          do_recv_f(st, a);
-          break;
-        case Op::F:
-          do_forward(st, a, forward);
-          break;
-        case Op::SEND_F:
-          do_send_f(st, a);
-          break;
-        case Op::RECV_B:
-          do_recv_b(st, a);
-          break;
-        case Op::B:
-          do_backward(st, a);
-          break;
-        case Op::SEND_B:
-          do_send_b(st, a);
-          break;
-        case Op::W:
-          do_weight(st, a);
-          break;
-      }
-      // F and B record their start after their receives completed: waiting is idle time (a
-      // gap in the timeline), not part of the action's cost.
-      timings_.push_back({a, compute_start_ns_ ? compute_start_ns_ : t0, now_ns()});
-      // Sends known complete now (their wait returns at once) free their tensors here rather
-      // than at the end of the step. See [Note: send release].
-      for (size_t i : send_release_[st.pos]) {
-        auto it = st.sends.find(i);
-        if (it == st.sends.end()) continue;
-        for (auto& t : it->second) release_send(st, t);
-        st.sends.erase(it);
-      }
+      run_action(st, a, forward);
+      release_known_sends(st);
       if (auto it = last_grad_.find(st.pos); grads_ready && it != last_grad_.end())
         ready.push_back(it->second);
       const bool send_next = st.pos + 1 < actions.size() && (actions[st.pos + 1].op == Op::SEND_B ||
@@ -226,11 +242,7 @@ void Engine::run(int64_t signature, const StageFn& forward, const GradsReadyFn& 
         ready.clear();
       }
     }
-    for (auto& [pos, ts] : st.sends)
-      for (auto& t : ts) release_send(st, t);
-    st.sends.clear();
-    st.on_device.finish(std::chrono::milliseconds(options_.timeout_ms), live_);
-    if (schedule_.backward) stash_.check_empty();
+    finish_step(st);
   } catch (...) {
     broken_ = true;
     failure_ = failure_of(st, std::current_exception());

@@ -138,6 +138,12 @@ class Engine {
   };
 
   void index_in_order();  // fills in_order_, in_order_index_ and recv_f_pos_
+  // Runs action `a` of the step and records its timing.
+  void run_action(StepState& st, const Action& a, const StageFn& forward);
+  // Releases the sends that the action at st.pos proved complete ([Note: send release]).
+  void release_known_sends(StepState& st);
+  // Releases the step's last sends, checks its device transfers and that the stash is empty.
+  void finish_step(StepState& st);
   void post_ahead(StepState& st, const std::vector<Transfer>& waiting);
   void post_in_order(StepState& st, size_t pos);
   void read_header(StepState& st, const Action& a);

@@ -16,10 +16,7 @@
 #include <string>
 #include <vector>
 
-namespace c10d {
-class ProcessGroup;
-class Work;
-}  // namespace c10d
+#include "transport/c10d_fwd.h"
 
 namespace pippy_xla {
 

@@ -8,11 +8,11 @@
 // 2 KiB with a median of 45-110 us and stalls of 2-5 ms, one or two per step per rank). For the
 // pairs of a pipeline group that share a host, `shm_attach` maps a channel per direction instead
 // and `isend` / `irecv` (p2p.cpp) use it, so the engine and the ops keep one code path:
-// - A channel (created by its receiver, mapped by both) holds kShmSlots message slots. A send
-//   claims a free slot, copies the tensor into that slot's data segment (created by the sender,
-//   grown when a message does not fit) and marks it full; it is complete on return. A receive
-//   takes the full slot with its tag (the oldest, if several) and copies out. No thread besides
-//   the caller's ever runs.
+// - A channel (shm_channel.h; created by its receiver, mapped by both) holds kShmSlots message
+//   slots. A send claims a free slot, copies the tensor into that slot's data segment (created by
+//   the sender, grown when a message does not fit) and marks it full; it is complete on return.
+//   A receive takes the full slot with its tag (the oldest, if several) and copies out. No
+//   thread besides the caller's ever runs.
 // - Waiting (a receive whose message is not there yet, a send that finds every slot full) sleeps
 //   (after polling for up to kShmSpinUs where every rank of the host has a core of its own,
 //   [Note: spinning before sleeping] in shm.cpp) on a futex word of the channel that every post
@@ -35,15 +35,11 @@
 #include <memory>
 #include <string>
 
-namespace c10d {
-class ProcessGroup;
-class Work;
-}  // namespace c10d
+#include "transport/c10d_fwd.h"
+#include "transport/shm_channel.h"
 
 namespace pippy_xla {
 
-constexpr uint32_t kShmSlots = 1024;
-constexpr int64_t kShmWakeMs = 100;
 // How long a wait polls before it sleeps, where every rank of the host has a core of its own
 // ([Note: spinning before sleeping] in shm.cpp).
 constexpr int64_t kShmSpinUs = 2000;

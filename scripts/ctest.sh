@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The C++ unit tests (tests/cpp/, GoogleTest): configures and builds the C++ core against the
+# installed torch's LibTorch in build/cmake, then runs ctest there. Without cmake or GoogleTest
+# (scripts/setup.sh installs libgtest-dev where it may install packages) it says why the C++
+# tests are skipped and exits 0. Extra arguments go to ctest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if ! command -v cmake >/dev/null; then
+  echo "C++ tests skipped: cmake is not installed"
+  exit 0
+fi
+build=build/cmake
+torch_prefix="$(python -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')"
+cmake -S . -B "$build" -DCMAKE_PREFIX_PATH="$torch_prefix" -DCMAKE_BUILD_TYPE=Release >/dev/null
+if ! grep -q "^PIPPY_XLA_HAVE_GTEST:INTERNAL=\(1\|TRUE\|ON\)$" "$build/CMakeCache.txt"; then
+  echo "C++ tests skipped: GoogleTest is not installed (Debian: apt-get install libgtest-dev)"
+  exit 0
+fi
+cmake --build "$build" -j "${MAX_JOBS:-2}"
+ctest --test-dir "$build" --output-on-failure -j "${MAX_JOBS:-2}" "$@"
