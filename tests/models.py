@@ -358,16 +358,17 @@ def reference_step(
 
 def pipeline(model: nn.Module, layer_cls: type[nn.Module], schedule="1f1b", mbs=2, **options):
     """The model pipelined with ``schedule`` (2 chunks per rank when interleaved), ``mbs``
-    microbatches and a short timeout."""
+    microbatches and a short timeout (60 s; compiled stages 600 s: a peer's first receive waits
+    through inductor's compile of the stage, minutes on a slow or busy 2-core machine)."""
     import pippy_xla as px
 
     chunks = 2 if schedule == "interleaved" else 1
+    options.setdefault("timeout", 600 if options.get("compile") else 60)
     return px.PipelineModel(
         model,
         layer_cls=layer_cls,
         num_microbatches=mbs,
         schedule=schedule,
         chunks=chunks,
-        timeout=60,
         **options,
     )
