@@ -1,9 +1,9 @@
 """The cost of the step handshake's batch-content check (``check_batch_content``, see [Note: step
-handshake] in pippy_xla/_batch.py), per step.
+handshake] in pippy_xla/runtime/_batch.py), per step.
 
-- ``digest``: :func:`pippy_xla._batch.step_key` with and without the content digests (one pass
-  over the batch's bytes in C++), in one process, for the README main job's batch (16 x 64 tokens)
-  and for 8 x 4096 tokens (``input_ids``, ``attention_mask`` and ``labels``, int64).
+- ``digest``: :func:`pippy_xla.runtime._batch.step_key` with and without the content digests
+  (one pass over the batch's bytes in C++), in one process, for the README main job's batch
+  (16 x 64 tokens) and for 8 x 4096 tokens (``input_ids``, ``attention_mask``, ``labels``, int64).
 - ``steps``: the README main job's model and batch on 2 CPU ranks, training steps with the check
   on and off, interleaved, so that the check's share of a real step is measured, not assumed.
 
@@ -19,7 +19,7 @@ from _common import llama_config, run_ranks, save, summarize, token_batch
 
 
 def _digest_us(batch: int, seq: int, repeats: int) -> dict:
-    from pippy_xla._batch import step_key
+    from pippy_xla.runtime._batch import step_key
 
     tokens = token_batch(batch, seq, vocab=512)
     out = {}

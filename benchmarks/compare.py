@@ -266,7 +266,7 @@ def _unique_bytes(tensors) -> int:
 class _SavedBytes:
     """Live bytes of tensors autograd saved for backward (unique storages, parameters
     excluded) and their peak. Packed tensors are wrapped in handles whose ``__del__`` runs
-    when autograd frees them. (``pippy_xla.profiler.SavedBytes`` counts something else: every
+    when autograd frees them. (``pippy_xla.plan.profiler.SavedBytes`` counts something else: every
     byte saved in a region, freed or not, for the planner's per-layer costs.)"""
 
     def __init__(self, modules) -> None:

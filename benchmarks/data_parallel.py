@@ -37,7 +37,7 @@ LAYOUTS = [
 
 
 def _state_bytes(pipe, opt) -> int:
-    from pippy_xla.data_parallel import local_tensor
+    from pippy_xla.runtime.data_parallel import local_tensor
 
     total = 0
     for p in pipe.parameters():

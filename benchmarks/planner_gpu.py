@@ -130,7 +130,7 @@ def main() -> None:
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     import pippy_xla as px
-    from pippy_xla.planner import PlanInfeasibleError, limit_range, parse_bytes, profile_model
+    from pippy_xla.plan.planner import PlanInfeasibleError, limit_range, parse_bytes, profile_model
 
     torch.manual_seed(0)
     if args.device == "cpu":

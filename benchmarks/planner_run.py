@@ -114,7 +114,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import pippy_xla as px
-    from pippy_xla.planner import evaluate, limit_range, profile_model
+    from pippy_xla.plan.planner import evaluate, limit_range, profile_model
 
     torch.set_num_threads(1)
     model, layer_cls = _model(args.layers, args.hidden)

@@ -12,7 +12,7 @@ import time
 from _common import save
 
 from pippy_xla import _C
-from pippy_xla.planner import LayerCost, PlanProblem, StageExtra, solve
+from pippy_xla.plan.planner import LayerCost, PlanProblem, StageExtra, solve
 
 
 def _problem(

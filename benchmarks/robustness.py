@@ -358,8 +358,8 @@ def _exit_after_collective(rank: int, arm: str) -> None:
     import torch.distributed as dist
 
     from pippy_xla import _C
-    from pippy_xla._exit import release_at_exit
-    from pippy_xla.ops import group_name_of
+    from pippy_xla.runtime._exit import release_at_exit
+    from pippy_xla.runtime.ops import group_name_of
 
     class Holder:  # holds the group as a PipelineModel does: in an instance attribute
         def __init__(self) -> None:

@@ -108,7 +108,7 @@ def main() -> None:
             "recv_post_s": summarize(recvs),
             "predicted_bubble": sim.bubble,
         }
-        from pippy_xla import viz
+        from pippy_xla.plan import viz
 
         viz.draw_timeline(
             viz.simulated_events(sim),

@@ -1,7 +1,7 @@
 """Type stub of ``pippy_xla._C``, the C++ core (csrc/bindings/): schedules, stash, engine,
 the pipeline's collectives on C++-owned buffers, the counting CPU allocator and the planner's
 solver. The ``pippy_xla::send/recv/...`` custom ops are registered with ``torch.ops``, not
-here (see ``pippy_xla/ops.py``)."""
+here (see ``pippy_xla/runtime/ops.py``)."""
 
 from collections.abc import Callable, Sequence
 from typing import type_check_only
@@ -427,7 +427,7 @@ class TransferError(RuntimeError):
 class Abortable(_pybind11_object):
     """Lets another thread end a collective's waits: pass it as ``abortable`` to a collective
     over shared memory and call :meth:`abort` (see [Note: watched collectives] in
-    pippy_xla/errors.py)."""
+    pippy_xla/runtime/failures.py)."""
 
     def __init__(self) -> None: ...
     def abort(self) -> None:
@@ -541,7 +541,7 @@ def memory_stats() -> MemoryStats:
 def memory_reset_peak() -> None:
     """Sets the counted peak to the live bytes now."""
 
-# ---- planner (csrc/plan/planner.h); pippy_xla/cost_model.py re-exports the classes
+# ---- planner (csrc/plan/planner.h); pippy_xla/plan/cost_model.py re-exports the classes
 
 class LayerCost(_pybind11_object):
     """Per-microbatch cost of one decoder layer (see [Note: planner cost model])."""

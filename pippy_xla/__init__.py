@@ -1,15 +1,23 @@
 """pippy_xla: pipeline-parallel training for PyTorch, with a C++ engine."""
 
-from pippy_xla import ops  # noqa: F401  (registers the ops' fake kernels and autograd)
 from pippy_xla._native import _C
 from pippy_xla._version import __version__  # noqa: F401
 from pippy_xla.config import PipelineConfig
 from pippy_xla.errors import BatchMismatchError, PipelineError
-from pippy_xla.fingerprint import Fingerprint, explain_difference, fingerprint
-from pippy_xla.materialize import UninitializedTensorError, materialize
-from pippy_xla.partition import StageGraph, UnsupportedModelError, find_layers, partition
 from pippy_xla.pipeline import EvalOutput, PipelineModel, balanced_ranges
-from pippy_xla.planner import Plan, PlanInfeasibleError, plan
+from pippy_xla.plan import Plan, PlanInfeasibleError, plan
+from pippy_xla.runtime import ops  # noqa: F401  (registers the ops' fake kernels and autograd)
+from pippy_xla.split import (
+    Fingerprint,
+    StageGraph,
+    UninitializedTensorError,
+    UnsupportedModelError,
+    explain_difference,
+    find_layers,
+    fingerprint,
+    materialize,
+    partition,
+)
 
 Schedule = _C.Schedule
 """A pipeline schedule as data (every rank's actions): ``Schedule.from_csv(text)`` reads

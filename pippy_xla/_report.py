@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from pippy_xla._step import StepRunner
+from pippy_xla.runtime._step import StepRunner
 
 __all__ = ["Report"]
 
@@ -35,7 +35,7 @@ class Report:
         pipeline's group) and, on its first rank, writes a Chrome/Perfetto trace (``json_path``)
         and a Gantt chart (``png_path``). Returns the merged events ``(rank, op, stage,
         microbatch, start_s, end_s)`` on every rank."""
-        from pippy_xla import viz
+        from pippy_xla.plan import viz
 
         place, config = self._runner.place, self._runner.config
         mine = [(place.rank, op, s, mb, t0 / 1e9, t1 / 1e9) for op, s, mb, t0, t1 in self.timings()]

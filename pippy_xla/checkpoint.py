@@ -29,8 +29,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
-from pippy_xla.data_parallel import assign
-from pippy_xla.errors import FailureState
+from pippy_xla.runtime.data_parallel import assign
+from pippy_xla.runtime.failures import FailureState
 from pippy_xla.units import parse_bytes
 
 __all__ = [

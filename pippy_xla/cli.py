@@ -75,7 +75,7 @@ def _build_model(args: argparse.Namespace):
 
 def _plan(args: argparse.Namespace) -> int:
     import pippy_xla as px
-    from pippy_xla.planner import PlanInfeasibleError
+    from pippy_xla.plan.planner import PlanInfeasibleError
 
     model, layer_cls = _build_model(args)
     batch = args.batch_size or args.microbatches
@@ -112,7 +112,7 @@ def _plan(args: argparse.Namespace) -> int:
 def _parser() -> argparse.ArgumentParser:
     from pippy_xla._native import _C
     from pippy_xla._version import __version__
-    from pippy_xla.cost_model import PLANNED_SCHEDULES
+    from pippy_xla.plan.cost_model import PLANNED_SCHEDULES
 
     parser = argparse.ArgumentParser(prog="pippy-xla", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"pippy_xla {__version__}")
@@ -176,8 +176,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from pippy_xla import viz
     from pippy_xla._native import _C
+    from pippy_xla.plan import viz
 
     chunks = args.chunks or _C.default_chunks(args.schedule)
     sched = _C.make_schedule(args.schedule, args.ranks, args.microbatches, chunks)

@@ -5,7 +5,7 @@ the process groups is a field here, with its default and its meaning in one plac
 accepts either a config (``config=PipelineConfig(...)``) or the same fields as keyword arguments.
 What can be checked without the process group is checked in ``__post_init__``; what needs the
 group or the model (the stage count, the layer count, the device) is checked by
-:func:`pippy_xla._build.build`.
+:func:`pippy_xla.runtime._build.build`.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from pippy_xla._native import _C
-from pippy_xla.data_parallel import DATA_PARALLEL_MODES
+from pippy_xla.runtime.data_parallel import DATA_PARALLEL_MODES
 
 if TYPE_CHECKING:
-    from pippy_xla.planner import Plan
+    from pippy_xla.plan.planner import Plan
 
 __all__ = ["LossFn", "PipelineConfig", "causal_lm_num_items"]
 
@@ -62,7 +62,7 @@ class PipelineConfig:
     """An explicit half-open ``(start, stop)`` decoder-layer range per stage (default: balanced,
     earlier stages get the extra layers). Exclusive with ``plan``."""
     plan: Plan | None = None
-    """A :class:`~pippy_xla.planner.Plan` (from :func:`pippy_xla.plan`) made for this schedule,
+    """A :class:`~pippy_xla.plan.planner.Plan` (from :func:`pippy_xla.plan`) made for this schedule,
     microbatch count and chunk count: its layer ranges and its checkpointed layers."""
     checkpoint_layers: Sequence[int] = ()
     """Decoder layers (global indices) run under activation checkpointing: their activations are

@@ -7,11 +7,12 @@ lives, ``meta`` included), keeps only its own stage, and hands that stage to the
 ``PipelineModel`` is a facade. The data flows one way:
 
 - :class:`~pippy_xla.config.PipelineConfig`: what the user asked for, validated once;
-- :func:`pippy_xla._build.build`: the stages of this rank, ready to run (placement, layout,
-  partition, handshake, materialization, tied weights, data parallelism, engines);
-- then one object per job: :class:`~pippy_xla._state.StageState` (parameters and state dicts),
-  :class:`~pippy_xla._step.StepRunner` (running a step), :class:`~pippy_xla.errors.FailureState`
-  (failure handling) and :class:`~pippy_xla._report.Report` (timings, timelines, stash counts);
+- :func:`pippy_xla.runtime._build.build`: the stages of this rank, ready to run (placement,
+  layout, partition, handshake, materialization, tied weights, data parallelism, engines);
+- then one object per job: :class:`~pippy_xla.runtime._state.StageState` (parameters and state
+  dicts), :class:`~pippy_xla.runtime._step.StepRunner` (running a step),
+  :class:`~pippy_xla.runtime.failures.FailureState` (failure handling) and
+  :class:`~pippy_xla._report.Report` (timings, timelines, stash counts);
   :mod:`pippy_xla.checkpoint` saves and loads through the facade.
 """
 
@@ -28,15 +29,15 @@ import torch.distributed as dist
 from torch import nn
 
 from pippy_xla import checkpoint
-from pippy_xla._build import build
-from pippy_xla._exit import release_at_exit
 from pippy_xla._native import _C
 from pippy_xla._report import Report
-from pippy_xla._state import StageState
-from pippy_xla._step import EvalOutput, StepRunner
 from pippy_xla.config import LossFn, PipelineConfig
-from pippy_xla.errors import FailureState
-from pippy_xla.partition import StageGraph
+from pippy_xla.runtime._build import build
+from pippy_xla.runtime._exit import release_at_exit
+from pippy_xla.runtime._state import StageState
+from pippy_xla.runtime._step import EvalOutput, StepRunner
+from pippy_xla.runtime.failures import FailureState
+from pippy_xla.split.partition import StageGraph
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

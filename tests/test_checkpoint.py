@@ -13,8 +13,8 @@ import torch
 from models import MODELS, make_batch, warmup_cosine
 
 import pippy_xla as px
-from pippy_xla._ties import tied_names
 from pippy_xla.checkpoint import latest_checkpoint, load_into_module
+from pippy_xla.runtime._ties import tied_names
 from pippy_xla.testing import run_ranks
 
 # fp32; see test_pipeline.py for why these tolerances.

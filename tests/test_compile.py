@@ -14,7 +14,7 @@ from models import MODELS, gpt2, llama, make_batch
 from tolerances import assert_close_compiled
 
 import pippy_xla as px
-from pippy_xla import _step
+from pippy_xla.runtime import _step
 from pippy_xla.testing import run_ranks
 
 
@@ -123,7 +123,7 @@ def test_compiled_stage_leaves_weight_gradients_to_w():
     from torch._dynamo.utils import counters
 
     from pippy_xla import _C
-    from pippy_xla._split_compile import split_backward_backend
+    from pippy_xla.split._split_compile import split_backward_backend
 
     torch._dynamo.reset()
     stage, batch_args, hidden = _stage_and_input()
@@ -173,7 +173,7 @@ class _CountingNorm(torch.nn.Module):
 def test_compiled_stage_that_mutates_a_buffer_falls_back_with_a_warning():
     import pytest
 
-    from pippy_xla._split_compile import split_backward_backend
+    from pippy_xla.split._split_compile import split_backward_backend
 
     torch._dynamo.reset()
     torch.manual_seed(0)

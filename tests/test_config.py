@@ -1,11 +1,9 @@
 """PipelineConfig: validated once with clear errors; a config and keyword options build the same
-pipeline; activation checkpointing from the config; the package's import structure."""
+pipeline; activation checkpointing from the config. The import structure: test_layout.py."""
 
 from __future__ import annotations
 
-import ast
 import copy
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +12,6 @@ from models import llama, make_batch
 import pippy_xla as px
 from pippy_xla.config import PipelineConfig
 from pippy_xla.testing import run_ranks
-
-PACKAGE = Path(px.__file__).parent
 
 
 @pytest.mark.parametrize(
@@ -105,46 +101,3 @@ def test_config_and_keyword_options_build_the_same_pipeline():
         assert f"rank {rank} of 2, 2 stages, schedule 'gpipe', 2 microbatches" in out["config"][1]
         assert f"stage {rank}: layers [{2 * rank}, {2 * rank + 1}]" in out["config"][1]
         assert out["checkpointed"][2] == (1, 2)
-
-
-# ----------------------------------------------------------------------------- structure
-
-
-def _imports(path: Path) -> set[str]:
-    """The package modules ``path`` imports (``pippy_xla.x`` -> ``x``; the package's
-    ``__init__`` as ``pippy_xla``), type-checking imports included."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pippy_xla"):
-            parts = node.module.split(".")
-            if len(parts) > 1:
-                found.add(parts[1])
-            else:  # from pippy_xla import x: a submodule, or a name of the package's __init__
-                for alias in node.names:
-                    sub = PACKAGE / f"{alias.name}.py"
-                    found.add(alias.name if sub.exists() or alias.name == "_C" else "pippy_xla")
-        elif isinstance(node, ast.Import):
-            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("pippy_xla.")}
-    return found
-
-
-def test_the_package_has_no_import_cycles_and_one_door_to_cpp():
-    graph = {p.stem: _imports(p) for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
-    for module, targets in graph.items():
-        assert "pippy_xla" not in targets, f"{module} imports from the package's __init__"
-        if module != "_native":
-            assert "_C" not in targets, f"{module} imports _C directly; use pippy_xla._native"
-
-    def cycle_from(start, node, path):
-        for nxt in sorted(graph.get(node, ())):
-            if nxt == start:
-                return [*path, nxt]
-            if nxt in graph and nxt not in path:
-                found = cycle_from(start, nxt, [*path, nxt])
-                if found:
-                    return found
-        return None
-
-    for module in sorted(graph):
-        cycle = cycle_from(module, module, [module])
-        assert cycle is None, "import cycle: " + " -> ".join(cycle)

@@ -14,8 +14,8 @@ from torch.distributed.distributed_c10d import _get_default_store
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
 import pippy_xla as px
-from pippy_xla._exit import release_groups_at_exit
 from pippy_xla._native import _C
+from pippy_xla.runtime._exit import release_groups_at_exit
 from pippy_xla.testing import run_ranks
 
 ERROR_TABLE_PAGE = Path(__file__).resolve().parents[1] / "docs" / "runtime.md"
@@ -529,15 +529,15 @@ def _group_threads_after_exit_hook(rank, world):
 
 
 def test_exit_hook_lets_a_destroyed_group_finish_before_finalization():
-    # [Note: releasing the group at exit] in pippy_xla/_exit.py.
+    # [Note: releasing the group at exit] in pippy_xla/runtime/_exit.py.
     for held, after, group in run_ranks(2, _group_threads_after_exit_hook):
         assert held, "expected gloo's worker threads while the pipeline holds the group"
         assert after == [] and group is None, after
 
 
 def _group_threads_with_a_default_argument_holder(rank, world):
-    # [Note: groups bound as default arguments] in pippy_xla/_exit.py. Re-executing the module
-    # after init_process_group binds the live world group into its defaults, as importing it
+    # [Note: groups bound as default arguments] in pippy_xla/runtime/_exit.py. Re-executing the
+    # module after init_process_group binds the live world group into its defaults, as importing it
     # (through transformers) after init_process_group does.
     import importlib
 
@@ -559,9 +559,9 @@ def test_exit_hook_releases_a_destroyed_group_held_by_default_arguments():
 
 
 # ----------------------------------------------------------------------------- watched collectives
-# [Note: watched collectives] in pippy_xla/errors.py: a rank that fails in (or before) a collective
-# outside the engine, and lives on, ends its peers' waits at once; without it they would wait out
-# the timeout (60 s here).
+# [Note: watched collectives] in pippy_xla/runtime/failures.py: a rank that fails in (or before)
+# a collective outside the engine, and lives on, ends its peers' waits at once; without it they
+# would wait out the timeout (60 s here).
 
 WATCHED_TIMEOUT_S = 60
 FAST_S = 15.0  # well below the timeout, above a loaded 2-core machine's slowest step

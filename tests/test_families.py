@@ -152,7 +152,7 @@ import hashlib, sys
 sys.path.insert(0, {tests!r})
 import torch
 from models import MODELS
-from pippy_xla.partition import partition
+from pippy_xla.split.partition import partition
 model, layer_cls = MODELS["olmo3"]()
 stages = partition(model, layer_cls, [(0, 2), (2, 4)])
 print(hashlib.sha256("".join(st.code for st in stages).encode()).hexdigest())

@@ -18,9 +18,9 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 import pippy_xla as px
-from pippy_xla import hf
-from pippy_xla.materialize import UninitializedTensorError, materialize
-from pippy_xla.partition import partition
+from pippy_xla.split import hf
+from pippy_xla.split.materialize import UninitializedTensorError, materialize
+from pippy_xla.split.partition import partition
 from pippy_xla.testing import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,7 +134,7 @@ class _Scale(nn.Module):
 
 
 def test_non_hf_modules_reset_or_fail():
-    from pippy_xla.partition import StageGraph
+    from pippy_xla.split.partition import StageGraph
 
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(4, 4), _Scale())

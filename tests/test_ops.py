@@ -9,7 +9,7 @@ from tolerances import assert_close_compiled
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import pippy_xla as px
-from pippy_xla import ops
+from pippy_xla.runtime import ops
 from pippy_xla.testing import run_ranks
 
 P = torch.ops.pippy_xla

@@ -1,4 +1,4 @@
-"""Single-process tests of the fx partitioner (``pippy_xla.partition``)."""
+"""Single-process tests of the fx partitioner (``pippy_xla.split.partition``)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from torch import nn
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-from pippy_xla import hf
-from pippy_xla.partition import UnsupportedModelError, find_layers, partition
+from pippy_xla.split import hf
+from pippy_xla.split.partition import UnsupportedModelError, find_layers, partition
 
 torch.set_num_threads(1)
 

@@ -13,8 +13,7 @@ import torch
 from models import MODELS, make_batch
 
 import pippy_xla as px
-from pippy_xla.partition import find_layers, partition
-from pippy_xla.planner import (
+from pippy_xla.plan.planner import (
     LayerCost,
     PlanInfeasibleError,
     PlanProblem,
@@ -25,7 +24,8 @@ from pippy_xla.planner import (
     profile_model,
     solve,
 )
-from pippy_xla.profiler import SavedBytes
+from pippy_xla.plan.profiler import SavedBytes
+from pippy_xla.split.partition import find_layers, partition
 from pippy_xla.testing import run_ranks
 
 # Same tolerances as tests/test_pipeline.py (fp32; microbatch sums vs whole-batch reference;
@@ -769,7 +769,7 @@ BYTE_FIELDS = (
 def test_a_meta_model_profiles_like_the_real_one(family):
     """A model built on ``meta`` is profiled through a stand-in that holds one layer per kind
     ([Note: profiling a meta model]): every byte the planner uses equals the real model's."""
-    from pippy_xla.profiler import _stand_in
+    from pippy_xla.plan.profiler import _stand_in
 
     torch.manual_seed(0)
     real, layer_cls = MODELS[family](layers=6)

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 import pippy_xla as px
-from pippy_xla import _C, ops
+from pippy_xla import _C
+from pippy_xla.runtime import ops
 from pippy_xla.testing import run_ranks
 from tests.models import llama, make_batch
 

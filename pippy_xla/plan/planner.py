@@ -3,8 +3,8 @@
 Under 1F1B, stage ``s`` holds activations of ``min(stages - s, microbatches)`` microbatches, so
 equal layer counts leave memory unbalanced; ZB-H1 also holds microbatches between B and W, and
 interleaved puts several stages on a rank. :func:`plan` profiles the model once
-(:func:`pippy_xla.profiler.profile_model`), builds the cost model of [Note: planner cost model]
-(``csrc/plan/planner.h``, :mod:`pippy_xla.cost_model`) from the schedule's live states (the C++
+(:func:`pippy_xla.plan.profiler.profile_model`), builds the cost model of [Note: planner cost model]
+(``csrc/plan/planner.h``, :mod:`pippy_xla.plan.cost_model`) from the schedule's live states (the C++
 simulator's replay of what each rank holds when) and asks the exact C++ solver for contiguous
 layer ranges and a set of checkpointed layers per stage that minimize the bottleneck rank time
 (forward + backward + recomputation) under each rank's memory limit. The plan's reported step
@@ -12,7 +12,7 @@ time is the C++ schedule simulator's makespan for the chosen per-stage costs.
 
 ``PipelineModel(..., plan=plan)`` applies it: its layer ranges, and its checkpointed layers run
 under non-reentrant ``torch.utils.checkpoint`` inside the stage graphs
-(see [Note: checkpointed layers] in :mod:`pippy_xla.partition`).
+(see [Note: checkpointed layers] in :mod:`pippy_xla.split.partition`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from torch import nn
 
 from pippy_xla._native import _C
-from pippy_xla.cost_model import (
+from pippy_xla.plan.cost_model import (
     PLANNED_SCHEDULES,
     LayerCost,
     ModelProfile,
@@ -37,7 +37,7 @@ from pippy_xla.cost_model import (
     inflight_counts,
     solve,
 )
-from pippy_xla.profiler import profile_model
+from pippy_xla.plan.profiler import profile_model
 from pippy_xla.units import format_bytes, parse_bytes
 
 __all__ = [
@@ -289,7 +289,7 @@ def plan(
         batch_size: global batch size (divisible by ``num_microbatches``).
         seq_len: sequence length.
         memory_limit: bytes per rank (``int``, ``"20MiB"``, or one per rank).
-        schedule: any of :data:`pippy_xla.cost_model.PLANNED_SCHEDULES` (``"1f1b"``,
+        schedule: any of :data:`pippy_xla.plan.cost_model.PLANNED_SCHEDULES` (``"1f1b"``,
             ``"gpipe"``, ``"interleaved"``, ``"zbh1"``); it sets what each rank holds when.
         chunks: stages per rank (default: the schedule's, 2 for ``"interleaved"``). With
             several stages per rank the layers split into equal ranges, as the pipeline runs

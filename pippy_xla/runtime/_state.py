@@ -12,8 +12,8 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from pippy_xla.data_parallel import assign
-from pippy_xla.partition import StageGraph
+from pippy_xla.runtime.data_parallel import assign
+from pippy_xla.split.partition import StageGraph
 
 __all__ = ["StageState", "named_parameters", "params_named"]
 

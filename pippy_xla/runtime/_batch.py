@@ -6,7 +6,7 @@ batch before any point-to-point transfer; :func:`split_batch` then cuts this rep
 microbatches (after the handshake, so that a rank's splitting does not delay its peers' start).
 The batch signature is also the key under which the engine remembers the boundary shapes (see
 [Note: boundary specs] in csrc/runtime/boundary.h). The step runner
-(:class:`pippy_xla._step.StepRunner`) calls these in that order.
+(:class:`pippy_xla.runtime._step.StepRunner`) calls these in that order.
 
 [Note: step handshake]
 

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import torch
 from torch import nn
 
-from pippy_xla.partition import StageGraph
+from pippy_xla.split.partition import StageGraph
 
 __all__ = ["UninitializedTensorError", "materialize", "materialize_tensors"]
 

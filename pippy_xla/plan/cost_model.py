@@ -4,7 +4,7 @@ checkpointed layers, and the exact C++ solver over it.
 The cost types (:class:`LayerCost`, :class:`StageExtra`, :class:`PlanProblem`) are the C++
 structs of ``csrc/plan/planner.h``, bound with the same field names; the formulas are in
 [Note: planner cost model] there. :class:`ModelProfile` holds measured costs of a model
-(:func:`pippy_xla.profiler.profile_model`) and turns them into a :class:`PlanProblem` for a
+(:func:`pippy_xla.plan.profiler.profile_model`) and turns them into a :class:`PlanProblem` for a
 number of stages.
 """
 

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pippy_xla import ops
 from pippy_xla._native import _C
-from pippy_xla.partition import StageGraph
+from pippy_xla.runtime import ops
+from pippy_xla.split.partition import StageGraph
 
 __all__ = [
     "Tie",

@@ -1,5 +1,5 @@
 """Profiler: measures a model's per-microbatch costs for the planner's cost model
-(:class:`pippy_xla.cost_model.ModelProfile`): times, saved-for-backward bytes, static bytes and
+(:class:`pippy_xla.plan.cost_model.ModelProfile`): times, saved-for-backward bytes, static bytes and
 transient working sets per layer, prologue and epilogue, in one process."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch.utils.checkpoint
 from torch import nn
 
 from pippy_xla._native import _C
-from pippy_xla.cost_model import LayerCost, ModelProfile, StageExtra
-from pippy_xla.partition import find_layers
+from pippy_xla.plan.cost_model import LayerCost, ModelProfile, StageExtra
+from pippy_xla.split.partition import find_layers
 
 __all__ = ["ADAMW_STATES", "SavedBytes", "profile_model"]
 
@@ -114,7 +114,7 @@ def _stand_in(
     would count that gradient. The kind's last layer runs its backward first (the real way), so
     each layer reports its kind's last layer's backward working set: the second value returned
     maps each layer to that layer (by index)."""
-    from pippy_xla.materialize import materialize_tensors
+    from pippy_xla.split.materialize import materialize_tensors
 
     stand_in = copy.deepcopy(model)
     layer_names = find_layers(stand_in, layer_cls)
@@ -145,8 +145,8 @@ def _stand_in(
 @contextlib.contextmanager
 def _checkpointed(layers: Sequence[nn.Module], on_recompute):
     """Runs each layer's forward under non-reentrant ``torch.utils.checkpoint`` (as the stage
-    graphs do, see [Note: checkpointed layers] in :mod:`pippy_xla.partition`) while active, and
-    calls ``on_recompute(k, seconds)`` with the duration of layer ``k``'s recomputation (its
+    graphs do, see [Note: checkpointed layers] in :mod:`pippy_xla.split.partition`) while active,
+    and calls ``on_recompute(k, seconds)`` with the duration of layer ``k``'s recomputation (its
     forward run again during backward)."""
 
     def wrap(k: int, fn):

@@ -21,21 +21,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pippy_xla._batch import digest64
 from pippy_xla._native import _C
-from pippy_xla._recompile import RecompileWatch
-from pippy_xla._split_compile import split_backward_backend
-from pippy_xla._state import params_named
-from pippy_xla._ties import Tie, combine_among, local_ties, tied_names, untie_local_copies
-from pippy_xla.config import LossFn, PipelineConfig
-from pippy_xla.data_parallel import DataParallel, MeshGroups, mesh_groups
-from pippy_xla.errors import AbortChannel
-from pippy_xla.materialize import materialize
-from pippy_xla.ops import group_name_of
-from pippy_xla.partition import StageGraph, UnsupportedModelError, find_layers, partition
+from pippy_xla.runtime._batch import digest64
+from pippy_xla.runtime._recompile import RecompileWatch
+from pippy_xla.runtime._state import params_named
+from pippy_xla.runtime._ties import Tie, combine_among, local_ties, tied_names, untie_local_copies
+from pippy_xla.runtime.data_parallel import DataParallel, MeshGroups, mesh_groups
+from pippy_xla.runtime.failures import AbortChannel
+from pippy_xla.runtime.ops import group_name_of
+from pippy_xla.split._split_compile import split_backward_backend
+from pippy_xla.split.materialize import materialize
+from pippy_xla.split.partition import StageGraph, UnsupportedModelError, find_layers, partition
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the runtime reads the config it is given; config.py sits above the wings
     from torch.distributed.device_mesh import DeviceMesh
+
+    from pippy_xla.config import LossFn, PipelineConfig
 
 __all__ = [
     "BuiltPipeline",

@@ -15,7 +15,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 
-from pippy_xla.partition import StageGraph
+from pippy_xla.split.partition import StageGraph
 
 __all__ = ["Fingerprint", "fingerprint", "explain_difference"]
 

@@ -15,20 +15,23 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.modules.module as _module
 
-from pippy_xla._batch import agree_on_step, check_batch, digest64, split_batch, step_key
-from pippy_xla._build import BuiltPipeline
-from pippy_xla._grads import clip_, global_norm, local_gradients
 from pippy_xla._native import _C
-from pippy_xla._recompile import RecompileWatch
-from pippy_xla._ties import add_back_grads, combine_among, set_aside_grads
-from pippy_xla.config import PipelineConfig
-from pippy_xla.data_parallel import local_tensor
-from pippy_xla.errors import FailureState
-from pippy_xla.partition import StageGraph
+from pippy_xla.runtime._batch import agree_on_step, check_batch, digest64, split_batch, step_key
+from pippy_xla.runtime._build import BuiltPipeline
+from pippy_xla.runtime._grads import clip_, global_norm, local_gradients
+from pippy_xla.runtime._recompile import RecompileWatch
+from pippy_xla.runtime._ties import add_back_grads, combine_among, set_aside_grads
+from pippy_xla.runtime.data_parallel import local_tensor
+from pippy_xla.runtime.failures import FailureState
+from pippy_xla.split.partition import StageGraph
+
+if TYPE_CHECKING:  # the runtime reads the config it is given; config.py sits above the wings
+    from pippy_xla.config import PipelineConfig
 
 __all__ = ["EvalOutput", "StageForward", "StepRunner", "direct_forward", "stage_forward"]
 

@@ -1,7 +1,8 @@
 """Split a decoder-only model into one ``torch.fx.GraphModule`` per pipeline stage.
 
 The model is traced once with torch.fx, with the decoder layers, rotary embeddings and the mask
-factories as leaves (see :mod:`pippy_xla.hf`), and every node of the trace is assigned to stages:
+factories as leaves (see :mod:`pippy_xla.split.hf`), and every node of the trace is assigned to
+stages:
 
 - layer ``k``'s call goes to the stage whose range holds ``k``;
 - any other node goes to the stage of the highest-index layer upstream of it (its "depth");
@@ -25,8 +26,8 @@ import torch
 import torch.utils.checkpoint
 from torch import fx, nn
 
-from pippy_xla import hf
 from pippy_xla._native import _C
+from pippy_xla.split import hf
 
 __all__ = ["StageGraph", "UnsupportedModelError", "find_layers", "partition"]
 
@@ -566,8 +567,8 @@ def _producers(node: fx.Node) -> list[tuple[fx.Node, bool]]:
 
 """[Note: checkpointed layers]
 
-``partition(..., checkpoint_layers=[k, ...])`` (the planner's choice, see :mod:`pippy_xla.planner`)
-rewrites the ``call_module`` node of each listed decoder layer into
+``partition(..., checkpoint_layers=[k, ...])`` (the planner's choice, see
+:mod:`pippy_xla.plan.planner`) rewrites the ``call_module`` node of each listed decoder layer into
 ``torch.utils.checkpoint.checkpoint(<get_attr of the layer>, *args, use_reentrant=False,
 **kwargs)``. The ``get_attr`` references the same submodule, so parameter names and order are
 unchanged, and node names are kept, so the stage code stays a pure function of (model, partition

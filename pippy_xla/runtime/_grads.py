@@ -28,8 +28,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from pippy_xla._ties import Tie
-from pippy_xla.data_parallel import local_tensor
+from pippy_xla.runtime._ties import Tie
+from pippy_xla.runtime.data_parallel import local_tensor
 
 __all__ = ["clip_", "global_norm", "local_gradients"]
 
