@@ -140,89 +140,111 @@ def run_ranks(
         for r in range(world_size)
     ]
     for r, p in enumerate(procs):
-        extra = (rank_env or {}).get(r, {})
-        saved = {k: os.environ.get(k) for k in extra}
-        os.environ.update(extra)
-        try:
-            p.start()
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    del os.environ[k]
-                else:
-                    os.environ[k] = v
+        _start_with_env(p, (rank_env or {}).get(r, {}))
     outs: dict[int, tuple[str, Any]] = {}
-    deadline = time.monotonic() + timeout
     try:
-        while len(outs) < world_size:
-            try:
-                rank, status, value = results.get(timeout=0.5)
-                outs[rank] = (status, value)
-                if status == "error":
-                    # Give peers a moment to report their side of the failure, then stop.
-                    end = time.monotonic() + 10
-                    while len(outs) < world_size and time.monotonic() < end:
-                        try:
-                            r2, s2, v2 = results.get(timeout=0.5)
-                            outs[r2] = (s2, v2)
-                        except queue.Empty:
-                            pass
-                    break
-            except queue.Empty:
-                pass
-            for r, p in enumerate(procs):
-                if r not in outs and not p.is_alive() and p.exitcode is not None:
-                    # Drain what it may have put just before exiting.
-                    try:
-                        while True:
-                            rank, status, value = results.get(timeout=0.2)
-                            outs[rank] = (status, value)
-                    except queue.Empty:
-                        pass
-                    if r not in outs:
-                        outs[r] = ("exited", p.exitcode)
-            if time.monotonic() > deadline:
-                break
+        _collect(procs, results, outs, time.monotonic() + timeout)
     finally:
-        # Ranks that returned their result must also exit by themselves, cleanly: a crash or a
-        # hang at teardown fails a job under torchrun just as an error does.
-        if all(outs.get(r, ("",))[0] in ("ok", "exited") for r in range(world_size)):
-            end = time.monotonic() + EXIT_TIMEOUT_S
-            for p in procs:
-                p.join(timeout=max(0.1, end - time.monotonic()))
-        # A rank still running past the deadline hangs: SIGABRT makes faulthandler (enabled in
-        # every rank) print all its threads' Python stacks before it dies.
-        hung = [p for r, p in enumerate(procs) if r not in outs and p.is_alive()]
-        for p in hung:
-            os.kill(p.pid, signal.SIGABRT)
-        for p in hung:
-            p.join(timeout=5)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        for p in procs:
-            p.join(timeout=10)
-    problems = []
-    for r in range(world_size):
-        status, value = outs.get(r, ("timeout", None))
-        if status == "ok" and procs[r].exitcode != 0:
-            code = procs[r].exitcode
-            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-            if code == -signal.SIGKILL:
-                how = f"no exit within {EXIT_TIMEOUT_S:.0f} s (killed)"
-            problems.append(f"--- rank {r} returned its result, then its process ended: {how}")
-            continue
-        if status == "ok" or (status == "exited" and r in may_exit):
-            continue
-        if status == "error":
-            problems.append(f"--- rank {r} raised:\n{value}")
-        elif status == "exited":
-            problems.append(f"--- rank {r} exited with code {value} without reporting")
-        else:
-            problems.append(
-                f"--- rank {r} did not finish within {timeout:.0f} s (killed; its threads' "
-                "Python stacks are in the captured stderr)"
-            )
+        _stop(procs, outs)
+    problems = [_problem(r, procs[r], outs, may_exit, timeout) for r in range(world_size)]
+    problems = [p for p in problems if p]
     if problems:
         raise AssertionError("multi-rank test failed:\n" + "\n".join(problems))
     return [outs[r][1] if outs[r][0] == "ok" else None for r in range(world_size)]
+
+
+def _start_with_env(p, extra: dict[str, str]) -> None:
+    """Starts ``p`` with ``extra`` added to the environment it inherits."""
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        p.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
+
+
+def _collect(procs: list, results, outs: dict[int, tuple[str, Any]], deadline: float) -> None:
+    """Fills ``outs`` with each rank's ``(status, value)`` until every rank reported, one failed
+    (its peers get a moment to report their side), or ``deadline`` passed."""
+    world_size = len(procs)
+    while len(outs) < world_size:
+        try:
+            rank, status, value = results.get(timeout=0.5)
+            outs[rank] = (status, value)
+            if status == "error":
+                # Give peers a moment to report their side of the failure, then stop.
+                end = time.monotonic() + 10
+                while len(outs) < world_size and time.monotonic() < end:
+                    try:
+                        r2, s2, v2 = results.get(timeout=0.5)
+                        outs[r2] = (s2, v2)
+                    except queue.Empty:
+                        pass
+                return
+        except queue.Empty:
+            pass
+        for r, p in enumerate(procs):
+            if r not in outs and not p.is_alive() and p.exitcode is not None:
+                _drain(results, outs)  # what it may have put just before exiting
+                if r not in outs:
+                    outs[r] = ("exited", p.exitcode)
+        if time.monotonic() > deadline:
+            return
+
+
+def _drain(results, outs: dict[int, tuple[str, Any]]) -> None:
+    try:
+        while True:
+            rank, status, value = results.get(timeout=0.2)
+            outs[rank] = (status, value)
+    except queue.Empty:
+        pass
+
+
+def _stop(procs: list, outs: dict[int, tuple[str, Any]]) -> None:
+    """Ends every rank's process."""
+    # Ranks that returned their result must also exit by themselves, cleanly: a crash or a
+    # hang at teardown fails a job under torchrun just as an error does.
+    if all(outs.get(r, ("",))[0] in ("ok", "exited") for r in range(len(procs))):
+        end = time.monotonic() + EXIT_TIMEOUT_S
+        for p in procs:
+            p.join(timeout=max(0.1, end - time.monotonic()))
+    # A rank still running past the deadline hangs: SIGABRT makes faulthandler (enabled in
+    # every rank) print all its threads' Python stacks before it dies.
+    hung = [p for r, p in enumerate(procs) if r not in outs and p.is_alive()]
+    for p in hung:
+        os.kill(p.pid, signal.SIGABRT)
+    for p in hung:
+        p.join(timeout=5)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=10)
+
+
+def _problem(
+    r: int, p, outs: dict[int, tuple[str, Any]], may_exit: tuple[int, ...], timeout: float
+) -> str:
+    """What went wrong on rank ``r``, or ``""``."""
+    status, value = outs.get(r, ("timeout", None))
+    if status == "ok" and p.exitcode != 0:
+        code = p.exitcode
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        if code == -signal.SIGKILL:
+            how = f"no exit within {EXIT_TIMEOUT_S:.0f} s (killed)"
+        return f"--- rank {r} returned its result, then its process ended: {how}"
+    if status == "ok" or (status == "exited" and r in may_exit):
+        return ""
+    if status == "error":
+        return f"--- rank {r} raised:\n{value}"
+    if status == "exited":
+        return f"--- rank {r} exited with code {value} without reporting"
+    return (
+        f"--- rank {r} did not finish within {timeout:.0f} s (killed; its threads' "
+        "Python stacks are in the captured stderr)"
+    )

@@ -173,3 +173,27 @@ def test_pyproject_ships_every_subpackage():
     listed = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["packages"]
     packages = sorted(m for m, p in MODULES.items() if p.name == "__init__.py")
     assert sorted(listed) == packages, "[tool.setuptools] packages must list every subpackage"
+
+
+MAX_FUNCTION_LINES = 60
+LONG_ALLOWED = {"pippy_xla.cli._parser"}  # the argparse table of the command line
+
+
+def test_no_function_is_longer_than_60_lines():
+    """Counted with ``ast`` (``end_lineno - lineno + 1``, docstring and nested functions
+    included in their parent)."""
+    long = []
+    for module, path in sorted(MODULES.items()):
+
+        def visit(node, prefix, module=module):
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                    name = f"{module}.{prefix}{child.name}"
+                    lines = child.end_lineno - child.lineno + 1
+                    if lines > MAX_FUNCTION_LINES and name not in LONG_ALLOWED:
+                        long.append(f"{name}: {lines} lines")
+                elif isinstance(child, ast.ClassDef):
+                    visit(child, f"{prefix}{child.name}.")
+
+        visit(ast.parse(path.read_text()), "")
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)

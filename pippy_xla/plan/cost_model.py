@@ -89,40 +89,10 @@ class ModelProfile:
         sched = _C.make_schedule(schedule, ranks, num_microbatches, chunks)
         receives = _C.peak_receive_buffers(sched)
         batch_bytes = num_microbatches * self.microbatch_size * self.batch_bytes_per_row
-        extras = []
-        for s in range(num_stages):
-            # Transfers: a stage other than the last keeps each in-flight microbatch's output (a
-            # backward root). Receive buffers: the most alive at once on the rank under the
-            # engine's posting rule (_C.peak_receive_buffers), counted once per rank (on its
-            # first stage), with the whole batch every rank holds (batch_bytes_per_row per row).
-            # A stage other than the first also has up to two input gradients being sent (the
-            # previous one's send may still wait for its receiver while the next is computed).
-            # Under a split backward every stage but the first splits (the first has no input
-            # that needs a gradient: its W is its whole backward).
-            rank = sched.stage_rank[s]
-            e = StageExtra(
-                saved_bytes=self.shared_saved_bytes
-                + (self.boundary_bytes if s < num_stages - 1 else 0),
-                buffer_bytes=(
-                    self.boundary_bytes * receives[rank] + batch_bytes if s < ranks else 0
-                )
-                + (2 * self.boundary_bytes if s > 0 else 0),
-                split_backward=sched.split_backward and s > 0,
-            )
-            for part, on in ((self.prologue, s == 0), (self.epilogue, s == num_stages - 1)):
-                if on:
-                    e.fwd += part.fwd
-                    e.bwd += part.bwd
-                    e.weight += part.weight
-                    e.saved_bytes += part.saved_bytes
-                    e.weight_bytes += part.weight_bytes
-                    e.recorded_bytes += part.recorded_bytes
-                    e.static_bytes += part.static_bytes
-                    e.transient_bytes = max(e.transient_bytes, part.transient_bytes)
-                    e.split_transient_bytes = max(
-                        e.split_transient_bytes, part.split_transient_bytes
-                    )
-            extras.append(e)
+        extras = [
+            self._stage_extra(s, num_stages, ranks, sched, receives, batch_bytes)
+            for s in range(num_stages)
+        ]
         return PlanProblem(
             layers=list(self.layers),
             extras=extras,
@@ -132,6 +102,46 @@ class ModelProfile:
             ranges=[tuple(r) for r in ranges],
             allow_checkpoint=allow_checkpoint,
         )
+
+    def _stage_extra(
+        self,
+        s: int,
+        num_stages: int,
+        ranks: int,
+        sched: _C.Schedule,
+        receives: Sequence[int],
+        batch_bytes: int,
+    ) -> StageExtra:
+        """Stage ``s``'s costs besides its layers.
+
+        Transfers: a stage other than the last keeps each in-flight microbatch's output (a
+        backward root). Receive buffers: the most alive at once on the rank under the engine's
+        posting rule (_C.peak_receive_buffers), counted once per rank (on its first stage), with
+        the whole batch every rank holds (batch_bytes_per_row per row). A stage other than the
+        first also has up to two input gradients being sent (the previous one's send may still
+        wait for its receiver while the next is computed). Under a split backward every stage but
+        the first splits (the first has no input that needs a gradient: its W is its whole
+        backward)."""
+        rank = sched.stage_rank[s]
+        e = StageExtra(
+            saved_bytes=self.shared_saved_bytes
+            + (self.boundary_bytes if s < num_stages - 1 else 0),
+            buffer_bytes=(self.boundary_bytes * receives[rank] + batch_bytes if s < ranks else 0)
+            + (2 * self.boundary_bytes if s > 0 else 0),
+            split_backward=sched.split_backward and s > 0,
+        )
+        for part, on in ((self.prologue, s == 0), (self.epilogue, s == num_stages - 1)):
+            if on:
+                e.fwd += part.fwd
+                e.bwd += part.bwd
+                e.weight += part.weight
+                e.saved_bytes += part.saved_bytes
+                e.weight_bytes += part.weight_bytes
+                e.recorded_bytes += part.recorded_bytes
+                e.static_bytes += part.static_bytes
+                e.transient_bytes = max(e.transient_bytes, part.transient_bytes)
+                e.split_transient_bytes = max(e.split_transient_bytes, part.split_transient_bytes)
+        return e
 
     def predict_saved_bytes(
         self, layer_range: tuple[int, int], checkpoint: Sequence[int], first: bool, last: bool

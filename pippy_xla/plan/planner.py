@@ -278,6 +278,7 @@ def plan(
     allow_checkpoint: bool = True,
     profile: ModelProfile | None = None,
     repeats: int = 5,
+    input_names: Sequence[str] = ("input_ids", "attention_mask"),
 ) -> Plan:
     """Chooses layers and checkpointed layers per stage for ``model`` under ``memory_limit``.
 
@@ -297,53 +298,101 @@ def plan(
         allow_checkpoint: False plans layer ranges only.
         profile: a precomputed :func:`profile_model` result (default: profile now).
         repeats: timing runs for the profiler.
+        input_names: the batch inputs the model is profiled with (the pipeline's
+            ``PipelineConfig.input_names``).
 
     Raises:
         PlanInfeasibleError: nothing fits; the message names the smallest limit that would.
     """
     chunks, ranks = _layout(schedule, num_stages, chunks)
+    profile = _profile_for(
+        model, layer_cls, profile, batch_size, num_microbatches, seq_len, repeats, input_names
+    )
+    result = _plan_from_profile(
+        profile,
+        schedule=schedule,
+        num_stages=num_stages,
+        num_microbatches=num_microbatches,
+        chunks=chunks,
+        limits=_limits(memory_limit, ranks),
+        allow_checkpoint=allow_checkpoint,
+        shape=(batch_size, seq_len),
+        model_name=type(model).__name__,
+    )
+    logger.info("plan:\n%s", result.table())
+    return result
+
+
+def _profile_for(
+    model: nn.Module,
+    layer_cls: type[nn.Module],
+    profile: ModelProfile | None,
+    batch_size: int,
+    num_microbatches: int,
+    seq_len: int,
+    repeats: int,
+    input_names: Sequence[str],
+) -> ModelProfile:
+    """``profile``, or the model profiled at the plan's microbatch shape."""
     if batch_size % num_microbatches:
         raise ValueError(
             f"batch_size {batch_size} is not divisible by num_microbatches {num_microbatches}"
         )
-    if profile is None:
-        profile = profile_model(
-            model,
-            layer_cls,
-            microbatch_size=batch_size // num_microbatches,
-            seq_len=seq_len,
-            repeats=repeats,
-        )
-    ranges: Sequence[tuple[int, int]] = ()
-    if _C.schedule_info(schedule).equal_stages:
-        if len(profile.layers) % num_stages:
-            raise ValueError(
-                f"schedule {schedule!r} with {chunks} stages per rank runs equal layer ranges, "
-                f"and {len(profile.layers)} layers do not split into {num_stages} equal stages"
-            )
-        ranges = _C.balanced_ranges(len(profile.layers), num_stages)
-    problem = profile.problem(
-        schedule,
-        num_stages,
-        num_microbatches,
-        _limits(memory_limit, ranks),
-        allow_checkpoint,
-        chunks=chunks,
-        ranges=ranges,
+    if profile is not None:
+        return profile
+    return profile_model(
+        model,
+        layer_cls,
+        microbatch_size=batch_size // num_microbatches,
+        seq_len=seq_len,
+        repeats=repeats,
+        input_names=input_names,
     )
-    out = solve(problem)
-    result = _make_plan(
+
+
+def _plan_from_profile(
+    profile: ModelProfile,
+    *,
+    schedule: str,
+    num_stages: int,
+    num_microbatches: int,
+    chunks: int,
+    limits: list[int],
+    allow_checkpoint: bool,
+    shape: tuple[int, int],
+    model_name: str,
+) -> Plan:
+    """The solved plan for ``profile`` (the arguments as :func:`plan` checked them; ``shape``:
+    batch size and sequence length)."""
+    ranges = _fixed_ranges(profile, schedule, num_stages, chunks)
+    problem = profile.problem(
+        schedule, num_stages, num_microbatches, limits, allow_checkpoint, chunks, ranges
+    )
+    return _make_plan(
         problem,
-        out.stages,
+        solve(problem).stages,
         schedule,
         num_microbatches,
         chunks,
-        batch_size=batch_size,
-        seq_len=seq_len,
-        meta={"model": type(model).__name__, "dtype": profile.dtype},
+        batch_size=shape[0],
+        seq_len=shape[1],
+        meta={"model": model_name, "dtype": profile.dtype},
     )
-    logger.info("plan:\n%s", result.table())
-    return result
+
+
+def _fixed_ranges(
+    profile: ModelProfile, schedule: str, num_stages: int, chunks: int
+) -> Sequence[tuple[int, int]]:
+    """The layer ranges ``schedule`` fixes (equal ranges for one with several stages per rank),
+    else none: the solver chooses them."""
+    if not _C.schedule_info(schedule).equal_stages:
+        return ()
+    if len(profile.layers) % num_stages:
+        raise ValueError(
+            f"schedule {schedule!r} with {chunks} stages per rank runs equal layer ranges, "
+            f"and {len(profile.layers)} layers do not split into {num_stages} equal stages"
+        )
+    return _C.balanced_ranges(len(profile.layers), num_stages)
 
 
 def limit_range(model: nn.Module, **plan_kwargs) -> tuple[int, int]:

@@ -49,6 +49,12 @@ class SavedBytes:
     def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
+    def clear(self) -> None:
+        """Forgets what was counted (the excluded storages stay excluded)."""
+        self.owner.clear()
+        self.sizes.clear()
+        self.region = ""
+
     def total(self) -> int:
         return sum(self.sizes.values())
 
@@ -259,6 +265,56 @@ class _SplitCosts:
     epi_b_transient: int
 
 
+class _SegmentCuts:
+    """Forward hooks that cut the graph at every layer's input and after the last layer: each
+    segment's input is a leaf (``leaves[k]``; ``leaves[num]`` the epilogue's) and ``outs[k]`` is
+    layer ``k``'s output, so each segment's B and W can run alone."""
+
+    def __init__(self, num: int) -> None:
+        self.num = num
+        self.leaves: dict[int, torch.Tensor] = {}
+        self.outs: dict[int, torch.Tensor] = {}
+
+    def pre(self, k: int):
+        def hook(mod, args, kwargs):
+            if not args or not isinstance(args[0], torch.Tensor):
+                raise ValueError("profile: a decoder layer got its hidden states not positionally")
+            self.leaves[k] = args[0].detach().requires_grad_(True)
+            return (self.leaves[k], *args[1:]), kwargs
+
+        return hook
+
+    def post(self, k: int):
+        def hook(mod, args, kwargs, out):
+            self.outs[k] = _first_tensor(out)
+            if k < self.num - 1:
+                return None
+            self.leaves[self.num] = self.outs[k].detach().requires_grad_(True)
+            if isinstance(out, torch.Tensor):
+                return self.leaves[self.num]
+            return (self.leaves[self.num], *out[1:])
+
+        return hook
+
+    def install(self, layers: Sequence[nn.Module]) -> list:
+        handles = []
+        for k, layer in enumerate(layers):
+            handles.append(layer.register_forward_pre_hook(self.pre(k), with_kwargs=True))
+            handles.append(layer.register_forward_hook(self.post(k), with_kwargs=True))
+        return handles
+
+
+def _b_step(mem: _WorkingSets, root: torch.Tensor, grad: torch.Tensor, leaf: torch.Tensor):
+    """B of one segment: (input gradient, its WeightWork, bytes recorded for W, B's working set
+    on top of them)."""
+    before = mem.live()
+    mem.reset_peak()
+    (g,), work = _C.input_gradients([root], [grad], [leaf])
+    top = mem.peak()
+    recorded = max(0, mem.live() - before - g.numel() * g.element_size())
+    return g, work, recorded, max(0, top - before - recorded)
+
+
 def _split_backward_costs(
     model: nn.Module, layers: Sequence[nn.Module], batch: dict, mem: _WorkingSets, runs: int
 ) -> _SplitCosts:
@@ -272,94 +328,80 @@ def _split_backward_costs(
     this: no input of it needs a gradient, so its B is empty and its W the whole backward (see
     Engine::do_backward)."""
     num = len(layers)
-    leaves: dict[int, torch.Tensor] = {}
-    outs: dict[int, torch.Tensor] = {}
-
-    def pre(k: int):
-        def hook(mod, args, kwargs):
-            if not args or not isinstance(args[0], torch.Tensor):
-                raise ValueError("profile: a decoder layer got its hidden states not positionally")
-            leaves[k] = args[0].detach().requires_grad_(True)
-            return (leaves[k], *args[1:]), kwargs
-
-        return hook
-
-    def post(k: int):
-        def hook(mod, args, kwargs, out):
-            outs[k] = _first_tensor(out)
-            if k < num - 1:
-                return None
-            leaves[num] = outs[k].detach().requires_grad_(True)
-            if isinstance(out, torch.Tensor):
-                return leaves[num]
-            return (leaves[num], *out[1:])
-
-        return hook
-
-    def b_step(root: torch.Tensor, grad: torch.Tensor, leaf: torch.Tensor):
-        """B of one segment: (input gradient, its WeightWork, bytes recorded for W, B's working
-        set on top of them)."""
-        before = mem.live()
-        mem.reset_peak()
-        (g,), work = _C.input_gradients([root], [grad], [leaf])
-        top = mem.peak()
-        recorded = max(0, mem.live() - before - g.numel() * g.element_size())
-        return g, work, recorded, max(0, top - before - recorded)
-
-    handles = []
-    for k, layer in enumerate(layers):
-        handles.append(layer.register_forward_pre_hook(pre(k), with_kwargs=True))
-        handles.append(layer.register_forward_hook(post(k), with_kwargs=True))
+    cuts = _SegmentCuts(num)
+    handles = cuts.install(layers)
     for p in model.parameters():
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
     out = _SplitCosts([[] for _ in range(num)], [0] * num, [0] * num, [0] * num, [], 0, 0, 0)
     try:
         for run in range(runs + 1):
-            res = model(**batch, use_cache=False)
-            loss = res.loss if hasattr(res, "loss") else res["loss"]
-            del res
-            grad, epi_work, rec, extra = b_step(loss, torch.ones_like(loss), leaves[num])
-            out.epi_recorded = max(out.epi_recorded, rec)
-            out.epi_b_transient = max(out.epi_b_transient, extra)
-            del loss
-            works = [(num, epi_work)]
-            for k in reversed(range(num)):
-                grad, work, rec, extra = b_step(outs.pop(k), grad, leaves.pop(k))
-                out.recorded[k] = max(out.recorded[k], rec)
-                out.b_transient[k] = max(out.b_transient[k], extra)
-                works.append((k, work))
-            del grad, epi_work, work
-            leaves.clear()
-            for k, work in works:
-                before = mem.live()
-                t0 = time.perf_counter()
-                work.run()
-                mem.synchronize()
-                seconds = time.perf_counter() - t0
-                freed = max(0, before - mem.live())
-                if k == num:
-                    out.epi_kept = max(out.epi_kept, freed)
-                    if run > 0:  # the first run warms up
-                        out.epi_time.append(seconds)
-                else:
-                    out.kept[k] = max(out.kept[k], freed)
-                    if run > 0:
-                        out.w_time[k].append(seconds)
-            del works, work
+            works = _split_b(model, batch, cuts, mem, out)
+            _split_w(works, mem, out, timed=run > 0)  # the first run warms up
     finally:
         for h in handles:
             h.remove()
-        leaves.clear()
-        outs.clear()
+        cuts.leaves.clear()
+        cuts.outs.clear()
         model.zero_grad(set_to_none=True)
     return out
+
+
+def _split_b(
+    model: nn.Module, batch: dict, cuts: _SegmentCuts, mem: _WorkingSets, out: _SplitCosts
+) -> list:
+    """One forward and the B of every segment from the top down; ``(segment, WeightWork)`` of
+    each, the epilogue's (segment ``num``) first."""
+    num = cuts.num
+    loss = _loss(model(**batch, use_cache=False))
+    grad, epi_work, rec, extra = _b_step(mem, loss, torch.ones_like(loss), cuts.leaves[num])
+    out.epi_recorded = max(out.epi_recorded, rec)
+    out.epi_b_transient = max(out.epi_b_transient, extra)
+    del loss
+    works = [(num, epi_work)]
+    for k in reversed(range(num)):
+        grad, work, rec, extra = _b_step(mem, cuts.outs.pop(k), grad, cuts.leaves.pop(k))
+        out.recorded[k] = max(out.recorded[k], rec)
+        out.b_transient[k] = max(out.b_transient[k], extra)
+        works.append((k, work))
+    del grad, epi_work, work
+    cuts.leaves.clear()
+    return works
+
+
+def _split_w(works: list, mem: _WorkingSets, out: _SplitCosts, *, timed: bool) -> None:
+    """W of each segment alone: its time and what it frees. Empties ``works``."""
+    num = len(out.kept)
+    while works:
+        k, work = works.pop(0)
+        before = mem.live()
+        t0 = time.perf_counter()
+        work.run()
+        mem.synchronize()
+        seconds = time.perf_counter() - t0
+        freed = max(0, before - mem.live())
+        del work
+        if k == num:
+            out.epi_kept = max(out.epi_kept, freed)
+            if timed:
+                out.epi_time.append(seconds)
+        else:
+            out.kept[k] = max(out.kept[k], freed)
+            if timed:
+                out.w_time[k].append(seconds)
+
+
+def _loss(out) -> torch.Tensor:
+    """The loss of an HF model's output (an object with ``.loss``, or fx's dict of it)."""
+    return out.loss if hasattr(out, "loss") else out["loss"]
 
 
 _CACHE: dict[str, ModelProfile] = {}
 
 
-def _cache_key(model: nn.Module, layer_cls, mb: int, seq: int, dtype, repeats: int) -> str:
+def _cache_key(
+    model: nn.Module, layer_cls, mb: int, seq: int, dtype, repeats: int, inputs: Sequence[str]
+) -> str:
     cfg = getattr(model, "config", None)
     desc = (
         cfg.to_json_string()
@@ -367,7 +409,16 @@ def _cache_key(model: nn.Module, layer_cls, mb: int, seq: int, dtype, repeats: i
         else repr([(n, tuple(p.shape)) for n, p in model.named_parameters()])
     )
     return json.dumps(
-        [type(model).__qualname__, layer_cls.__qualname__, desc, mb, seq, str(dtype), repeats]
+        [
+            type(model).__qualname__,
+            layer_cls.__qualname__,
+            desc,
+            mb,
+            seq,
+            str(dtype),
+            repeats,
+            list(inputs),
+        ]
     )
 
 
@@ -382,9 +433,11 @@ def profile_model(
     vocab_size: int | None = None,
     cache: bool = True,
     device: torch.device | str | None = None,
+    input_names: Sequence[str] = ("input_ids", "attention_mask"),
 ) -> ModelProfile:
-    """Profiles ``model`` on random token batches of shape ``[microbatch_size, seq_len]`` in one
-    process (no distributed needed).
+    """Profiles ``model`` on random batches of shape ``[microbatch_size, seq_len]`` for the
+    inputs ``input_names`` (the pipeline's ``PipelineConfig.input_names``; see
+    :func:`profile_batch`), in one process (no distributed needed).
 
     Saved-for-backward bytes are counted with ``saved_tensors_hooks`` (deduplicated by storage,
     parameters excluded) over a whole forward with the loss, attributed to the region that first
@@ -405,90 +458,147 @@ def profile_model(
     state). Transient bytes are each region's largest working set during forward and backward (the
     peak of live tensor bytes on top of what the region starts with and leaves behind: see
     :class:`_WorkingSets`); on CPU this installs the counting allocator for the rest of the process.
-    Results are cached in memory per (model config, shape, dtype).
+    Results are cached in memory per (model config, shape, dtype, inputs).
 
     A model built on ``meta`` is profiled through a stand-in (see [Note: profiling a meta
     model]) on ``device`` (default: the CPU), so a model that fits on no single device can be
     planned; a real model is profiled where it is (``device`` is ignored).
     """
     dtype = next(model.parameters()).dtype
-    key = _cache_key(model, layer_cls, microbatch_size, seq_len, dtype, repeats)
+    key = _cache_key(model, layer_cls, microbatch_size, seq_len, dtype, repeats, input_names)
     if cache and key in _CACHE:
         return _CACHE[key]
     shared_backward: dict[int, int] = {}
     if any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()]):
         model, shared_backward = _stand_in(model, layer_cls, torch.device(device or "cpu"))
-    names = find_layers(model, layer_cls)
-    layers = [model.get_submodule(n) for n in names]
-    num = len(layers)
-    if vocab_size is None:
-        vocab_size = int(getattr(getattr(model, "config", None), "vocab_size", 2))
+    layers = [model.get_submodule(n) for n in find_layers(model, layer_cls)]
+    vocab_size = _config_vocab_size(model) if vocab_size is None else vocab_size
     device = next(model.parameters()).device
+    batch = profile_batch(input_names, microbatch_size, seq_len, vocab_size, device)
+    measured = _measure(model, layer_cls, layers, batch, repeats)
+    prof = _model_profile(measured, layers, batch, shared_backward, optimizer_states, dtype)
+    if cache:
+        _CACHE[key] = prof
+    return prof
+
+
+def _config_vocab_size(model: nn.Module) -> int:
+    return int(getattr(getattr(model, "config", None), "vocab_size", 2))
+
+
+def _model_profile(
+    measured: _Measured,
+    layers: Sequence[nn.Module],
+    batch: dict[str, torch.Tensor],
+    shared_backward: dict[int, int],
+    optimizer_states: int,
+    dtype: torch.dtype,
+) -> ModelProfile:
+    """The :class:`ModelProfile` of what :func:`_measure` measured on ``batch``."""
+    static = _StaticBytes(2 + optimizer_states)
+    microbatch_size, seq_len = next(iter(batch.values())).shape
+    return ModelProfile(
+        layers=_layer_costs(layers, measured, static, shared_backward),
+        prologue=_prologue_cost(measured, static),
+        epilogue=_epilogue_cost(measured, static),
+        shared_saved_bytes=measured.saved.shared,
+        boundary_bytes=measured.hooks.boundary,
+        batch_bytes_per_row=sum(t[0].numel() * t.element_size() for t in batch.values()),
+        microbatch_size=microbatch_size,
+        seq_len=seq_len,
+        dtype=str(dtype),
+    )
+
+
+def profile_batch(
+    input_names: Sequence[str],
+    microbatch_size: int,
+    seq_len: int,
+    vocab_size: int,
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
+    """A random microbatch to profile with: random token ids in ``[0, vocab_size)`` for the first
+    input, ones for every other (an attention mask that keeps every token: costs depend on
+    shapes, not values), and ``labels`` equal to the first input (drawn from a generator seeded
+    with 0)."""
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab_size, (microbatch_size, seq_len), generator=g).to(device)
-    batch = {
-        "input_ids": ids,
-        "attention_mask": torch.ones_like(ids),
-        "labels": ids.clone(),
-    }
-    exclude = list(model.parameters()) + list(model.buffers())
-    static_factor = 2 + optimizer_states
+    batch = {name: ids if i == 0 else torch.ones_like(ids) for i, name in enumerate(input_names)}
+    batch["labels"] = ids.clone()
+    return batch
 
-    state = {"region": "prologue", "t": {}, "kw": [], "args": None}
-    counter = SavedBytes(exclude)
-    work = _WorkingSets(device)
-    handles = []
 
-    def now() -> float:
-        return time.perf_counter()
+class _LayerHooks:
+    """Forward hooks on every decoder layer, and tensor hooks on each layer's input and output
+    for backward: timestamps at layer boundaries (``t``), working-set regions (forward: the
+    prologue, each layer, the epilogue; backward: the epilogue's from ``loss.backward()`` to the
+    last layer's output gradient, layer ``k``'s from its output gradient to its input gradient,
+    the prologue's after layer 0), the region saved tensors are counted to, the tensors passed
+    to layers as keyword inputs (``kw``), layer 0's first inputs (``args``) and the size of a
+    layer's output (``boundary``)."""
 
-    # Backward regions: the epilogue's from loss.backward() to the last layer's output gradient,
-    # layer k's from its output gradient to its input gradient, the prologue's after layer 0.
-    def backward_out(k: int) -> None:
-        state["t"][("bout", k)] = now()
-        if k == num - 1:
-            work.close("epilogue backward")
-        work.open(f"layer{k} backward")
+    def __init__(self, num: int, counter: SavedBytes, work: _WorkingSets) -> None:
+        self.num, self.counter, self.work = num, counter, work
+        self.t: dict[tuple[str, int], float] = {}
+        self.kw: list[torch.Tensor] = []
+        self.args: tuple | None = None
+        self.boundary = 0
 
-    def backward_in(k: int) -> None:
-        state["t"][("bin", k)] = now()
-        work.close(f"layer{k} backward")
+    def backward_out(self, k: int) -> None:
+        self.t[("bout", k)] = time.perf_counter()
+        if k == self.num - 1:
+            self.work.close("epilogue backward")
+        self.work.open(f"layer{k} backward")
+
+    def backward_in(self, k: int) -> None:
+        self.t[("bin", k)] = time.perf_counter()
+        self.work.close(f"layer{k} backward")
         if k == 0:
-            work.open("prologue backward")
+            self.work.open("prologue backward")
 
-    def make_hooks(k: int):
-        def pre(mod, args, kwargs):
-            state["t"][("f0", k)] = now()
+    def pre(self, k: int):
+        def hook(mod, args, kwargs):
+            self.t[("f0", k)] = time.perf_counter()
             if k == 0:
-                work.close("prologue")
-            work.open(f"layer{k}")
-            counter.region = f"layer{k}"
-            state["kw"].extend(_tensors(kwargs))
-            if k == 0 and state["args"] is None:
-                state["args"] = (args, kwargs)
+                self.work.close("prologue")
+            self.work.open(f"layer{k}")
+            self.counter.region = f"layer{k}"
+            self.kw.extend(_tensors(kwargs))
+            if k == 0 and self.args is None:
+                self.args = (args, kwargs)
             x = args[0] if args else None
             if isinstance(x, torch.Tensor) and x.requires_grad:
-                x.register_hook(lambda grad: backward_in(k))
+                x.register_hook(lambda grad: self.backward_in(k))
 
-        def post(mod, args, kwargs, out):
-            state["t"][("f1", k)] = now()
-            work.close(f"layer{k}")
+        return hook
+
+    def post(self, k: int):
+        def hook(mod, args, kwargs, out):
+            self.t[("f1", k)] = time.perf_counter()
+            self.work.close(f"layer{k}")
             y = _first_tensor(out)
-            state["boundary"] = y.numel() * y.element_size()
-            if k == num - 1:
-                work.open("epilogue")
-            counter.region = "epilogue" if k == num - 1 else f"between{k}"
+            self.boundary = y.numel() * y.element_size()
+            if k == self.num - 1:
+                self.work.open("epilogue")
+            self.counter.region = "epilogue" if k == self.num - 1 else f"between{k}"
             if y.requires_grad:
-                y.register_hook(lambda grad: backward_out(k))
+                y.register_hook(lambda grad: self.backward_out(k))
 
-        return pre, post
+        return hook
 
-    for k, layer in enumerate(layers):
-        pre, post = make_hooks(k)
-        handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(layer.register_forward_hook(post, with_kwargs=True))
+    def install(self, layers: Sequence[nn.Module]) -> list:
+        handles = []
+        for k, layer in enumerate(layers):
+            handles.append(layer.register_forward_pre_hook(self.pre(k), with_kwargs=True))
+            handles.append(layer.register_forward_hook(self.post(k), with_kwargs=True))
+        return handles
 
-    # Which non-layer parameters the prologue / epilogue use (tied weights count in both).
+
+def _watch_param_use(
+    model: nn.Module, layers: Sequence[nn.Module], layer_cls: type[nn.Module], counter: SavedBytes
+) -> tuple[dict[str, dict[int, torch.Tensor]], list]:
+    """Which non-layer parameters the prologue and the epilogue use (tied weights count in
+    both), filled in while the model runs; and the hooks' handles."""
     layer_params = {id(p) for layer in layers for p in layer.parameters()}
     used: dict[str, dict[int, torch.Tensor]] = {"prologue": {}, "epilogue": {}}
 
@@ -498,76 +608,60 @@ def profile_model(
             if id(p) not in layer_params:
                 used[region][id(p)] = p
 
+    handles = []
     for mod in model.modules():
         if any(True for _ in mod.parameters(recurse=False)) and not isinstance(mod, layer_cls):
             handles.append(mod.register_forward_pre_hook(param_hook))
+    return used, handles
 
+
+@dataclass(slots=True)
+class _Saved:
+    """Saved-for-backward bytes of one forward by region (see :func:`profile_model`)."""
+
+    layers: list[int]
+    prologue: int
+    epilogue: int
+    shared: int
+
+
+@dataclass(slots=True)
+class _Measured:
+    """Everything :func:`_measure` takes from running the model."""
+
+    runs: list[tuple[float, float, float, dict]]  # per timed run: start, forward end, end, hooks.t
+    recompute: list[list[float]]  # per layer: recomputation time samples
+    saved: _Saved
+    ckpt_saved: int  # what a checkpointed layer saves (layer 0's positional inputs)
+    used: dict[str, dict[int, torch.Tensor]]  # see _watch_param_use
+    split: _SplitCosts
+    split_ckpt: _SplitCosts
+    work: _WorkingSets
+    hooks: _LayerHooks
+
+
+def _measure(
+    model: nn.Module,
+    layer_cls: type[nn.Module],
+    layers: Sequence[nn.Module],
+    batch: dict,
+    repeats: int,
+) -> _Measured:
+    """Runs the model in training mode: timed runs with saved bytes and working sets, the same
+    runs with every layer checkpointed (recomputation times), the split backward plain and
+    checkpointed, and one checkpointed layer's saved bytes."""
+    exclude = list(model.parameters()) + list(model.buffers())
+    counter = SavedBytes(exclude)
+    work = _WorkingSets(next(model.parameters()).device)
+    hooks = _LayerHooks(len(layers), counter, work)
+    handles = hooks.install(layers)
+    used, param_handles = _watch_param_use(model, layers, layer_cls, counter)
+    handles += param_handles
     was_training = model.training
     model.train()
-    runs = []
-    rec_k: list[list[float]] = [[] for _ in range(num)]
     try:
-        for run in range(repeats + 1):
-            counter.__init__(exclude)
-            counter.region = "prologue"
-            state["t"].clear()
-            state["kw"].clear()
-            t0 = now()
-            work.open("prologue")
-            with counter.hooks():
-                out = model(**batch, use_cache=False)
-            loss = out.loss if hasattr(out, "loss") else out["loss"]
-            t1 = now()
-            work.close("epilogue")
-            work.open("epilogue backward")
-            loss.backward()
-            work.close("prologue backward")
-            t2 = now()
-            model.zero_grad(set_to_none=True)
-            if run > 0:  # the first run warms up
-                runs.append((t0, t1, t2, dict(state["t"])))
-            regions = counter.by_region()
-            shared_keys = {_storage_key(t) for t in state["kw"]}
-            shared = sum(counter.sizes[k] for k in counter.owner if k in shared_keys)
-            layer_saved = [0] * num
-            for key, region in counter.owner.items():
-                if key in shared_keys:
-                    continue
-                if region.startswith("layer"):
-                    layer_saved[int(region[5:])] += counter.sizes[key]
-            pro_saved = sum(
-                counter.sizes[k]
-                for k, r in counter.owner.items()
-                if r == "prologue" and k not in shared_keys
-            )
-            epi_saved = sum(
-                counter.sizes[k]
-                for k, r in counter.owner.items()
-                if r == "epilogue" and k not in shared_keys
-            )
-            between = sum(v for r, v in regions.items() if r.startswith("between"))
-            if between:
-                logger.debug("profile: %d saved bytes between layers (counted in layers)", between)
-
-        # The same runs with every layer checkpointed, timing each layer's recomputation. Only
-        # times are taken (working sets and saved bytes come from above).
-        work.enabled = False
-        recording = [False]
-
-        def on_recompute(k: int, seconds: float) -> None:
-            if recording[0]:
-                rec_k[k].append(seconds)
-
-        with _checkpointed(layers, on_recompute):
-            for run in range(repeats + 1):
-                recording[0] = run > 0  # the first run warms up
-                counter.region = "prologue"  # the hooks track regions as above
-                out = model(**batch, use_cache=False)
-                loss = out.loss if hasattr(out, "loss") else out["loss"]
-                loss.backward()
-                model.zero_grad(set_to_none=True)
-        work.enabled = True
-
+        runs, saved = _timed_runs(model, batch, hooks, repeats)
+        recompute = _recompute_times(model, layers, batch, hooks, repeats)
         for h in handles:
             h.remove()
         handles.clear()
@@ -576,112 +670,229 @@ def profile_model(
         split = _split_backward_costs(model, layers, batch, work, repeats)
         with _checkpointed(layers, lambda k, seconds: None):
             split_ckpt = _split_backward_costs(model, layers, batch, work, repeats)
-        # Checkpointed layer: what non-reentrant checkpointing keeps (positional inputs).
-        args, kwargs = state["args"]
-        args = tuple(
-            a.detach().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a
-            for a in args
-        )
-        ck = SavedBytes(exclude + _tensors(kwargs))
-        with ck.hooks():
-            torch.utils.checkpoint.checkpoint(layers[0], *args, use_reentrant=False, **kwargs)
-        ckpt_saved = ck.total()
+        ckpt_saved = _checkpointed_layer_saved(layers[0], hooks.args, exclude)
     finally:
         for h in handles:
             h.remove()
         model.train(was_training)
         model.zero_grad(set_to_none=True)
+    return _Measured(runs, recompute, saved, ckpt_saved, used, split, split_ckpt, work, hooks)
 
-    def med(values):
-        return float(statistics.median(values))
 
-    pro_f, pro_b, epi_f, epi_b = [], [], [], []
-    fwd_k = [[] for _ in range(num)]
-    bwd_k = [[] for _ in range(num)]
+def _timed_runs(
+    model: nn.Module, batch: dict, hooks: _LayerHooks, repeats: int
+) -> tuple[list[tuple[float, float, float, dict]], _Saved]:
+    """``repeats`` timed runs of forward and backward after a warm-up: their timestamps, and the
+    last run's saved bytes by region."""
+    counter, work = hooks.counter, hooks.work
+    runs = []
+    out = None  # the last output stays alive until the next forward returns, as a caller's would
+    for run in range(repeats + 1):
+        counter.clear()
+        counter.region = "prologue"
+        hooks.t.clear()
+        hooks.kw.clear()
+        t0 = time.perf_counter()
+        work.open("prologue")
+        with counter.hooks():
+            out = model(**batch, use_cache=False)
+        loss = _loss(out)
+        t1 = time.perf_counter()
+        work.close("epilogue")
+        work.open("epilogue backward")
+        loss.backward()
+        work.close("prologue backward")
+        t2 = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        if run > 0:  # the first run warms up
+            runs.append((t0, t1, t2, dict(hooks.t)))
+    return runs, _saved_by_region(counter, hooks.kw, hooks.num)
+
+
+def _saved_by_region(counter: SavedBytes, kw: list[torch.Tensor], num: int) -> _Saved:
+    """The counted bytes by region; tensors passed to layers as keyword inputs are "shared"."""
+    shared_keys = {_storage_key(t) for t in kw}
+    saved = _Saved([0] * num, 0, 0, 0)
+    for key, region in counter.owner.items():
+        size = counter.sizes[key]
+        if key in shared_keys:
+            saved.shared += size
+        elif region.startswith("layer"):
+            saved.layers[int(region[5:])] += size
+        elif region == "prologue":
+            saved.prologue += size
+        elif region == "epilogue":
+            saved.epilogue += size
+    between = sum(v for r, v in counter.by_region().items() if r.startswith("between"))
+    if between:
+        logger.debug("profile: %d saved bytes between layers (counted in layers)", between)
+    return saved
+
+
+def _recompute_times(
+    model: nn.Module, layers: Sequence[nn.Module], batch: dict, hooks: _LayerHooks, repeats: int
+) -> list[list[float]]:
+    """The runs of :func:`_timed_runs` with every layer checkpointed, timing each layer's
+    recomputation. Only times are taken (working sets and saved bytes come from those runs)."""
+    hooks.work.enabled = False
+    samples: list[list[float]] = [[] for _ in layers]
+    recording = [False]
+
+    def on_recompute(k: int, seconds: float) -> None:
+        if recording[0]:
+            samples[k].append(seconds)
+
+    with _checkpointed(layers, on_recompute):
+        for run in range(repeats + 1):
+            recording[0] = run > 0  # the first run warms up
+            hooks.counter.region = "prologue"  # the hooks track regions as above
+            out = model(**batch, use_cache=False)
+            _loss(out).backward()
+            model.zero_grad(set_to_none=True)
+    hooks.work.enabled = True
+    return samples
+
+
+def _checkpointed_layer_saved(layer: nn.Module, inputs: tuple, exclude: list) -> int:
+    """What non-reentrant checkpointing of ``layer`` keeps (its positional inputs), given the
+    ``(args, kwargs)`` it was called with."""
+    args, kwargs = inputs
+    args = tuple(
+        a.detach().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a
+        for a in args
+    )
+    ck = SavedBytes(exclude + _tensors(kwargs))
+    with ck.hooks():
+        torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False, **kwargs)
+    return ck.total()
+
+
+def _med(values) -> float:
+    return float(statistics.median(values))
+
+
+@dataclass(slots=True)
+class _Times:
+    """Time samples per timed run: the prologue's and epilogue's forward and backward, and each
+    layer's forward and backward."""
+
+    pro_f: list[float]
+    pro_b: list[float]
+    epi_f: list[float]
+    epi_b: list[float]
+    fwd: list[list[float]]
+    bwd: list[list[float]]
+
+
+def _times(runs: list[tuple[float, float, float, dict]], num: int) -> _Times:
+    out = _Times([], [], [], [], [[] for _ in range(num)], [[] for _ in range(num)])
     for t0, t1, t2, t in runs:
-        pro_f.append(t[("f0", 0)] - t0)
-        epi_f.append(t1 - t[("f1", num - 1)])
-        epi_b.append(t.get(("bout", num - 1), t1) - t1)
-        pro_b.append(t2 - t.get(("bin", 0), t2))
+        out.pro_f.append(t[("f0", 0)] - t0)
+        out.epi_f.append(t1 - t[("f1", num - 1)])
+        out.epi_b.append(t.get(("bout", num - 1), t1) - t1)
+        out.pro_b.append(t2 - t.get(("bin", 0), t2))
         for k in range(num):
-            fwd_k[k].append(t[("f1", k)] - t[("f0", k)])
+            out.fwd[k].append(t[("f1", k)] - t[("f0", k)])
             if ("bin", k) in t and ("bout", k) in t:
-                bwd_k[k].append(t[("bin", k)] - t[("bout", k)])
-    # Times per layer kind: layers of one kind pool their samples (one tiny layer is too fast to
-    # time alone, and identical layers should get identical costs).
+                out.bwd[k].append(t[("bin", k)] - t[("bout", k)])
+    return out
+
+
+def _layer_times(
+    layers: Sequence[nn.Module], times: _Times, m: _Measured
+) -> list[tuple[float, float, float, float, float]]:
+    """``(forward, backward, recompute, W, checkpointed W)`` per layer. Layers of one kind pool
+    their samples (one tiny layer is too fast to time alone, and identical layers should get
+    identical costs)."""
     kinds: dict[tuple, list[int]] = {}
     for k, layer in enumerate(layers):
         kinds.setdefault(_layer_kind(layer), []).append(k)
-    layer_time = [(0.0, 0.0, 0.0, 0.0, 0.0)] * num
+    layer_time = [(0.0, 0.0, 0.0, 0.0, 0.0)] * len(layers)
     for members in kinds.values():
-        f = med([x for k in members for x in fwd_k[k]])
-        b_samples = [x for k in members for x in bwd_k[k]]
-        b = med(b_samples) if b_samples else 2 * f
-        r_samples = [x for k in members for x in rec_k[k]]
-        r = med(r_samples) if r_samples else f
-        w = min(b, med([x for k in members for x in split.w_time[k]]))
-        w_ckpt = med([x for k in members for x in split_ckpt.w_time[k]])
+        f = _med([x for k in members for x in times.fwd[k]])
+        b_samples = [x for k in members for x in times.bwd[k]]
+        b = _med(b_samples) if b_samples else 2 * f
+        r_samples = [x for k in members for x in m.recompute[k]]
+        r = _med(r_samples) if r_samples else f
+        w = min(b, _med([x for k in members for x in m.split.w_time[k]]))
+        w_ckpt = _med([x for k in members for x in m.split_ckpt.w_time[k]])
         for k in members:
             layer_time[k] = (f, b, r, w, w_ckpt)
+    return layer_time
 
-    def nbytes(params) -> int:
-        return sum(p.numel() * p.element_size() for p in params)
 
-    def static(params) -> int:
+@dataclass(slots=True)
+class _StaticBytes:
+    """Parameter bytes, and ``factor - 1`` times the trainable ones (gradients, optimizer
+    states)."""
+
+    factor: int
+
+    def __call__(self, params: Sequence[torch.Tensor]) -> int:
         trainable = [p for p in params if p.requires_grad]
-        return nbytes(params) + (static_factor - 1) * nbytes(trainable)
+        return _nbytes(params) + (self.factor - 1) * _nbytes(trainable)
 
-    layer_costs = []
+
+def _nbytes(params: Sequence[torch.Tensor]) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def _layer_costs(
+    layers: Sequence[nn.Module],
+    m: _Measured,
+    static: _StaticBytes,
+    shared_backward: dict[int, int],
+) -> list[LayerCost]:
+    layer_time = _layer_times(layers, _times(m.runs, len(layers)), m)
+    costs = []
     for k, layer in enumerate(layers):
         params = list({id(p): p for p in layer.parameters()}.values())
-        layer_costs.append(
+        f, b, r, w, w_ckpt = layer_time[k]
+        costs.append(
             LayerCost(
-                fwd=layer_time[k][0],
-                bwd=layer_time[k][1],
-                recompute=layer_time[k][2],
-                saved_bytes=layer_saved[k],
-                saved_bytes_ckpt=ckpt_saved,
+                fwd=f,
+                bwd=b,
+                recompute=r,
+                saved_bytes=m.saved.layers[k],
+                saved_bytes_ckpt=m.ckpt_saved,
                 static_bytes=static(params),
                 transient_bytes=max(
-                    work.get(f"layer{k}"),
-                    work.get(f"layer{shared_backward.get(k, k)} backward"),
+                    m.work.get(f"layer{k}"),
+                    m.work.get(f"layer{shared_backward.get(k, k)} backward"),
                 ),
-                weight=layer_time[k][3],
-                weight_ckpt=layer_time[k][4],
-                weight_bytes=split.kept[k],
-                weight_bytes_ckpt=split_ckpt.kept[k],
-                recorded_bytes=split.recorded[k],
-                split_transient_bytes=split.b_transient[k],
+                weight=w,
+                weight_ckpt=w_ckpt,
+                weight_bytes=m.split.kept[k],
+                weight_bytes_ckpt=m.split_ckpt.kept[k],
+                recorded_bytes=m.split.recorded[k],
+                split_transient_bytes=m.split.b_transient[k],
             )
         )
-    prof = ModelProfile(
-        layers=layer_costs,
-        prologue=StageExtra(
-            fwd=med(pro_f),
-            bwd=med(pro_b),
-            saved_bytes=pro_saved,
-            static_bytes=static(list(used["prologue"].values())),
-            transient_bytes=max(work.get("prologue"), work.get("prologue backward")),
-            weight=med(pro_b),  # stage 0's W is its whole backward (see _split_backward_costs)
-        ),
-        epilogue=StageExtra(
-            fwd=med(epi_f),
-            bwd=med(epi_b),
-            saved_bytes=epi_saved,
-            static_bytes=static(list(used["epilogue"].values())),
-            transient_bytes=max(work.get("epilogue"), work.get("epilogue backward")),
-            weight=min(med(epi_b), med(split.epi_time)),
-            weight_bytes=split.epi_kept,
-            recorded_bytes=split.epi_recorded,
-            split_transient_bytes=split.epi_b_transient,
-        ),
-        shared_saved_bytes=shared,
-        boundary_bytes=state["boundary"],
-        batch_bytes_per_row=sum(t[0].numel() * t.element_size() for t in batch.values()),
-        microbatch_size=microbatch_size,
-        seq_len=seq_len,
-        dtype=str(dtype),
+    return costs
+
+
+def _prologue_cost(m: _Measured, static: _StaticBytes) -> StageExtra:
+    times = _times(m.runs, len(m.recompute))
+    return StageExtra(
+        fwd=_med(times.pro_f),
+        bwd=_med(times.pro_b),
+        saved_bytes=m.saved.prologue,
+        static_bytes=static(list(m.used["prologue"].values())),
+        transient_bytes=max(m.work.get("prologue"), m.work.get("prologue backward")),
+        weight=_med(times.pro_b),  # stage 0's W is its whole backward (see _split_backward_costs)
     )
-    if cache:
-        _CACHE[key] = prof
-    return prof
+
+
+def _epilogue_cost(m: _Measured, static: _StaticBytes) -> StageExtra:
+    times = _times(m.runs, len(m.recompute))
+    return StageExtra(
+        fwd=_med(times.epi_f),
+        bwd=_med(times.epi_b),
+        saved_bytes=m.saved.epilogue,
+        static_bytes=static(list(m.used["epilogue"].values())),
+        transient_bytes=max(m.work.get("epilogue"), m.work.get("epilogue backward")),
+        weight=min(_med(times.epi_b), _med(m.split.epi_time)),
+        weight_bytes=m.split.epi_kept,
+        recorded_bytes=m.split.epi_recorded,
+        split_transient_bytes=m.split.epi_b_transient,
+    )

@@ -271,7 +271,7 @@ it (``loss += router_aux_loss_coef * aux_loss``). The partitioner traces the mod
 is then the marker plus the added terms, which the last stage returns beside the logits (the
 pipeline computes the marker's part, the loss function's, with ``loss_fn`` per microbatch). A
 model whose Python cannot be traced with labels is traced without them (no added terms); one whose
-loss is not the marker plus terms is refused (``partition._separate_added_loss``).
+loss is not the marker plus terms is refused (``trace.separate_added_loss``).
 """
 
 

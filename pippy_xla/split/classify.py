@@ -1,0 +1,321 @@
+"""Classifying the nodes of a trace: which stage computes each node (its home), which prologue
+nodes every stage recomputes (see [Note: replicated prologue]), and which values cross each
+boundary between stages. One :class:`NodeClass` record per live node."""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+from torch import fx, nn
+
+from pippy_xla.split import hf
+from pippy_xla.split.trace import ROOT_PREFIX
+
+__all__ = [
+    "Classified",
+    "NodeClass",
+    "classify",
+    "fetch",
+    "is_parameter",
+    "layer_target",
+    "producers",
+]
+
+
+_META_ATTRS = ("shape", "dtype", "device", "ndim", "is_cuda", "layout")
+_META_METHODS = ("size", "dim", "get_device")
+
+
+"""[Note: replicated prologue]
+
+Rotary tables, attention masks and position ids are computed once from the batch inputs and
+consumed by every decoder layer. Shipping them across stage boundaries would turn them into skip
+connections over every boundary (pytorch #184361), so each stage recomputes them from its own
+batch inputs instead. A prologue node is *replicable* when its value does not depend on parameter
+data. Some prologue nodes read a parameter-dependent value only for its metadata: the mask
+factories read ``inputs_embeds`` for shape/dtype/device, rotary modules read their first argument
+for dtype/device, and ``x.shape`` / ``x.size()`` / ``x.device`` read nothing else either. Such
+"meta-only" edges do not make the consumer parameter-dependent. When the producer behind a
+meta-only edge is an ``nn.Embedding`` call, stages > 0 replace it by a zero-memory stand-in
+``torch.full((), nan).expand(*ids.shape, dim)`` with the same shape, dtype and device, so those
+stages hold no embedding parameter; NaN makes any wrong use of its data visible. Likewise a
+parameter that a replicated value reads only for its metadata (Gemma's scaled embedding computed
+by ``F.embedding`` and read by the rotary module for its dtype) is a NaN stand-in of its shape,
+dtype and device (``_emit_standin``) on a stage that does not compute with it. Any other
+parameter- or layer-dependent value a later stage needs is sent as a boundary tensor, except
+values of parameters only (see [Note: values of parameters only]).
+"""
+
+
+@dataclass(slots=True)
+class NodeClass:
+    """What the partitioner knows of one live node of the trace."""
+
+    home: int | None
+    """The one stage that computes the node; ``None`` for placeholders, ``get_attr`` references
+    and replicable prologue nodes, which every stage that needs them computes or holds."""
+    depth: int = 0
+    """The stage of the highest-index layer upstream of the node (the layer's own stage for a
+    layer call); -1 in the prologue (no layer upstream). 0 for the output node."""
+    reads_params: bool = False
+    """The node's value depends on parameter data (prologue nodes only)."""
+    replicable: bool = False
+    """A prologue node whose value every stage can recompute from its batch inputs."""
+    metarep: bool = False
+    """A prologue node whose shape, dtype and device can be recomputed without parameters."""
+
+
+@dataclass(slots=True)
+class Classified:
+    """A trace classified for a stage layout: the record of every live node, in trace order, and
+    the values that cross each boundary."""
+
+    root: nn.Module
+    """The traced root (the model is its ``model`` child)."""
+    nodes: dict[fx.Node, NodeClass]
+    """One record per node the output depends on, in trace order (the output node last)."""
+    boundaries: list[list[fx.Node]]
+    """``boundaries[s]``: the values sent from stage ``s`` to stage ``s + 1``, in trace order."""
+    layer_index: dict[str, int]
+    """The module path of each decoder layer (under the root) -> its index."""
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.boundaries) + 1
+
+
+def classify(
+    root: nn.Module, graph: fx.Graph, layer_names: list[str], layer_ranges: list[tuple[int, int]]
+) -> Classified:
+    """The trace ``graph`` of ``root`` classified for ``layer_ranges`` (see [Note: replicated
+    prologue] and [Note: stage boundary values])."""
+    layer_index = {ROOT_PREFIX + n: i for i, n in enumerate(layer_names)}
+    stage_of_layer = [s for s, (a, b) in enumerate(layer_ranges) for _ in range(a, b)]
+    live = _live_nodes(graph)
+    _check_layer_calls(live, layer_index, layer_names)
+    nodes: dict[fx.Node, NodeClass] = {}
+    for n in live:
+        nodes[n] = _classify_node(root, n, nodes, layer_index, stage_of_layer, len(layer_ranges))
+    _move_values_of_parameters(nodes)
+    boundaries = _boundaries(nodes, len(layer_ranges))
+    _check_boundaries(root, nodes, boundaries)
+    return Classified(root=root, nodes=nodes, boundaries=boundaries, layer_index=layer_index)
+
+
+def _live_nodes(graph: fx.Graph) -> list[fx.Node]:
+    """The nodes the output depends on, in trace order."""
+    nodes = list(graph.nodes)
+    live: dict[fx.Node, None] = {nodes[-1]: None}
+    for n in reversed(nodes):
+        if n in live:
+            for p, _ in producers(n):
+                live[p] = None
+    return [n for n in nodes if n in live]
+
+
+def _check_layer_calls(live: list[fx.Node], layer_index: dict[str, int], names: list[str]) -> None:
+    called = [layer_index[layer_target(n)] for n in live if layer_target(n) in layer_index]
+    if called != list(range(len(names))):
+        raise ValueError(
+            f"decoder layers must each be called once in registration order; the trace calls "
+            f"layers {called} of {names}"
+        )
+
+
+def _classify_node(
+    root: nn.Module,
+    n: fx.Node,
+    nodes: dict[fx.Node, NodeClass],
+    layer_index: dict[str, int],
+    stage_of_layer: list[int],
+    num_stages: int,
+) -> NodeClass:
+    """``n``'s record, given the records of the nodes before it. See [Note: replicated
+    prologue]."""
+    if n.op == "output":
+        return NodeClass(home=num_stages - 1)
+    prods = producers(n)
+    if layer_target(n) in layer_index:
+        depth = stage_of_layer[layer_index[layer_target(n)]]
+    else:
+        depth = max((nodes[p].depth for p, _ in prods), default=-1)
+    if depth >= 0:
+        return NodeClass(home=depth, depth=depth)
+    mod = root.get_submodule(n.target) if n.op == "call_module" else None
+    own_params = False
+    if n.op == "get_attr":
+        own_params = is_parameter(root, n)
+    elif mod is not None:
+        own_params = any(True for _ in mod.parameters())
+    reads_params = own_params or any(nodes[p].reads_params for p, meta in prods if not meta)
+    if isinstance(mod, nn.Embedding):
+        metarep = (
+            len(n.args) == 1
+            and not n.kwargs
+            and isinstance(n.args[0], fx.Node)
+            and nodes[n.args[0]].replicable
+        )
+    elif n.op == "get_attr":
+        metarep = True  # a stand-in has its shape, dtype and device
+    else:
+        metarep = not own_params and all(nodes[p].replicable or nodes[p].metarep for p, _ in prods)
+    replicable = not reads_params and all(
+        nodes[p].replicable or (meta and nodes[p].metarep) for p, meta in prods
+    )
+    # A get_attr is a reference, not a computation: every stage using it holds its own.
+    home = None if replicable or n.op == "get_attr" else 0
+    return NodeClass(
+        home=home, depth=-1, reads_params=reads_params, replicable=replicable, metarep=metarep
+    )
+
+
+def _boundaries(nodes: dict[fx.Node, NodeClass], num_stages: int) -> list[list[fx.Node]]:
+    """A value crosses ``s -> s+1`` when computed on a stage ``<= s`` and used on one ``> s``."""
+    last_use: dict[fx.Node, int] = {}
+    for n, c in nodes.items():
+        if c.home is None:
+            continue
+        for p, _ in producers(n):
+            home = nodes[p].home
+            if home is not None and c.home > home:
+                last_use[p] = max(last_use.get(p, -1), c.home)
+    return [
+        [v for v in nodes if v in last_use and nodes[v].home <= s < last_use[v]]
+        for s in range(num_stages - 1)
+    ]
+
+
+def _home_after(c: NodeClass | None, s: int) -> bool:
+    return c is not None and c.home is not None and c.home > s
+
+
+def _check_boundaries(
+    root: nn.Module, nodes: dict[fx.Node, NodeClass], boundaries: list[list[fx.Node]]
+) -> None:
+    """See [Note: stage boundary values]."""
+    for s, values in enumerate(boundaries):
+        for v in values:
+            if known_non_tensor(root, v):
+                users = [u.name for u in v.users if _home_after(nodes.get(u), s)]
+                raise ValueError(
+                    f"{v.format_node()} is not a tensor but would cross the boundary between "
+                    f"stages {s} and {s + 1} (used by {users}); only tensors can be sent. Choose "
+                    "layer_ranges that keep its producer and users on one stage, or make the "
+                    "value recomputable from the batch inputs."
+                )
+
+
+def producers(node: fx.Node) -> list[tuple[fx.Node, bool]]:
+    """``(producer, meta_only)`` for every input edge of ``node``, in argument order."""
+    out: list[tuple[fx.Node, bool]] = []
+
+    def visit(value: Any, meta_only: bool) -> None:
+        fx.node.map_arg(value, lambda n: out.append((n, meta_only)))
+
+    meta_node = (
+        node.op == "call_function" and node.target is getattr and node.args[1] in _META_ATTRS
+    ) or (node.op == "call_method" and node.target in _META_METHODS)
+    if meta_node:
+        visit(node.args[0], True)
+        visit(node.args[1:], False)
+        visit(node.kwargs, False)
+        return out
+    if node.op == "call_module":
+        mod = node.graph.owning_module.get_submodule(node.target)
+        if isinstance(mod, hf.MaskLeaf):
+            for key, value in node.kwargs.items():
+                visit(value, key in hf.META_ONLY_MASK_KWARGS)
+            visit(node.args, False)
+            return out
+        if hf.is_rotary_module(mod) and node.args:
+            visit(node.args[0], True)
+            visit(node.args[1:], False)
+            visit(node.kwargs, False)
+            return out
+    visit(node.args, False)
+    visit(node.kwargs, False)
+    return out
+
+
+def layer_target(node: fx.Node) -> str | None:
+    """The module path of the layer that ``node`` calls, if it calls one."""
+    if node.op == "call_module":
+        return node.target
+    if node.op == "call_function" and node.target is hf.call_recording:
+        return node.args[0].target
+    return None
+
+
+"""[Note: stage boundary values]
+
+Every boundary value is a tensor: stage outputs are sent with tensor point-to-point ops. Values
+that the trace proves are not tensors (shape/dtype/device queries and Python arithmetic on them,
+the ``(cos, sin)`` tuple of a rotary leaf) are rejected at partition time. Prologue values are
+normally replicated (see [Note: replicated prologue]), so in practice only layer outputs and
+values computed after a layer cross.
+"""
+
+
+def _value_kind(root: nn.Module, node: fx.Node) -> str:
+    """``"meta"`` (Python metadata), ``"tuple"`` (tuple of tensors) or ``"tensor"`` (or unknown)."""
+    if node.op == "call_function" and node.target is getattr:
+        return "meta" if node.args[1] in _META_ATTRS else "tensor"
+    if node.op == "call_method":
+        return "meta" if node.target in _META_METHODS else "tensor"
+    if node.op == "call_module":
+        return "tuple" if hf.is_rotary_module(root.get_submodule(node.target)) else "tensor"
+    if node.op == "call_function" and node.target is hf.call_recording:
+        return "tuple"
+    if node.op == "call_function" and node.target is operator.getitem:
+        return "meta" if _value_kind(root, node.args[0]) == "meta" else "tensor"
+    if node.op == "call_function" and getattr(node.target, "__module__", None) in (
+        "_operator",
+        "builtins",
+    ):
+        inputs = node.all_input_nodes
+        if inputs and all(_value_kind(root, n) == "meta" for n in inputs):
+            return "meta"
+    return "tensor"
+
+
+def known_non_tensor(root: nn.Module, node: fx.Node) -> bool:
+    return _value_kind(root, node) != "tensor"
+
+
+def fetch(root: nn.Module, target: str) -> Any:
+    obj: Any = root
+    for atom in target.split("."):
+        obj = getattr(obj, atom)
+    return obj
+
+
+def is_parameter(root: nn.Module, node: fx.Node) -> bool:
+    return node.op == "get_attr" and isinstance(fetch(root, node.target), nn.Parameter)
+
+
+"""[Note: values of parameters only]
+
+A prologue value computed from parameters alone (no batch input upstream), such as Gemma's final
+norm factor ``1 + weight``, would be computed on stage 0 and sent to its users every microbatch.
+Such a value is computed instead on the stage of its users, when they are all on one stage: the
+parameters it reads then live there (and are tied across ranks like any other shared weight).
+"""
+
+
+def _move_values_of_parameters(nodes: dict[fx.Node, NodeClass]) -> None:
+    """See [Note: values of parameters only]."""
+    of_params: dict[fx.Node, bool] = {}
+    for n in nodes:
+        if n.op in ("get_attr", "placeholder", "output"):
+            of_params[n] = n.op == "get_attr"
+            continue
+        of_params[n] = bool(n.all_input_nodes) and all(of_params[p] for p in n.all_input_nodes)
+    for n in reversed(nodes):
+        c = nodes[n]
+        if not of_params[n] or n.op == "get_attr" or c.depth >= 0 or c.home is None:
+            continue
+        stages = {nodes[u].home for u in n.users if u in nodes}
+        if len(stages) == 1 and None not in stages:
+            c.home = stages.pop()

@@ -1,0 +1,469 @@
+"""Tracing a model for the partitioner: torch.fx with the decoder layers, rotary embeddings and
+mask factories as leaves (see :mod:`pippy_xla.split.hf`), under our own root module, on any
+device type including ``meta`` (metadata branches answered by sampling), rebuilt in a canonical
+order, with the terms a model adds to its loss separated from the loss function's result."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from pippy_xla.split import hf
+
+__all__ = [
+    "ROOT_PREFIX",
+    "SUPPORTED",
+    "UnsupportedModelError",
+    "separate_added_loss",
+    "traced_root",
+]
+
+logger = logging.getLogger(__name__)
+
+
+ROOT_PREFIX = "model."
+
+
+class UnsupportedModelError(ValueError):
+    """A model the partitioner cannot split into pipeline stages (refused at construction)."""
+
+
+class _Root(nn.Module):
+    """Our own fx root: the HF forward's decorators then run as plain Python while tracing."""
+
+    def __init__(self, model: nn.Module, leaves: nn.ModuleDict) -> None:
+        super().__init__()
+        self.model = model
+        setattr(self, hf.MASKS_ATTR, leaves)
+        setattr(self, hf.LOSS_ATTR, hf.LossMarker())
+
+    def _run(self, **inputs: Any) -> Any:
+        params = inspect.signature(self.model.forward).parameters
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        for flag, value in (("use_cache", False), ("return_dict", True)):
+            if flag in params or takes_any:
+                inputs[flag] = value
+        if "labels" in inputs:
+            with hf.patch_loss_function(self.model, getattr(self, hf.LOSS_ATTR)):
+                out = self.model(**inputs)
+        else:
+            out = self.model(**inputs)
+        if isinstance(out, (torch.Tensor, fx.Proxy)):
+            return out  # a plain module: its output is the logits
+        get = out.get if hasattr(out, "get") else lambda key: getattr(out, key, None)
+        logits = get("logits")
+        if logits is None:
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__}'s forward returned {type(out).__name__} without "
+                "logits; pippy_xla pipelines models whose output is the logits (a tensor, or an "
+                "output with .logits, as HF's *ForCausalLM models return)"
+            )
+        loss = get("loss")
+        return (logits, loss) if isinstance(loss, fx.Proxy) else logits
+
+
+def traced_root(
+    model: nn.Module, layer_cls: type[nn.Module], input_names: Sequence[str], device_type: str
+) -> tuple[_Root, fx.Graph]:
+    """The partitioner's root around ``model`` and its trace: with a ``labels`` input when the
+    model has an HF loss (see [Note: terms added to the loss]), and without it if the model's
+    Python cannot be traced with labels (its logits are all the pipeline needs then)."""
+    with_labels = _traces_loss(model, input_names)
+    while True:
+        inputs = [*input_names, "labels"] if with_labels else list(input_names)
+        root_cls = type("PippyRoot", (_Root,), {"forward": _root_forward(inputs)})
+        root = root_cls(model, hf.make_mask_leaves(model))
+        try:
+            graph = _trace(root, model, layer_cls, device_type)
+        except UnsupportedModelError:
+            if not with_labels:
+                raise
+            logger.info("%s: traced without labels", type(model).__name__, exc_info=True)
+            with_labels = False
+            continue
+        graph.owning_module = root
+        return root, graph
+
+
+def _traces_loss(model: nn.Module, input_names: Sequence[str]) -> bool:
+    """Whether to trace ``model`` with labels (see [Note: terms added to the loss])."""
+    params = inspect.signature(model.forward).parameters
+    return "labels" in params and "labels" not in input_names and hasattr(model, "loss_function")
+
+
+def _root_forward(input_names: Sequence[str]) -> Any:
+    args = ", ".join(input_names)
+    kwargs = ", ".join(f"{n}={n}" for n in input_names)
+    namespace: dict[str, Any] = {}
+    exec(f"def forward(self, {args}):\n    return self._run({kwargs})\n", namespace)  # noqa: S102
+    return namespace["forward"]
+
+
+"""[Note: one device]
+
+Every tensor of a stage lives on the pipeline's device. While tracing, ``x.device`` of any value
+is therefore read from the first batch input, not from ``x``: a device read then never ties a
+replicated value to a parameter-dependent one (``aux_loss.to(loss.device)``, ``torch.arange(...,
+device=inputs_embeds.device)``), and ``x.device.type`` is the pipeline's device type as a string,
+so models may branch on it (``if device.type != "mps"``).
+"""
+
+
+class _Proxy(fx.Proxy):
+    """A proxy whose ``ndim`` is concrete when known (batch inputs are 2-D token tensors), and
+    whose ``device`` is the batch's (see [Note: one device]).
+
+    GPT-2 branches on ``attention_mask.ndim < 4``.
+    """
+
+    @property
+    def ndim(self) -> Any:  # type: ignore[override]
+        if "pippy_ndim" in self.node.meta:
+            return self.node.meta["pippy_ndim"]
+        return fx.proxy.Attribute(self, "ndim")
+
+    def __len__(self) -> int:
+        # Unpacking (``*x.shape[1:]``) asks for the length first: see [Note: branches on
+        # metadata].
+        length = self.tracer.sample_length(self)
+        return length if length is not None else super().__len__()
+
+    @property
+    def device(self) -> Any:
+        tracer = self.tracer
+        if tracer.first_input is None:
+            return fx.proxy.Attribute(self, "device")
+        return _Device(tracer.first_input, "device")
+
+
+class _Device(fx.proxy.Attribute):
+    """The batch's device while tracing: its ``type`` is a concrete string."""
+
+    @property
+    def type(self) -> str:
+        return self.tracer.device_type
+
+
+"""[Note: branches on metadata]
+
+Some models' Python outside the layers branches on the metadata of a value (Falcon with ALiBi:
+``if causal_mask.ndim == 4``, ``if causal_mask.dtype == torch.bool``) or unpacks a shape
+(``*alibi.shape[1:]``). Those branches depend on the config and the attention implementation,
+not on the batch: the tracer evaluates the value on the ``meta`` device, from sample batches of
+2-D token tensors of two shapes, and follows the branch they agree on (``to_bool``, ``iter``):
+a branch on sizes (``if seq_len > 4``) gives different answers and stays an error. A value whose
+sample cannot be computed, or a branch on tensor data, is an error naming the model's line.
+``torch.finfo`` of a traced dtype becomes a graph value (:class:`_FInfo`), so the dtype stays
+symbolic (autocast may change it at run time).
+"""
+
+
+_SAMPLE_SHAPES = ((2, 4), (3, 7))
+"""Sample batch shapes ``(batch, sequence)``: a branch is followed only if they all agree."""
+
+
+class _NoSample(Exception):
+    """A traced value has no sample value on the meta device."""
+
+
+def _finfo_attr(dtype: torch.dtype, attr: str) -> float:
+    return getattr(torch.finfo(dtype), attr)
+
+
+class _FInfo:
+    """``torch.finfo`` of a traced dtype: each attribute a graph value."""
+
+    def __init__(self, dtype: fx.Proxy) -> None:
+        self._dtype = dtype
+
+    def __getattr__(self, attr: str) -> fx.Proxy:
+        return self._dtype.tracer.create_proxy(
+            "call_function", _finfo_attr, (self._dtype, attr), {}
+        )
+
+
+class _Tracer(fx.Tracer):
+    def __init__(self, layer_cls: type[nn.Module], device_type: str) -> None:
+        super().__init__()
+        self.layer_cls = layer_cls
+        self.device_type = device_type
+        self.first_input: fx.Proxy | None = None
+        self._samples: dict[tuple[int, int], dict[fx.Node, Any]] = {}
+
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        # See [Note: branches on metadata]
+        try:
+            value = self._agreed_sample(obj.node)
+        except _NoSample:
+            value = None
+        if isinstance(value, bool):
+            return value
+        return super().to_bool(obj)
+
+    def iter(self, obj: fx.Proxy) -> Any:
+        length = self.sample_length(obj)
+        if length is not None:
+            return iter([obj[i] for i in range(length)])
+        return super().iter(obj)
+
+    def sample_length(self, obj: fx.Proxy) -> int | None:
+        """The length of ``obj``'s sample value if it is a sequence (a shape)."""
+        lengths = set()
+        for shape in _SAMPLE_SHAPES:
+            try:
+                value = self._sample_for(obj.node, shape)
+            except _NoSample:
+                return None
+            lengths.add(len(value) if isinstance(value, (tuple, list, torch.Size)) else None)
+        return lengths.pop() if len(lengths) == 1 else None
+
+    def _agreed_sample(self, node: fx.Node) -> Any:
+        """``node``'s value (a Python value, not a tensor) if it is the same for every sample
+        batch shape: a branch on sizes is not followed. Raises :class:`_NoSample`."""
+        values = [self._sample_for(node, shape) for shape in _SAMPLE_SHAPES]
+        first = values[0]
+        if isinstance(first, torch.Tensor) or any(
+            type(v) is not type(first) or v != first for v in values[1:]
+        ):
+            raise _NoSample(node.name)
+        return first
+
+    def _sample_for(self, node: fx.Node, shape: tuple[int, int]) -> Any:
+        """``node``'s value on the meta device for a sample batch of ``shape`` (see [Note:
+        branches on metadata]); raises :class:`_NoSample`."""
+        samples = self._samples.setdefault(shape, {})
+        if node in samples:
+            return samples[node]
+        args = fx.node.map_arg(node.args, lambda n: self._sample_for(n, shape))
+        kwargs = fx.node.map_arg(node.kwargs, lambda n: self._sample_for(n, shape))
+        try:
+            if node.op == "placeholder":
+                value = torch.ones(shape, dtype=torch.long, device="meta")
+            elif node.op == "get_attr":
+                value = _fetch_untraced(self.root, node.target)
+                if isinstance(value, torch.Tensor):
+                    value = torch.empty_like(value, device="meta")
+            elif node.op == "call_function":
+                value = node.target(*args, **kwargs)
+            elif node.op == "call_method":
+                value = getattr(args[0], node.target)(*args[1:], **kwargs)
+            elif node.op == "call_module":
+                mod = self.root.get_submodule(node.target)
+                tensors = {**dict(mod.named_parameters()), **dict(mod.named_buffers())}
+                meta = {k: torch.empty_like(t, device="meta") for k, t in tensors.items()}
+                # forward, not __call__: the tracer routes module calls into the graph.
+                with torch.nn.utils.stateless._reparametrize_module(mod, meta):
+                    value = mod.forward(*args, **kwargs)
+            else:
+                raise _NoSample(node.name)
+            if any(isinstance(v, fx.Proxy) for v in torch.utils._pytree.tree_leaves(value)):
+                raise _NoSample(node.name)  # it called a submodule
+        except _NoSample:
+            raise
+        except Exception as e:  # noqa: BLE001  (any op that cannot run on meta tensors)
+            raise _NoSample(node.name) from e
+        samples[node] = value
+        return value
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return (
+            isinstance(m, (self.layer_cls, hf.MaskLeaf, hf.LossMarker))
+            or hf.is_rotary_module(m)
+            or super().is_leaf_module(m, module_qualified_name)
+        )
+
+    def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
+        # See [Note: outputs recorded inside layers]
+        keys = hf.recorded_outputs(m) if isinstance(m, self.layer_cls) else ()
+        if not keys:
+            return super().call_module(m, forward, args, kwargs)
+        layer = self.create_proxy("get_attr", self.path_of_module(m), (), {})
+        out = self.create_proxy("call_function", hf.call_recording, (layer, keys, *args), kwargs)
+        hf.deliver(keys, [out[i + 1] for i in range(len(keys))])
+        return out[0]
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _Proxy(node, self)
+
+    def create_proxy(self, kind: str, target: Any, args: Any, kwargs: Any, *a: Any, **k: Any):
+        p = super().create_proxy(kind, target, args, kwargs, *a, **k)
+        if kind == "placeholder":
+            p.node.meta["pippy_ndim"] = 2
+            if self.first_input is None:
+                self.first_input = p
+        return p
+
+
+def _trace(root: _Root, model: nn.Module, layer_cls: type[nn.Module], device_type: str) -> fx.Graph:
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with hf.patch_mask_functions(model, getattr(root, hf.MASKS_ATTR)), _traced_finfo():
+            return _canonical(_Tracer(layer_cls, device_type).trace(root))
+    except UnsupportedModelError:
+        raise
+    except Exception as e:  # noqa: BLE001  (any failure of the model's Python under the tracer)
+        raise UnsupportedModelError(
+            f"cannot trace {type(model).__name__} into a pipeline: {type(e).__name__}: {e}"
+            f"{_model_line(e)}. {SUPPORTED}"
+        ) from e
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+@contextlib.contextmanager
+def _traced_finfo() -> Any:
+    """``torch.finfo`` accepts a traced dtype inside the block (see [Note: branches on
+    metadata])."""
+    finfo = torch.finfo
+
+    def traced(dtype: Any = None) -> Any:
+        if isinstance(dtype, fx.Proxy):
+            return _FInfo(dtype)
+        return finfo() if dtype is None else finfo(dtype)
+
+    torch.finfo = traced  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.finfo = finfo
+
+
+"""[Note: canonical graphs]
+
+The order in which the model's Python creates nodes may depend on more than the model: Olmo 3
+iterates over a ``set`` of layer types, whose order depends on ``PYTHONHASHSEED``, which differs
+between torchrun's ranks. The traced graph is therefore rebuilt in an order that depends only on
+its data flow: placeholders in input order, then a depth-first walk from the output that visits
+each node's inputs in argument order, with node names made afresh in that order. Two traces that
+compute the same values give the same code, byte for byte, on every rank.
+"""
+
+
+def _canonical(graph: fx.Graph) -> fx.Graph:
+    """``graph`` in data-flow order with fresh names. See [Note: canonical graphs]."""
+    order: dict[fx.Node, None] = {n: None for n in graph.nodes if n.op == "placeholder"}
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    stack: list[tuple[fx.Node, bool]] = [(output, False)]
+    while stack:
+        node, expanded = stack.pop()
+        if node in order:
+            continue
+        if expanded:
+            order[node] = None
+            continue
+        stack.append((node, True))
+        stack.extend((p, False) for p in reversed(node.all_input_nodes) if p not in order)
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in order:
+        name = n.target if n.op == "placeholder" else None
+        args = fx.node.map_arg(n.args, lambda a: env[a])
+        kwargs = fx.node.map_arg(n.kwargs, lambda a: env[a])
+        env[n] = new.create_node(n.op, n.target, args, kwargs, name=name, type_expr=n.type)
+        env[n].meta = dict(n.meta)
+    return new
+
+
+SUPPORTED = (
+    "pippy_xla pipelines models torch.fx can trace outside their repeated layers: HF decoder-only "
+    "causal LMs (*ForCausalLM, decoder layers of one class in one nn.ModuleList) with their own "
+    "loss, and other models whose output is the logits given a loss_fn=...; the code outside the "
+    "layers must not branch on tensor values or sizes"
+)
+"""What the partitioner can split, for the errors of models it cannot."""
+
+
+def _model_line(e: BaseException) -> str:
+    """`` (at file:line in function: `source`)`` for the deepest frame of ``e``'s traceback in
+    the model's own code (not torch's nor pippy_xla's), or ``""``."""
+    import os
+    import traceback
+
+    # torch's and pippy_xla's own frames, and the root's generated forward (see _root_forward).
+    package = os.path.dirname(os.path.dirname(__file__))  # pippy_xla/, above split/
+    skip = (os.path.dirname(torch.__file__), package, "<string>")
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(skip)]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f" (at {f.filename}:{f.lineno} in {f.name}: `{(f.line or '').strip()}`)"
+
+
+def _fetch_untraced(root: nn.Module, target: str) -> Any:
+    """``target`` of ``root`` while tracing, when ``nn.Module.__getattr__`` returns proxies for
+    parameters and buffers: read from the modules' own dictionaries."""
+    *path, name = target.split(".")
+    mod = root
+    for atom in path:
+        mod = mod._modules[atom]
+    for table in (mod._parameters, mod._buffers, mod._modules, vars(mod)):
+        if name in table:
+            return table[name]
+    raise AttributeError(target)
+
+
+def separate_added_loss(graph: fx.Graph, output: fx.Node, model_name: str) -> bool:
+    """Rewrites a traced ``(logits, loss)`` output into ``(logits, added)`` or ``logits``; whether
+    the model adds terms to its loss. See [Note: terms added to the loss]."""
+    result = output.args[0]
+    if not isinstance(result, tuple):
+        return False
+    logits, loss = result
+    marker = next(
+        (n for n in graph.nodes if n.op == "call_module" and n.target == hf.LOSS_ATTR), None
+    )
+    after_marker: dict[fx.Node, None] = {}
+    if marker is not None:
+        for n in graph.nodes:
+            if n is marker or any(p in after_marker for p in n.all_input_nodes):
+                after_marker[n] = None
+    terms: list[Any] = []
+    node = loss
+    while node is not marker and node in after_marker:
+        if not (
+            node.op == "call_function"
+            and node.target in (operator.add, operator.iadd, torch.add)
+            and len(node.args) == 2
+            and not node.kwargs
+            and sum(a in after_marker for a in node.args) == 1
+        ):
+            raise UnsupportedModelError(
+                f"{model_name} combines its loss function's result with other values by "
+                f"{node.format_node()}; the pipeline supports a loss that is the loss function's "
+                "result plus added terms (pass loss_fn=... to compute the whole loss yourself)"
+            )
+        on_path = next(a for a in node.args if a in after_marker)
+        terms.extend(a for a in node.args if a is not on_path and isinstance(a, fx.Node))
+        node = on_path
+    if node is not marker or not terms:
+        output.args = (logits,)  # no terms, or a loss computed without the loss function
+        return False
+    inputs: dict[fx.Node, None] = {}
+    stack = list(terms)
+    while stack:
+        n = stack.pop()
+        if n not in inputs:
+            inputs[n] = None
+            stack.extend(n.all_input_nodes)
+    bad = [n.name for n in inputs if n in after_marker or n.target == "labels"]
+    if bad:
+        raise UnsupportedModelError(
+            f"{model_name} adds terms to its loss that read the labels or the loss itself "
+            f"({bad}); the pipeline supports added terms computed from the model's own values "
+            "(pass loss_fn=... to compute the whole loss yourself)"
+        )
+    with graph.inserting_before(output):
+        added = terms[0]
+        for t in terms[1:]:
+            added = graph.call_function(operator.add, (added, t))
+    output.args = ((logits, added),)
+    return True
