@@ -70,16 +70,7 @@ def planned_pipeline(plan_json: str, model, layer_cls, **kwargs):
     the schedule, microbatch count and stages per rank it was made for."""
     import pippy_xla as px
 
-    plan = px.Plan.from_json(plan_json)
-    return px.PipelineModel(
-        model,
-        layer_cls=layer_cls,
-        num_microbatches=plan.num_microbatches,
-        schedule=plan.schedule,
-        chunks=plan.chunks,
-        plan=plan,
-        **kwargs,
-    )
+    return px.PipelineModel(model, layer_cls=layer_cls, plan=px.Plan.from_json(plan_json), **kwargs)
 
 
 def machine() -> dict:

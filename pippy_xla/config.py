@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -63,7 +63,9 @@ class PipelineConfig:
     earlier stages get the extra layers). Exclusive with ``plan``."""
     plan: Plan | None = None
     """A :class:`~pippy_xla.plan.planner.Plan` (from :func:`pippy_xla.plan`) made for this schedule,
-    microbatch count and chunk count: its layer ranges and its checkpointed layers."""
+    microbatch count and chunk count: its layer ranges and its checkpointed layers.
+    ``PipelineModel(model, plan=plan, ...)`` (or :meth:`from_plan`) takes the schedule, microbatch
+    count and chunk count from the plan."""
     checkpoint_layers: Sequence[int] = ()
     """Decoder layers (global indices) run under activation checkpointing: their activations are
     recomputed in backward instead of kept. Exclusive with ``plan``, which chooses its own."""
@@ -209,6 +211,34 @@ class PipelineConfig:
             )
 
     @classmethod
+    def from_plan(cls, plan: Plan, **options: Any) -> PipelineConfig:
+        """A config that runs ``plan``: the schedule, microbatch count and stages per rank it was
+        made for, and (at build) its layer ranges and checkpointed layers; ``options`` are the
+        other fields. An option that sets one of the plan's own to another value is an error."""
+        made_for = {
+            "schedule": plan.schedule,
+            "num_microbatches": plan.num_microbatches,
+            "chunks": plan.chunks,
+        }
+        conflicts = [
+            f"{k}={options[k]!r}"
+            for k, v in made_for.items()
+            if options.get(k) is not None and options[k] != v
+        ]
+        if conflicts:
+            raise ValueError(
+                f"the plan was made for schedule {plan.schedule!r} with "
+                f"{plan.num_microbatches} microbatches and {plan.chunks} stage(s) per rank, and a "
+                f"pipeline built from it runs those; drop {', '.join(conflicts)}, or make a plan "
+                "for them with pippy_xla.plan(...)"
+            )
+        given = {k: v for k, v in options.items() if k != "plan"}
+        for k in made_for:
+            if given.get(k, "") is None:
+                del given[k]
+        return cls(**{**made_for, **given, "plan": plan})
+
+    @classmethod
     def from_options(cls, config: PipelineConfig | None, options: dict) -> PipelineConfig:
         """``config``, or a config made from keyword ``options`` (``PipelineModel``'s keyword
         arguments); both, or an option that is no field, is an error naming the fields."""
@@ -220,8 +250,12 @@ class PipelineConfig:
                 f"{names} (the fields of PipelineConfig)"
             )
         if config is None:
+            if options.get("plan") is not None:
+                return cls.from_plan(**options)
             if "num_microbatches" not in options:
-                raise TypeError("PipelineModel needs num_microbatches=... (or config=...)")
+                raise TypeError(
+                    "PipelineModel needs num_microbatches=... (or plan=..., or config=...)"
+                )
             return cls(**options)
         if options:
             raise TypeError(

@@ -59,17 +59,17 @@ class PipelineModel:
             possibly on the ``meta`` device; the local stage's parameters are then materialized on
             the pipeline's device and initialized as the model would initialize them.
         layer_cls: the decoder-layer class; layers are the stage-cut points.
-        config: a :class:`~pippy_xla.config.PipelineConfig`, or ``None`` to pass its fields
-            (``num_microbatches``, ``schedule``, ``chunks``, ``layer_ranges``, ``plan``,
-            ``checkpoint_layers``, ``input_names``, ``loss_fn``, ``num_items_fn``, ``timeout``,
-            ``device``, ``compile``, ``compile_options``, ``data_parallel``, ``pp_dim``,
-            ``dp_dim``) as keyword arguments; each is documented there.
+        config: a :class:`~pippy_xla.config.PipelineConfig`, or ``None`` to pass its fields as
+            keyword arguments instead (each is documented there). With ``plan=`` (a
+            :class:`~pippy_xla.Plan`) the plan's schedule, microbatch count, stages per rank,
+            layer ranges and checkpointed layers are used (see
+            :meth:`~pippy_xla.config.PipelineConfig.from_plan`).
         group: the pipeline's process group (default: the world).
         mesh: a 2-D ``DeviceMesh`` (data x pipeline) for several pipeline replicas: the
             pipeline runs over its ``pp_dim`` dimension, replicas over ``dp_dim``. Every rank is
             given the global batch; each replica trains on its share, and stage gradients are
             reduced over the replicas with FSDP2 (see [Note: pipeline x data parallel] in
-            data_parallel.py). Exclusive with ``group``.
+            runtime/data_parallel.py). Exclusive with ``group``.
     """
 
     def __init__(

@@ -4,6 +4,7 @@ pipeline; activation checkpointing from the config. The import structure: test_l
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -50,6 +51,38 @@ def test_config_refuses_a_plan_with_other_settings():
         PipelineConfig(num_microbatches=4, schedule="gpipe", plan=plan, layer_ranges=[(0, 1)])
     with pytest.raises(ValueError, match="either plan=... or checkpoint_layers=..."):
         PipelineConfig(num_microbatches=4, schedule="gpipe", plan=plan, checkpoint_layers=[0])
+
+
+def test_a_plan_gives_its_schedule_microbatches_and_chunks_once():
+    plan = px.Plan(
+        schedule="interleaved",
+        num_microbatches=4,
+        stages=[],
+        step_time=1.0,
+        bottleneck_time=1.0,
+        chunks=2,
+    )
+    for cfg in (
+        PipelineConfig.from_options(None, {"plan": plan, "timeout": 5}),
+        PipelineConfig.from_plan(plan, num_microbatches=4, chunks=None),  # agreeing: accepted
+    ):
+        assert (cfg.schedule, cfg.num_microbatches, cfg.chunks, cfg.plan) == (
+            "interleaved",
+            4,
+            2,
+            plan,
+        )
+    assert PipelineConfig.from_options(None, {"plan": plan, "timeout": 5}).timeout == 5
+    made_for = "the plan was made for schedule 'interleaved' with 4 microbatches and 2 stage(s)"
+    for options, named in (
+        ({"schedule": "1f1b"}, "schedule='1f1b'"),
+        ({"num_microbatches": 8}, "num_microbatches=8"),
+        ({"chunks": 1, "num_microbatches": 2}, "num_microbatches=2, chunks=1"),
+    ):
+        with pytest.raises(ValueError, match=f"{re.escape(made_for)}.*drop {re.escape(named)}, or"):
+            PipelineConfig.from_options(None, {"plan": plan, **options})
+    with pytest.raises(TypeError, match=r"needs num_microbatches=\.\.\. \(or plan="):
+        PipelineConfig.from_options(None, {"schedule": "gpipe"})
 
 
 def test_options_are_checked_before_any_communication():

@@ -454,18 +454,21 @@ def _train_with_plan(rank, world, plan_json, steps=2):
     plan = px.Plan.from_json(plan_json)
     m = plan.num_microbatches
     # Not what the plan was made for: another schedule, microbatch count or stages per rank.
-    for schedule, mbs, chunks in (("gpipe", m, 1), ("1f1b", 2 * m, 1), ("interleaved", m, 2)):
+    for options, named in (
+        ({"schedule": "gpipe"}, "schedule='gpipe'"),
+        ({"num_microbatches": 2 * m}, f"num_microbatches={2 * m}"),
+        ({"schedule": "interleaved", "chunks": 2}, "schedule='interleaved', chunks=2"),
+    ):
         with pytest.raises(ValueError) as e:
-            px.PipelineModel(
-                model, layer_cls=layer_cls, num_microbatches=mbs, schedule=schedule, plan=plan
-            )
+            px.PipelineModel(model, layer_cls=layer_cls, plan=plan, **options)
         assert f"made for schedule '1f1b' with {m} microbatches and 1 stage(s) per rank" in str(
             e.value
         )
-        assert f"runs '{schedule}' with {mbs} and {chunks}" in str(e.value)
-    pipe = px.PipelineModel(
-        model, layer_cls=layer_cls, num_microbatches=plan.num_microbatches, plan=plan, timeout=60
-    )
+        assert f"drop {named}, or make a plan" in str(e.value)
+    # The plan's schedule, microbatch count and chunks go in once: with the plan.
+    pipe = px.PipelineModel(model, layer_cls=layer_cls, plan=plan, timeout=60)
+    cfg = pipe.pipeline_config
+    assert (cfg.schedule, cfg.num_microbatches, cfg.chunks) == ("1f1b", m, 1)
     mine = plan.stages[rank].checkpoint_layers
     code = pipe.stage.code
     for k in pipe.layers_of_stage(rank):
@@ -637,15 +640,7 @@ def _measured_peaks(rank, world, plan_jsons, seq):
         plan = px.Plan.from_json(plan_json)
         with torch.device("meta"):
             model, layer_cls = _activation_heavy_llama(plan.layer_ranges[-1][1])
-        pipe = px.PipelineModel(
-            model,
-            layer_cls=layer_cls,
-            num_microbatches=plan.num_microbatches,
-            schedule=plan.schedule,
-            chunks=plan.chunks,
-            plan=plan,
-            timeout=60,
-        )
+        pipe = px.PipelineModel(model, layer_cls=layer_cls, plan=plan, timeout=60)
         del model
         opt = torch.optim.AdamW(pipe.parameters())
         g = torch.Generator().manual_seed(0)

@@ -1,10 +1,11 @@
 """Building a pipeline: :func:`build` turns a model and a :class:`~pippy_xla.config.PipelineConfig`
 into this rank's :class:`BuiltPipeline` (its stages, ready to run), one decision per function.
 
-Order: the process groups (:func:`resolve_groups`) -> the device -> the stage layout
-(:func:`resolve_layout`) -> the schedule -> tracing and partitioning -> the handshake that every
-rank built the same pipeline (:func:`check_ranks_agree`) -> materializing the local stages -> tied
-weights across ranks -> data parallelism (with a mesh) -> engines and compiled stages.
+Order: the placement (:func:`resolve_placement`: process groups, ranks, device) -> the stage
+layout (:func:`resolve_layout`) -> the schedule -> tracing and partitioning -> the handshake that
+every rank built the same pipeline (:func:`check_ranks_agree`) -> the transport
+(:func:`attach_transport`) -> materializing the local stages -> tied weights across ranks -> data
+parallelism (with a mesh) -> engines and compiled stages.
 """
 
 from __future__ import annotations
