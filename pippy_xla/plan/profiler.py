@@ -90,6 +90,16 @@ def _first_tensor(value) -> torch.Tensor:
     return ts[0]
 
 
+def _hook_layers(layers: Sequence[nn.Module], hooks) -> list:
+    """Registers ``hooks.pre(k)`` and ``hooks.post(k)`` (with keyword arguments) on layer ``k``;
+    the handles."""
+    handles = []
+    for k, layer in enumerate(layers):
+        handles.append(layer.register_forward_pre_hook(hooks.pre(k), with_kwargs=True))
+        handles.append(layer.register_forward_hook(hooks.post(k), with_kwargs=True))
+    return handles
+
+
 def _layer_kind(layer: nn.Module) -> tuple:
     """What makes decoder layers cost the same: class, parameter shapes and dtypes, and the
     attention kind transformers records on a layer or its attention module (``attention_type``:
@@ -296,13 +306,6 @@ class _SegmentCuts:
 
         return hook
 
-    def install(self, layers: Sequence[nn.Module]) -> list:
-        handles = []
-        for k, layer in enumerate(layers):
-            handles.append(layer.register_forward_pre_hook(self.pre(k), with_kwargs=True))
-            handles.append(layer.register_forward_hook(self.post(k), with_kwargs=True))
-        return handles
-
 
 def _b_step(mem: _WorkingSets, root: torch.Tensor, grad: torch.Tensor, leaf: torch.Tensor):
     """B of one segment: (input gradient, its WeightWork, bytes recorded for W, B's working set
@@ -329,7 +332,7 @@ def _split_backward_costs(
     Engine::do_backward)."""
     num = len(layers)
     cuts = _SegmentCuts(num)
-    handles = cuts.install(layers)
+    handles = _hook_layers(layers, cuts)
     for p in model.parameters():
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
@@ -499,8 +502,8 @@ def _model_profile(
     microbatch_size, seq_len = next(iter(batch.values())).shape
     return ModelProfile(
         layers=_layer_costs(layers, measured, static, shared_backward),
-        prologue=_prologue_cost(measured, static),
-        epilogue=_epilogue_cost(measured, static),
+        prologue=_extra_cost(measured, static, "prologue"),
+        epilogue=_extra_cost(measured, static, "epilogue"),
         shared_saved_bytes=measured.saved.shared,
         boundary_bytes=measured.hooks.boundary,
         batch_bytes_per_row=sum(t[0].numel() * t.element_size() for t in batch.values()),
@@ -586,13 +589,6 @@ class _LayerHooks:
 
         return hook
 
-    def install(self, layers: Sequence[nn.Module]) -> list:
-        handles = []
-        for k, layer in enumerate(layers):
-            handles.append(layer.register_forward_pre_hook(self.pre(k), with_kwargs=True))
-            handles.append(layer.register_forward_hook(self.post(k), with_kwargs=True))
-        return handles
-
 
 def _watch_param_use(
     model: nn.Module, layers: Sequence[nn.Module], layer_cls: type[nn.Module], counter: SavedBytes
@@ -654,7 +650,7 @@ def _measure(
     counter = SavedBytes(exclude)
     work = _WorkingSets(next(model.parameters()).device)
     hooks = _LayerHooks(len(layers), counter, work)
-    handles = hooks.install(layers)
+    handles = _hook_layers(layers, hooks)
     used, param_handles = _watch_param_use(model, layers, layer_cls, counter)
     handles += param_handles
     was_training = model.training
@@ -871,28 +867,22 @@ def _layer_costs(
     return costs
 
 
-def _prologue_cost(m: _Measured, static: _StaticBytes) -> StageExtra:
+def _extra_cost(m: _Measured, static: _StaticBytes, region: str) -> StageExtra:
+    """The costs of the ``"prologue"`` or the ``"epilogue"``. Stage 0's W is its whole backward
+    (see :func:`_split_backward_costs`); the epilogue's comes from the split backward."""
     times = _times(m.runs, len(m.recompute))
-    return StageExtra(
-        fwd=_med(times.pro_f),
-        bwd=_med(times.pro_b),
-        saved_bytes=m.saved.prologue,
-        static_bytes=static(list(m.used["prologue"].values())),
-        transient_bytes=max(m.work.get("prologue"), m.work.get("prologue backward")),
-        weight=_med(times.pro_b),  # stage 0's W is its whole backward (see _split_backward_costs)
+    fwd, bwd = (times.pro_f, times.pro_b) if region == "prologue" else (times.epi_f, times.epi_b)
+    extra = StageExtra(
+        fwd=_med(fwd),
+        bwd=_med(bwd),
+        saved_bytes=getattr(m.saved, region),
+        static_bytes=static(list(m.used[region].values())),
+        transient_bytes=max(m.work.get(region), m.work.get(f"{region} backward")),
+        weight=_med(bwd),
     )
-
-
-def _epilogue_cost(m: _Measured, static: _StaticBytes) -> StageExtra:
-    times = _times(m.runs, len(m.recompute))
-    return StageExtra(
-        fwd=_med(times.epi_f),
-        bwd=_med(times.epi_b),
-        saved_bytes=m.saved.epilogue,
-        static_bytes=static(list(m.used["epilogue"].values())),
-        transient_bytes=max(m.work.get("epilogue"), m.work.get("epilogue backward")),
-        weight=min(_med(times.epi_b), _med(m.split.epi_time)),
-        weight_bytes=m.split.epi_kept,
-        recorded_bytes=m.split.epi_recorded,
-        split_transient_bytes=m.split.epi_b_transient,
-    )
+    if region == "epilogue":
+        extra.weight = min(_med(bwd), _med(m.split.epi_time))
+        extra.weight_bytes = m.split.epi_kept
+        extra.recorded_bytes = m.split.epi_recorded
+        extra.split_transient_bytes = m.split.epi_b_transient
+    return extra
