@@ -478,7 +478,7 @@ def content_digest(tensor: torch.Tensor) -> int:
 
 class BatchKey(_NoConstructor):
     """What the step handshake compares of a batch ([Note: step handshake] in
-    pippy_xla/_batch.py)."""
+    pippy_xla/runtime/_batch.py)."""
 
     @property
     def signature(self) -> int:

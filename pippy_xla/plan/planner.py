@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from torch import nn
@@ -139,28 +139,11 @@ class Plan:
         unit = "ms" if self.time_unit == "s" else self.time_unit
         scale = 1e3 if self.time_unit == "s" else 1.0
         split = any(st.weight_time or st.pending_weight for st in self.stages)
-        head = (
-            f"{'stage':>5} {'rank':>4} {'layers':>9} {'n':>3} {'ckpt':>4} {'inflight':>8} "
-            + (f"{'B->W':>4} " if split else "")
-            + f"{'fwd ' + unit:>10} {'bwd ' + unit:>10} "
-            + (f"{'W ' + unit:>10} " if split else "")
-            + f"{'static':>10} {'activations':>12} "
-            f"{'buffers':>9} {'transient':>10} {'peak':>10} {'limit':>10}"
-        )
-        rows = [head]
-        for st in self.stages:
-            a, b = st.layers
-            rows.append(
-                f"{st.index:>5} {st.rank:>4} {f'{a}-{b - 1}':>9} {b - a:>3} "
-                f"{len(st.checkpoint_layers):>4} {st.inflight:>8} "
-                + (f"{st.pending_weight:>4} " if split else "")
-                + f"{st.forward_time * scale:>10.3f} {st.backward_time * scale:>10.3f} "
-                + (f"{st.weight_time * scale:>10.3f} " if split else "")
-                + f"{format_bytes(st.static_bytes):>10} "
-                f"{format_bytes(st.activation_bytes):>12} {format_bytes(st.buffer_bytes):>9} "
-                f"{format_bytes(st.transient_bytes):>10} "
-                f"{format_bytes(st.memory_bytes):>10} {format_bytes(st.memory_limit):>10}"
-            )
+        columns = [c for c in _table_columns(unit, scale) if split or not c[3]]
+        rows = [" ".join(f"{title:>{width}}" for title, width, _, _ in columns)]
+        rows += [
+            " ".join(f"{cell(st):>{width}}" for _, width, cell, _ in columns) for st in self.stages
+        ]
         per_rank = "; a rank's peak, buffers and transient are shared by its stages"
         rows.append(
             f"schedule {self.schedule}"
@@ -185,6 +168,29 @@ class Plan:
             s["layers"] = tuple(s["layers"])
             stages.append(StagePlan(**s))
         return cls(stages=stages, **d)
+
+
+def _table_columns(unit: str, scale: float) -> list[tuple[str, int, Callable, bool]]:
+    """``(title, width, cell of a StagePlan, split-backward schedules only)`` of each column of
+    :meth:`Plan.table`."""
+    return [
+        ("stage", 5, lambda st: st.index, False),
+        ("rank", 4, lambda st: st.rank, False),
+        ("layers", 9, lambda st: f"{st.layers[0]}-{st.layers[1] - 1}", False),
+        ("n", 3, lambda st: st.layers[1] - st.layers[0], False),
+        ("ckpt", 4, lambda st: len(st.checkpoint_layers), False),
+        ("inflight", 8, lambda st: st.inflight, False),
+        ("B->W", 4, lambda st: st.pending_weight, True),
+        (f"fwd {unit}", 10, lambda st: f"{st.forward_time * scale:.3f}", False),
+        (f"bwd {unit}", 10, lambda st: f"{st.backward_time * scale:.3f}", False),
+        (f"W {unit}", 10, lambda st: f"{st.weight_time * scale:.3f}", True),
+        ("static", 10, lambda st: format_bytes(st.static_bytes), False),
+        ("activations", 12, lambda st: format_bytes(st.activation_bytes), False),
+        ("buffers", 9, lambda st: format_bytes(st.buffer_bytes), False),
+        ("transient", 10, lambda st: format_bytes(st.transient_bytes), False),
+        ("peak", 10, lambda st: format_bytes(st.memory_bytes), False),
+        ("limit", 10, lambda st: format_bytes(st.memory_limit), False),
+    ]
 
 
 def _make_plan(
