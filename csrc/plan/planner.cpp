@@ -69,25 +69,10 @@ void check_ranges(const std::vector<std::pair<int32_t, int32_t>>& ranges, int32_
               num_layers);
 }
 
-void check_problem(const PlanProblem& p) {
-  const auto num_layers = static_cast<int64_t>(p.layers.size());
-  const auto num_stages = static_cast<int64_t>(p.extras.size());
+// Every device runs a stage (one, unless ranges are given), with one list of live states per
+// stage of the device, each state kLiveCounts non-negative counts per stage.
+void check_devices(const PlanProblem& p) {
   const auto num_devices = static_cast<int64_t>(p.memory_limit.size());
-  TORCH_CHECK(num_stages >= 1 && num_devices >= 1,
-              "planner: need at least one stage and one device (memory limit)");
-  check_stage_count(num_layers, num_stages);
-  TORCH_CHECK(p.stage_device.empty() || static_cast<int64_t>(p.stage_device.size()) == num_stages,
-              "planner: stage_device has ", p.stage_device.size(), " entries for ", num_stages,
-              " stages");
-  TORCH_CHECK(!p.stage_device.empty() || num_devices == num_stages, "planner: ", num_devices,
-              " memory limits for ", num_stages, " stages on their own devices");
-  TORCH_CHECK(static_cast<int64_t>(p.live_states.size()) == num_devices, "planner: live_states (",
-              p.live_states.size(), ") needs one entry per device (", num_devices, ")");
-  for (int64_t s = 0; s < num_stages; ++s) {
-    const int32_t d = device_of(p, static_cast<int32_t>(s));
-    TORCH_CHECK(d >= 0 && d < num_devices, "planner: stage ", s, " on device ", d, " of ",
-                num_devices);
-  }
   const auto by_device = stages_by_device(p);
   for (int64_t d = 0; d < num_devices; ++d) {
     TORCH_CHECK(!by_device[d].empty(), "planner: device ", d, " runs no stage");
@@ -110,11 +95,10 @@ void check_problem(const PlanProblem& p) {
       }
     }
   }
-  if (!p.ranges.empty()) {
-    TORCH_CHECK(static_cast<int64_t>(p.ranges.size()) == num_stages, "planner: ", p.ranges.size(),
-                " ranges for ", num_stages, " stages");
-    check_ranges(p.ranges, static_cast<int32_t>(num_layers), "planner");
-  }
+}
+
+// No cost is negative, and W takes no more than the backward it is part of.
+void check_costs_valid(const PlanProblem& p) {
   for (size_t i = 0; i < p.layers.size(); ++i) {
     const LayerCost& l = p.layers[i];
     TORCH_CHECK(l.fwd >= 0 && l.bwd >= 0 && l.recompute >= 0 && l.saved_bytes >= 0 &&
@@ -124,7 +108,7 @@ void check_problem(const PlanProblem& p) {
                     l.split_transient_bytes >= 0,
                 "planner: layer ", i, " has a negative cost (or weight > bwd)");
   }
-  for (int64_t s = 0; s < num_stages; ++s) {
+  for (size_t s = 0; s < p.extras.size(); ++s) {
     const StageExtra& e = p.extras[s];
     TORCH_CHECK(e.fwd >= 0 && e.bwd >= 0 && e.saved_bytes >= 0 && e.static_bytes >= 0 &&
                     e.transient_bytes >= 0 && e.buffer_bytes >= 0 && e.weight >= 0 &&
@@ -132,6 +116,34 @@ void check_problem(const PlanProblem& p) {
                     e.split_transient_bytes >= 0,
                 "planner: stage ", s, " extras have a negative cost (or weight > bwd)");
   }
+}
+
+void check_problem(const PlanProblem& p) {
+  const auto num_layers = static_cast<int64_t>(p.layers.size());
+  const auto num_stages = static_cast<int64_t>(p.extras.size());
+  const auto num_devices = static_cast<int64_t>(p.memory_limit.size());
+  TORCH_CHECK(num_stages >= 1 && num_devices >= 1,
+              "planner: need at least one stage and one device (memory limit)");
+  check_stage_count(num_layers, num_stages);
+  TORCH_CHECK(p.stage_device.empty() || static_cast<int64_t>(p.stage_device.size()) == num_stages,
+              "planner: stage_device has ", p.stage_device.size(), " entries for ", num_stages,
+              " stages");
+  TORCH_CHECK(!p.stage_device.empty() || num_devices == num_stages, "planner: ", num_devices,
+              " memory limits for ", num_stages, " stages on their own devices");
+  TORCH_CHECK(static_cast<int64_t>(p.live_states.size()) == num_devices, "planner: live_states (",
+              p.live_states.size(), ") needs one entry per device (", num_devices, ")");
+  for (int64_t s = 0; s < num_stages; ++s) {
+    const int32_t d = device_of(p, static_cast<int32_t>(s));
+    TORCH_CHECK(d >= 0 && d < num_devices, "planner: stage ", s, " on device ", d, " of ",
+                num_devices);
+  }
+  check_devices(p);
+  if (!p.ranges.empty()) {
+    TORCH_CHECK(static_cast<int64_t>(p.ranges.size()) == num_stages, "planner: ", p.ranges.size(),
+                " ranges for ", num_stages, " stages");
+    check_ranges(p.ranges, static_cast<int32_t>(num_layers), "planner");
+  }
+  check_costs_valid(p);
 }
 
 // What a checkpointed layer's backward holds on top of the stage: its recomputed activations
@@ -155,6 +167,37 @@ bool dominates(const Point& a, const Point& b) {
 // The extra backward time of checkpointing layer `l` on a stage that splits (or not).
 double checkpoint_time(const LayerCost& l, bool split) {
   return l.recompute + (split ? l.weight_ckpt - l.weight : 0.0);
+}
+
+// The frontier of a range extended by layer `l` from `prev`, the frontier without it: every
+// point of `prev` with `l` kept and (if allowed) checkpointed, pruned of dominated points.
+// `cand` is scratch space, kept by the caller across calls.
+std::vector<Point> next_front(const std::vector<Point>& prev, const LayerCost& l, bool split,
+                              bool allow_checkpoint, std::vector<Point>& cand) {
+  cand.clear();
+  for (int32_t k = 0; k < static_cast<int32_t>(prev.size()); ++k) {
+    const Point& q = prev[k];
+    // A stage that does not split keeps its saved bytes until W: no separate kept bytes.
+    cand.push_back({q.time, q.bytes + l.saved_bytes, q.wbytes + (split ? l.weight_bytes : 0), k,
+                    false, q.any});
+    if (allow_checkpoint)
+      cand.push_back({q.time + checkpoint_time(l, split), q.bytes + l.saved_bytes_ckpt,
+                      q.wbytes + (split ? l.weight_bytes_ckpt : 0), k, true, true});
+  }
+  // Exact ties go to checkpointing `l`, the later layer: see [Note: planner cost model] on why
+  // upper layers are the better choice.
+  std::stable_sort(cand.begin(), cand.end(), [](const Point& a, const Point& b) {
+    if (a.time != b.time) return a.time < b.time;
+    if (a.bytes != b.bytes) return a.bytes < b.bytes;
+    if (a.wbytes != b.wbytes) return a.wbytes < b.wbytes;
+    if (a.any != b.any) return !a.any;
+    return a.ckpt && !b.ckpt;
+  });
+  std::vector<Point> front;
+  for (const Point& q : cand)
+    if (std::none_of(front.begin(), front.end(), [&](const Point& k) { return dominates(k, q); }))
+      front.push_back(q);
+  return front;
 }
 
 Frontiers build_frontiers(const PlanProblem& p, bool split) {
@@ -193,32 +236,7 @@ Frontiers build_frontiers(const PlanProblem& p, bool split) {
       f.static_bytes[i].push_back(stat);
       f.transient[i].push_back(trans);
       f.recompute[i].push_back(recomp);
-      // Every frontier point of [i, j - 1) with layer j - 1 kept and checkpointed, pruned.
-      cand.clear();
-      for (int32_t k = 0; k < static_cast<int32_t>(prev.size()); ++k) {
-        const Point& q = prev[k];
-        // A stage that does not split keeps its saved bytes until W: no separate kept bytes.
-        cand.push_back({q.time, q.bytes + l.saved_bytes, q.wbytes + (split ? l.weight_bytes : 0), k,
-                        false, q.any});
-        if (p.allow_checkpoint)
-          cand.push_back({q.time + checkpoint_time(l, split), q.bytes + l.saved_bytes_ckpt,
-                          q.wbytes + (split ? l.weight_bytes_ckpt : 0), k, true, true});
-      }
-      // Exact ties go to checkpointing layer j - 1, the later layer: see [Note: planner cost
-      // model] on why upper layers are the better choice.
-      std::stable_sort(cand.begin(), cand.end(), [](const Point& a, const Point& b) {
-        if (a.time != b.time) return a.time < b.time;
-        if (a.bytes != b.bytes) return a.bytes < b.bytes;
-        if (a.wbytes != b.wbytes) return a.wbytes < b.wbytes;
-        if (a.any != b.any) return !a.any;
-        return a.ckpt && !b.ckpt;
-      });
-      std::vector<Point> front;
-      for (const Point& q : cand)
-        if (std::none_of(front.begin(), front.end(),
-                         [&](const Point& k) { return dominates(k, q); }))
-          front.push_back(q);
-      fronts.push_back(std::move(front));
+      fronts.push_back(next_front(prev, l, split, p.allow_checkpoint, cand));
       prev = fronts.back();
     }
   }
