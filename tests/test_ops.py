@@ -215,8 +215,8 @@ def test_transfers_checked_at_the_end_of_a_step_complete_or_time_out():
 
 
 def test_engine_and_ops_share_one_transfer_path():
-    # The engine is built on the same C++ isend/irecv as the ops (csrc/ops/p2p.h); nothing in
-    # the Python package talks to torch.distributed's point-to-point API directly.
+    # The engine is built on the same C++ isend/irecv as the ops (csrc/transport/p2p.h); nothing
+    # in the Python package talks to torch.distributed's point-to-point API directly.
     import inspect
 
     import pippy_xla.pipeline as pipeline
