@@ -480,12 +480,9 @@ void Engine::post_gradient_recvs(StepState& st, const Action& a) {
   }
 }
 
-void Engine::do_backward(StepState& st, const Action& a) {
+void Engine::backward_roots(StepState& st, const Action& a, const StashSlot& saved,
+                            std::vector<at::Tensor>& roots, std::vector<at::Tensor>& grads) {
   const Slot slot{a.stage, a.mb};
-  // With a split backward the slot stays stashed until W when W is the whole backward (no
-  // stage inputs need gradients); otherwise W needs only what B hands it.
-  const StashSlot saved = stash_.pop(a.stage, a.mb);
-  std::vector<at::Tensor> roots, grads;
   if (a.stage == schedule_.num_stages - 1) {
     for (const auto& o : saved.outputs) {
       if (!o.requires_grad()) continue;
@@ -513,6 +510,15 @@ void Engine::do_backward(StepState& st, const Action& a) {
       grads.push_back(incoming[j++]);
     }
   }
+}
+
+void Engine::do_backward(StepState& st, const Action& a) {
+  const Slot slot{a.stage, a.mb};
+  // With a split backward the slot stays stashed until W when W is the whole backward (no
+  // stage inputs need gradients); otherwise W needs only what B hands it.
+  const StashSlot saved = stash_.pop(a.stage, a.mb);
+  std::vector<at::Tensor> roots, grads;
+  backward_roots(st, a, saved, roots, grads);
   compute_start_ns_ = now_ns();
   std::vector<at::Tensor> leaves;
   for (const auto& in : saved.inputs)

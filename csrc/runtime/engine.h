@@ -154,6 +154,10 @@ class Engine {
   void do_forward(StepState& st, const Action& a, const StageFn& forward);
   void do_send_f(StepState& st, const Action& a);
   void do_recv_b(StepState& st, const Action& a);
+  // The outputs of (stage, mb) that B differentiates and their incoming gradients: ones for the
+  // last stage's loss, else the next stage's input gradients (received, or from this rank).
+  void backward_roots(StepState& st, const Action& a, const StashSlot& saved,
+                      std::vector<at::Tensor>& roots, std::vector<at::Tensor>& grads);
   void do_backward(StepState& st, const Action& a);
   void do_send_b(StepState& st, const Action& a);
   void do_weight(StepState& st, const Action& a);
