@@ -8,6 +8,8 @@ python -m pip install -q --disable-pip-version-check "transformers==5.23.0" pyte
 # GoogleTest for the C++ unit tests (scripts/ctest.sh), from the distribution where this may
 # install packages (root with apt-get); elsewhere ctest.sh skips those tests and says why.
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  apt-get install -y -q libgtest-dev >/dev/null || echo "libgtest-dev not installed: C++ tests will be skipped"
+  gtest() { apt-get install -y -q libgtest-dev >/dev/null; }
+  gtest || { apt-get update -q >/dev/null && gtest; } ||
+    echo "libgtest-dev not installed: C++ tests will be skipped"
 fi
 MAX_JOBS="${MAX_JOBS:-2}" python -m pip install -q --disable-pip-version-check --no-build-isolation -e .
