@@ -1,6 +1,6 @@
 // Bindings of the plan wing (csrc/plan/): the planner's structs with their field names and
 // keyword-only constructors, and its solver. The Python planner uses these classes
-// (pippy_xla/cost_model.py re-exports them).
+// (pippy_xla/plan/cost_model.py re-exports them).
 #include "bindings/bindings.h"
 #include "plan/planner.h"
 

@@ -94,7 +94,7 @@ void bind_fingerprints(py::module_& m) {
         "A 64-bit fingerprint of the tensor's bytes (not a cryptographic hash).");
   py::class_<BatchKey>(m, "BatchKey",
                        "What the step handshake compares of a batch ([Note: step handshake] in "
-                       "pippy_xla/_batch.py).")
+                       "pippy_xla/runtime/_batch.py).")
       .def_readonly("signature", &BatchKey::signature,
                     "fingerprint of the input names, dtypes and shapes")
       .def_readonly("content", &BatchKey::content, "fingerprint of the values (0: not checked)")
@@ -109,14 +109,15 @@ void bind_fingerprints(py::module_& m) {
 
 void bind_transport(py::module_& m) {
   // A failed or timed-out transfer or collective (as opposed to an error of the stage's own
-  // code): Python tells a dead peer apart by it (see [Note: naming a dead rank] in errors.py).
+  // code): Python tells a dead peer apart by it (see [Note: naming a dead rank] in
+  // pippy_xla/runtime/failures.py).
   py::register_exception<TransferError>(m, "TransferError", PyExc_RuntimeError);
   m.attr("DEFAULT_TIMEOUT_MS") = kDefaultTimeoutMs;
   py::class_<Abortable, std::shared_ptr<Abortable>>(
       m, "Abortable",
       "Lets another thread end a collective's waits: pass it as `abortable` to a collective "
       "over shared memory and call abort() (see [Note: watched collectives] in "
-      "pippy_xla/errors.py).")
+      "pippy_xla/runtime/failures.py).")
       .def(py::init<>())
       .def("abort", &Abortable::abort, py::call_guard<py::gil_scoped_release>(),
            "Ends the waits of the collective it was given to, and of any it is given to later, "

@@ -214,7 +214,7 @@ void Engine::run(int64_t signature, const StageFn& forward, const GradsReadyFn& 
               "restart the job");
   resolve_routes();
   // Between steps the engine holds no group: one destroyed after a step must be free to go (see
-  // [Note: releasing the group at exit] in pippy_xla/_exit.py).
+  // [Note: releasing the group at exit] in pippy_xla/runtime/_exit.py).
   const auto release =
       c10::make_scope_exit([this] { route_ = up_route_ = down_route_ = header_route_ = Route(); });
   StepState st;

@@ -30,7 +30,8 @@ namespace pippy_xla {
 using StageFn = std::function<std::vector<at::Tensor>(int64_t, int64_t, std::vector<at::Tensor>)>;
 
 // [Note: transfer tags] The engine's transfers use tags below kTiedWeightTagBase (Engine::tag);
-// tied-weight transfers outside the engine (pippy_xla/_ties.py) use two tags per tie from it.
+// tied-weight transfers outside the engine (pippy_xla/runtime/_ties.py) use two tags per tie from
+// it.
 constexpr int64_t kTiedWeightTagBase = int64_t{1} << 30;
 // The one tag of every activation and gradient transfer of an engine whose transfers are matched
 // in order ([Note: transfers matched in order]).
@@ -66,7 +67,7 @@ struct EngineOptions {
 };
 
 // Where an engine's boundary headers travel, and with them the step handshake of the Python
-// step runner (pippy_xla/_step.py): the pipeline's group on its device; where transfers are
+// step runner (pippy_xla/runtime/_step.py): the pipeline's group on its device; where transfers are
 // matched in order, the header group in host memory, so that on NCCL neither waits behind the
 // GPU's queue nor copies its few integers to the GPU and back.
 struct HeaderChannel {
@@ -103,7 +104,8 @@ class Engine {
 
   // [Note: aborting a step] Thread-safe: wakes every transfer wait of the running step (c10d's
   // Work::abort), so run() throws instead of waiting out the timeout, and refuses later steps.
-  // AbortChannel.watch (pippy_xla/errors.py) calls it when another rank reports a failure.
+  // AbortChannel.run_armed (pippy_xla/runtime/failures.py) arms it; its watcher calls it when
+  // another rank reports a failure.
   void abort();
   // Where the failed step failed; nullopt while no step has failed.
   const std::optional<Failure>& failure() const { return failure_; }

@@ -480,8 +480,8 @@ at::Tensor wait_send_kernel(const at::Tensor& token, int64_t timeout_ms) {
   return at::scalar_tensor(0, at::TensorOptions().dtype(at::kLong));
 }
 
-// Blocking, differentiable transfers (autograd formulas in pippy_xla/ops.py): the gradient of a
-// send is a receive from the destination, and of a receive a send back to the source.
+// Blocking, differentiable transfers (autograd formulas in pippy_xla/runtime/ops.py): the gradient
+// of a send is a receive from the destination, and of a receive a send back to the source.
 at::Tensor send_wait_kernel(const at::Tensor& x, int64_t peer, int64_t tag,
                             c10::string_view group_name, int64_t timeout_ms) {
   isend(x.contiguous(), peer, tag, std::string(group_name), op_what("send_wait", peer, tag))

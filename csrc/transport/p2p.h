@@ -21,8 +21,8 @@
 namespace pippy_xla {
 
 // How long a transfer waits when the caller names no timeout: the engine's default
-// (EngineOptions::timeout_ms) and the ops' Python wrappers' (pippy_xla/ops.py, which reads it as
-// _C.DEFAULT_TIMEOUT_MS).
+// (EngineOptions::timeout_ms) and the ops' Python wrappers' (pippy_xla/runtime/ops.py, which reads
+// it as _C.DEFAULT_TIMEOUT_MS).
 constexpr int64_t kDefaultTimeoutMs = 300000;
 
 // What a transfer is part of, for errors: set by the engine (the ops leave it empty). With
@@ -96,7 +96,7 @@ class Transfer {
 
 // Transfers that another thread may abort (c10d::Work::abort wakes their waits): an engine's
 // step, or a watched collective over shared memory (see [Note: watched collectives] in
-// pippy_xla/errors.py). Thread-safe.
+// pippy_xla/runtime/failures.py). Thread-safe.
 class Abortable {
  public:
   Abortable();
@@ -198,8 +198,8 @@ std::vector<std::vector<int64_t>> all_gather_int64(
 // compare the batches that ranks were given; not a cryptographic hash.
 int64_t content_digest(const at::Tensor& tensor);
 
-// What the step handshake compares ([Note: step handshake] in pippy_xla/_batch.py): a fingerprint
-// of a batch's input names, dtypes and shapes, and, when `check_content`, of its values
+// What the step handshake compares ([Note: step handshake] in pippy_xla/runtime/_batch.py): a
+// fingerprint of a batch's input names, dtypes and shapes, and, when `check_content`, of its values
 // (`contents`: each input's content_digest, in the order given; `content`: theirs, 0 when off).
 struct BatchKey {
   int64_t signature = 0;
