@@ -82,9 +82,9 @@ def main() -> None:
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     from pippy_xla import _C
+    from pippy_xla.pipeline import balanced_ranges
     from pippy_xla.plan.cost_model import PLANNED_SCHEDULES
     from pippy_xla.plan.planner import evaluate, profile_model
-    from pippy_xla.runtime._build import balanced_ranges
 
     torch.manual_seed(0)
     torch.set_num_threads(1)

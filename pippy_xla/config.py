@@ -232,7 +232,7 @@ class PipelineConfig:
                 f"pipeline built from it runs those; drop {', '.join(conflicts)}, or make a plan "
                 "for them with pippy_xla.plan(...)"
             )
-        given = {k: v for k, v in options.items() if k != "plan"}
+        given = dict(options)
         for k in made_for:
             if given.get(k, "") is None:
                 del given[k]

@@ -28,8 +28,10 @@ import pathlib, sys
 out, native = pathlib.Path(sys.argv[1]), sys.argv[2]
 print(f"worst max|compiled - eager| / max|eager| (native = {native})")
 for isa in ("native", "avx2", "default"):
-    worst = {}
-    for line in (out / f"{isa}.tsv").read_text().splitlines():
+    worst, path = {}, out / f"{isa}.tsv"
+    if not path.exists():  # not run (ISAS) nor earlier
+        continue
+    for line in path.read_text().splitlines():
         kind, ratio, where = line.split("\t", 2)
         if float(ratio) >= worst.get(kind, (-1.0, ""))[0]:
             worst[kind] = (float(ratio), where)

@@ -5,11 +5,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q --disable-pip-version-check torch==2.13.0
 python -m pip install -q --disable-pip-version-check "transformers==5.23.0" pytest ninja tqdm matplotlib "mypy==2.4.1" "ruff==0.17.6"
-# GoogleTest for the C++ unit tests (scripts/ctest.sh), from the distribution where this may
+# CMake and GoogleTest for the C++ unit tests (scripts/ctest.sh), from the distribution where this may
 # install packages (root with apt-get); elsewhere ctest.sh skips those tests and says why.
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  gtest() { apt-get install -y -q libgtest-dev >/dev/null; }
+  gtest() { apt-get install -y -q cmake libgtest-dev >/dev/null; }
   gtest || { apt-get update -q >/dev/null && gtest; } ||
-    echo "libgtest-dev not installed: C++ tests will be skipped"
+    echo "cmake or libgtest-dev not installed: C++ tests will be skipped"
 fi
 MAX_JOBS="${MAX_JOBS:-2}" python -m pip install -q --disable-pip-version-check --no-build-isolation -e .

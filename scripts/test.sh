@@ -6,6 +6,7 @@
 #     ATEN_CPU_CAPABILITY=avx2, so that inductor emits the vector code of a lesser CPU and sums in
 #     another order: a tolerance that only this CPU meets fails here, not on a user's machine;
 #  3. the C++ unit tests (scripts/ctest.sh; skipped, with the reason, without GoogleTest).
+# Extra arguments are pytest options for both pytest runs (e.g. -x, --durations=20), not paths.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ruff check --quiet . && ruff format --check --quiet .

@@ -390,7 +390,7 @@ def _model_line(e: BaseException) -> str:
 
     # torch's and pippy_xla's own frames, and the root's generated forward (see _root_forward).
     package = os.path.dirname(os.path.dirname(__file__))  # pippy_xla/, above split/
-    skip = (os.path.dirname(torch.__file__), package, "<string>")
+    skip = (os.path.dirname(torch.__file__) + os.sep, package + os.sep, "<string>")
     frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(skip)]
     if not frames:
         return ""
