@@ -15,12 +15,10 @@ for isa in ${ISAS:-native avx2 default}; do
   # A cold inductor cache of its own per run ([Note: one inductor cache per instruction set]).
   export TORCHINDUCTOR_CACHE_DIR="$out/inductor_$isa"
   rm -rf "$TORCHINDUCTOR_CACHE_DIR"
-  if [ "$isa" = native ]; then
-    PIPPY_XLA_SPREAD_LOG="$log" python -m pytest -q -m compiled tests "$@" > "$out/$isa.log" 2>&1
-  else
-    ATEN_CPU_CAPABILITY=$isa PIPPY_XLA_SPREAD_LOG="$log" python -m pytest -q -m compiled tests "$@" \
-      > "$out/$isa.log" 2>&1
-  fi
+  cap=()
+  [ "$isa" = native ] || cap=(ATEN_CPU_CAPABILITY="$isa")
+  env "${cap[@]}" PIPPY_XLA_SPREAD_LOG="$log" python -m pytest -q -m compiled tests "$@" \
+    > "$out/$isa.log" 2>&1
   echo "$isa: $(tail -n 1 "$out/$isa.log")"
 done
 python - "$out" "$native" <<'PY'
