@@ -35,6 +35,7 @@ import os
 import queue
 import signal
 import socket
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -68,10 +69,29 @@ def _context(fn: Callable[..., Any], start_method: str | None, spawn_only: bool)
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
         ctx.set_forkserver_preload([*_PRELOAD, module])  # used when the server starts
+        _warm_up(ctx)
     return ctx
 
 
-def _worker(rank, world_size, port, fn, args, results, pg_timeout, backend, forked):
+_WARM: list[bool] = []
+"""Whether this process's forkserver has forked a process yet (see :func:`_warm_up`)."""
+
+
+def _warm_up(ctx) -> None:
+    """Forks one trivial process from the forkserver the first time: the server's start and
+    imports (seconds) are then not counted against the first run's deadline."""
+    if not _WARM:
+        p = ctx.Process(target=time.sleep, args=(0,))
+        p.start()
+        p.join()
+        _WARM.append(True)
+
+
+_STACK_FILE = None
+"""This rank's open stack file (kept open for faulthandler until the process ends)."""
+
+
+def _worker(rank, world_size, port, fn, args, results, pg_timeout, backend, forked, stacks):
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -82,8 +102,12 @@ def _worker(rank, world_size, port, fn, args, results, pg_timeout, backend, fork
     )
     if backend == "nccl":
         os.environ["NCCL_HOSTID"] = f"host{rank}"
-    # A rank that dies by a signal (a teardown abort) prints every thread's Python stack.
-    faulthandler.enable(all_threads=True)
+    # A rank that dies by a signal (a crash, or the parent's SIGABRT when it hangs) writes every
+    # thread's Python stack to a file the parent reads into its report: a forked rank's own
+    # stderr is the forkserver's, which may be an earlier test's captured one.
+    global _STACK_FILE
+    _STACK_FILE = open(os.path.join(stacks, f"rank{rank}"), "w")  # noqa: SIM115
+    faulthandler.enable(file=_STACK_FILE, all_threads=True)
     import torch
     import torch.distributed as dist
 
@@ -132,22 +156,26 @@ def run_ranks(
     forked = ctx.get_start_method() != "spawn"
     results = ctx.Queue()
     port = _free_port()
-    procs = [
-        ctx.Process(
-            target=_worker,
-            args=(r, world_size, port, fn, args, results, pg_timeout, backend, forked),
-        )
-        for r in range(world_size)
-    ]
-    for r, p in enumerate(procs):
-        _start_with_env(p, (rank_env or {}).get(r, {}))
-    outs: dict[int, tuple[str, Any]] = {}
-    try:
-        _collect(procs, results, outs, time.monotonic() + timeout)
-    finally:
-        _stop(procs, outs)
-    problems = [_problem(r, procs[r], outs, may_exit, timeout) for r in range(world_size)]
-    problems = [p for p in problems if p]
+    with tempfile.TemporaryDirectory(prefix="pippy_xla_stacks_") as stacks:
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, world_size, port, fn, args, results, pg_timeout, backend, forked, stacks),
+            )
+            for r in range(world_size)
+        ]
+        for r, p in enumerate(procs):
+            _start_with_env(p, (rank_env or {}).get(r, {}))
+        outs: dict[int, tuple[str, Any]] = {}
+        try:
+            _collect(procs, results, outs, time.monotonic() + timeout)
+        finally:
+            _stop(procs, outs)
+        problems = [
+            text + _stacks(stacks, r)
+            for r in range(world_size)
+            if (text := _problem(r, procs[r], outs, may_exit, timeout))
+        ]
     if problems:
         raise AssertionError("multi-rank test failed:\n" + "\n".join(problems))
     return [outs[r][1] if outs[r][0] == "ok" else None for r in range(world_size)]
@@ -214,7 +242,7 @@ def _stop(procs: list, outs: dict[int, tuple[str, Any]]) -> None:
         for p in procs:
             p.join(timeout=max(0.1, end - time.monotonic()))
     # A rank still running past the deadline hangs: SIGABRT makes faulthandler (enabled in
-    # every rank) print all its threads' Python stacks before it dies.
+    # every rank) write all its threads' Python stacks before it dies.
     hung = [p for r, p in enumerate(procs) if r not in outs and p.is_alive()]
     for p in hung:
         os.kill(p.pid, signal.SIGABRT)
@@ -225,6 +253,16 @@ def _stop(procs: list, outs: dict[int, tuple[str, Any]]) -> None:
             p.kill()
     for p in procs:
         p.join(timeout=10)
+
+
+def _stacks(stacks: str, rank: int) -> str:
+    """What rank ``rank``'s faulthandler wrote (its threads' stacks, if a signal ended it)."""
+    try:
+        with open(os.path.join(stacks, f"rank{rank}")) as f:
+            text = f.read()
+    except OSError:
+        return ""
+    return f"\n    its threads' Python stacks when it ended:\n{text}" if text else ""
 
 
 def _problem(
@@ -244,7 +282,4 @@ def _problem(
         return f"--- rank {r} raised:\n{value}"
     if status == "exited":
         return f"--- rank {r} exited with code {value} without reporting"
-    return (
-        f"--- rank {r} did not finish within {timeout:.0f} s (killed; its threads' "
-        "Python stacks are in the captured stderr)"
-    )
+    return f"--- rank {r} did not finish within {timeout:.0f} s (killed)"

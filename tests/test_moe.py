@@ -111,11 +111,10 @@ CASES = {
         ("qwen3_moe_router_loss", "gpipe", 2, 4, False, (2, 2)),
     ],
 }
-COMPILED_CASES = [
-    ("mixtral_router_loss", "gpipe", 2, 4, True),
-    # Compiled with W its own graph ([Note: compiled W]), checkpointed layers inside.
-    ("mixtral_router_loss", "zbh1", 2, 4, True, None, (0, 3)),
-]
+# Compiled with W its own graph ([Note: compiled W]), the first stage's layer checkpointed: the
+# router losses through compiled stages, one layer per stage (inductor's compile time grows with
+# the graph). A compiled full backward is test_compile.py's.
+COMPILED_CASES = [("mixtral_router_loss", "zbh1", 2, 2, True, None, (0,))]
 
 
 def _cases(rank, world, cases):

@@ -19,6 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # stubtest type-checks the package around the module, and compares nothing while any module of it
 # has a type error: check pippy_xla._C only (the other modules are not the stub's business).
+# torch is not followed either (its types become Any): what stubtest compares (names, kinds,
+# members, runtime values against stub types) does not need them, and mypy spent 26 of 29 s
+# analysing torch.
 MYPY_CONFIG = """\
 [mypy]
 cache_dir = {cache_dir}
@@ -30,6 +33,9 @@ follow_imports = skip
 [mypy-pippy_xla._C]
 ignore_errors = False
 follow_imports = normal
+
+[mypy-torch.*]
+follow_imports = skip
 """
 
 
@@ -38,9 +44,8 @@ def test_stub_matches_the_extension(tmp_path: Path) -> None:
     config = tmp_path / "mypy.ini"
     config.write_text(MYPY_CONFIG.format(cache_dir=tmp_path / "mypy_cache"))
     cmd = [sys.executable, "-m", "mypy.stubtest", "pippy_xla._C", "--mypy-config-file", config]
-    # From the root, so that both mypy and the import find this checkout's package. torch makes
-    # mypy slow (about 20 s on 2 cores): the timeout is generous.
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    # From the root, so that both mypy and the import find this checkout's package.
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
         pytest.fail(
             "pippy_xla/_C.pyi does not match the built pippy_xla._C (python -m mypy.stubtest "
