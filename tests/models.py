@@ -253,6 +253,13 @@ TINY_FAMILIES = {
     },
     "qwen3_moe": {**_MOE, "norm_topk_prob": True},
     "qwen3_moe_router_loss": {**_MOE, **_ROUTER_LOSS, "tie_word_embeddings": True},
+    # Per-layer input embeddings, a rotary table per layer type, proportional rotary.
+    "gemma4_text": {
+        **_WINDOW,
+        "global_head_dim": 16,
+        "hidden_size_per_layer_input": 8,
+        "vocab_size_per_layer_input": VOCAB,
+    },
 }
 
 

@@ -96,6 +96,21 @@ class MaskLeaf(nn.Module):
     def forward(self, **kwargs: Any) -> Any:
         return self.fn(config=self.config, **kwargs)
 
+    def sample(self, **kwargs: Any) -> Any:
+        """The mask of a sample batch on the ``meta`` device: the factory's, or where it reads
+        the values of its inputs (shortcuts for an all-ones mask, packed-sequence detection),
+        the one it builds under a compiler (``is_tracing``), which reads none."""
+        try:
+            return self.forward(**kwargs)
+        except RuntimeError:
+            names = self.fn.__globals__
+            saved = names.get("is_tracing")
+            names["is_tracing"] = lambda *args, **kw: True
+            try:
+                return self.forward(**kwargs)
+            finally:
+                names["is_tracing"] = saved
+
     def extra_repr(self) -> str:
         return f"fn={self.fn.__module__}.{self.fn.__qualname__}"
 

@@ -5,6 +5,7 @@ order, with the terms a model adds to its loss separated from the loss function'
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import inspect
 import logging
@@ -70,7 +71,10 @@ class _Root(nn.Module):
 
 
 def traced_root(
-    model: nn.Module, layer_cls: type[nn.Module], input_names: Sequence[str], device_type: str
+    model: nn.Module,
+    layer_cls: type[nn.Module],
+    input_names: Sequence[str],
+    device_type: str,
 ) -> tuple[_Root, fx.Graph]:
     """The partitioner's root around ``model`` and its trace: with a ``labels`` input when the
     model has an HF loss (see [Note: terms added to the loss]), and without it if the model's
@@ -116,9 +120,30 @@ so models may branch on it (``if device.type != "mps"``).
 """
 
 
-class _Proxy(fx.Proxy):
-    """A proxy whose ``ndim`` is concrete when known (batch inputs are 2-D token tensors), and
-    whose ``device`` is the batch's (see [Note: one device]).
+class _Builtins:
+    """Python's builtins on traced sizes and shapes (``len``, ``int``, ``float``, ``range``'s
+    ``__index__``): the value the sample batches agree on, a constant of the model (see [Note:
+    branches on metadata]). A size that depends on the batch stays an error."""
+
+    def __len__(self) -> int:
+        # Unpacking (``*x.shape[1:]``) asks for the length first.
+        length = self.tracer.sample_length(self)
+        return length if length is not None else fx.Proxy.__len__(self)
+
+    def __int__(self) -> int:
+        return int(self.tracer.agreed_number(self, "int"))
+
+    def __index__(self) -> int:
+        return int(self.tracer.agreed_number(self, "an index"))
+
+    def __float__(self) -> float:
+        return float(self.tracer.agreed_number(self, "float"))
+
+
+class _Proxy(_Builtins, fx.Proxy):
+    """A proxy whose ``ndim`` is concrete when known (batch inputs are 2-D token tensors), whose
+    ``device`` is the batch's (see [Note: one device]), and which Python's builtins on sizes
+    accept (:class:`_Builtins`).
 
     GPT-2 branches on ``attention_mask.ndim < 4``.
     """
@@ -127,23 +152,24 @@ class _Proxy(fx.Proxy):
     def ndim(self) -> Any:  # type: ignore[override]
         if "pippy_ndim" in self.node.meta:
             return self.node.meta["pippy_ndim"]
-        return fx.proxy.Attribute(self, "ndim")
+        return _Attribute(self, "ndim")
 
-    def __len__(self) -> int:
-        # Unpacking (``*x.shape[1:]``) asks for the length first: see [Note: branches on
-        # metadata].
-        length = self.tracer.sample_length(self)
-        return length if length is not None else super().__len__()
+    def __getattr__(self, k: str) -> Any:
+        return _Attribute(self, k)
 
     @property
     def device(self) -> Any:
         tracer = self.tracer
         if tracer.first_input is None:
-            return fx.proxy.Attribute(self, "device")
+            return _Attribute(self, "device")
         return _Device(tracer.first_input, "device")
 
 
-class _Device(fx.proxy.Attribute):
+class _Attribute(_Builtins, fx.proxy.Attribute):
+    """An attribute of a traced value (``x.shape``): builtins accept it too (``len(x.shape)``)."""
+
+
+class _Device(_Attribute):
     """The batch's device while tracing: its ``type`` is a concrete string."""
 
     @property
@@ -158,7 +184,10 @@ Some models' Python outside the layers branches on the metadata of a value (Falc
 (``*alibi.shape[1:]``). Those branches depend on the config and the attention implementation,
 not on the batch: the tracer evaluates the value on the ``meta`` device, from sample batches of
 2-D token tensors of two shapes, and follows the branch they agree on (``to_bool``, ``iter``):
-a branch on sizes (``if seq_len > 4``) gives different answers and stays an error. A value whose
+a branch on sizes (``if seq_len > 4``) gives different answers and stays an error. Python's
+builtins on sizes and shapes (``len(x.shape)``, ``int(n)``, ``range(n)``, ``float(n)``) are
+answered the same way: the value the samples agree on is a constant of the model; one that
+depends on the batch is an error. A value whose
 sample cannot be computed, or a branch on tensor data, is an error naming the model's line.
 ``torch.finfo`` of a traced dtype becomes a graph value (:class:`_FInfo`), so the dtype stays
 symbolic (autocast may change it at run time).
@@ -213,6 +242,20 @@ class _Tracer(fx.Tracer):
             return iter([obj[i] for i in range(length)])
         return super().iter(obj)
 
+    def agreed_number(self, obj: fx.Proxy, what: str) -> int | float:
+        """``obj``'s value if it is a number that every sample batch agrees on; else a
+        ``TypeError`` saying that a size of the batch cannot be fixed in the graph."""
+        try:
+            value = self._agreed_sample(obj.node)
+        except _NoSample:
+            value = None
+        if isinstance(value, (int, float)):
+            return value
+        raise TypeError(
+            f"{what} of a traced value that depends on the batch's shape or values cannot be "
+            "fixed in the graph; only sizes of the model (the same for every batch) can"
+        )
+
     def sample_length(self, obj: fx.Proxy) -> int | None:
         """The length of ``obj``'s sample value if it is a sequence (a shape)."""
         lengths = set()
@@ -244,33 +287,38 @@ class _Tracer(fx.Tracer):
         args = fx.node.map_arg(node.args, lambda n: self._sample_for(n, shape))
         kwargs = fx.node.map_arg(node.kwargs, lambda n: self._sample_for(n, shape))
         try:
-            if node.op == "placeholder":
-                value = torch.ones(shape, dtype=torch.long, device="meta")
-            elif node.op == "get_attr":
-                value = _fetch_untraced(self.root, node.target)
-                if isinstance(value, torch.Tensor):
-                    value = torch.empty_like(value, device="meta")
-            elif node.op == "call_function":
-                value = node.target(*args, **kwargs)
-            elif node.op == "call_method":
-                value = getattr(args[0], node.target)(*args[1:], **kwargs)
-            elif node.op == "call_module":
-                mod = self.root.get_submodule(node.target)
-                tensors = {**dict(mod.named_parameters()), **dict(mod.named_buffers())}
-                meta = {k: torch.empty_like(t, device="meta") for k, t in tensors.items()}
-                # forward, not __call__: the tracer routes module calls into the graph.
-                with torch.nn.utils.stateless._reparametrize_module(mod, meta):
-                    value = mod.forward(*args, **kwargs)
-            else:
-                raise _NoSample(node.name)
+            with _fx_patches_reverted():
+                value = self._compute_sample(node, args, kwargs, shape)
             if any(isinstance(v, fx.Proxy) for v in torch.utils._pytree.tree_leaves(value)):
-                raise _NoSample(node.name)  # it called a submodule
+                raise _NoSample(node.name)
         except _NoSample:
             raise
         except Exception as e:  # noqa: BLE001  (any op that cannot run on meta tensors)
             raise _NoSample(node.name) from e
         samples[node] = value
         return value
+
+    def _compute_sample(self, node: fx.Node, args: Any, kwargs: Any, shape: tuple[int, int]):
+        if node.op == "placeholder":
+            return torch.ones(shape, dtype=torch.long, device="meta")
+        if node.op == "get_attr":
+            value = _fetch_untraced(self.root, node.target)
+            if isinstance(value, torch.Tensor):
+                value = torch.empty_like(value, device="meta")
+            return value
+        if node.op == "call_function":
+            return node.target(*args, **kwargs)
+        if node.op == "call_method":
+            return getattr(args[0], node.target)(*args[1:], **kwargs)
+        if node.op == "call_module":
+            mod = self.root.get_submodule(node.target)
+            tensors = {**dict(mod.named_parameters()), **dict(mod.named_buffers())}
+            meta = {k: torch.empty_like(t, device="meta") for k, t in tensors.items()}
+            with torch.nn.utils.stateless._reparametrize_module(mod, meta):
+                return (
+                    mod.sample(**kwargs) if isinstance(mod, hf.MaskLeaf) else mod(*args, **kwargs)
+                )
+        raise _NoSample(node.name)
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return (
@@ -292,6 +340,12 @@ class _Tracer(fx.Tracer):
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _Proxy(node, self)
 
+    def create_arg(self, a: Any) -> Any:
+        # See [Note: containers handed to the layers]
+        if isinstance(a, (collections.UserDict, collections.UserList)) and not a.data:
+            return self.create_node("call_function", type(a), (), {})
+        return super().create_arg(a)
+
     def create_proxy(self, kind: str, target: Any, args: Any, kwargs: Any, *a: Any, **k: Any):
         p = super().create_proxy(kind, target, args, kwargs, *a, **k)
         if kind == "placeholder":
@@ -301,12 +355,48 @@ class _Tracer(fx.Tracer):
         return p
 
 
-def _trace(root: _Root, model: nn.Module, layer_cls: type[nn.Module], device_type: str) -> fx.Graph:
+"""[Note: containers handed to the layers]
+
+A model may create an empty container in its forward and hand it to every layer (Gemma 4's
+``KVSharingDict``, where layers that reuse another layer's keys and values find them). fx
+records a dataclass argument as a call of its constructor; an empty ``UserDict`` or
+``UserList`` is recorded the same way, so each stage creates its own for its layers. What a layer
+puts there reaches the later layers of its own stage only: a layer that reads an entry written on
+another stage fails (``KeyError``) on every rank at its first step.
+"""
+
+
+@contextlib.contextmanager
+def _fx_patches_reverted() -> Any:
+    """fx's patches of ``nn.Module.__call__`` and ``__getattr__`` lifted inside the block: a
+    sample value (see [Note: branches on metadata]) runs the module's own Python, submodules
+    included, instead of recording their calls."""
+    patcher = fx._symbolic_trace.CURRENT_PATCHER
+    if patcher is None:
+        yield
+        return
+    patcher.revert_all_patches()
+    try:
+        yield
+    finally:
+        patcher.reapply_all_patches()
+
+
+def _trace(
+    root: _Root,
+    model: nn.Module,
+    layer_cls: type[nn.Module],
+    device_type: str,
+) -> fx.Graph:
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
+    tracer = _Tracer(layer_cls, device_type)
     try:
-        with hf.patch_mask_functions(model, getattr(root, hf.MASKS_ATTR)), _traced_finfo():
-            return _canonical(_Tracer(layer_cls, device_type).trace(root))
+        with (
+            hf.patch_mask_functions(model, getattr(root, hf.MASKS_ATTR)),
+            _traced_finfo(),
+        ):
+            return _canonical(tracer.trace(root))
     except UnsupportedModelError:
         raise
     except Exception as e:  # noqa: BLE001  (any failure of the model's Python under the tracer)
