@@ -229,6 +229,13 @@ def tiny(model_type: str, attn: str | None = None, layers: int = 4, **overrides)
 # Families the issues named, each with what sets it apart (see the README's families table).
 _WINDOW = {"sliding_window": 3}
 _MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+_LINEAR = {
+    "full_attention_interval": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+}
 _ROUTER_LOSS = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
 TINY_FAMILIES = {
     # Scaled word embeddings (an nn.Embedding subclass or embedding * sqrt(hidden)) read by the
@@ -253,6 +260,11 @@ TINY_FAMILIES = {
     },
     "qwen3_moe": {**_MOE, "norm_topk_prob": True},
     "qwen3_moe_router_loss": {**_MOE, **_ROUTER_LOSS, "tie_word_embeddings": True},
+    # Hybrids: linear-attention (gated delta net) layers read a 2-D padding mask that HF builds
+    # beside the 4-D one (create_recurrent_attention_mask); a full-attention layer every other.
+    "qwen3_5_text": {**_LINEAR},
+    "qwen3_5_moe_text": {**_LINEAR, **_MOE, "shared_expert_intermediate_size": 32},
+    "qwen3_next": {**_LINEAR, **_MOE, "shared_expert_intermediate_size": 32},
     # Per-layer input embeddings, a rotary table per layer type, proportional rotary.
     "gemma4_text": {
         **_WINDOW,
@@ -364,18 +376,16 @@ def reference_step(
 
 
 def pipeline(model: nn.Module, layer_cls: type[nn.Module], schedule="1f1b", mbs=2, **options):
-    """The model pipelined with ``schedule`` (2 chunks per rank when interleaved), ``mbs``
+    """The model pipelined with ``schedule`` (its default stages per rank), ``mbs``
     microbatches and a short timeout (60 s; compiled stages 600 s: a peer's first receive waits
     through inductor's compile of the stage, minutes on a slow or busy 2-core machine)."""
     import pippy_xla as px
 
-    chunks = 2 if schedule == "interleaved" else 1
     options.setdefault("timeout", 600 if options.get("compile") else 60)
     return px.PipelineModel(
         model,
         layer_cls=layer_cls,
         num_microbatches=mbs,
         schedule=schedule,
-        chunks=chunks,
         **options,
     )

@@ -42,6 +42,9 @@ NOTES = {
     "qwen3_moe_router_loss": "MoE router loss, tied head",
     "falcon_alibi": "ALiBi: branches on the mask's metadata",
     "xglm": "sinusoidal positions table behind a branch on its size",
+    "qwen3_5_text": "linear-attention layers read a recurrent padding mask (2-D)",
+    "qwen3_5_moe_text": "recurrent padding mask, MoE with a shared expert",
+    "qwen3_next": "recurrent padding mask, MoE, 3-D rotary positions",
     "gemma4_text": "per-layer input embeddings, len() of traced shapes",
 }
 
@@ -57,7 +60,18 @@ FOUR_RANKS = [
     ("gemma3_text", "zbh1", 4),
     ("olmo3", "interleaved", 8, 4),
     ("falcon_alibi", "1f1b", 4),
+    ("qwen3_5_text", "zbh1", 4),
+    ("qwen3_5_moe_text", "zbv", 8, 4),
+    ("qwen3_next", "1f1b", 4),
     ("gemma4_text", "1f1b", 4),
+]
+
+# Hybrids on every schedule that splits the backward (2 ranks; padded rows in every batch).
+SPLIT_BACKWARD = [
+    ("qwen3_5_text", "zbh1"),
+    ("qwen3_next", "interleaved_zb", 8, 4),
+    ("qwen3_5_moe_text", "zbv", 8),
+    ("qwen3_5_text", "dualpipev", 8, 4),
 ]
 
 
@@ -146,6 +160,11 @@ def test_every_family_equals_one_process_on_two_ranks():
     assert text[begin:end] == table, (
         "README families table is stale: rerun with PIPPY_WRITE_README=1"
     )
+
+
+def test_hybrids_equal_one_process_under_split_backward_schedules():
+    out = run_ranks(2, _families, SPLIT_BACKWARD, timeout=600)
+    assert out[0] == out[1]
 
 
 def test_named_families_equal_one_process_on_four_ranks():

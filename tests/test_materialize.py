@@ -30,6 +30,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # the reference std tells a right distribution from a wrong one (GPT-2's scaled c_proj init is
 # 1/sqrt(2 n_layer) = 0.35x the plain std; garbage or an all-ones norm is off by orders).
 STAT_TOL = 0.3
+# Small tensors (a linear-attention layer's 4 decay rates, a 32-wide class embedding, a 64-wide
+# gate) have sample statistics that wander by about std / sqrt(n): four such standard errors are
+# allowed on top.
+NOISE_SE = 4
 
 
 def _local_tensors(pipe: px.PipelineModel) -> dict[str, torch.Tensor]:
@@ -55,7 +59,8 @@ def _compare_to_hf_init(name: str, t: torch.Tensor, ref: torch.Tensor) -> str | 
         return None if torch.equal(t, ref) else f"{name}: differs from the constant reference"
     mean, std = float(t.float().mean()), float(t.float().std())
     ref_mean, ref_std = float(ref.float().mean()), float(ref.float().std())
-    if abs(mean - ref_mean) > STAT_TOL * ref_std or abs(std - ref_std) > STAT_TOL * ref_std:
+    tol = (STAT_TOL + NOISE_SE / math.sqrt(ref.numel())) * ref_std
+    if abs(mean - ref_mean) > tol or abs(std - ref_std) > tol:
         return (
             f"{name}: mean {mean:.4g} std {std:.4g}, "
             f"reference mean {ref_mean:.4g} std {ref_std:.4g}"

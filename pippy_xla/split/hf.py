@@ -172,11 +172,24 @@ def _leaf_for(leaves: nn.ModuleDict, name: str, fn: Callable[..., Any], config: 
     )
 
 
+def _flat_arguments(sig: inspect.Signature, args: Any, kwargs: Any) -> dict[str, Any]:
+    """The arguments of a call by name, those a ``**kwargs`` parameter collects among them
+    (``create_recurrent_attention_mask(config, inputs_embeds, attention_mask, **kwargs)`` gets
+    ``position_ids`` that way): each is an argument of the leaf's call like any other."""
+    arguments: dict[str, Any] = {}
+    for key, value in sig.bind(*args, **kwargs).arguments.items():
+        if sig.parameters[key].kind is inspect.Parameter.VAR_KEYWORD:
+            arguments.update(value)
+        else:
+            arguments[key] = value
+    return arguments
+
+
 def _make_shim(name: str, fn: Callable[..., Any], leaves: nn.ModuleDict) -> Callable[..., Any]:
     sig = inspect.signature(fn)
 
     def shim(*args: Any, **kwargs: Any) -> Any:
-        arguments = dict(sig.bind(*args, **kwargs).arguments)
+        arguments = _flat_arguments(sig, args, kwargs)
         config = arguments.pop("config", None)
         leaf = _leaf_for(leaves, name, fn, config)
         call: dict[str, Any] = {}
