@@ -37,7 +37,7 @@ from pippy_xla.runtime._exit import release_at_exit
 from pippy_xla.runtime._state import StageState
 from pippy_xla.runtime._step import EvalOutput, StepRunner
 from pippy_xla.runtime.failures import FailureState
-from pippy_xla.split.partition import StageGraph
+from pippy_xla.split.partition import LayerCls, StageGraph
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -58,7 +58,11 @@ class PipelineModel:
         model: the full model (an HF ``*ForCausalLM`` or any model the partitioner can split),
             possibly on the ``meta`` device; the local stage's parameters are then materialized on
             the pipeline's device and initialized as the model would initialize them.
-        layer_cls: the decoder-layer class; layers are the stage-cut points.
+        layer_cls: the decoder-layer class, a tuple of classes (a stack of several, e.g.
+            attention and linear-attention layers), or ``None`` (the default): the entries of
+            the model's layer stack, the ``nn.ModuleList`` that HF's ``base_model_pp_plan``
+            names, else the longest one of modules with parameters (see
+            :func:`pippy_xla.split.partition.decoder_stack`). Layers are the stage-cut points.
         config: a :class:`~pippy_xla.config.PipelineConfig`, or ``None`` to pass its fields as
             keyword arguments instead (each is documented there). With ``plan=`` (a
             :class:`~pippy_xla.Plan`) the plan's schedule, microbatch count, stages per rank,
@@ -76,7 +80,7 @@ class PipelineModel:
         self,
         model: nn.Module,
         *,
-        layer_cls: type[nn.Module],
+        layer_cls: LayerCls = None,
         config: PipelineConfig | None = None,
         group: dist.ProcessGroup | None = None,
         mesh: DeviceMesh | None = None,

@@ -197,10 +197,12 @@ def mixtral(
     return MixtralForCausalLM(cfg), MixtralDecoderLayer
 
 
-def decoder_layers(model: nn.Module) -> type[nn.Module]:
-    """The class of the entries of the model's longest ``nn.ModuleList`` (its decoder layers)."""
+def decoder_layers(model: nn.Module):
+    """The class of the entries of the model's longest ``nn.ModuleList`` (its decoder layers), or
+    the tuple of their classes when there are several (hybrid models)."""
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-    return type(max(lists, key=len)[0])
+    classes = tuple(dict.fromkeys(type(m) for m in max(lists, key=len)))
+    return classes[0] if len(classes) == 1 else classes
 
 
 _TINY = {
@@ -265,6 +267,8 @@ TINY_FAMILIES = {
     "qwen3_5_text": {**_LINEAR},
     "qwen3_5_moe_text": {**_LINEAR, **_MOE, "shared_expert_intermediate_size": 32},
     "qwen3_next": {**_LINEAR, **_MOE, "shared_expert_intermediate_size": 32},
+    # Two decoder-layer classes in one ModuleList (attention and linear attention).
+    "olmo_hybrid": {},
     # Per-layer input embeddings, a rotary table per layer type, proportional rotary.
     "gemma4_text": {
         **_WINDOW,
@@ -358,15 +362,16 @@ def reference_step(
     from pippy_xla.config import causal_lm_num_items
 
     num_items = causal_lm_num_items(batch["labels"])
+    vocab_size = ref.config.vocab_size
     total = torch.zeros(())
     added_total = 0.0
     for mb in range(num_microbatches):
         part = {k: v.chunk(num_microbatches)[mb] for k, v in batch.items()}
         out = ref(**part, use_cache=False)
         main = ref.loss_function(
-            out.logits, part["labels"], ref.config.vocab_size, num_items_in_batch=num_items
+            out.logits, part["labels"], vocab_size, num_items_in_batch=num_items
         )
-        own = ref.loss_function(out.logits, part["labels"], ref.config.vocab_size)
+        own = ref.loss_function(out.logits, part["labels"], vocab_size)
         added = (out.loss - own) / num_microbatches
         loss = main + added
         loss.backward()

@@ -25,7 +25,7 @@ from pippy_xla.plan.planner import (
     solve,
 )
 from pippy_xla.plan.profiler import SavedBytes
-from pippy_xla.split.partition import find_layers, partition
+from pippy_xla.split.partition import find_layers, layer_classes, partition
 from pippy_xla.testing import run_ranks
 
 # Same tolerances as tests/test_pipeline.py (fp32; microbatch sums vs whole-batch reference;
@@ -793,6 +793,25 @@ def test_a_meta_model_profiles_like_the_real_one(family):
     held = sum(p.numel() for p in stand_in.parameters())  # each Parameter once
     assert held == sum(p.numel() for p in real.parameters()) - (6 - kinds) * per_layer
     assert kinds == (2 if family == "qwen2" else 1)
+
+
+def test_layers_of_two_classes_cost_apart():
+    """OLMo-hybrid keeps attention and linear-attention layers in one list (``layer_cls=None``
+    finds both classes): the profiler holds and times one layer per class, so the cost model
+    gives each class its own costs and layers of one class the same."""
+    from pippy_xla.plan.profiler import _stand_in
+
+    with torch.device("meta"):
+        meta, _ = MODELS["olmo_hybrid"](layers=4)
+    classes = layer_classes(meta, None)
+    assert len(classes) == 2
+    _, sharing = _stand_in(meta, classes, torch.device("cpu"))
+    assert len(set(sharing.values())) == 2
+    prof = profile_model(meta, None, microbatch_size=2, seq_len=16, repeats=1, cache=False)
+    kinds = meta.config.layer_types
+    for i, j in itertools.combinations(range(4), 2):
+        same = prof.layers[i].weight_bytes == prof.layers[j].weight_bytes
+        assert same == (kinds[i] == kinds[j]), (i, j, kinds)
 
 
 def test_a_meta_model_can_be_planned():

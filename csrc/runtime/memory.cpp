@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <mutex>
+#include <unordered_map>
 
 namespace pippy_xla {
 namespace {
@@ -21,16 +22,34 @@ void add(int64_t n) {
   }
 }
 
-// What a counted storage's DataPtr owns: the inner allocator's DataPtr and the byte count.
+// The inner allocator's DataPtr and byte count of every counted storage, by data pointer: the
+// DataPtr we hand out is a simple one (context == data), so that raw_allocate works (CPU kernels
+// that take scratch memory that way, e.g. oneDNN's depthwise convolution).
 struct Counted {
   c10::DataPtr inner;
   int64_t nbytes;
-  static void free(void* ctx) {
-    auto* c = static_cast<Counted*>(ctx);
-    live.fetch_sub(c->nbytes);
-    delete c;  // frees the storage through the inner allocator's deleter
-  }
 };
+std::mutex table_mutex;
+std::unordered_map<void*, Counted>& table() {
+  static auto* t = new std::unordered_map<void*, Counted>();  // never destroyed, like storages
+  return *t;
+}
+
+void free_counted(void* data) {
+  if (data == nullptr) {
+    return;
+  }
+  Counted c;
+  {
+    std::lock_guard<std::mutex> lock(table_mutex);
+    auto it = table().find(data);
+    TORCH_CHECK(it != table().end(), "counting allocator: freeing an unknown pointer");
+    c = std::move(it->second);
+    table().erase(it);
+  }
+  live.fetch_sub(c.nbytes);
+  // c.inner frees the storage through the inner allocator's deleter on scope exit
+}
 
 class CountingAllocator final : public c10::Allocator {
  public:
@@ -39,12 +58,20 @@ class CountingAllocator final : public c10::Allocator {
   c10::DataPtr allocate(size_t n) override {
     c10::DataPtr inner = inner_->allocate(n);
     void* data = inner.get();
+    if (data == nullptr) {
+      return inner;  // nothing to count (zero bytes)
+    }
     const c10::Device device = inner.device();
-    auto* ctx = new Counted{std::move(inner), static_cast<int64_t>(n)};
-    add(ctx->nbytes);
+    {
+      std::lock_guard<std::mutex> lock(table_mutex);
+      table().emplace(data, Counted{std::move(inner), static_cast<int64_t>(n)});
+    }
+    add(static_cast<int64_t>(n));
     count.fetch_add(1);
-    return {data, ctx, &Counted::free, device};
+    return {data, data, &free_counted, device};
   }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &free_counted; }
 
   void copy_data(void* dest, const void* src, std::size_t n) const override {
     default_copy_data(dest, src, n);

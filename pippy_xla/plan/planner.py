@@ -38,6 +38,7 @@ from pippy_xla.plan.cost_model import (
     solve,
 )
 from pippy_xla.plan.profiler import profile_model
+from pippy_xla.split.partition import LayerCls
 from pippy_xla.units import format_bytes, parse_bytes
 
 __all__ = [
@@ -273,7 +274,7 @@ def _layout(schedule: str, num_stages: int, chunks: int | None) -> tuple[int, in
 def plan(
     model: nn.Module,
     *,
-    layer_cls: type[nn.Module],
+    layer_cls: LayerCls = None,
     num_stages: int,
     num_microbatches: int,
     batch_size: int,
@@ -290,7 +291,8 @@ def plan(
 
     Args:
         model: the full model, on a real device (it is run to be profiled).
-        layer_cls: the decoder-layer class.
+        layer_cls: the decoder-layer class, a tuple of them, or ``None`` (the model's layer
+            stack: see :class:`~pippy_xla.PipelineModel`).
         num_stages: pipeline stages: ranks x ``chunks``.
         num_microbatches: microbatches per step.
         batch_size: global batch size (divisible by ``num_microbatches``).
@@ -331,7 +333,7 @@ def plan(
 
 def _profile_for(
     model: nn.Module,
-    layer_cls: type[nn.Module],
+    layer_cls: LayerCls,
     profile: ModelProfile | None,
     batch_size: int,
     num_microbatches: int,

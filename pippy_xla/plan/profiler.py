@@ -19,7 +19,7 @@ from torch import nn
 
 from pippy_xla._native import _C
 from pippy_xla.plan.cost_model import LayerCost, ModelProfile, StageExtra
-from pippy_xla.split.partition import find_layers
+from pippy_xla.split.partition import LayerCls, class_names, find_layers, layer_classes
 
 __all__ = ["ADAMW_STATES", "SavedBytes", "profile_model"]
 
@@ -113,7 +113,7 @@ def _layer_kind(layer: nn.Module) -> tuple:
 
 
 def _stand_in(
-    model: nn.Module, layer_cls: type[nn.Module], device: torch.device
+    model: nn.Module, layer_cls: tuple[type[nn.Module], ...], device: torch.device
 ) -> tuple[nn.Module, dict[int, int]]:
     """[Note: profiling a meta model]
 
@@ -414,7 +414,7 @@ def _cache_key(
     return json.dumps(
         [
             type(model).__qualname__,
-            layer_cls.__qualname__,
+            class_names(layer_cls),
             desc,
             mb,
             seq,
@@ -427,7 +427,7 @@ def _cache_key(
 
 def profile_model(
     model: nn.Module,
-    layer_cls: type[nn.Module],
+    layer_cls: LayerCls = None,
     *,
     microbatch_size: int,
     seq_len: int,
@@ -468,6 +468,7 @@ def profile_model(
     planned; a real model is profiled where it is (``device`` is ignored).
     """
     dtype = next(model.parameters()).dtype
+    layer_cls = layer_classes(model, layer_cls)
     key = _cache_key(model, layer_cls, microbatch_size, seq_len, dtype, repeats, input_names)
     if cache and key in _CACHE:
         return _CACHE[key]
@@ -591,7 +592,10 @@ class _LayerHooks:
 
 
 def _watch_param_use(
-    model: nn.Module, layers: Sequence[nn.Module], layer_cls: type[nn.Module], counter: SavedBytes
+    model: nn.Module,
+    layers: Sequence[nn.Module],
+    layer_cls: tuple[type[nn.Module], ...],
+    counter: SavedBytes,
 ) -> tuple[dict[str, dict[int, torch.Tensor]], list]:
     """Which non-layer parameters the prologue and the epilogue use (tied weights count in
     both), filled in while the model runs; and the hooks' handles."""
@@ -638,7 +642,7 @@ class _Measured:
 
 def _measure(
     model: nn.Module,
-    layer_cls: type[nn.Module],
+    layer_cls: tuple[type[nn.Module], ...],
     layers: Sequence[nn.Module],
     batch: dict,
     repeats: int,

@@ -32,7 +32,14 @@ from pippy_xla.runtime.failures import AbortChannel
 from pippy_xla.runtime.ops import group_name_of
 from pippy_xla.split._split_compile import split_backward_backend
 from pippy_xla.split.materialize import materialize
-from pippy_xla.split.partition import StageGraph, UnsupportedModelError, find_layers, partition
+from pippy_xla.split.partition import (
+    LayerCls,
+    StageGraph,
+    UnsupportedModelError,
+    find_layers,
+    layer_classes,
+    partition,
+)
 
 if TYPE_CHECKING:  # the runtime reads the config it is given; config.py sits above the wings
     from torch.distributed.device_mesh import DeviceMesh
@@ -141,7 +148,7 @@ class BuiltPipeline:
 
 def build(
     model: nn.Module,
-    layer_cls: type[nn.Module],
+    layer_cls: LayerCls,
     config: PipelineConfig,
     *,
     group: dist.ProcessGroup | None = None,
@@ -185,9 +192,10 @@ def build(
 
 
 def _partition(
-    model: nn.Module, layer_cls: type[nn.Module], config: PipelineConfig, place: Placement
+    model: nn.Module, layer_cls: LayerCls, config: PipelineConfig, place: Placement
 ) -> tuple[list[tuple[int, int]], list[StageGraph], _C.Schedule]:
     """The stage layout, every stage's graph, and the training schedule."""
+    layer_cls = layer_classes(model, layer_cls)
     layer_ranges, checkpoint_layers = resolve_layout(
         config, num_layers=len(find_layers(model, layer_cls)), num_ranks=place.num_ranks
     )

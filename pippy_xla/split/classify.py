@@ -144,11 +144,7 @@ def _classify_node(
     if depth >= 0:
         return NodeClass(home=depth, depth=depth)
     mod = root.get_submodule(n.target) if n.op == "call_module" else None
-    own_params = False
-    if n.op == "get_attr":
-        own_params = is_parameter(root, n)
-    elif mod is not None:
-        own_params = any(True for _ in mod.parameters())
+    own_params = _own_params(root, n, mod, prods)
     reads_params = own_params or any(nodes[p].reads_params for p, meta in prods if not meta)
     if isinstance(mod, nn.Embedding):
         metarep = (
@@ -289,6 +285,17 @@ def fetch(root: nn.Module, target: str) -> Any:
     for atom in target.split("."):
         obj = getattr(obj, atom)
     return obj
+
+
+def _own_params(
+    root: nn.Module, n: fx.Node, mod: nn.Module | None, prods: list[tuple[fx.Node, bool]]
+) -> bool:
+    """Whether ``n`` reads parameters itself: a parameter or a module holding some."""
+    if n.op == "get_attr":
+        return is_parameter(root, n)
+    if mod is not None:
+        return any(True for _ in mod.parameters())
+    return False
 
 
 def is_parameter(root: nn.Module, node: fx.Node) -> bool:

@@ -2,8 +2,10 @@
 
 :func:`partition` checks its arguments and runs three steps, one module each:
 
-- :mod:`~pippy_xla.split.trace`: the model is traced once with torch.fx, with the decoder layers,
-  rotary embeddings and the mask factories as leaves (see :mod:`pippy_xla.split.hf`);
+- :mod:`~pippy_xla.split.trace`: the model is traced once with torch.fx, with the decoder layers
+  (one class or several; by default those of the list HF's ``base_model_pp_plan`` names),
+  rotary embeddings, the mask factories and the encoders of other modalities as leaves (see
+  :mod:`pippy_xla.split.hf`);
 - :mod:`~pippy_xla.split.classify`: every live node of the trace gets one record saying which
   stage computes it. Layer ``k``'s call goes to the stage whose range holds ``k``; any other node
   to the stage of the highest-index layer upstream of it (its "depth"); "prologue" nodes (no
@@ -26,21 +28,93 @@ from pippy_xla.split.classify import classify
 from pippy_xla.split.emit import StageGraph, emit_stage
 from pippy_xla.split.trace import UnsupportedModelError, separate_added_loss, traced_root
 
-__all__ = ["StageGraph", "UnsupportedModelError", "find_layers", "partition"]
+__all__ = [
+    "LayerCls",
+    "StageGraph",
+    "UnsupportedModelError",
+    "class_names",
+    "decoder_stack",
+    "find_layers",
+    "layer_classes",
+    "partition",
+]
 
 logger = logging.getLogger(__name__)
 
 
-def _outermost(model: nn.Module, layer_cls: type[nn.Module]) -> list[str]:
+LayerCls = type[nn.Module] | tuple[type[nn.Module], ...] | None
+"""What ``layer_cls`` may be: a decoder-layer class, a tuple of them (a stack of several layer
+classes), or ``None`` for the stack :func:`layer_classes` finds."""
+
+
+def _outermost(model: nn.Module, classes: tuple[type[nn.Module], ...]) -> list[str]:
     names: list[str] = []
     for name, mod in model.named_modules():
-        if isinstance(mod, layer_cls) and not any(name.startswith(n + ".") for n in names):
+        if isinstance(mod, classes) and not any(name.startswith(n + ".") for n in names):
             names.append(name)
     return names
 
 
-def find_layers(model: nn.Module, layer_cls: type[nn.Module]) -> list[str]:
-    """Qualified names of the decoder layers (instances of ``layer_cls``) in forward order.
+def class_names(classes: tuple[type[nn.Module], ...]) -> str:
+    """``A`` for one class, ``(A, B)`` for several: how messages name ``layer_cls``."""
+    names = [c.__qualname__ for c in classes]
+    return names[0] if len(names) == 1 else f"({', '.join(names)})"
+
+
+def layer_classes(model: nn.Module, layer_cls: LayerCls = None) -> tuple[type[nn.Module], ...]:
+    """The decoder-layer classes: ``layer_cls`` as a tuple, or for ``None`` the classes of the
+    entries of the model's layer stack (:func:`decoder_stack`), in order of first entry.
+
+    Raises:
+        ValueError: ``layer_cls`` is not a module class or a tuple of them.
+        UnsupportedModelError: ``None`` and the model has no layer stack.
+    """
+    if layer_cls is None:
+        return tuple(dict.fromkeys(type(m) for m in decoder_stack(model)))
+    classes = layer_cls if isinstance(layer_cls, tuple) else (layer_cls,)
+    if not classes or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+        raise ValueError(
+            "layer_cls must be an nn.Module subclass, a tuple of them or None (the model's "
+            f"layer stack), got {layer_cls!r}"
+        )
+    return classes
+
+
+def decoder_stack(model: nn.Module) -> nn.ModuleList:
+    """The model's decoder layers: the longest non-empty ``nn.ModuleList`` that HF's
+    ``base_model_pp_plan`` names on a submodule (its config's), else the longest
+    ``nn.ModuleList`` whose entries all hold parameters; the first of equal lengths.
+
+    Raises:
+        UnsupportedModelError: the model has no such list.
+    """
+    named: list[nn.ModuleList] = []
+    for _, mod in model.named_modules():
+        plan = getattr(getattr(mod, "config", None), "base_model_pp_plan", None) or {}
+        for key in plan:
+            sub = mod._modules.get(key)
+            if isinstance(sub, nn.ModuleList) and len(sub) and not any(sub is m for m in named):
+                named.append(sub)
+    if not named:
+        named = [
+            m
+            for m in model.modules()
+            if isinstance(m, nn.ModuleList)
+            and len(m)
+            and all(any(True for _ in c.parameters()) for c in m)
+        ]
+    if not named:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has no nn.ModuleList of layers (none named by HF's "
+            "base_model_pp_plan, none of modules with parameters) for the pipeline to split "
+            "between; pass layer_cls=<the class of its repeated layers>"
+        )
+    return max(named, key=len)
+
+
+def find_layers(model: nn.Module, layer_cls: LayerCls = None) -> list[str]:
+    """Qualified names of the decoder layers (instances of ``layer_cls``, a class or a tuple of
+    classes; ``None``: see :func:`layer_classes`) in forward order.
 
     Order is registration order (``ModuleList`` index order); :func:`partition` checks it against
     the traced call order. Nested instances are not counted twice.
@@ -48,19 +122,18 @@ def find_layers(model: nn.Module, layer_cls: type[nn.Module]) -> list[str]:
     Raises:
         ValueError: ``model`` holds no instance of ``layer_cls``.
     """
-    if not (isinstance(layer_cls, type) and issubclass(layer_cls, nn.Module)):
-        raise ValueError(f"layer_cls must be an nn.Module subclass, got {layer_cls!r}")
-    names = _outermost(model, layer_cls)
+    classes = layer_classes(model, layer_cls)
+    names = _outermost(model, classes)
     if not names:
         raise ValueError(
-            f"{type(model).__name__} contains no {layer_cls.__qualname__} module. "
+            f"{type(model).__name__} contains no {class_names(classes)} module. "
             + _layer_hint(model)
         )
     parents = {n.rpartition(".")[0] for n in names}
     stack = model.get_submodule(next(iter(parents)))
     if len(parents) > 1 or not isinstance(stack, (nn.ModuleList, nn.Sequential)):
         raise UnsupportedModelError(
-            f"layer_cls={layer_cls.__qualname__}: its {len(names)} instances in "
+            f"layer_cls={class_names(classes)}: its {len(names)} instances in "
             f"{type(model).__name__} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) "
             "are not the entries of one nn.ModuleList; the pipeline splits a model between the "
             "repeated layers of one stack. " + _layer_hint(model)
@@ -79,7 +152,8 @@ def _layer_hint(model: nn.Module) -> str:
     no_split = list(getattr(model, "_no_split_modules", None) or [])
     return (
         f"Classes found in its ModuleLists: {in_lists}; model._no_split_modules: {no_split}. "
-        "Pass the decoder-layer class of this model as layer_cls."
+        "Pass the decoder-layer class of this model as layer_cls (a tuple of classes for a "
+        "stack of several)."
     )
 
 
@@ -120,7 +194,7 @@ def _check_checkpoint_layers(checkpoint_layers: Sequence[int], num_layers: int) 
 
 def partition(
     model: nn.Module,
-    layer_cls: type[nn.Module],
+    layer_cls: LayerCls,
     layer_ranges: list[tuple[int, int]],
     input_names: Sequence[str] = ("input_ids", "attention_mask"),
     checkpoint_layers: Sequence[int] = (),
@@ -136,7 +210,8 @@ def partition(
 
     Args:
         model: the model; stage graphs reference its submodules, parameters and buffers.
-        layer_cls: the decoder-layer class (an fx leaf; see :func:`find_layers`).
+        layer_cls: the decoder-layer class, a tuple of them, or ``None`` for the classes of the
+            model's layer stack (fx leaves; see :func:`find_layers`).
         layer_ranges: ``layer_ranges[s] = (start, stop)``, half-open, contiguous, covering all
             layers.
         input_names: model keyword inputs that the batch provides, each a 2-D ``[batch, seq]``
@@ -149,11 +224,12 @@ def partition(
         ValueError: bad ``layer_cls``, ``layer_ranges`` or ``input_names``, or a model the
             partitioner cannot split.
     """
-    layer_names = find_layers(model, layer_cls)
+    classes = layer_classes(model, layer_cls)
+    layer_names = find_layers(model, classes)
     _check_ranges(layer_ranges, len(layer_names))
     checkpoint_set = _check_checkpoint_layers(checkpoint_layers, len(layer_names))
     input_names = _check_input_names(model, input_names)
-    root, graph = traced_root(model, layer_cls, input_names, device_type)
+    root, graph = traced_root(model, classes, input_names, device_type)
     output = next(iter(reversed(graph.nodes)))  # torch 2.11: a _node_list, no iterator
     if output.op != "output":
         raise ValueError("traced graph does not end in an output node")
@@ -164,15 +240,19 @@ def partition(
         for s, layer_range in enumerate(layer_ranges)
     ]
     for st in stages:
-        logger.debug(
-            "stage %d: layers %s, batch inputs %s, %d boundary inputs, %d boundary outputs",
-            st.index,
-            st.layers,
-            st.batch_inputs,
-            st.num_boundary_inputs,
-            st.num_boundary_outputs,
-        )
+        _log_stage(st)
     return stages
+
+
+def _log_stage(st: StageGraph) -> None:
+    logger.debug(
+        "stage %d: layers %s, batch inputs %s, %d boundary inputs, %d boundary outputs",
+        st.index,
+        st.layers,
+        st.batch_inputs,
+        st.num_boundary_inputs,
+        st.num_boundary_outputs,
+    )
 
 
 def _check_input_names(model: nn.Module, input_names: Sequence[str]) -> list[str]:

@@ -72,7 +72,7 @@ class _Root(nn.Module):
 
 def traced_root(
     model: nn.Module,
-    layer_cls: type[nn.Module],
+    layer_cls: tuple[type[nn.Module], ...],
     input_names: Sequence[str],
     device_type: str,
 ) -> tuple[_Root, fx.Graph]:
@@ -219,7 +219,7 @@ class _FInfo:
 
 
 class _Tracer(fx.Tracer):
-    def __init__(self, layer_cls: type[nn.Module], device_type: str) -> None:
+    def __init__(self, layer_cls: tuple[type[nn.Module], ...], device_type: str) -> None:
         super().__init__()
         self.layer_cls = layer_cls
         self.device_type = device_type
@@ -385,7 +385,7 @@ def _fx_patches_reverted() -> Any:
 def _trace(
     root: _Root,
     model: nn.Module,
-    layer_cls: type[nn.Module],
+    layer_cls: tuple[type[nn.Module], ...],
     device_type: str,
 ) -> fx.Graph:
     modes = [(m, m.training) for m in model.modules()]
