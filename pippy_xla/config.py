@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pippy_xla._native import _C
+from pippy_xla.runtime._build import causal_lm_num_items
 from pippy_xla.runtime.data_parallel import DATA_PARALLEL_MODES
 
 if TYPE_CHECKING:
@@ -27,12 +28,6 @@ __all__ = ["LossFn", "PipelineConfig", "causal_lm_num_items"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """``loss_fn(logits, labels, num_items) -> loss`` of one microbatch."""
-
-
-def causal_lm_num_items(labels: torch.Tensor) -> torch.Tensor:
-    """The valid tokens of causal-LM labels: HF's losses shift labels left by one and ignore
-    -100."""
-    return (labels[..., 1:] != -100).sum()
 
 
 TRANSPORTS = ("auto", "shm", "process_group", "in_order")
@@ -75,9 +70,12 @@ class PipelineConfig:
     """``loss_fn(logits, labels, num_items) -> loss`` of one microbatch, summed over its tokens and
     divided by ``num_items`` (the batch's count of valid tokens), so that the microbatch losses add
     up to the batch mean. ``None``: the HF model's own loss."""
-    num_items_fn: Callable[[torch.Tensor], torch.Tensor] = causal_lm_num_items
-    """Counts the valid tokens of the whole batch's labels (default: causal-LM labels other than
-    -100 after the shift)."""
+    num_items_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """Counts the items ``loss_fn`` averages over in the whole batch's labels. ``None``: for a
+    model whose own HF loss is the causal-LM loss, the labels other than -100 after the shift
+    (:func:`causal_lm_num_items`); any other model must name its count (an error at
+    construction otherwise), e.g. ``lambda labels: torch.tensor(labels.shape[0])`` for a loss
+    averaged over rows."""
     transport: str = "auto"
     """How the ranks exchange activations and gradients: ``"auto"`` moves CPU tensors between
     ranks of one host through shared memory (no socket, no helper thread; see [Note: same-host

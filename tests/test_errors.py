@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import gpt2, llama, make_batch
+from models import VOCAB, gpt2, llama, make_batch
 from torch.distributed.distributed_c10d import _get_default_store
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
@@ -52,6 +52,17 @@ def _bad_input(rank, world):
         ValueError,
         "layer_ranges has 3 stages but the process group has 2",
         lambda: build(layer_ranges=[(0, 1), (1, 2), (2, 4)]),
+    )
+    expect(
+        "a model that is not a causal LM, without `num_items_fn`",
+        ValueError,
+        "Sequential is not a causal LM .* pass num_items_fn=",
+        lambda: build(
+            torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)),
+            torch.nn.Linear,
+            loss_fn=lambda out, labels, n: (out - labels).square().sum() / n,
+            input_names=("input",),
+        ),
     )
     expect(
         "`num_microbatches=0`",
@@ -132,6 +143,15 @@ def _bad_input(rank, world):
         px.BatchMismatchError,
         r"rank \d got a batch with the same shapes but other values in .*'labels' \(ranks 0 vs 1\)",
         lambda: pipe.run_train(**make_batch(seed=rank)),
+    )
+    # An id outside the vocabulary would fail inside stage 0's embedding, mid-step.
+    oov = make_batch(seed=0)
+    oov["input_ids"][3, 5] = VOCAB
+    expect(
+        "a token id outside the vocabulary",
+        ValueError,
+        rf"batch\['input_ids'\] holds {VOCAB} at \(3, 5\).*embedding table of {VOCAB} rows",
+        lambda: pipe.run_train(**oov),
     )
     expect(
         "`run_eval` on one rank while the others train",

@@ -167,3 +167,42 @@ def _plain_module(rank, world):
 def test_a_plain_module_with_a_loss_fn_equals_one_process():
     names = run_ranks(2, _plain_module)
     assert names[0][0].startswith("emb.") and names[1][-1].startswith("head.")
+
+
+def _rows(labels):
+    return torch.tensor(labels.shape[0])
+
+
+def _squares(out, labels, num_items):
+    return (out - labels).square().sum() / num_items
+
+
+def _regression(rank, world):
+    # Not a causal LM: its count (rows) is named; the causal-LM count (tokens after a shift) would
+    # scale the loss by rows / (rows - 1) per column, silently.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), *(_Block() for _ in range(4)), nn.Linear(32, 1))
+    ref = copy.deepcopy(model)
+    pipe = px.PipelineModel(
+        model,
+        layer_cls=_Block,
+        num_microbatches=2,
+        input_names=("input",),
+        loss_fn=_squares,
+        num_items_fn=_rows,
+        timeout=30,
+    )
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 32, generator=g), torch.randn(8, 1, generator=g)
+    loss = pipe.run_train(input=x, labels=y)
+    ref_loss = _squares(ref(x), y, _rows(y))
+    ref_loss.backward()
+    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-6)
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, ref.get_parameter(name).grad, **GRAD_TOL, msg=name)
+    return float(loss)
+
+
+def test_a_regression_with_its_own_count_equals_one_process():
+    out = run_ranks(2, _regression)
+    assert out[0] == out[1]

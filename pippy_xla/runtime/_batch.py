@@ -24,7 +24,7 @@ usable.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -58,10 +58,13 @@ def check_batch(
     num_microbatches: int,
     need_labels: bool,
     dp_size: int = 1,
+    index_limits: Mapping[str, int] | None = None,
 ) -> Batch:
     """Checks a step's batch; returns it as the pipeline reads it (``None`` entries dropped, a
     default ``attention_mask`` added). Raises ``ValueError`` / ``TypeError`` naming what is
-    wrong, before any communication."""
+    wrong, before any communication; every rank holds the whole batch, so every rank raises the
+    same error. ``index_limits``: the inputs that index an embedding table, and its rows
+    (:attr:`pippy_xla.split.emit.StageGraph.index_limits`)."""
     if need_labels and "labels" not in batch:
         raise ValueError("run_train needs labels=...")
     names = list(input_names)
@@ -90,6 +93,7 @@ def check_batch(
                 f"batch['{k}'] has shape {tuple(v.shape)}; every input needs batch size "
                 f"{size} (that of '{first}') in dim 0"
             )
+    _check_indices(batch, index_limits or {})
     m, dp = num_microbatches, dp_size
     if size % (m * dp) != 0:
         what = f"num_microbatches={m}"
@@ -100,6 +104,24 @@ def check_batch(
             f"multiple of {m * dp}"
         )
     return batch
+
+
+def _check_indices(batch: Batch, index_limits: Mapping[str, int]) -> None:
+    """Values of inputs that index an embedding table lie in ``[0, rows)``: an id outside the
+    vocabulary would fail deep inside one stage's step, with its peers mid-transfer."""
+    for name, rows in index_limits.items():
+        v = batch.get(name)
+        if v is None or v.numel() == 0 or v.is_floating_point():
+            continue
+        low, high = (int(x) for x in torch.aminmax(v))
+        if low < 0 or high >= rows:
+            bad = v.lt(0).logical_or(v.ge(rows)).nonzero()[0].tolist()
+            raise ValueError(
+                f"batch['{name}'] holds {int(v[tuple(bad)])} at {tuple(bad)} (values "
+                f"{low}..{high}), but it indexes an embedding table of {rows} rows: every value "
+                f"must lie in [0, {rows}); check the tokenizer's vocabulary against the model's "
+                "(resize the embeddings for added tokens)"
+            )
 
 
 def split_batch(

@@ -140,6 +140,8 @@ class BuiltPipeline:
     """The stage replicas' gradient reduction, with a mesh."""
     loss_fn: LossFn
     """The loss of one microbatch."""
+    num_items_fn: Callable[[torch.Tensor], torch.Tensor]
+    """The whole batch's count of what ``loss_fn`` averages over."""
     abort: AbortChannel
     """This pipeline's abort record in the job's store (see [Note: failing fast])."""
     compile_watch: RecompileWatch | None
@@ -159,6 +161,7 @@ def build(
     process groups is a ``ValueError`` before any stage is materialized."""
     place = resolve_placement(config, group, mesh)
     loss_fn = config.loss_fn if config.loss_fn is not None else default_loss(model)
+    num_items_fn = config.num_items_fn or default_num_items(model)
     layer_ranges, stages, train_schedule = _partition(model, layer_cls, config, place)
     local_stages = [stages[s] for s in train_schedule.stages_of(place.rank)]
     build_key = check_ranks_agree(stages, config, place)
@@ -186,6 +189,7 @@ def build(
         aliases={n: names for names in tied for n in names},
         dp=dp,
         loss_fn=loss_fn,
+        num_items_fn=num_items_fn,
         abort=_abort_channel(place),
         compile_watch=watch,
     )
@@ -435,6 +439,31 @@ def default_loss(model: nn.Module) -> LossFn:
         )
 
     return loss_fn
+
+
+def causal_lm_num_items(labels: torch.Tensor) -> torch.Tensor:
+    """The valid tokens of causal-LM labels: HF's losses shift labels left by one and ignore
+    -100."""
+    return (labels[..., 1:] != -100).sum()
+
+
+def default_num_items(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The causal-LM token count for a model whose own HF loss is the causal-LM loss (HF's
+    fallback for a model without a loss type too); for any other model, an error asking for
+    ``num_items_fn``: a count that does not fit the labels scales the loss silently."""
+    try:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+    except ImportError:  # pragma: no cover - transformers is optional for non-HF models
+        ForCausalLMLoss = None  # noqa: N806
+    own = getattr(model, "loss_function", None) if hasattr(model, "config") else None
+    if own is not None and own is ForCausalLMLoss:
+        return causal_lm_num_items
+    raise ValueError(
+        f"{type(model).__name__} is not a causal LM (its own loss is not HF's causal-LM loss), "
+        "so the pipeline cannot count what its loss averages over: pass num_items_fn=(the "
+        "whole batch's labels) -> their count, e.g. lambda labels: torch.tensor(labels.shape[0]) "
+        "for a loss averaged over rows, or torch.tensor(labels.numel()) over every label"
+    )
 
 
 def attach_transport(config: PipelineConfig, place: Placement) -> int:

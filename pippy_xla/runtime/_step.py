@@ -211,6 +211,7 @@ class StepRunner:
         self.dp = built.dp
         self.watch = built.compile_watch
         self.loss_fn = built.loss_fn
+        self.num_items_fn = built.num_items_fn
         """The loss of one microbatch (assignable between steps)."""
         self.last_rank = built.train_engine.schedule.stage_rank[-1]
         self.last_engine = built.train_engine
@@ -393,6 +394,7 @@ class StepRunner:
             num_microbatches=self.config.num_microbatches,
             need_labels=kind == "train",
             dp_size=place.dp_size,
+            index_limits=self.stages[0].index_limits,
         )
         key, contents = step_key(kind, batch, self.config.check_batch_content)
 
@@ -427,7 +429,7 @@ class StepRunner:
         labels = batch.get("labels")
         num_items = None
         if labels is not None and self._holds_last:  # only the loss needs the token count
-            num_items = self.config.num_items_fn(labels).to(self.place.device)
+            num_items = self.num_items_fn(labels).to(self.place.device)
         return stage_forward(
             self.stages,
             {s: direct_forward(m) for s, m in self.runners.items()},

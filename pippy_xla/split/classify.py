@@ -18,6 +18,7 @@ __all__ = [
     "NodeClass",
     "classify",
     "fetch",
+    "index_limits",
     "is_parameter",
     "layer_target",
     "producers",
@@ -278,6 +279,27 @@ def _value_kind(root: nn.Module, node: fx.Node) -> str:
 
 def known_non_tensor(root: nn.Module, node: fx.Node) -> bool:
     return _value_kind(root, node) != "tensor"
+
+
+def index_limits(root: nn.Module, graph: fx.Graph) -> dict[str, int]:
+    """Batch input -> the rows of the smallest embedding table it indexes directly (an
+    ``nn.Embedding`` call or ``F.embedding``): its values must lie in ``[0, rows)``."""
+    limits: dict[str, int] = {}
+    for n in graph.nodes:
+        if n.op != "placeholder":
+            continue
+        for user in n.users:
+            rows = None
+            if user.op == "call_module" and user.args[:1] == (n,):
+                mod = root.get_submodule(user.target)
+                rows = mod.num_embeddings if isinstance(mod, nn.Embedding) else None
+            elif user.target is nn.functional.embedding and user.args[:1] == (n,):
+                weight = user.args[1] if len(user.args) > 1 else user.kwargs.get("weight")
+                if isinstance(weight, fx.Node) and weight.op == "get_attr":
+                    rows = fetch(root, weight.target).shape[0]
+            if rows is not None:
+                limits[n.target] = min(rows, limits.get(n.target, rows))
+    return limits
 
 
 def fetch(root: nn.Module, target: str) -> Any:

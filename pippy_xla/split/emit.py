@@ -5,7 +5,7 @@ layers."""
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -48,6 +48,9 @@ class StageGraph:
     added_loss: bool = False
     """The last stage returns ``(logits, added)``: the terms the model adds to its loss function's
     result (see [Note: terms added to the loss])."""
+    index_limits: dict[str, int] = field(default_factory=dict)
+    """Batch input -> the rows of the embedding table it indexes (the model's, every stage the
+    same): the step checks its values against them before any transfer."""
 
 
 """[Note: checkpointed layers]

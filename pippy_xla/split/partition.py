@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from pippy_xla._native import _C
-from pippy_xla.split.classify import classify
+from pippy_xla.split.classify import classify, index_limits
 from pippy_xla.split.emit import StageGraph, emit_stage
 from pippy_xla.split.trace import UnsupportedModelError, separate_added_loss, traced_root
 
@@ -235,11 +235,13 @@ def partition(
         raise ValueError("traced graph does not end in an output node")
     added_loss = separate_added_loss(graph, output, type(model).__name__)
     classified = classify(root, graph, layer_names, layer_ranges)
+    limits = index_limits(root, graph)
     stages = [
         emit_stage(s, classified, input_names, layer_range, checkpoint_set, added_loss)
         for s, layer_range in enumerate(layer_ranges)
     ]
     for st in stages:
+        st.index_limits = dict(limits)
         _log_stage(st)
     return stages
 
