@@ -73,6 +73,7 @@ class Checkpointable(Protocol):
     def aliases(self, name: str) -> list[str]: ...
     def all_state_names(self) -> set[str]: ...
     def non_persistent_names(self) -> set[str]: ...
+    def checkpoint_name(self, key: str) -> str: ...
 
 
 SAFE_WEIGHTS = "model.safetensors"
@@ -198,12 +199,14 @@ def _pretrained_entries(
     key known, every local tensor present with the model's shape, every file whole) without
     reading any tensor's values."""
 
-    files, listing = _weight_map(path)
+    stored, listing = _weight_map(path)
+    keys = {pipe.checkpoint_name(k): k for k in stored}  # the model's name -> the file's key
+    files = {name: stored[k] for name, k in keys.items()}
     known = pipe.all_state_names()
     ignored = pipe.non_persistent_names()
     unexpected = sorted(k for k in files if k not in known and k not in ignored)
     if unexpected:
-        shown = ", ".join(f"'{k}' (in {files[k].name})" for k in unexpected[:8])
+        shown = ", ".join(f"'{keys[k]}' (in {files[k].name})" for k in unexpected[:8])
         raise KeyError(
             f"[rank {pipe.rank}] the checkpoint {path} holds {len(unexpected)} key(s) that belong "
             f"to no tensor of the model: {shown}; is it a checkpoint of this model class and "
@@ -211,13 +214,13 @@ def _pretrained_entries(
         )
     by_file: dict[Path, list[tuple[str, str, torch.Tensor]]] = {}
     for name, target in pipe.state_dict(keep_vars=True).items():
-        key = next((k for k in pipe.aliases(name) if k in files), None)
-        if key is None:
+        alias = next((k for k in pipe.aliases(name) if k in files), None)
+        if alias is None:
             raise KeyError(
                 f"[rank {pipe.rank}] the checkpoint {path} has no tensor '{name}' (looked in "
                 f"{listing.name})"
             )
-        by_file.setdefault(files[key], []).append((name, key, target))
+        by_file.setdefault(files[alias], []).append((name, keys[alias], target))
     for file, entries in sorted(by_file.items()):
         with _open_safetensors(file) as f:
             for name, key, target in entries:

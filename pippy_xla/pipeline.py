@@ -37,6 +37,7 @@ from pippy_xla.runtime._exit import release_at_exit
 from pippy_xla.runtime._state import StageState
 from pippy_xla.runtime._step import EvalOutput, StepRunner
 from pippy_xla.runtime.failures import FailureState
+from pippy_xla.split.hf import checkpoint_key_renamer
 from pippy_xla.split.partition import LayerCls, StageGraph
 
 if TYPE_CHECKING:
@@ -107,6 +108,7 @@ class PipelineModel:
         """The model's config (written by :meth:`save_pretrained`), if it has one."""
         self.generation_config = getattr(model, "generation_config", None)
         """The model's generation config (written by :meth:`save_pretrained`), if it has one."""
+        self._renamer = checkpoint_key_renamer(model)
         logger.info(
             "[rank %d] stages %s, layers %s, %d parameters",
             self.rank,
@@ -250,6 +252,11 @@ class PipelineModel:
     def all_state_names(self) -> set[str]:
         """The state-dict keys of the whole model (every stage, every name of a tied weight)."""
         return self._state.all_state_names()
+
+    def checkpoint_name(self, key: str) -> str:
+        """The model's name of the HF checkpoint key ``key`` (HF's renamings of older layouts
+        applied, as ``from_pretrained`` applies them)."""
+        return key if self._renamer is None else self._renamer(key)
 
     def non_persistent_names(self) -> set[str]:
         """Buffers of the model that state dicts leave out (such as rotary ``inv_freq``)."""

@@ -299,6 +299,53 @@ def falcon_alibi(attn: str | None = None, layers: int = 4) -> tuple[nn.Module, t
     return FalconForCausalLM(cfg), FalconDecoderLayer
 
 
+IMAGE_TOKEN = VOCAB - 1
+IMAGE_SIDE, PATCH = 8, 4
+PATCHES = (IMAGE_SIDE // PATCH) ** 2
+"""Image tokens per row: one per patch (the CLS position dropped, Llava's "default")."""
+
+
+def llava(attn: str | None = None, layers: int = 4) -> tuple[nn.Module, None]:
+    """A vision-language model: a CLIP vision tower and a projector before a Llama; no
+    decoder-layer class (the pipeline finds the language model's layers from HF's plan)."""
+    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    text = LlamaConfig(**{**_TINY, "num_hidden_layers": layers})
+    vision = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=IMAGE_SIDE,
+        patch_size=PATCH,
+    )
+    cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN)
+    _set_attn(cfg, attn)
+    return LlavaForConditionalGeneration(cfg), None
+
+
+def image_batch(seed: int, batch: int = 8, seq: int = 16, pad: bool = True) -> dict:
+    """:func:`make_batch` with an image per row: ``pixel_values`` and, after the first token,
+    one image token per patch (their labels -100)."""
+    out = make_batch(seed, batch, seq, pad)
+    ids = out["input_ids"].clamp(max=IMAGE_TOKEN - 1)
+    ids[:, 1 : 1 + PATCHES] = IMAGE_TOKEN
+    out["input_ids"] = ids
+    out["labels"] = ids.masked_fill((out["attention_mask"] == 0) | (ids == IMAGE_TOKEN), -100)
+    g = torch.Generator().manual_seed(seed)
+    out["pixel_values"] = torch.randn(batch, 3, IMAGE_SIDE, IMAGE_SIDE, generator=g)
+    return out
+
+
+INPUT_NAMES = {"llava": ("input_ids", "pixel_values", "attention_mask")}
+"""The batch inputs of families whose batch holds more than token ids and a mask."""
+
+
+def family_batch(family: str, seed: int, **kw) -> dict:
+    """The batch a family trains on (:func:`image_batch` for the vision-language ones)."""
+    return image_batch(seed, **kw) if family in INPUT_NAMES else make_batch(seed, **kw)
+
+
 def _tiny_family(name: str):
     model_type = name.removesuffix("_router_loss")
     return lambda attn=None, layers=4: tiny(model_type, attn, layers, **TINY_FAMILIES[name])
@@ -316,6 +363,7 @@ MODELS = {
     "mixtral_router_loss": lambda attn=None, layers=4: mixtral(attn, layers, router_loss=True),
     **{name: _tiny_family(name) for name in TINY_FAMILIES},
     "falcon_alibi": falcon_alibi,
+    "llava": llava,
 }
 
 
@@ -360,9 +408,10 @@ def reference_step(
     what the model adds to it (HF's loss of the microbatch minus the loss function's part) over
     ``num_microbatches``; backward. Returns the summed loss and the summed added part."""
     from pippy_xla.config import causal_lm_num_items
+    from pippy_xla.split.hf import text_vocab_size
 
     num_items = causal_lm_num_items(batch["labels"])
-    vocab_size = ref.config.vocab_size
+    vocab_size = text_vocab_size(ref.config)
     total = torch.zeros(())
     added_total = 0.0
     for mb in range(num_microbatches):

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import torch
-from models import MODELS, make_batch, pipeline, reference_step
+from models import INPUT_NAMES, MODELS, family_batch, pipeline, reference_step
 
 import pippy_xla as px
 from pippy_xla.split.partition import layer_classes
@@ -49,6 +49,7 @@ NOTES = {
     "qwen3_next": "recurrent padding mask, MoE, 3-D rotary positions",
     "olmo_hybrid": "two decoder-layer classes in one ModuleList",
     "gemma4_text": "per-layer input embeddings, len() of traced shapes",
+    "llava": "vision tower and projector on the first stage, pixel_values in the batch",
 }
 
 # Tensors sent per boundary on 2 ranks where it is not the hidden state alone: MoE router losses
@@ -68,6 +69,7 @@ FOUR_RANKS = [
     ("qwen3_next", "1f1b", 4),
     ("gemma4_text", "1f1b", 4),
     ("olmo_hybrid", "gpipe", 4),
+    ("llava", "1f1b", 4),
 ]
 
 # Hybrids on every schedule that splits the backward (2 ranks; padded rows in every batch).
@@ -87,11 +89,12 @@ def _family(rank, world, family, schedule="1f1b", layers=4, mbs=2):
     # Without layer_cls the pipeline finds the same layers (HF's pp plan, or the longest list).
     assert layer_classes(model, None) == classes, (family, layer_classes(model, None))
     ref = copy.deepcopy(model)
-    pipe = pipeline(model, layer_cls, schedule, mbs)
+    inputs = INPUT_NAMES.get(family, ("input_ids", "attention_mask"))
+    pipe = pipeline(model, layer_cls, schedule, mbs, input_names=inputs)
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3, eps=1e-6)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
     for step in range(2):
-        batch = make_batch(seed=step)
+        batch = family_batch(family, seed=step)
         where = f"{family} {schedule} ranks={world} rank={rank} step={step}"
         loss = pipe.run_train(**batch)
         ref_loss, _ = reference_step(ref, batch, mbs)

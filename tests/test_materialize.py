@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import MODELS, VOCAB, make_batch
+from models import INPUT_NAMES, MODELS, VOCAB, family_batch, make_batch
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -78,13 +78,16 @@ def _meta_init(rank, world, family):
     with torch.device("meta"):
         model, _ = MODELS[family]()
     torch.manual_seed(100 + rank)
-    pipe = px.PipelineModel(model, layer_cls=layer_cls, num_microbatches=2, timeout=60)
+    inputs = INPUT_NAMES.get(family, ("input_ids", "attention_mask"))
+    pipe = px.PipelineModel(
+        model, layer_cls=layer_cls, num_microbatches=2, timeout=60, input_names=inputs
+    )
     local = _local_tensors(pipe)
     problems = [
         p for name, t in local.items() if (p := _compare_to_hf_init(name, t, ref_tensors[name]))
     ]
     assert all(t.device.type == "cpu" for t in local.values())
-    loss = float(pipe.run_train(**make_batch(seed=0)))
+    loss = float(pipe.run_train(**family_batch(family, seed=0)))
     return sorted(local), problems, loss
 
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from pippy_xla._native import _C
 from pippy_xla.plan.cost_model import LayerCost, ModelProfile, StageExtra
+from pippy_xla.split.hf import text_vocab_size
 from pippy_xla.split.partition import LayerCls, class_names, find_layers, layer_classes
 
 __all__ = ["ADAMW_STATES", "SavedBytes", "profile_model"]
@@ -487,7 +488,7 @@ def profile_model(
 
 
 def _config_vocab_size(model: nn.Module) -> int:
-    return int(getattr(getattr(model, "config", None), "vocab_size", 2))
+    return int(text_vocab_size(getattr(model, "config", None)) or 2)
 
 
 def _model_profile(

@@ -31,6 +31,7 @@ from pippy_xla.runtime.data_parallel import DataParallel, MeshGroups, mesh_group
 from pippy_xla.runtime.failures import AbortChannel
 from pippy_xla.runtime.ops import group_name_of
 from pippy_xla.split._split_compile import split_backward_backend
+from pippy_xla.split.hf import text_vocab_size
 from pippy_xla.split.materialize import materialize
 from pippy_xla.split.partition import (
     LayerCls,
@@ -414,7 +415,13 @@ def default_loss(model: nn.Module) -> LossFn:
     if not hasattr(model, "loss_function") or not hasattr(model, "config"):
         raise ValueError(f"{type(model).__name__} has no HF loss_function; pass loss_fn=...")
     loss_function = model.loss_function
-    vocab_size = model.config.vocab_size
+    vocab_size = text_vocab_size(model.config)
+    if vocab_size is None:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}'s config ({type(model.config).__name__}) names no "
+            "vocab_size, neither at the top nor in a text config, so its own loss cannot be "
+            "computed; pass loss_fn=(logits, labels, num_items) -> the microbatch's loss"
+        )
     params = inspect.signature(loss_function).parameters.values()
     needs = [
         p.name

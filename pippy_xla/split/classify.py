@@ -20,6 +20,7 @@ __all__ = [
     "fetch",
     "index_limits",
     "is_parameter",
+    "keeps_self_meta",
     "layer_target",
     "producers",
 ]
@@ -27,6 +28,20 @@ __all__ = [
 
 _META_ATTRS = ("shape", "dtype", "device", "ndim", "is_cuda", "layout")
 _META_METHODS = ("size", "dim", "get_device")
+_SELF_META_METHODS = ("masked_scatter", "masked_fill", "index_put", "scatter", "index_copy")
+"""Tensor methods whose result has their tensor's shape, dtype and device: for metadata, the
+result is the tensor (a vision-language model scatters image features into the token embeddings
+that the mask factories read for their shape)."""
+
+
+def keeps_self_meta(node: fx.Node) -> bool:
+    """Whether ``node``'s shape, dtype and device are its first argument's."""
+    return (
+        node.op == "call_method"
+        and node.target.rstrip("_") in _SELF_META_METHODS
+        and bool(node.args)
+        and isinstance(node.args[0], fx.Node)
+    )
 
 
 """[Note: replicated prologue]
@@ -156,6 +171,9 @@ def _classify_node(
         )
     elif n.op == "get_attr":
         metarep = True  # a stand-in has its shape, dtype and device
+    elif keeps_self_meta(n):
+        first = nodes[n.args[0]]
+        metarep = first.replicable or first.metarep
     else:
         metarep = not own_params and all(nodes[p].replicable or nodes[p].metarep for p, _ in prods)
     replicable = not reads_params and all(
@@ -312,12 +330,21 @@ def fetch(root: nn.Module, target: str) -> Any:
 def _own_params(
     root: nn.Module, n: fx.Node, mod: nn.Module | None, prods: list[tuple[fx.Node, bool]]
 ) -> bool:
-    """Whether ``n`` reads parameters itself: a parameter or a module holding some."""
+    """Whether ``n`` reads parameters itself: a parameter, a module holding some, or a function
+    running such a module (:func:`hf.call_features`)."""
     if n.op == "get_attr":
         return is_parameter(root, n)
     if mod is not None:
         return any(True for _ in mod.parameters())
-    return False
+    return n.op == "call_function" and any(_module_with_parameters(root, p) for p, _ in prods)
+
+
+def _module_with_parameters(root: nn.Module, node: fx.Node) -> bool:
+    """A ``get_attr`` of a module holding parameters (:func:`hf.call_features` runs it)."""
+    if node.op != "get_attr":
+        return False
+    obj = fetch(root, node.target)
+    return isinstance(obj, nn.Module) and any(True for _ in obj.parameters())
 
 
 def is_parameter(root: nn.Module, node: fx.Node) -> bool:

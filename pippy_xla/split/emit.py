@@ -13,7 +13,14 @@ import torch.utils.checkpoint
 from torch import fx, nn
 
 from pippy_xla.split import hf
-from pippy_xla.split.classify import Classified, fetch, is_parameter, layer_target, producers
+from pippy_xla.split.classify import (
+    Classified,
+    fetch,
+    is_parameter,
+    keeps_self_meta,
+    layer_target,
+    producers,
+)
 from pippy_xla.split.trace import ROOT_PREFIX
 
 __all__ = ["StageGraph", "emit_stage"]
@@ -175,7 +182,10 @@ def _stage_nodes(s: int, c: Classified, received: dict[fx.Node, None]) -> dict[f
     while stack:
         n = stack.pop()
         replicated = c.nodes[n].home is None or local[n] == "meta"
-        for p, meta in producers(n):
+        prods = producers(n)
+        if local[n] == "meta" and keeps_self_meta(n):
+            prods = [(n.args[0], True)]  # its metadata is its first argument's
+        for p, meta in prods:
             pc = c.nodes[p]
             if p in received or pc.home == s:
                 continue
@@ -214,6 +224,8 @@ def _emit_nodes(
         kind = local.get(n)
         if kind == "compute" and c.layer_index.get(layer_target(n)) in checkpoint_set:
             env[n] = _emit_checkpoint(graph, n, lambda a: env[a])
+        elif kind == "meta" and keeps_self_meta(n):
+            env[n] = env[n.args[0]]
         elif kind in ("compute", "meta") and n.op != "output":
             env[n] = graph.node_copy(n, lambda a: env[a])
         elif kind == "stub":

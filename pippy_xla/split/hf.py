@@ -28,24 +28,37 @@ import torch
 from torch import nn
 
 __all__ = [
+    "FEATURE_METHODS",
     "LOSS_ATTR",
     "MASKS_ATTR",
     "META_ONLY_MASK_KWARGS",
-    "LossMarker",
-    "MaskLeaf",
+    "REF_ATTR",
+    "call_features",
     "call_recording",
     "deliver",
-    "patch_loss_function",
-    "recorded_outputs",
+    "encoder_children",
+    "feature_owners",
     "find_configs",
+    "input_rows",
     "is_mask_function_name",
     "is_rotary_module",
+    "LossMarker",
     "make_mask_leaves",
+    "MaskLeaf",
+    "ModuleRef",
+    "patch_loss_function",
     "patch_mask_functions",
+    "recorded_outputs",
+    "skipped_traced_checks",
+    "text_vocab_size",
 ]
 
 MASKS_ATTR = "pippy_masks"
 """Attribute of the partitioner's root module holding the :class:`MaskLeaf` modules."""
+
+REF_ATTR = "pippy_ref_"
+"""Prefix of the root's :class:`ModuleRef` attributes (see [Note: encoders of other
+modalities])."""
 
 LOSS_ATTR = "pippy_loss"
 """Attribute of the partitioner's root module holding the :class:`LossMarker`."""
@@ -324,3 +337,133 @@ def patch_loss_function(model: nn.Module, marker: LossMarker) -> Iterator[None]:
             vars(model)["_loss_function"] = saved
         else:
             del vars(model)["_loss_function"]
+
+
+def input_rows(model: nn.Module, input_names: Sequence[str]) -> dict[str, tuple[int, ...]]:
+    """The shape of one row of each batch input that is not a 2-D token tensor, from the model's
+    configs: ``pixel_values`` ``(num_channels, height, width)`` from a vision config's
+    ``image_size``."""
+    rows: dict[str, tuple[int, ...]] = {}
+    if "pixel_values" not in input_names:
+        return rows
+    for cfg in find_configs(model):
+        vision = getattr(cfg, "vision_config", None)
+        size = getattr(vision, "image_size", None)
+        if size:
+            h, w = (size, size) if isinstance(size, int) else tuple(size)
+            rows["pixel_values"] = (int(getattr(vision, "num_channels", 3)), h, w)
+            break
+    return rows
+
+
+def checkpoint_key_renamer(model: nn.Module) -> Callable[[str], str] | None:
+    """HF's renaming of a checkpoint's keys to the model's names (``save_pretrained`` writes
+    some models in an older layout: Llava's ``language_model.model.*`` for
+    ``model.language_model.*``), as ``from_pretrained`` applies it; ``None`` when the model has
+    no renamings (weight conversions that merge tensors are not applied: their keys stay
+    unknown, and loading says so)."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+    except ImportError:  # pragma: no cover - transformers is optional for non-HF models
+        return None
+    if not isinstance(model, PreTrainedModel):
+        return None
+    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    if not renamings:
+        return None
+    return lambda key: rename_source_key(key, renamings, [])[0]
+
+
+def text_vocab_size(config: Any) -> int | None:
+    """The text vocabulary's size: ``config.vocab_size``, else its text config's (a
+    vision-language model's config, ``LlavaConfig``, holds it in ``text_config``)."""
+    size = getattr(config, "vocab_size", None)
+    if size is None and hasattr(config, "get_text_config"):
+        size = getattr(config.get_text_config(), "vocab_size", None)
+    return size
+
+
+"""[Note: encoders of other modalities]
+
+A vision-language model runs its vision tower and projector on the batch's ``pixel_values`` and
+scatters the result into the token embeddings before the language model's layers. HF 5.x gives
+every such model one entry point per modality, ``get_image_features`` (video, audio alike), whose
+Python iterates over the batch (``list(image_features)``) and so cannot be traced for every batch
+size. While tracing, that method is a leaf (:func:`call_features`): one call on the first stage,
+run as the model's own Python, reading the owner's children that hold no decoder layer (the vision
+tower and projector), whose parameters are the first stage's. The owner itself (which holds the
+language model too) reaches the graph through a :class:`ModuleRef`, which owns no parameters.
+"""
+
+FEATURE_METHODS = ("get_image_features", "get_video_features", "get_audio_features")
+"""HF's entry points of the encoders of other modalities (see [Note: encoders of other
+modalities])."""
+
+
+class ModuleRef:
+    """A module reached from a stage graph without making its parameters the stage's (not an
+    ``nn.Module``: a ``GraphModule`` holds it as a plain attribute)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __repr__(self) -> str:
+        return f"ModuleRef({type(self.module).__name__})"
+
+
+def call_features(
+    ref: ModuleRef, method: str, used: tuple[nn.Module, ...], *args: Any, **kwargs: Any
+) -> Any:
+    """``ref.module.<method>(*args, **kwargs)``, the model's own Python; ``used`` are the modules
+    it runs, held by the stage (see [Note: encoders of other modalities])."""
+    return getattr(type(ref.module), method)(ref.module, *args, **kwargs)
+
+
+def feature_owners(model: nn.Module, layers: Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every submodule whose class defines one of :data:`FEATURE_METHODS`
+    and holds decoder layers (the one whose forward calls it), in ``named_modules`` order."""
+    owners = []
+    for name, mod in model.named_modules():
+        defines = any(callable(getattr(type(mod), m, None)) for m in FEATURE_METHODS)
+        if defines and any(any(lay is m for m in mod.modules()) for lay in layers[:1]):
+            owners.append((name, mod))
+    return owners
+
+
+def encoder_children(owner: nn.Module, layers: Sequence[nn.Module]) -> list[str]:
+    """The names of ``owner``'s children that hold no decoder layer: what its feature methods
+    run (the vision tower and projector)."""
+    first = layers[0]
+    return [
+        name
+        for name, child in owner.named_children()
+        if not any(m is first for m in child.modules())
+    ]
+
+
+@contextlib.contextmanager
+def skipped_traced_checks() -> Iterator[None]:
+    """``torch._check*`` on a traced condition is skipped inside the block: a check the model
+    asserts on the batch's values (``n_image_tokens * hidden == image_features.numel()``) is no
+    computation of the graph; it cannot be decided while tracing."""
+    names = ("_check", "_check_with", "_check_tensor_all", "_check_tensor_all_with")
+    saved = {n: getattr(torch, n) for n in names}
+
+    def wrap(fn: Callable[..., Any], cond_at: int) -> Callable[..., Any]:
+        def check(*args: Any, **kwargs: Any) -> Any:
+            cond = args[cond_at] if len(args) > cond_at else kwargs.get("cond")
+            if isinstance(cond, torch.fx.Proxy):
+                return None
+            return fn(*args, **kwargs)
+
+        return check
+
+    try:
+        for n, fn in saved.items():
+            setattr(torch, n, wrap(fn, 1 if n.endswith("_with") else 0))
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(torch, n, fn)

@@ -85,7 +85,7 @@ def traced_root(
         root_cls = type("PippyRoot", (_Root,), {"forward": _root_forward(inputs)})
         root = root_cls(model, hf.make_mask_leaves(model))
         try:
-            graph = _trace(root, model, layer_cls, device_type)
+            graph = _trace(root, model, layer_cls, device_type, inputs)
         except UnsupportedModelError:
             if not with_labels:
                 raise
@@ -219,10 +219,18 @@ class _FInfo:
 
 
 class _Tracer(fx.Tracer):
-    def __init__(self, layer_cls: tuple[type[nn.Module], ...], device_type: str) -> None:
+    def __init__(
+        self,
+        layer_cls: tuple[type[nn.Module], ...],
+        device_type: str,
+        input_rows: dict[str, tuple[int, ...]],
+    ) -> None:
         super().__init__()
         self.layer_cls = layer_cls
         self.device_type = device_type
+        self.input_rows = input_rows
+        """The shape of one row of each input that is not a 2-D token tensor (``pixel_values``):
+        its samples are float tensors of that shape (see [Note: branches on metadata])."""
         self.first_input: fx.Proxy | None = None
         self._samples: dict[tuple[int, int], dict[fx.Node, Any]] = {}
 
@@ -300,7 +308,7 @@ class _Tracer(fx.Tracer):
 
     def _compute_sample(self, node: fx.Node, args: Any, kwargs: Any, shape: tuple[int, int]):
         if node.op == "placeholder":
-            return torch.ones(shape, dtype=torch.long, device="meta")
+            return _placeholder_sample(self.input_rows.get(node.target), shape)
         if node.op == "get_attr":
             value = _fetch_untraced(self.root, node.target)
             if isinstance(value, torch.Tensor):
@@ -349,7 +357,7 @@ class _Tracer(fx.Tracer):
     def create_proxy(self, kind: str, target: Any, args: Any, kwargs: Any, *a: Any, **k: Any):
         p = super().create_proxy(kind, target, args, kwargs, *a, **k)
         if kind == "placeholder":
-            p.node.meta["pippy_ndim"] = 2
+            p.node.meta["pippy_ndim"] = 1 + len(self.input_rows.get(target, (0,)))
             if self.first_input is None:
                 self.first_input = p
         return p
@@ -382,19 +390,65 @@ def _fx_patches_reverted() -> Any:
         patcher.reapply_all_patches()
 
 
+def _placeholder_sample(row: tuple[int, ...] | None, shape: tuple[int, int]) -> torch.Tensor:
+    if row is None:  # token ids (or a mask) of the sample shape
+        return torch.ones(shape, dtype=torch.long, device="meta")
+    return torch.ones((shape[0], *row), device="meta")
+
+
+def _feature_leaf(tracer: fx.Tracer, ref: str, method: str, used: list[str]) -> Any:
+    """A feature method's stand-in while tracing: one :func:`hf.call_features` node (see [Note:
+    encoders of other modalities])."""
+
+    def leaf(*args: Any, **kwargs: Any) -> Any:
+        refp = tracer.create_proxy("get_attr", ref, (), {})
+        mods = tuple(tracer.create_proxy("get_attr", path, (), {}) for path in used)
+        return tracer.create_proxy(
+            "call_function", hf.call_features, (refp, method, mods, *args), kwargs
+        )
+
+    return leaf
+
+
+@contextlib.contextmanager
+def _feature_leaves(root: _Root, tracer: fx.Tracer, layer_cls: tuple[type[nn.Module], ...]):
+    """The model's feature methods are leaves inside the block (see [Note: encoders of other
+    modalities])."""
+    model = root.model
+    layers = [m for m in model.modules() if isinstance(m, layer_cls)]
+    patched: list[tuple[nn.Module, str]] = []
+    try:
+        for i, (name, owner) in enumerate(hf.feature_owners(model, layers) if layers else []):
+            ref = f"{hf.REF_ATTR}{i}"
+            setattr(root, ref, hf.ModuleRef(owner))
+            prefix = ROOT_PREFIX + (f"{name}." if name else "")
+            used = [prefix + c for c in hf.encoder_children(owner, layers)]
+            for method in hf.FEATURE_METHODS:
+                if callable(getattr(type(owner), method, None)):
+                    vars(owner)[method] = _feature_leaf(tracer, ref, method, used)
+                    patched.append((owner, method))
+        yield
+    finally:
+        for owner, method in patched:
+            del vars(owner)[method]
+
+
 def _trace(
     root: _Root,
     model: nn.Module,
     layer_cls: tuple[type[nn.Module], ...],
     device_type: str,
+    input_names: Sequence[str],
 ) -> fx.Graph:
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
-    tracer = _Tracer(layer_cls, device_type)
+    tracer = _Tracer(layer_cls, device_type, hf.input_rows(model, input_names))
     try:
         with (
             hf.patch_mask_functions(model, getattr(root, hf.MASKS_ATTR)),
             _traced_finfo(),
+            hf.skipped_traced_checks(),
+            _feature_leaves(root, tracer, layer_cls),
         ):
             return _canonical(tracer.trace(root))
     except UnsupportedModelError:
