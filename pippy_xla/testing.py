@@ -73,18 +73,19 @@ def _context(fn: Callable[..., Any], start_method: str | None, spawn_only: bool)
     return ctx
 
 
-_WARM: list[bool] = []
+_forkserver_warm = False
 """Whether this process's forkserver has forked a process yet (see :func:`_warm_up`)."""
 
 
 def _warm_up(ctx) -> None:
     """Forks one trivial process from the forkserver the first time: the server's start and
     imports (seconds) are then not counted against the first run's deadline."""
-    if not _WARM:
+    global _forkserver_warm
+    if not _forkserver_warm:
         p = ctx.Process(target=time.sleep, args=(0,))
         p.start()
         p.join()
-        _WARM.append(True)
+        _forkserver_warm = True
 
 
 _STACK_FILE = None
