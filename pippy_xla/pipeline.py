@@ -34,6 +34,7 @@ from pippy_xla._report import Report
 from pippy_xla.config import LossFn, PipelineConfig
 from pippy_xla.runtime._build import build
 from pippy_xla.runtime._exit import release_at_exit
+from pippy_xla.runtime._generate import Generator
 from pippy_xla.runtime._state import StageState
 from pippy_xla.runtime._step import EvalOutput, StepRunner
 from pippy_xla.runtime.failures import FailureState
@@ -101,6 +102,7 @@ class PipelineModel:
         self._failures = FailureState(built.abort, built.abort.rank)
         self._runner = StepRunner(built, self.pipeline_config, self._failures)
         self._report = Report(self._runner)
+        self._generator = Generator(model, layer_cls, self._runner)
         # See [Note: releasing the group at exit]: these hold the process groups.
         release_at_exit(self._place, "group", "mesh")
         release_at_exit(self._runner, "dp")
@@ -339,6 +341,24 @@ class PipelineModel:
         """Forward only. Returns the batch's logits on the last stage and, given labels, its
         mean loss on every rank."""
         return self._runner.evaluate(batch)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        generation_config: Any = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """What HF's ``model.generate(input_ids, attention_mask=..., generation_config, **kwargs)``
+        returns for the unsplit model (the prompts and their new tokens), on every rank; a
+        collective: every rank passes the same prompts and options. Greedy and sampled decoding
+        through HF's own logits processors and stopping criteria (``max_new_tokens``,
+        ``eos_token_id``, ``pad_token_id``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
+        ``repetition_penalty``...); left-padded prompts. Each stage keeps the key/value cache of
+        its own layers, and only the sampled tokens travel back (see [Note: generation data flow]
+        in ``runtime/_generate.py``). Training and evaluation steps may come before and after."""
+        return self._generator.generate(input_ids, attention_mask, generation_config, kwargs)
 
     def clip_grad_norm_(
         self,

@@ -167,8 +167,8 @@ class StepKey:
         return [STEP_KINDS.index(self.kind), self.signature, self.content]
 
 
-STEP_KINDS = ("train", "eval")
-_RUN = {"train": "run_train", "eval": "run_eval"}
+STEP_KINDS = ("train", "eval", "generate")
+_RUN = {"train": "run_train", "eval": "run_eval", "generate": "generate"}
 
 
 def step_key(kind: str, batch: Batch, check_content: bool) -> tuple[StepKey, list[int]]:

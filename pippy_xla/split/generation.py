@@ -1,0 +1,244 @@
+"""Stage graphs for generation: each stage's graph with its own key/value cache threaded through
+its decoder layers and mask factories, the per-stage cache itself, and HF's generation settings
+(logits processors, stopping criteria, lengths, special tokens) prepared by HF's own code.
+
+[Note: per-stage generation graphs]
+
+Training graphs are traced with ``use_cache=False`` and compute positions from the sequence
+length. Generation needs positions of left-padded prompts (HF's ``attention_mask.cumsum - 1``)
+and a cache that the layers update in place. So the model is partitioned a second time, lazily at
+the first ``generate``, with ``position_ids`` among the batch inputs (the same partitioner, layer
+ranges and classification rules: positions, masks and rotary tables are still recomputed on every
+stage from the 2-D inputs), and each stage's graph is then rewritten: a last placeholder,
+``past_key_values``, is passed to every decoder-layer call and every mask-factory leaf in place
+of the traced ``None`` (and ``use_cache=True`` where the layer takes it). Nothing else changes, so
+any family the partitioner splits gets a cache this way, with no per-family code; the model's own
+attention code updates the cache, as in one process.
+
+The cache (:func:`stage_cache`) is HF's ``StaticCache`` for the model's config: one layer object
+per decoder layer of the family's own kind (sliding-window layers where the config has them),
+each allocating its ``[batch, kv_heads, length, head_dim]`` tensors lazily at its first update.
+Only this stage's layers are ever updated, so a rank allocates its layers' share once per
+generation, for the generation's whole length; decode steps then have one fixed shape. The mask
+factories size masks and read the number of tokens seen from one layer of the cache (the first
+full-attention one, or the first of each sliding kind): the other stages' entries of this stage's
+cache are therefore the same objects as a local layer of the same kind, which has seen the same
+tokens. The training graphs, runners and engines are untouched, so ``run_train`` and ``run_eval``
+neither rebuild nor recompile around a ``generate``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from pippy_xla.split import hf
+from pippy_xla.split.emit import StageGraph
+from pippy_xla.split.partition import UnsupportedModelError, partition
+
+__all__ = [
+    "CACHE_ARG",
+    "GENERATION_INPUTS",
+    "GenerationSettings",
+    "check_can_generate",
+    "generation_stages",
+    "prepare_generation",
+    "stage_cache",
+]
+
+CACHE_ARG = "past_key_values"
+"""The keyword by which decoder layers and mask factories take the cache; also the name of the
+generation graphs' last placeholder."""
+
+GENERATION_INPUTS = ("input_ids", "attention_mask", "position_ids")
+"""The batch inputs of generation graphs (see [Note: per-stage generation graphs])."""
+
+
+def check_can_generate(model: nn.Module) -> None:
+    """Raises ``UnsupportedModelError`` unless ``model`` is an HF model with a generation head
+    whose forward takes ``position_ids``."""
+    can = getattr(model, "can_generate", None)
+    if not (callable(can) and can()):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has no generation head: PipelineModel.generate needs an HF "
+            "model that can generate (a *ForCausalLM with GenerationMixin)"
+        )
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}.forward takes no position_ids; PipelineModel.generate "
+            "passes the positions of left-padded prompts as HF's generate does"
+        )
+
+
+def generation_stages(
+    model: nn.Module,
+    layer_cls: type[nn.Module],
+    layer_ranges: list[tuple[int, int]],
+    device_type: str,
+) -> list[StageGraph]:
+    """Every stage's generation graph (see [Note: per-stage generation graphs]): called as
+    ``module(*batch_inputs, *boundary_inputs, cache)``."""
+    check_can_generate(model)
+    stages = partition(model, layer_cls, layer_ranges, GENERATION_INPUTS, device_type=device_type)
+    for st in stages:
+        _thread_cache(st.module, layer_cls)
+        st.code = st.module.code
+    return stages
+
+
+def _thread_cache(gm: fx.GraphModule, layer_cls: type[nn.Module]) -> None:
+    """Adds the cache placeholder and passes it to every layer call and mask leaf of ``gm``."""
+    graph = gm.graph
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    with graph.inserting_after(last):
+        cache = graph.placeholder(CACHE_ARG)
+    for node in graph.nodes:
+        if node.op == "call_module":
+            mod = gm.get_submodule(node.target)
+            if isinstance(mod, hf.MaskLeaf):
+                node.kwargs = {**node.kwargs, CACHE_ARG: cache}
+            elif isinstance(mod, layer_cls):
+                node.args, node.kwargs = _with_cache(mod, node.args, node.kwargs, cache)
+        elif node.op == "call_function" and node.target is hf.call_recording:
+            layer, keys, *args = node.args
+            mod = gm.get_submodule(layer.target)
+            args, kwargs = _with_cache(mod, tuple(args), node.kwargs, cache)
+            node.args, node.kwargs = (layer, keys, *args), kwargs
+    graph.lint()
+    gm.recompile()
+
+
+def _with_cache(
+    layer: nn.Module, args: tuple, kwargs: dict[str, Any], cache: fx.Node
+) -> tuple[tuple, dict[str, Any]]:
+    """A layer call's arguments with the cache (and ``use_cache=True``) in place of the traced
+    ones, wherever the layer's signature puts them."""
+    sig = inspect.signature(layer.forward)
+    params = sig.parameters
+    var_kw = next((p.name for p in params.values() if p.kind is p.VAR_KEYWORD), None)
+    if CACHE_ARG not in params and var_kw is None:
+        raise UnsupportedModelError(
+            f"{type(layer).__name__}.forward takes no {CACHE_ARG}; generation passes the cache "
+            "to each decoder layer"
+        )
+    bound = sig.bind(*args, **kwargs)
+    extra = dict(bound.arguments.pop(var_kw, {})) if var_kw else {}
+    for name, value in ((CACHE_ARG, cache), ("use_cache", True)):
+        if name in params:
+            bound.arguments[name] = value
+        elif name == CACHE_ARG or name in extra:
+            extra[name] = value
+    return tuple(bound.args), {**bound.kwargs, **extra}
+
+
+def stage_cache(config: Any, layers: Sequence[int], max_len: int) -> Any:
+    """HF's ``StaticCache`` of ``max_len`` tokens whose entries outside ``layers`` (this rank's
+    decoder layers) are a local layer of the same kind (see [Note: per-stage generation graphs]).
+    """
+    from transformers import StaticCache
+
+    cache = StaticCache(config=config, max_cache_len=max_len)
+    local = [cache.layers[i] for i in layers]
+    for i, entry in enumerate(cache.layers):
+        if i in layers:
+            continue
+        same = next((e for e in local if type(e) is type(entry)), None)
+        if same is not None:
+            cache.layers[i] = same
+    return cache
+
+
+@dataclass(kw_only=True, slots=True)
+class GenerationSettings:
+    """What a ``generate`` call decodes with, prepared by HF's own generation code."""
+
+    config: Any
+    """The call's ``GenerationConfig`` (the model's, updated by the call's arguments)."""
+    processors: Any
+    """HF's ``LogitsProcessorList`` for it (penalties, temperature, top-k, top-p...)."""
+    stopping: Any
+    """HF's ``StoppingCriteriaList`` (maximum length, end-of-sequence tokens...)."""
+    max_length: int
+    """Prompt plus new tokens: the generated sequences' length at most."""
+    has_eos: bool
+    """Whether rows finish at an end-of-sequence token (then padded with ``pad``)."""
+    pad: torch.Tensor | None
+    """The padding token of finished rows."""
+
+
+def _default_lengths(model: nn.Module, generation_config: Any, kwargs: dict) -> tuple[bool, bool]:
+    """Whether the maximum and the minimum length are nobody's choice (as HF's ``generate``
+    decides it, before its settings are merged)."""
+
+    def default(name: str) -> bool:
+        given = generation_config is not None and getattr(generation_config, name) is not None
+        return (
+            kwargs.get(name) is None
+            and not given
+            and getattr(model.generation_config, name) is None
+        )
+
+    return default("max_length"), default("min_length")
+
+
+_UNSUPPORTED = {"num_beams": 1, "num_return_sequences": 1}
+
+
+def prepare_generation(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    generation_config: Any,
+    kwargs: dict[str, Any],
+) -> GenerationSettings:
+    """HF's generation settings for ``model.generate(input_ids, generation_config, **kwargs)``,
+    in the order HF's ``generate`` prepares them. Raises ``ValueError`` for options the pipeline
+    does not decode with yet (beams, several sequences per prompt, model keyword inputs)."""
+    from transformers import LogitsProcessorList, StoppingCriteriaList
+
+    has_default_max, has_default_min = _default_lengths(model, generation_config, kwargs)
+    config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
+    if model_kwargs:
+        raise ValueError(
+            f"generate got model inputs {sorted(model_kwargs)}; the pipeline generates from "
+            "input_ids and attention_mask only"
+        )
+    for name, value in _UNSUPPORTED.items():
+        if getattr(config, name) != value:
+            raise ValueError(f"generate with {name}={getattr(config, name)} is not supported yet")
+    device = input_ids.device
+    model._prepare_special_tokens(config, True, device=device, batch_size=input_ids.shape[0])
+    length = input_ids.shape[1]
+    config = model._prepare_generated_length(
+        generation_config=config,
+        has_default_max_length=has_default_max,
+        has_default_min_length=has_default_min,
+        model_input_name="input_ids",
+        inputs_tensor=input_ids,
+        input_ids_length=length,
+    )
+    model._validate_generated_length(config, length, has_default_max)
+    processors = model._get_logits_processor(
+        generation_config=config,
+        input_ids_seq_length=length,
+        encoder_input_ids=input_ids,
+        prefix_allowed_tokens_fn=None,
+        logits_processor=LogitsProcessorList(),
+        device=device,
+        model_kwargs={},
+    )
+    stopping = model._get_stopping_criteria(
+        generation_config=config, stopping_criteria=StoppingCriteriaList()
+    )
+    return GenerationSettings(
+        config=config,
+        processors=processors,
+        stopping=stopping,
+        max_length=config.max_length,
+        has_eos=any(hasattr(c, "eos_token_id") for c in stopping),
+        pad=config._pad_token_tensor,
+    )

@@ -1,0 +1,202 @@
+"""PipelineModel.generate on gloo ranks against HF's generate on the unsplit model."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from models import MODELS, VOCAB, make_batch, tiny
+from torch import nn
+
+import pippy_xla as px
+from pippy_xla.testing import run_ranks
+
+NEW = 6
+"""New tokens per prompt: enough for rows to finish at different steps, cheap on 2 cores."""
+
+SAMPLING = {"do_sample": True, "temperature": 0.8, "top_k": 20, "top_p": 0.9}
+"""Sampling options (with a repetition penalty, every kind of HF processor and warper)."""
+
+_FAMILIES = {**MODELS, "qwen3": lambda: tiny("qwen3")}
+
+
+def _prompts(batch: int = 3, length: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompts of lengths ``length``, ``length - 2``, ``length - 1``, ..."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, VOCAB, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    for row, pad in zip(range(1, batch), (2, 1, 3), strict=False):
+        mask[row, :pad] = 0
+        ids[row, :pad] = 0
+    return ids, mask
+
+
+def _pipe(family: str, **options):
+    torch.manual_seed(0)
+    model, layer_cls = _FAMILIES[family]()
+    model.eval()
+    ref = copy.deepcopy(model)
+    pipe = px.PipelineModel(model, layer_cls=layer_cls, num_microbatches=2, timeout=60, **options)
+    return pipe, ref
+
+
+def _equal_hf(family: str) -> list[str]:
+    """Greedy, greedy with rows stopping at an eos token at different steps, and seeded sampling
+    (twice: reproducible) equal HF's generate on left-padded prompts of different lengths."""
+    pipe, ref = _pipe(family)
+    ids, mask = _prompts()
+    done = []
+    greedy = ref.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    got = pipe.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    assert torch.equal(got, greedy), f"{family} greedy\n{got}\n{greedy}"
+    done.append("greedy")
+    # Row 0's second new token ends row 0 after two steps, other rows later or never.
+    eos = int(greedy[0, ids.shape[1] + 1])
+    stop = {"max_new_tokens": NEW, "do_sample": False, "eos_token_id": eos, "pad_token_id": 3}
+    want = ref.generate(ids, attention_mask=mask, **stop)
+    got = pipe.generate(ids, attention_mask=mask, **stop)
+    assert torch.equal(got, want), f"{family} eos\n{got}\n{want}"
+    new = (got[:, ids.shape[1] :] == eos).int()
+    ends = {int(r.argmax()) if r.any() else NEW for r in new}
+    assert len(ends) > 1, f"{family}: every row ended at step {ends}"
+    done.append("eos")
+    sample = {**SAMPLING, "repetition_penalty": 1.2, "max_new_tokens": NEW}
+    torch.manual_seed(7)
+    want = ref.generate(ids, attention_mask=mask, **sample)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        runs.append(pipe.generate(ids, attention_mask=mask, **sample))
+    assert torch.equal(runs[0], runs[1]), f"{family} sampling not reproducible"
+    assert torch.equal(runs[0], want), f"{family} sampling\n{runs[0]}\n{want}"
+    done.append("sampling")
+    return done
+
+
+def _families(rank, world, families):
+    return {f: _equal_hf(f) for f in families}
+
+
+FAMILIES = ("llama", "gpt2", "qwen3", "mixtral", "mistral", "qwen2")
+"""Rotary, learned positions and a tied head, Qwen3's q/k norms, experts, a sliding window, and
+sliding and full layers on different stages (two masks)."""
+
+
+def test_generate_equal_hf_two_ranks():
+    out = run_ranks(2, _families, FAMILIES, timeout=600)
+    want = {f: ["greedy", "eos", "sampling"] for f in FAMILIES}
+    assert out == [want, want]
+
+
+def test_generate_equal_hf_four_ranks():
+    out = run_ranks(4, _families, ("llama",), timeout=300)
+    assert out == [{"llama": ["greedy", "eos", "sampling"]}] * 4
+
+
+def _between_steps(rank, world):
+    """A generate between two training steps: the losses stay the reference's, the training
+    graphs are the same objects with the same code, and generate sees the trained weights."""
+    pipe, ref = _pipe("llama")
+    codes = [st.module.code for st in pipe.local_stages]
+    modules = [st.module for st in pipe.local_stages]
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ids, mask = _prompts()
+    for step in range(2):
+        batch = make_batch(seed=step)
+        loss = pipe.run_train(**batch)
+        ref_loss = ref(**batch, use_cache=False).loss
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        got = pipe.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+        want = ref.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+        assert torch.equal(got, want), f"step {step}\n{got}\n{want}"
+    evaluated = pipe.run_eval(**make_batch(seed=5)).loss
+    torch.testing.assert_close(evaluated, ref(**make_batch(seed=5), use_cache=False).loss)
+    assert [st.module for st in pipe.local_stages] == modules
+    assert [st.module.code for st in pipe.local_stages] == codes
+    return True
+
+
+def test_generate_between_training_steps():
+    assert run_ranks(2, _between_steps) == [True, True]
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + self.fc(x)
+
+
+class _NoHead(nn.Module):
+    """A plain module whose output is the logits: it trains, but has no generation head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 16)
+        self.blocks = nn.ModuleList(_Block() for _ in range(2))
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, input_ids, attention_mask):
+        x = self.emb(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _loss(logits, labels, num_items):
+    return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / (
+        num_items
+    )
+
+
+def _error(case: str, rank: int) -> str:
+    if case == "no_head":
+        torch.manual_seed(0)
+        pipe = px.PipelineModel(
+            _NoHead(), layer_cls=_Block, num_microbatches=1, timeout=60, loss_fn=_loss
+        )
+        ids, mask = _prompts()
+        pipe.generate(ids, attention_mask=mask, max_new_tokens=2)
+    pipe, _ = _pipe("llama")
+    ids, mask = _prompts()
+    if case == "too_long":
+        pipe.generate(ids, attention_mask=mask, max_length=ids.shape[1])
+    if case == "other_prompts":
+        pipe.generate(ids + rank, attention_mask=mask, max_new_tokens=2)
+    if case == "other_options":
+        pipe.generate(ids, attention_mask=mask, max_new_tokens=2 + rank)
+    raise AssertionError(f"{case}: no error")
+
+
+def _errors(rank, world):
+    """Each error on every rank, and the pipeline still generates afterwards."""
+    out = {}
+    for case in ("no_head", "too_long", "other_prompts", "other_options"):
+        try:
+            _error(case, rank)
+        except (ValueError, px.BatchMismatchError) as e:
+            out[case] = (type(e).__name__, str(e).splitlines()[0][:200])
+    pipe, ref = _pipe("llama")
+    ids, mask = _prompts()
+    got = pipe.generate(ids, attention_mask=mask, max_new_tokens=2)
+    assert torch.equal(got, ref.generate(ids, attention_mask=mask, max_new_tokens=2))
+    return out
+
+
+def test_generate_errors_on_every_rank():
+    out = run_ranks(2, _errors, timeout=300)
+    for o in out:
+        assert o["no_head"][0] == "UnsupportedModelError", o["no_head"]
+        assert "no generation head" in o["no_head"][1]
+        assert o["too_long"][0] == "ValueError" and "max_length" in o["too_long"][1]
+        for case in ("other_prompts", "other_options"):
+            assert o[case][0] == "BatchMismatchError", o[case]
+            assert "other values" in o[case][1], o[case]
+        assert "generation_options" in o["other_options"][1]
