@@ -9,6 +9,7 @@ from models import MODELS, VOCAB, make_batch, tiny
 from torch import nn
 
 import pippy_xla as px
+from pippy_xla.runtime._generate import cache_bytes
 from pippy_xla.testing import run_ranks
 
 NEW = 6
@@ -46,13 +47,18 @@ def _equal_hf(family: str) -> list[str]:
     pipe, ref = _pipe(family)
     ids, mask = _prompts()
     done = []
-    greedy = ref.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
-    got = pipe.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    opts = {"max_new_tokens": NEW, "do_sample": False, **_OPTIONS.get(family, {})}
+    greedy = ref.generate(ids, attention_mask=mask, **opts)
+    got = pipe.generate(ids, attention_mask=mask, **opts)
     assert torch.equal(got, greedy), f"{family} greedy\n{got}\n{greedy}"
+    if family == "llama":  # see [Note: per-stage generation graphs]: this rank's layers only
+        cfg, (start, stop) = ref.config, pipe.layer_ranges[pipe.rank]
+        per_layer = 2 * ids.shape[0] * cfg.num_key_value_heads * (greedy.shape[1] - 1) * 16 * 4
+        assert cache_bytes(pipe._generator.caches) == (stop - start) * per_layer
     done.append("greedy")
     # Row 0's second new token ends row 0 after two steps, other rows later or never.
     eos = int(greedy[0, ids.shape[1] + 1])
-    stop = {"max_new_tokens": NEW, "do_sample": False, "eos_token_id": eos, "pad_token_id": 3}
+    stop = {**opts, "eos_token_id": eos, "pad_token_id": 3}
     want = ref.generate(ids, attention_mask=mask, **stop)
     got = pipe.generate(ids, attention_mask=mask, **stop)
     assert torch.equal(got, want), f"{family} eos\n{got}\n{want}"
@@ -60,7 +66,7 @@ def _equal_hf(family: str) -> list[str]:
     ends = {int(r.argmax()) if r.any() else NEW for r in new}
     assert len(ends) > 1, f"{family}: every row ended at step {ends}"
     done.append("eos")
-    sample = {**SAMPLING, "repetition_penalty": 1.2, "max_new_tokens": NEW}
+    sample = {**opts, **SAMPLING, "repetition_penalty": 1.2}
     torch.manual_seed(7)
     want = ref.generate(ids, attention_mask=mask, **sample)
     runs = []
@@ -77,9 +83,12 @@ def _families(rank, world, families):
     return {f: _equal_hf(f) for f in families}
 
 
-FAMILIES = ("llama", "gpt2", "qwen3", "mixtral", "mistral", "qwen2")
-"""Rotary, learned positions and a tied head, Qwen3's q/k norms, experts, a sliding window, and
-sliding and full layers on different stages (two masks)."""
+FAMILIES = ("llama", "gpt2", "qwen3", "mixtral", "mistral", "qwen2", "gemma3_text", "falcon_alibi")
+"""Rotary, learned positions and a tied head, Qwen3's q/k norms, experts, a sliding window,
+sliding and full layers on different stages (two masks), a rotary table per layer type, and
+ALiBi (whose HF code takes no static cache: HF's dynamic one, as ``cache_implementation`` says)."""
+
+_OPTIONS = {"falcon_alibi": {"cache_implementation": "dynamic"}}
 
 
 def test_generate_equal_hf_two_ranks():

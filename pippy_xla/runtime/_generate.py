@@ -44,7 +44,7 @@ from pippy_xla.split.generation import (
 if TYPE_CHECKING:
     from pippy_xla.runtime._step import StepRunner
 
-__all__ = ["Generator"]
+__all__ = ["Generator", "cache_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +86,8 @@ class Generator:
         self.failures: FailureState = runner.failures
         self.stages: list[StageGraph] | None = None
         self.engine: _C.Engine | None = None
+        self.caches: dict[int, Any] = {}
+        """The last generation's cache of each local stage (until the next call)."""
 
     def _setup(self) -> None:
         if self.stages is not None:
@@ -110,15 +112,23 @@ class Generator:
         for the whole pipeline, on every rank (see [Note: generation data flow])."""
         self.failures.check_usable()
         check_can_generate(self.model)
+        if self.place.mesh is not None:
+            raise NotImplementedError(
+                "generate on a data-parallel mesh is not supported yet (issue 50); generate with "
+                "a pipeline built without mesh=..."
+            )
+        self.caches = {}
         ids, mask = _check_prompts(input_ids, attention_mask, self.place.device)
         self._agree(ids, mask, generation_config, kwargs)
         settings = prepare_generation(self.model, ids, generation_config, kwargs)
         self._setup()
         positions = self.model._prepare_position_ids_for_generation(ids, {"attention_mask": mask})
+        kind = settings.config.cache_implementation
         caches = {
-            s: stage_cache(self.model.config, self.stages[s].layers, settings.max_length - 1)
+            s: stage_cache(self.model.config, self.stages[s].layers, settings.max_length - 1, kind)
             for s in self.runner.runners
         }
+        self.caches = caches
         sampler = None
         if self.place.rank == self.runner.last_rank:
             sampler = _Sampler(settings, ids.shape[0], self.place.device)
@@ -206,6 +216,16 @@ class Generator:
             return []
 
         return forward
+
+
+def cache_bytes(caches: dict[int, Any]) -> int:
+    """Bytes of key and value tensors that ``caches`` allocated (each layer object once)."""
+    seen: dict[int, Any] = {}
+    for cache in caches.values():
+        for layer in cache.layers:
+            if getattr(layer, "is_initialized", False):
+                seen[id(layer)] = layer
+    return sum(t.numel() * t.element_size() for la in seen.values() for t in (la.keys, la.values))
 
 
 def _check_prompts(

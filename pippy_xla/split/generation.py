@@ -84,7 +84,9 @@ def generation_stages(
     """Every stage's generation graph (see [Note: per-stage generation graphs]): called as
     ``module(*batch_inputs, *boundary_inputs, cache)``."""
     check_can_generate(model)
-    stages = partition(model, layer_cls, layer_ranges, GENERATION_INPUTS, device_type=device_type)
+    stages = partition(
+        model, layer_cls, layer_ranges, GENERATION_INPUTS, device_type=device_type, loss=False
+    )
     for st in stages:
         _thread_cache(st.module, layer_cls)
         st.code = st.module.code
@@ -121,28 +123,50 @@ def _with_cache(
     sig = inspect.signature(layer.forward)
     params = sig.parameters
     var_kw = next((p.name for p in params.values() if p.kind is p.VAR_KEYWORD), None)
-    if CACHE_ARG not in params and var_kw is None:
+    name = _cache_param(sig)
+    if name is None and var_kw is None:
         raise UnsupportedModelError(
-            f"{type(layer).__name__}.forward takes no {CACHE_ARG}; generation passes the cache "
-            "to each decoder layer"
+            f"{type(layer).__name__}.forward takes no {CACHE_ARG} (nor a parameter annotated as "
+            "a Cache); generation passes the cache to each decoder layer"
         )
     bound = sig.bind(*args, **kwargs)
     extra = dict(bound.arguments.pop(var_kw, {})) if var_kw else {}
-    for name, value in ((CACHE_ARG, cache), ("use_cache", True)):
-        if name in params:
-            bound.arguments[name] = value
-        elif name == CACHE_ARG or name in extra:
-            extra[name] = value
+    for key, value in ((name or CACHE_ARG, cache), ("use_cache", True)):
+        if key in params:
+            bound.arguments[key] = value
+        elif key == CACHE_ARG or key in extra:
+            extra[key] = value
     return tuple(bound.args), {**bound.kwargs, **extra}
 
 
-def stage_cache(config: Any, layers: Sequence[int], max_len: int) -> Any:
-    """HF's ``StaticCache`` of ``max_len`` tokens whose entries outside ``layers`` (this rank's
-    decoder layers) are a local layer of the same kind (see [Note: per-stage generation graphs]).
-    """
-    from transformers import StaticCache
+def _cache_param(sig: inspect.Signature) -> str | None:
+    """The parameter through which a layer takes the cache: ``past_key_values``, or the first
+    one annotated as a ``Cache`` (GPT-NeoX's and Falcon's ``layer_past``)."""
+    if CACHE_ARG in sig.parameters:
+        return CACHE_ARG
+    for p in sig.parameters.values():
+        if p.kind is not p.VAR_KEYWORD and "Cache" in str(p.annotation):
+            return p.name
+    return None
 
-    cache = StaticCache(config=config, max_cache_len=max_len)
+
+def stage_cache(config: Any, layers: Sequence[int], max_len: int, kind: str | None = None) -> Any:
+    """The cache of one stage (see [Note: per-stage generation graphs]): HF's ``StaticCache`` of
+    ``max_len`` tokens (``kind`` ``None`` or ``"static"``) or its ``DynamicCache``
+    (``"dynamic"``, for models whose code does not take a static cache, as in one process),
+    whose entries outside ``layers`` (this stage's decoder layers) are a local layer of the same
+    kind."""
+    from transformers import DynamicCache, StaticCache
+
+    if kind in (None, "static"):
+        cache = StaticCache(config=config, max_cache_len=max_len)
+    elif kind == "dynamic":
+        cache = DynamicCache(config=config)
+    else:
+        raise ValueError(
+            f"cache_implementation={kind!r} is not supported by PipelineModel.generate; use "
+            "'static' (the default) or 'dynamic'"
+        )
     local = [cache.layers[i] for i in layers]
     for i, entry in enumerate(cache.layers):
         if i in layers:

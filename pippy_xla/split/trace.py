@@ -75,11 +75,13 @@ def traced_root(
     layer_cls: tuple[type[nn.Module], ...],
     input_names: Sequence[str],
     device_type: str,
+    loss: bool = True,
 ) -> tuple[_Root, fx.Graph]:
-    """The partitioner's root around ``model`` and its trace: with a ``labels`` input when the
-    model has an HF loss (see [Note: terms added to the loss]), and without it if the model's
-    Python cannot be traced with labels (its logits are all the pipeline needs then)."""
-    with_labels = _traces_loss(model, input_names)
+    """The partitioner's root around ``model`` and its trace: with a ``labels`` input when
+    ``loss`` and the model has an HF loss (see [Note: terms added to the loss]), and without it
+    if the model's Python cannot be traced with labels (its logits are all the pipeline needs
+    then)."""
+    with_labels = loss and _traces_loss(model, input_names)
     while True:
         inputs = [*input_names, "labels"] if with_labels else list(input_names)
         root_cls = type("PippyRoot", (_Root,), {"forward": _root_forward(inputs)})
