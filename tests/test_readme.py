@@ -26,8 +26,9 @@ def _python_blocks(path) -> list[str]:
 
 def readme_program() -> str:
     blocks = [block for page in PROGRAM_PAGES for block in _python_blocks(DOCS / page)]
-    # The main example, the recipe, a CSV schedule, tuning, the planner, the mesh, checkpoints.
-    assert len(blocks) == 7, len(blocks)
+    # The main example, generating, the recipe, a CSV schedule, tuning, the planner, the mesh,
+    # checkpoints.
+    assert len(blocks) == 8, len(blocks)
     return "\n".join(blocks)
 
 
