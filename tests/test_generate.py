@@ -97,9 +97,30 @@ def test_generate_equal_hf_two_ranks():
     assert out == [want, want]
 
 
+def _meta_built(rank, world) -> bool:
+    """A model built on ``meta``, loaded from the reference's state dict, generates HF's tokens
+    (local layers materialized, the others never)."""
+    torch.manual_seed(0)
+    ref, layer_cls = MODELS["llama"]()
+    ref.eval()
+    with torch.device("meta"):
+        model = type(ref)(ref.config)
+    pipe = px.PipelineModel(model, layer_cls=layer_cls, num_microbatches=2, timeout=60)
+    pipe.load_state_dict(ref.state_dict())
+    ids, mask = _prompts()
+    got = pipe.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    want = ref.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    assert torch.equal(got, want), f"meta-built\n{got}\n{want}"
+    return True
+
+
+def _four(rank, world):
+    return _families(rank, world, ("llama",)), _meta_built(rank, world)
+
+
 def test_generate_equal_hf_four_ranks():
-    out = run_ranks(4, _families, ("llama",), timeout=300)
-    assert out == [{"llama": ["greedy", "eos", "sampling"]}] * 4
+    out = run_ranks(4, _four, timeout=300)
+    assert out == [({"llama": ["greedy", "eos", "sampling"]}, True)] * 4
 
 
 def _between_steps(rank, world):
