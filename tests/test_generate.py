@@ -230,3 +230,24 @@ def test_generate_errors_on_every_rank():
             assert o[case][0] == "BatchMismatchError", o[case]
             assert "other values" in o[case][1], o[case]
         assert "generation_options" in o["other_options"][1]
+
+
+def _compiled_between(rank, world) -> list[str]:
+    """Compiled training and evaluation graphs are not recompiled around a ``generate`` (the
+    generation graphs are others, run eagerly); aot_eager keeps it cheap (see test_compile)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    pipe, _ = _pipe("llama", compile=True, compile_options={"backend": "aot_eager"})
+    ids, mask = _prompts()
+    for step in range(2):
+        pipe.run_train(**make_batch(seed=step))
+        pipe.run_eval(**make_batch(seed=step))
+    pipe.generate(ids, attention_mask=mask, max_new_tokens=2)
+    pipe.run_train(**make_batch(seed=0))
+    pipe.run_eval(**make_batch(seed=0))
+    return pipe.recompiles
+
+
+def test_generate_keeps_compiled_training_graphs():
+    assert run_ranks(2, _compiled_between, timeout=300) == [[], []]
