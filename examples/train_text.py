@@ -15,9 +15,11 @@ progress bar, prints the training loss and the validation perplexity every ``--e
 steps, and, for comparison, the unigram perplexity of the corpus (a model that knows only the
 tokens' frequencies in the training split). About 3 minutes on 2 CPU cores with the defaults.
 
-``--export DIR`` writes the model with ``save_pretrained`` and the tokenizer as a
-``PreTrainedTokenizerFast``; rank 0 then loads both back with ``transformers`` and prints a
-sample from ``generate()``.
+After training, every rank samples from the pipeline itself with ``pipe.generate`` (each stage
+with its own layers' KV cache) and rank 0 prints a greedy continuation of ``--prompt`` and a
+sampled one (``--sample-tokens`` new tokens). ``--export DIR`` writes the model with
+``save_pretrained`` and the tokenizer as a ``PreTrainedTokenizerFast``; rank 0 then loads both
+back with ``transformers`` and prints a sample from ``generate()``.
 """
 
 from __future__ import annotations
@@ -173,6 +175,21 @@ def optimizer_and_schedule(pipe, args):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
+def sample(pipe, tokenizer, args, rank: int, eos: int) -> None:
+    """Greedy and sampled continuations of ``--prompt`` from the pipeline itself, on every rank
+    (``pipe.generate`` is a collective); rank 0 prints them."""
+    prompt = torch.tensor([tokenizer.encode(args.prompt).ids])
+    room = pipe.config.max_position_embeddings - prompt.shape[1]
+    options = {"max_new_tokens": min(args.sample_tokens, room), "pad_token_id": eos}
+    greedy = pipe.generate(prompt, do_sample=False, eos_token_id=eos, **options)
+    torch.manual_seed(args.seed)  # the same seed on every rank
+    sampled = pipe.generate(prompt, do_sample=True, top_k=20, temperature=0.7, **options)
+    if rank == 0:
+        print(f"pipe.generate greedy ids: {greedy[0].tolist()}", flush=True)
+        print(f"pipe.generate, greedy: {tokenizer.decode(greedy[0].tolist())!r}", flush=True)
+        print(f"pipe.generate, sampled: {tokenizer.decode(sampled[0].tolist())!r}", flush=True)
+
+
 def export(pipe, tokenizer, args, rank: int, eos: int) -> None:
     from transformers import PreTrainedTokenizerFast
 
@@ -221,7 +238,8 @@ def main() -> None:
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--eval-batches", type=int, default=16)
     p.add_argument("--export", metavar="DIR", help="save_pretrained + tokenizer, then generate")
-    p.add_argument("--prompt", default="def ", help="the generation prompt after --export")
+    p.add_argument("--prompt", default="def ", help="the generation prompt")
+    p.add_argument("--sample-tokens", type=int, default=32, help="new tokens of each sample")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
 
@@ -284,6 +302,7 @@ def main() -> None:
         tokens = args.steps * args.accum * args.batch * args.seq
         seconds = time.perf_counter() - start
         print(f"trained on {tokens:,} tokens in {seconds:.0f} s", flush=True)
+    sample(pipe, tokenizer, args, rank, eos)
     if args.export:
         export(pipe, tokenizer, args, rank, eos)
     dist.destroy_process_group()

@@ -4,6 +4,7 @@ and generates with, and resumes from its export."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 
@@ -51,6 +52,18 @@ def test_train_text_beats_unigram_exports_and_resumes(tmp_path):
     new = model.generate(**prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert new.shape[1] == prompt["input_ids"].shape[1] + 5
     assert "exported to" in out
+    # The example sampled from the pipeline itself: its greedy continuation is the export's.
+    piped = json.loads(re.search(r"^pipe.generate greedy ids: (.*)$", out, re.M)[1])
+    eos = model.config.eos_token_id
+    want = model.generate(
+        **prompt,
+        max_new_tokens=len(piped) - prompt["input_ids"].shape[1],
+        do_sample=False,
+        pad_token_id=eos,
+        eos_token_id=eos,
+    )
+    assert piped == want[0].tolist()
+    assert "pipe.generate, sampled: " in out
 
     # Resuming from the export: its first evaluation is where the export ended, far below the
     # first run's start (the tokenizer is the export's, so the ids are the same).
