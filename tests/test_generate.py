@@ -123,6 +123,25 @@ def test_generate_equal_hf_four_ranks():
     assert out == [({"llama": ["greedy", "eos", "sampling"]}, True)] * 4
 
 
+def _stages_per_rank(rank, world) -> dict[str, list[int]]:
+    """Two stages per rank, in loop (``interleaved``) and V (``zbv``: the last stage on rank 0)
+    placements: HF's greedy tokens; returns each schedule's local stages."""
+    out = {}
+    for schedule in ("interleaved", "zbv"):
+        pipe, ref = _pipe("llama", schedule=schedule, chunks=2)
+        ids, mask = _prompts()
+        got = pipe.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+        want = ref.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+        assert torch.equal(got, want), f"{schedule}\n{got}\n{want}"
+        out[schedule] = [st.index for st in pipe.local_stages]
+    return out
+
+
+def test_generate_with_two_stages_per_rank():
+    out = run_ranks(2, _stages_per_rank, timeout=300)
+    assert out == [{"interleaved": [0, 2], "zbv": [0, 3]}, {"interleaved": [1, 3], "zbv": [1, 2]}]
+
+
 def _between_steps(rank, world):
     """A generate between two training steps: the losses stay the reference's, the training
     graphs are the same objects with the same code, and generate sees the trained weights."""

@@ -118,8 +118,9 @@ class Generator:
                 "a pipeline built without mesh=..."
             )
         self.caches = {}
-        ids, mask = _check_prompts(input_ids, attention_mask, self.place.device)
-        self._agree(ids, mask, generation_config, kwargs)
+        ids, mask = _check_prompts(input_ids, attention_mask)
+        self._agree(ids, mask, generation_config, kwargs)  # on the CPU, as a step's batch
+        ids, mask = ids.to(self.place.device), mask.to(self.place.device)
         settings = prepare_generation(self.model, ids, generation_config, kwargs)
         self._setup()
         positions = self.model._prepare_position_ids_for_generation(ids, {"attention_mask": mask})
@@ -229,10 +230,10 @@ def cache_bytes(caches: dict[int, Any]) -> int:
 
 
 def _check_prompts(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, device: torch.device
+    input_ids: torch.Tensor, attention_mask: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The prompts and their mask on ``device``; ``TypeError`` / ``ValueError`` naming what is
-    wrong."""
+    """The prompts and their mask (int64, on the CPU); ``TypeError`` / ``ValueError`` naming what
+    is wrong."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
         raise ValueError("generate needs input_ids as a 2-D [batch, length] tensor of token ids")
     if input_ids.dtype != torch.long:
@@ -244,4 +245,4 @@ def _check_prompts(
             f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids "
             f"{tuple(input_ids.shape)}; pass the prompts' 2-D mask (left padding 0)"
         )
-    return input_ids.to(device), attention_mask.to(device=device, dtype=torch.long)
+    return input_ids.cpu(), attention_mask.to(device="cpu", dtype=torch.long)
