@@ -9,7 +9,9 @@ length. Generation needs positions of left-padded prompts (HF's ``attention_mask
 and a cache that the layers update in place. So the model is partitioned a second time, lazily at
 the first ``generate``, with ``position_ids`` among the batch inputs (the same partitioner, layer
 ranges and classification rules: positions, masks and rotary tables are still recomputed on every
-stage from the 2-D inputs), and each stage's graph is then rewritten: a last placeholder,
+stage from the 2-D inputs) and ``logits_to_keep=1`` where the model takes it (the head computes
+the last position's logits only, as in HF's ``generate``), and each stage's graph is then
+rewritten: a last placeholder,
 ``past_key_values``, is passed to every decoder-layer call and every mask-factory leaf in place
 of the traced ``None`` (and ``use_cache=True`` where the layer takes it). Nothing else changes, so
 any family the partitioner splits gets a cache this way, with no per-family code; the model's own
@@ -85,7 +87,13 @@ def generation_stages(
     ``module(*batch_inputs, *boundary_inputs, cache)``."""
     check_can_generate(model)
     stages = partition(
-        model, layer_cls, layer_ranges, GENERATION_INPUTS, device_type=device_type, loss=False
+        model,
+        layer_cls,
+        layer_ranges,
+        GENERATION_INPUTS,
+        device_type=device_type,
+        loss=False,
+        constants={"logits_to_keep": 1},  # the last position's logits only, as HF's generate
     )
     for st in stages:
         _thread_cache(st.module, layer_cls)

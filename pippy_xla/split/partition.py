@@ -20,6 +20,7 @@ import inspect
 import keyword
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 from torch import nn
 
@@ -200,6 +201,7 @@ def partition(
     checkpoint_layers: Sequence[int] = (),
     device_type: str = "cpu",
     loss: bool = True,
+    constants: dict[str, Any] | None = None,
 ) -> list[StageGraph]:
     """Trace ``model`` (an HF ``*ForCausalLM``, or a module whose output is the logits) and split
     it into one graph per stage.
@@ -220,8 +222,8 @@ def partition(
         checkpoint_layers: decoder-layer indices to run under non-reentrant activation
             checkpointing. See [Note: checkpointed layers].
         device_type: the type of the device the stages run on (see [Note: one device]).
-        loss: trace the model's loss too (``False``: the last stage returns the logits only,
-            and nothing that only the loss reads, such as MoE router logits, is computed).
+        loss: trace the model's loss too (``False``: the logits only, nothing the loss alone
+            reads); ``constants``: forward keywords fixed in the trace (``logits_to_keep=1``).
 
     Raises:
         ValueError: bad ``layer_cls``, ``layer_ranges`` or ``input_names``, or a model the
@@ -232,7 +234,7 @@ def partition(
     _check_ranges(layer_ranges, len(layer_names))
     checkpoint_set = _check_checkpoint_layers(checkpoint_layers, len(layer_names))
     input_names = _check_input_names(model, input_names)
-    root, graph = traced_root(model, classes, input_names, device_type, loss)
+    root, graph = traced_root(model, classes, input_names, device_type, loss, constants)
     output = next(iter(reversed(graph.nodes)))  # torch 2.11: a _node_list, no iterator
     if output.op != "output":
         raise ValueError("traced graph does not end in an output node")

@@ -45,12 +45,16 @@ class _Root(nn.Module):
         setattr(self, hf.MASKS_ATTR, leaves)
         setattr(self, hf.LOSS_ATTR, hf.LossMarker())
 
+    constants: dict[str, Any] = {}
+    """Keyword arguments passed to the model as constants where its forward names them."""
+
     def _run(self, **inputs: Any) -> Any:
         params = inspect.signature(self.model.forward).parameters
         takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
         for flag, value in (("use_cache", False), ("return_dict", True)):
             if flag in params or takes_any:
                 inputs[flag] = value
+        inputs.update((k, v) for k, v in self.constants.items() if k in params)
         if "labels" in inputs:
             with hf.patch_loss_function(self.model, getattr(self, hf.LOSS_ATTR)):
                 out = self.model(**inputs)
@@ -76,15 +80,17 @@ def traced_root(
     input_names: Sequence[str],
     device_type: str,
     loss: bool = True,
+    constants: dict[str, Any] | None = None,
 ) -> tuple[_Root, fx.Graph]:
     """The partitioner's root around ``model`` and its trace: with a ``labels`` input when
     ``loss`` and the model has an HF loss (see [Note: terms added to the loss]), and without it
     if the model's Python cannot be traced with labels (its logits are all the pipeline needs
-    then)."""
+    then). ``constants``: keyword arguments of the model's forward fixed in the trace."""
     with_labels = loss and _traces_loss(model, input_names)
     while True:
         inputs = [*input_names, "labels"] if with_labels else list(input_names)
-        root_cls = type("PippyRoot", (_Root,), {"forward": _root_forward(inputs)})
+        body = {"forward": _root_forward(inputs), "constants": dict(constants or {})}
+        root_cls = type("PippyRoot", (_Root,), body)
         root = root_cls(model, hf.make_mask_leaves(model))
         try:
             graph = _trace(root, model, layer_cls, device_type, inputs)
