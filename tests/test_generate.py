@@ -144,7 +144,8 @@ def test_generate_with_two_stages_per_rank():
 
 def _between_steps(rank, world):
     """A generate between two training steps: the losses stay the reference's, the training
-    graphs are the same objects with the same code, and generate sees the trained weights."""
+    graphs are the same objects with the same code, and generate sees the trained weights (also
+    under bf16 autocast)."""
     pipe, ref = _pipe("llama")
     codes = [st.module.code for st in pipe.local_stages]
     modules = [st.module for st in pipe.local_stages]
@@ -163,6 +164,10 @@ def _between_steps(rank, world):
         got = pipe.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
         want = ref.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
         assert torch.equal(got, want), f"step {step}\n{got}\n{want}"
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # another boundary dtype, same tokens
+        got = pipe.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+        want = ref.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    assert torch.equal(got, want), f"bf16 autocast\n{got}\n{want}"
     evaluated = pipe.run_eval(**make_batch(seed=5)).loss
     torch.testing.assert_close(evaluated, ref(**make_batch(seed=5), use_cache=False).loss)
     assert [st.module for st in pipe.local_stages] == modules

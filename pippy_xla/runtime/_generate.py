@@ -125,6 +125,8 @@ class Generator:
         self._setup()
         positions = self.model._prepare_position_ids_for_generation(ids, {"attention_mask": mask})
         kind = settings.config.cache_implementation
+        if kind is None and torch.is_autocast_enabled(self.place.device.type):
+            kind = "dynamic"  # HF's static cache refuses autocast's mixed key dtypes
         caches = {
             s: stage_cache(self.model.config, self.stages[s].layers, settings.max_length - 1, kind)
             for s in self.runner.runners
@@ -183,7 +185,9 @@ class Generator:
         logits: dict[int, torch.Tensor] = {}
         forward = self._forward(inputs, caches, logits)
         batch, length = inputs["input_ids"].shape
-        signature = digest64(repr(("generate", batch, length)).encode())
+        device = self.place.device.type  # autocast changes the boundary dtype: another key
+        cast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        signature = digest64(repr(("generate", batch, length, cast)).encode())
         self.failures.run_step(self.engine, signature, forward, None)
         if sampler is not None:
             out = sampler.next(ids, logits[0])

@@ -25,7 +25,9 @@ generation, for the generation's whole length; decode steps then have one fixed 
 factories size masks and read the number of tokens seen from one layer of the cache (the first
 full-attention one, or the first of each sliding kind): the other stages' entries of this stage's
 cache are therefore the same objects as a local layer of the same kind, which has seen the same
-tokens. The training graphs, runners and engines are untouched, so ``run_train`` and ``run_eval``
+tokens. Under autocast the default is HF's ``DynamicCache`` (same aliasing, tensors grown per
+token): HF's static layers refuse the mixed key dtypes autocast produces, in one process too. The
+training graphs, runners and engines are untouched, so ``run_train`` and ``run_eval``
 neither rebuild nor recompile around a ``generate``.
 """
 
