@@ -1,14 +1,15 @@
 """Generation throughput: ``PipelineModel.generate`` on 2 CPU ranks against HF's ``generate`` on
 the unsplit model in one process (its default dynamic cache and its static cache), greedy, the
-same random Llama, prompts and lengths. One thread per process (a rank or the single process).
+same random Llama, prompts and lengths; the pipeline with the batch in 1 and 2 groups of rows
+(``groups``). One thread per process (a rank or the single process).
 
 Tokens per second are new tokens (batch x ``--new``) over the wall time of one call, the median
 of ``--repeats`` calls after a warm-up call; for the pipeline the slowest rank's time. Every
-call's tokens are checked equal to HF's. Stages take turns on the whole batch (issue 50's
-pipelined decoding across groups is not built yet), so 2 ranks are not expected to beat one
-process here: the number is the pipeline's per-token overhead (a forward-only engine run and a
-token broadcast per step). HF's own pipeline (``DistributedConfig(pp_size=...)``) is not
-measured yet. Run: ``python benchmarks/generate.py``.
+call's tokens are checked equal to HF's. Token steps end together (issue 50's decoding
+pipelined across steps is not built yet), so 2 ranks are not expected to beat one process here:
+with one group the number is the pipeline's per-token overhead (a forward-only engine run and a
+token broadcast per step); two groups overlap the stages within each step. HF's own pipeline
+(``DistributedConfig(pp_size=...)``) is not measured yet. Run: ``python benchmarks/generate.py``.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def _one_process(args) -> dict:
     return out
 
 
-def _pipeline(rank, world, args):
+def _pipeline(rank, world, args, groups: int):
     import torch
 
     import pippy_xla as px
@@ -67,7 +68,7 @@ def _pipeline(rank, world, args):
     opts = {"max_new_tokens": args.new, "do_sample": False}
     mask = torch.ones_like(prompts)
     times, tokens = _timed(
-        lambda: pipe.generate(prompts, attention_mask=mask, **opts), args.repeats
+        lambda: pipe.generate(prompts, attention_mask=mask, groups=groups, **opts), args.repeats
     )
     return times, tokens.tolist()
 
@@ -83,18 +84,19 @@ def main() -> None:
     args = p.parse_args()
     new_tokens = args.batch * args.new
     single = _one_process(args)
-    ranks = run_ranks(2, _pipeline, args, timeout=900)
-    want = single["dynamic"][1].tolist()
-    assert all(tokens == want for _, tokens in ranks), "the pipeline's tokens differ from HF's"
-    slowest = [max(ts) for ts in zip(*(t for t, _ in ranks), strict=True)]
     results = {
         "hf_one_process_dynamic": summarize([new_tokens / t for t in single["dynamic"][0]]),
         "hf_one_process_static": summarize([new_tokens / t for t in single["static"][0]]),
-        "pippy_xla_2_ranks": summarize([new_tokens / t for t in slowest]),
     }
+    for groups in (1, 2):
+        ranks = run_ranks(2, _pipeline, args, groups, timeout=900)
+        want = single["dynamic"][1].tolist()
+        assert all(tokens == want for _, tokens in ranks), "the pipeline's tokens differ from HF's"
+        slowest = [max(ts) for ts in zip(*(t for t, _ in ranks), strict=True)]
+        results[f"pippy_xla_2_ranks_{groups}_groups"] = summarize([new_tokens / t for t in slowest])
     for name, r in results.items():
         print(
-            f"{name:24s} {r['median']:8.1f} new tokens/s (min {r['min']:.1f}, max {r['max']:.1f})"
+            f"{name:28s} {r['median']:8.1f} new tokens/s (min {r['min']:.1f}, max {r['max']:.1f})"
         )
     path = save("generate", {"args": vars(args), "unit": "new tokens/s", "results": results})
     print(f"wrote {path}")

@@ -348,6 +348,8 @@ class PipelineModel:
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         generation_config: Any = None,
+        *,
+        groups: int = 1,
         **kwargs: Any,
     ) -> torch.Tensor:
         """What HF's ``model.generate(input_ids, attention_mask=..., generation_config, **kwargs)``
@@ -357,8 +359,12 @@ class PipelineModel:
         ``eos_token_id``, ``pad_token_id``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
         ``repetition_penalty``...); left-padded prompts. Each stage keeps the key/value cache of
         its own layers, and only the sampled tokens travel back (see [Note: generation data flow]
-        in ``runtime/_generate.py``). Training and evaluation steps may come before and after."""
-        return self._generator.generate(input_ids, attention_mask, generation_config, kwargs)
+        in ``runtime/_generate.py``). ``groups``: the batch's rows split into that many groups,
+        each a microbatch with its own caches (a pipelined prefill; the stages overlap within a
+        token step). Training and evaluation steps may come before and after."""
+        return self._generator.generate(
+            input_ids, attention_mask, generation_config, kwargs, groups
+        )
 
     def clip_grad_norm_(
         self,

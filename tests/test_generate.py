@@ -51,16 +51,20 @@ def _equal_hf(family: str) -> list[str]:
     greedy = ref.generate(ids, attention_mask=mask, **opts)
     got = pipe.generate(ids, attention_mask=mask, **opts)
     assert torch.equal(got, greedy), f"{family} greedy\n{got}\n{greedy}"
+    # Two groups of rows (2 and 1), each with its caches: a pipelined prefill.
+    got = pipe.generate(ids, attention_mask=mask, groups=2, **opts)
+    assert torch.equal(got, greedy), f"{family} greedy\n{got}\n{greedy}"
     if family == "llama":  # see [Note: per-stage generation graphs]: this rank's layers only
         cfg, (start, stop) = ref.config, pipe.layer_ranges[pipe.rank]
         per_layer = 2 * ids.shape[0] * cfg.num_key_value_heads * (greedy.shape[1] - 1) * 16 * 4
         assert cache_bytes(pipe._generator.caches) == (stop - start) * per_layer
+        assert all(len(c) == 2 for c in pipe._generator.caches.values())  # a cache per group
     done.append("greedy")
     # Row 0's second new token ends row 0 after two steps, other rows later or never.
     eos = int(greedy[0, ids.shape[1] + 1])
     stop = {**opts, "eos_token_id": eos, "pad_token_id": 3}
     want = ref.generate(ids, attention_mask=mask, **stop)
-    got = pipe.generate(ids, attention_mask=mask, **stop)
+    got = pipe.generate(ids, attention_mask=mask, groups=2, **stop)
     assert torch.equal(got, want), f"{family} eos\n{got}\n{want}"
     new = (got[:, ids.shape[1] :] == eos).int()
     ends = {int(r.argmax()) if r.any() else NEW for r in new}
@@ -72,8 +76,8 @@ def _equal_hf(family: str) -> list[str]:
     runs = []
     for _ in range(2):
         torch.manual_seed(7)
-        runs.append(pipe.generate(ids, attention_mask=mask, **sample))
-    assert torch.equal(runs[0], runs[1]), f"{family} sampling not reproducible"
+        runs.append(pipe.generate(ids, attention_mask=mask, groups=len(runs) + 1, **sample))
+    assert torch.equal(runs[0], runs[1]), f"{family} sampling not reproducible (1 or 2 groups)"
     assert torch.equal(runs[0], want), f"{family} sampling\n{runs[0]}\n{want}"
     done.append("sampling")
     return done
@@ -225,7 +229,7 @@ def _error(case: str, rank: int) -> str:
     if case == "other_prompts":
         pipe.generate(ids + rank, attention_mask=mask, max_new_tokens=2)
     if case == "other_options":
-        pipe.generate(ids, attention_mask=mask, max_new_tokens=2 + rank)
+        pipe.generate(ids, attention_mask=mask, max_new_tokens=2, groups=1 + rank)
     raise AssertionError(f"{case}: no error")
 
 

@@ -6,18 +6,27 @@ Every rank calls ``generate`` with the same prompts. After one handshake (the pr
 and the call's generation options, compared as a step's batch is), each step of the decoding loop
 is one run of a forward-only engine over the generation graphs (see [Note: per-stage generation
 graphs] in ``split/generation.py``): the prefill step with the whole prompt, then one step per
-new token with the last token of each row. Hidden states cross the stage boundaries as in a
-training forward, on the same C++ engine and transports; each stage's cache is updated in place
-by its own layers. The last stage keeps the last position's logits, and HF's logits processors,
-sampling and stopping criteria (:class:`_Sampler`) turn them into one token per row and a stop
-flag; only those ``batch + 1`` integers travel, broadcast from the last rank, so every rank
-extends its copy of the sequences and returns HF's result. Logits never leave the last rank.
+new token with the last token of each row. The batch is split into ``groups`` groups of rows
+(``generate(..., groups=G)``, at most one per row), one per microbatch, each group with its own
+cache on every stage: the engine runs them in a forward schedule, so the prefill is pipelined by
+microbatches like a training forward, and within a token step the stages work on different
+groups. Hidden states cross the stage boundaries on the same C++ engine and transports as in
+training; each cache is updated in place by its stage's own layers. The last stage keeps the last
+position's logits of each group, and HF's logits processors, sampling and stopping criteria
+(:class:`_Sampler`) turn the whole batch's into one token per row and a stop flag, as HF does in
+one process (so seeded sampling draws what HF draws); only those ``batch + 1`` integers travel,
+broadcast from the last rank, so every rank extends its copy of the sequences and returns HF's
+result. Logits never leave the last rank. One group is the default (the stages take turns on
+the whole batch): while token steps end together, each more group adds a forward action per
+stage and step, and on the shared 2-core VM two groups were not faster than one
+(``benchmarks/generate.py``, docs/benchmarks.md).
 
-Stages take turns on the whole batch: the engine runs a one-microbatch forward schedule. Decoding
-pipelined across groups is the same engine with ``G`` microbatches (groups of rows), one cache per
-group on each stage (the forward indexes ``caches[stage][mb]``), and the token broadcast per group:
-group ``g``'s token step ``t + 1`` may start on the first stage as soon as its tokens of step
-``t`` arrive, which a schedule with decode steps expresses (issue 50, item 3).
+Not yet: token steps still end together (group ``g``'s step ``t + 1`` waits for every group's
+step ``t``), and finished rows are still computed. Decoding pipelined across steps (issue 50,
+item 3) keeps these groups and caches and changes the schedule: group ``g``'s step ``t + 1``
+starts on the first stage as soon as its own tokens of step ``t`` arrive (a per-group token send
+from the last stage to the first instead of the broadcast, decode actions in the C++ schedule),
+and a group whose rows have all finished leaves the schedule.
 """
 
 from __future__ import annotations
@@ -85,9 +94,11 @@ class Generator:
         self.place = runner.place
         self.failures: FailureState = runner.failures
         self.stages: list[StageGraph] | None = None
-        self.engine: _C.Engine | None = None
-        self.caches: dict[int, Any] = {}
-        """The last generation's cache of each local stage (until the next call)."""
+        self.engines: dict[int, _C.Engine] = {}
+        """The forward-only engine of each group count."""
+        self.caches: dict[int, list[Any]] = {}
+        """The last generation's caches of each local stage, one per group (until the next
+        call)."""
 
     def _setup(self) -> None:
         if self.stages is not None:
@@ -97,9 +108,6 @@ class Generator:
         self.stages = generation_stages(
             self.model, self.layer_cls, layer_ranges, self.place.device.type
         )
-        stage_rank = self.runner.train_engine.schedule.stage_rank
-        schedule = _C.forward_schedule(stage_rank, self.place.num_ranks, 1)
-        self.engine = self.place.engine(schedule)
 
     def generate(
         self,
@@ -107,9 +115,13 @@ class Generator:
         attention_mask: torch.Tensor | None,
         generation_config: Any,
         kwargs: dict[str, Any],
+        groups: int = 1,
     ) -> torch.Tensor:
         """HF's ``model.generate(input_ids, attention_mask=..., generation_config, **kwargs)``
-        for the whole pipeline, on every rank (see [Note: generation data flow])."""
+        for the whole pipeline, on every rank, the batch in ``groups`` groups of rows (see
+        [Note: generation data flow])."""
+        if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
+            raise ValueError(f"groups must be a positive int, got {groups!r}")
         self.failures.check_usable()
         check_can_generate(self.model)
         if self.place.mesh is not None:
@@ -119,25 +131,19 @@ class Generator:
             )
         self.caches = {}
         ids, mask = _check_prompts(input_ids, attention_mask)
-        self._agree(ids, mask, generation_config, kwargs)  # on the CPU, as a step's batch
+        self._agree(ids, mask, generation_config, {**kwargs, "groups": groups})  # on the CPU
         ids, mask = ids.to(self.place.device), mask.to(self.place.device)
         settings = prepare_generation(self.model, ids, generation_config, kwargs)
         self._setup()
         positions = self.model._prepare_position_ids_for_generation(ids, {"attention_mask": mask})
-        kind = settings.config.cache_implementation
-        if kind is None and torch.is_autocast_enabled(self.place.device.type):
-            kind = "dynamic"  # HF's static cache refuses autocast's mixed key dtypes
-        caches = {
-            s: stage_cache(self.model.config, self.stages[s].layers, settings.max_length - 1, kind)
-            for s in self.runner.runners
-        }
-        self.caches = caches
+        rows = self._groups(ids.shape[0], groups)
+        caches = self.caches = self._caches(settings, len(rows))
         sampler = None
         if self.place.rank == self.runner.last_rank:
             sampler = _Sampler(settings, ids.shape[0], self.place.device)
         inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
         while True:
-            out = self._step(inputs, caches, ids, sampler)
+            out = self._step(inputs, rows, caches, ids, sampler)
             tokens, stop = out[:-1], bool(out[-1])
             ids = torch.cat([ids, tokens[:, None]], dim=-1)
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
@@ -146,6 +152,30 @@ class Generator:
             inputs["position_ids"] = positions
             if stop:
                 return ids
+
+    def _groups(self, batch: int, groups: int) -> list[int]:
+        """The rows of each of ``groups`` groups (at most one per row), and the engine of that
+        many groups, made once."""
+        rows = [len(r) for r in torch.arange(batch).tensor_split(min(groups, batch))]
+        if len(rows) not in self.engines:
+            stage_rank = self.runner.train_engine.schedule.stage_rank
+            schedule = _C.forward_schedule(stage_rank, self.place.num_ranks, len(rows))
+            self.engines[len(rows)] = self.place.engine(schedule)
+        return rows
+
+    def _caches(self, settings: GenerationSettings, groups: int) -> dict[int, list[Any]]:
+        """Every local stage's cache of each group."""
+        kind = settings.config.cache_implementation
+        if kind is None and torch.is_autocast_enabled(self.place.device.type):
+            kind = "dynamic"  # HF's static cache refuses autocast's mixed key dtypes
+        length = settings.max_length - 1
+        return {
+            s: [
+                stage_cache(self.model.config, self.stages[s].layers, length, kind)
+                for _ in range(groups)
+            ]
+            for s in self.runner.runners
+        }
 
     def _agree(self, ids, mask, generation_config, kwargs) -> None:
         """The step handshake for a ``generate`` call: prompts, mask and options."""
@@ -177,20 +207,22 @@ class Generator:
     def _step(
         self,
         inputs: dict[str, torch.Tensor],
-        caches: dict[int, Any],
+        rows: list[int],
+        caches: dict[int, list[Any]],
         ids: torch.Tensor,
         sampler: _Sampler | None,
     ) -> torch.Tensor:
-        """One engine run over ``inputs``; the broadcast ``[tokens..., stop]``."""
+        """One engine run over ``inputs``, a microbatch per group of ``rows``; the broadcast
+        ``[tokens..., stop]``."""
         logits: dict[int, torch.Tensor] = {}
-        forward = self._forward(inputs, caches, logits)
+        forward = self._forward({k: v.split(rows) for k, v in inputs.items()}, caches, logits)
         batch, length = inputs["input_ids"].shape
         device = self.place.device.type  # autocast changes the boundary dtype: another key
         cast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-        signature = digest64(repr(("generate", batch, length, cast)).encode())
-        self.failures.run_step(self.engine, signature, forward, None)
+        signature = digest64(repr(("generate", rows, length, cast)).encode())
+        self.failures.run_step(self.engines[len(rows)], signature, forward, None)
         if sampler is not None:
-            out = sampler.next(ids, logits[0])
+            out = sampler.next(ids, torch.cat([logits[g] for g in range(len(rows))]))
         else:
             out = torch.zeros(batch + 1, dtype=torch.long, device=self.place.device)
         place = self.place
@@ -207,14 +239,16 @@ class Generator:
         )
 
     def _forward(
-        self, inputs: dict[str, torch.Tensor], caches: dict[int, Any], logits: dict
+        self, groups: dict[str, tuple[torch.Tensor, ...]], caches: dict[int, list], logits: dict
     ) -> Callable:
+        """The engine's forward: microbatch ``mb`` is group ``mb``'s rows, with its cache."""
         stages = self.stages
         last = len(stages) - 1
 
         def forward(stage: int, mb: int, received: list[torch.Tensor]):
             st = stages[stage]
-            out = st.module(*(inputs[n] for n in st.batch_inputs), *received, caches[stage])
+            own = (groups[n][mb] for n in st.batch_inputs)
+            out = st.module(*own, *received, caches[stage][mb])
             if stage != last:
                 return out
             logits[mb] = out[0][:, -1]
@@ -223,11 +257,12 @@ class Generator:
         return forward
 
 
-def cache_bytes(caches: dict[int, Any]) -> int:
-    """Bytes of key and value tensors that ``caches`` allocated (each layer object once)."""
+def cache_bytes(caches: dict[int, list[Any]]) -> int:
+    """Bytes of key and value tensors that ``caches`` (each stage's, one per group) allocated,
+    each layer object once."""
     seen: dict[int, Any] = {}
-    for cache in caches.values():
-        for layer in cache.layers:
+    for group_caches in caches.values():
+        for layer in (la for cache in group_caches for la in cache.layers):
             if getattr(layer, "is_initialized", False):
                 seen[id(layer)] = layer
     return sum(t.numel() * t.element_size() for la in seen.values() for t in (la.keys, la.values))
