@@ -11,9 +11,9 @@ the first ``generate``, with ``position_ids`` among the batch inputs (the same p
 ranges and classification rules: positions, masks and rotary tables are still recomputed on every
 stage from the 2-D inputs) and ``logits_to_keep=1`` where the model takes it (the head computes
 the last position's logits only, as in HF's ``generate``), and each stage's graph is then
-rewritten: a last placeholder,
-``past_key_values``, is passed to every decoder-layer call and every mask-factory leaf in place
-of the traced ``None`` (and ``use_cache=True`` where the layer takes it). Nothing else changes, so
+rewritten: a last placeholder, ``past_key_values``, is passed to every decoder-layer call and
+every mask-factory leaf in place of the traced ``None`` (and ``use_cache=True`` where the layer
+takes it). Nothing else changes, so
 any family the partitioner splits gets a cache this way, with no per-family code; the model's own
 attention code updates the cache, as in one process.
 
@@ -21,7 +21,9 @@ The cache (:func:`stage_cache`) is HF's ``StaticCache`` for the model's config: 
 per decoder layer of the family's own kind (sliding-window layers where the config has them),
 each allocating its ``[batch, kv_heads, length, head_dim]`` tensors lazily at its first update.
 Only this stage's layers are ever updated, so a rank allocates its layers' share once per
-generation, for the generation's whole length; decode steps then have one fixed shape. The mask
+generation, for the generation's whole length, and keeps its shapes at every decode step (the
+2-D mask input still grows by a column per token: compiled decode graphs, not built yet, would
+take it padded to the cache's length, as HF's static-cache decoding does). The mask
 factories size masks and read the number of tokens seen from one layer of the cache (the first
 full-attention one, or the first of each sliding kind): the other stages' entries of this stage's
 cache are therefore the same objects as a local layer of the same kind, which has seen the same
