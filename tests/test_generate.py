@@ -103,13 +103,13 @@ def test_generate_equal_hf_two_ranks():
 
 def _meta_built(rank, world) -> bool:
     """A model built on ``meta``, loaded from the reference's state dict, generates HF's tokens
-    (local layers materialized, the others never)."""
+    (local layers materialized, the others never); its layers found without ``layer_cls``."""
     torch.manual_seed(0)
-    ref, layer_cls = MODELS["llama"]()
+    ref, _ = MODELS["llama"]()
     ref.eval()
     with torch.device("meta"):
         model = type(ref)(ref.config)
-    pipe = px.PipelineModel(model, layer_cls=layer_cls, num_microbatches=2, timeout=60)
+    pipe = px.PipelineModel(model, layer_cls=None, num_microbatches=2, timeout=60)
     pipe.load_state_dict(ref.state_dict())
     ids, mask = _prompts()
     got = pipe.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
@@ -218,7 +218,12 @@ def _error(case: str, rank: int) -> str:
     if case == "no_head":
         torch.manual_seed(0)
         pipe = px.PipelineModel(
-            _NoHead(), layer_cls=_Block, num_microbatches=1, timeout=60, loss_fn=_loss
+            _NoHead(),
+            layer_cls=_Block,
+            num_microbatches=1,
+            timeout=60,
+            loss_fn=_loss,
+            num_items_fn=lambda labels: (labels != -100).sum(),
         )
         ids, mask = _prompts()
         pipe.generate(ids, attention_mask=mask, max_new_tokens=2)

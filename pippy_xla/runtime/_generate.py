@@ -49,6 +49,7 @@ from pippy_xla.split.generation import (
     prepare_generation,
     stage_cache,
 )
+from pippy_xla.split.partition import LayerCls
 
 if TYPE_CHECKING:
     from pippy_xla.runtime._step import StepRunner
@@ -87,7 +88,7 @@ class Generator:
     """Generation on one rank of a built pipeline; its graphs and engine are made at the first
     call and kept (see [Note: per-stage generation graphs])."""
 
-    def __init__(self, model: nn.Module, layer_cls: type[nn.Module], runner: StepRunner) -> None:
+    def __init__(self, model: nn.Module, layer_cls: LayerCls, runner: StepRunner) -> None:
         self.model = model
         self.layer_cls = layer_cls
         self.runner = runner

@@ -45,7 +45,7 @@ from torch import fx, nn
 
 from pippy_xla.split import hf
 from pippy_xla.split.emit import StageGraph
-from pippy_xla.split.partition import UnsupportedModelError, partition
+from pippy_xla.split.partition import LayerCls, UnsupportedModelError, layer_classes, partition
 
 __all__ = [
     "CACHE_ARG",
@@ -83,7 +83,7 @@ def check_can_generate(model: nn.Module) -> None:
 
 def generation_stages(
     model: nn.Module,
-    layer_cls: type[nn.Module],
+    layer_cls: LayerCls,
     layer_ranges: list[tuple[int, int]],
     device_type: str,
 ) -> list[StageGraph]:
@@ -99,13 +99,14 @@ def generation_stages(
         loss=False,
         constants={"logits_to_keep": 1},  # the last position's logits only, as HF's generate
     )
+    classes = layer_classes(model, layer_cls)
     for st in stages:
-        _thread_cache(st.module, layer_cls)
+        _thread_cache(st.module, classes)
         st.code = st.module.code
     return stages
 
 
-def _thread_cache(gm: fx.GraphModule, layer_cls: type[nn.Module]) -> None:
+def _thread_cache(gm: fx.GraphModule, layer_cls: tuple[type[nn.Module], ...]) -> None:
     """Adds the cache placeholder and passes it to every layer call and mask leaf of ``gm``."""
     graph = gm.graph
     last = [n for n in graph.nodes if n.op == "placeholder"][-1]
