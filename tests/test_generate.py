@@ -87,10 +87,14 @@ def _families(rank, world, families):
     return {f: _equal_hf(f) for f in families}
 
 
-FAMILIES = ("llama", "gpt2", "qwen3", "mixtral", "mistral", "qwen2", "gemma3_text", "falcon_alibi")
+FAMILIES = (
+    *("llama", "gpt2", "qwen3", "mixtral", "mistral", "qwen2", "gemma3_text", "falcon_alibi"),
+    "qwen3_5_text",
+)
 """Rotary, learned positions and a tied head, Qwen3's q/k norms, experts, a sliding window,
 sliding and full layers on different stages (two masks), a rotary table per layer type, and
-ALiBi (whose HF code takes no static cache: HF's dynamic one, as ``cache_implementation`` says)."""
+ALiBi (whose HF code takes no static cache: HF's dynamic one, as ``cache_implementation`` says),
+and Qwen3.5's hybrid of recurrent (linear-attention state) and attention layers."""
 
 _OPTIONS = {"falcon_alibi": {"cache_implementation": "dynamic"}}
 
