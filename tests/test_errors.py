@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import datetime
 import os
 import time
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import VOCAB, gpt2, llama, make_batch
+from models import IMAGE_TOKEN, INPUT_NAMES, VOCAB, gpt2, image_batch, llama, llava, make_batch
 from torch.distributed.distributed_c10d import _get_default_store
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
@@ -215,6 +216,38 @@ def test_bad_input_is_refused_before_communication():
     assert text[begin:end] == table, (
         "docs/runtime.md error table is stale: rerun with PIPPY_WRITE_README=1"
     )
+
+
+def _image_token_mismatch(rank, world):
+    """A Llava batch with one image token fewer than image features in its first microbatch: one
+    process raises the model's ValueError; the pipeline raises it on the stage that checks (see
+    [Note: checks on traced values]) and every rank fails with it, before ``masked_scatter``
+    misaligns the images or any weight changes."""
+    torch.manual_seed(0)
+    model, _ = llava()
+    pipe = px.PipelineModel(
+        copy.deepcopy(model),
+        layer_cls=None,
+        num_microbatches=2,
+        input_names=INPUT_NAMES["llava"],
+        timeout=30,
+    )
+    pipe.run_train(**image_batch(seed=0))  # boundary shapes agreed; the fault comes next
+    batch = image_batch(seed=1)
+    batch["input_ids"][0, 1] = IMAGE_TOKEN - 1
+    with pytest.raises(ValueError, match="Image features and image tokens do not match") as one:
+        model(**{k: v[:4] for k, v in batch.items()})  # the first microbatch
+    before = {n: p.detach().clone() for n, p in pipe.named_parameters()}
+    with pytest.raises(px.PipelineError) as piped:
+        pipe.run_train(**batch)
+    _raiser_outlives_peers(rank, world, 0)
+    assert all(torch.equal(p, before[n]) for n, p in pipe.named_parameters())
+    return str(one.value), str(piped.value)
+
+
+def test_image_token_count_check_reaches_the_stage():
+    (one, piped0), (_, piped1) = run_ranks(2, _image_token_mismatch)
+    assert f"ValueError: {one}" in piped0 and f"ValueError: {one}" in piped1, (one, piped0, piped1)
 
 
 def test_content_digest_sees_one_changed_value():

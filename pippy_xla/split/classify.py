@@ -121,11 +121,13 @@ def classify(
 
 
 def _live_nodes(graph: fx.Graph) -> list[fx.Node]:
-    """The nodes the output depends on, in trace order."""
+    """The nodes the output or a check (see [Note: checks on traced values]) depends on, in
+    trace order."""
     nodes = list(graph.nodes)
     live: dict[fx.Node, None] = {nodes[-1]: None}
     for n in reversed(nodes):
-        if n in live:
+        if n in live or hf.is_traced_check(n):
+            live[n] = None
             for p, _ in producers(n):
                 live[p] = None
     return [n for n in nodes if n in live]
@@ -179,8 +181,9 @@ def _classify_node(
     replicable = not reads_params and all(
         nodes[p].replicable or (meta and nodes[p].metarep) for p, meta in prods
     )
-    # A get_attr is a reference, not a computation: every stage using it holds its own.
-    home = None if replicable or n.op == "get_attr" else 0
+    # A get_attr is a reference, not a computation: every stage using it holds its own. A check
+    # is used by nothing: stage 0 runs it (see [Note: checks on traced values]).
+    home = None if (replicable and not hf.is_traced_check(n)) or n.op == "get_attr" else 0
     return NodeClass(
         home=home, depth=-1, reads_params=reads_params, replicable=replicable, metarep=metarep
     )

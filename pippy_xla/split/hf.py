@@ -19,7 +19,9 @@ module and relies on three facts kept here:
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
+import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -41,6 +43,7 @@ __all__ = [
     "find_configs",
     "input_rows",
     "is_mask_function_name",
+    "is_traced_check",
     "is_rotary_module",
     "LossMarker",
     "make_mask_leaves",
@@ -49,8 +52,9 @@ __all__ = [
     "patch_loss_function",
     "patch_mask_functions",
     "recorded_outputs",
-    "skipped_traced_checks",
+    "recorded_traced_checks",
     "text_vocab_size",
+    "traced_check",
 ]
 
 MASKS_ATTR = "pippy_masks"
@@ -443,26 +447,83 @@ def encoder_children(owner: nn.Module, layers: Sequence[nn.Module]) -> list[str]
     ]
 
 
+"""[Note: checks on traced values]
+
+A model may assert a condition on the batch's values with ``torch._check*`` (Llava's
+``get_placeholder_mask``: as many image tokens as image features, else ``masked_scatter`` would
+misalign the images). Such a condition cannot be decided while tracing; it is recorded instead as
+a :func:`traced_check` node, side-effectful so that no dead-code elimination drops it, with the
+message's traced values as arguments. The trace keeps it ([Note: canonical graphs]), the
+classifier gives it a home like any node (the stage that computes its inputs, stage 0 for one
+that only reads batch inputs), and that stage raises the model's own error type and message,
+which every rank then raises as a ``PipelineError``, before the stage computes anything after it.
+"""
+
+
+@torch.fx.node.has_side_effect
+def traced_check(cond: Any, error_type: str, message: tuple[Any, ...]) -> None:
+    """A model's ``torch._check*`` recorded while tracing (see [Note: checks on traced
+    values]): raises ``error_type`` (``module:qualname``, a graph holds no classes) with
+    ``message``'s parts joined if ``cond`` is false."""
+    if isinstance(cond, torch.Tensor):
+        cond = bool(cond.all())
+    if not cond:
+        module, _, qualname = error_type.partition(":")
+        cls: Any = importlib.import_module(module)
+        for atom in qualname.split("."):
+            cls = getattr(cls, atom)
+        raise cls("".join(format(part) for part in message))
+
+
+def _message_parts(msg: Any, tracer: torch.fx.Tracer) -> tuple[Any, ...]:
+    """A check's message as text and the traced values it names (``Proxy(name)`` in the text
+    formatted while tracing), so the stage formats it with the batch's values."""
+    if msg is None:
+        return ("Expected cond to be True, but got False",)
+    text = str(msg() if callable(msg) else msg)
+    nodes = {n.name: n for n in tracer.graph.nodes}
+    parts: list[Any] = []
+    for i, piece in enumerate(re.split(r"Proxy\((\w+)\)", text)):
+        node = nodes.get(piece) if i % 2 else None
+        parts.append(tracer.proxy(node) if node is not None else piece)
+    return tuple(p for p in parts if not isinstance(p, str) or p)
+
+
+def is_traced_check(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target is traced_check
+
+
 @contextlib.contextmanager
-def skipped_traced_checks() -> Iterator[None]:
-    """``torch._check*`` on a traced condition is skipped inside the block: a check the model
-    asserts on the batch's values (``n_image_tokens * hidden == image_features.numel()``) is no
-    computation of the graph; it cannot be decided while tracing."""
+def recorded_traced_checks() -> Iterator[None]:
+    """``torch._check*`` on a traced condition is recorded as a :func:`traced_check` node inside
+    the block (see [Note: checks on traced values])."""
     names = ("_check", "_check_with", "_check_tensor_all", "_check_tensor_all_with")
     saved = {n: getattr(torch, n) for n in names}
 
-    def wrap(fn: Callable[..., Any], cond_at: int) -> Callable[..., Any]:
+    def wrap(fn: Callable[..., Any], with_type: bool) -> Callable[..., Any]:
         def check(*args: Any, **kwargs: Any) -> Any:
-            cond = args[cond_at] if len(args) > cond_at else kwargs.get("cond")
-            if isinstance(cond, torch.fx.Proxy):
-                return None
-            return fn(*args, **kwargs)
+            error_type = args[0] if with_type else RuntimeError
+            rest = list(args[1:] if with_type else args)
+            cond = rest[0] if rest else kwargs.get("cond")
+            if not isinstance(cond, torch.fx.Proxy):
+                return fn(*args, **kwargs)
+            msg = rest[1] if len(rest) > 1 else kwargs.get("message")
+            tracer = cond.tracer
+            node = cond.node
+            if node.op == "call_method" and node.target == "__call__" and len(node.args) == 1:
+                # ``if callable(cond): cond = cond()`` (HF's ``torch_compilable_check``): a
+                # proxy is callable, the condition is what it was called on.
+                cond = tracer.proxy(node.args[0])
+            message = _message_parts(msg, tracer)
+            where = f"{error_type.__module__}:{error_type.__qualname__}"
+            tracer.create_proxy("call_function", traced_check, (cond, where, message), {})
+            return None
 
         return check
 
     try:
         for n, fn in saved.items():
-            setattr(torch, n, wrap(fn, 1 if n.endswith("_with") else 0))
+            setattr(torch, n, wrap(fn, n.endswith("_with")))
         yield
     finally:
         for n, fn in saved.items():

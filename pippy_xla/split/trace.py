@@ -455,7 +455,7 @@ def _trace(
         with (
             hf.patch_mask_functions(model, getattr(root, hf.MASKS_ATTR)),
             _traced_finfo(),
-            hf.skipped_traced_checks(),
+            hf.recorded_traced_checks(),
             _feature_leaves(root, tracer, layer_cls),
         ):
             return _canonical(tracer.trace(root))
@@ -496,7 +496,9 @@ iterates over a ``set`` of layer types, whose order depends on ``PYTHONHASHSEED`
 between torchrun's ranks. The traced graph is therefore rebuilt in an order that depends only on
 its data flow: placeholders in input order, then a depth-first walk from the output that visits
 each node's inputs in argument order, with node names made afresh in that order. Two traces that
-compute the same values give the same code, byte for byte, on every rank.
+compute the same values give the same code, byte for byte, on every rank. The model's checks on
+traced values, which nothing uses, are walked first, in trace order (see [Note: checks on traced
+values]), so each comes before the values computed after it.
 """
 
 
@@ -504,7 +506,8 @@ def _canonical(graph: fx.Graph) -> fx.Graph:
     """``graph`` in data-flow order with fresh names. See [Note: canonical graphs]."""
     order: dict[fx.Node, None] = {n: None for n in graph.nodes if n.op == "placeholder"}
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
-    stack: list[tuple[fx.Node, bool]] = [(output, False)]
+    checks = [n for n in graph.nodes if hf.is_traced_check(n)]
+    stack: list[tuple[fx.Node, bool]] = [(output, False), *((n, False) for n in reversed(checks))]
     while stack:
         node, expanded = stack.pop()
         if node in order:
