@@ -154,6 +154,24 @@ def _bad_input(rank, world):
         rf"batch\['input_ids'\] holds {VOCAB} at \(3, 5\).*embedding table of {VOCAB} rows",
         lambda: pipe.run_train(**oov),
     )
+    bad_label = make_batch(seed=0)
+    assert bool((bad_label["labels"] == -100).any())  # the ignore index passes the check
+    bad_label["labels"][2, 3] = VOCAB
+    expect(
+        "a label outside the vocabulary (the model's own loss)",
+        ValueError,
+        rf"batch\['labels'\] holds {VOCAB} at \(2, 3\).*vocabulary of {VOCAB} tokens",
+        lambda: pipe.run_train(**bad_label),
+    )
+    # GPT-2 views its ids before the embedding: the check follows them through the view.
+    gpt, gpt_cls = gpt2()
+    gpt_pipe = px.PipelineModel(gpt, layer_cls=gpt_cls, num_microbatches=2, timeout=30)
+    expect(
+        "a token id outside GPT-2's vocabulary (viewed before its embedding)",
+        ValueError,
+        rf"batch\['input_ids'\] holds {VOCAB} at \(3, 5\).*embedding table of {VOCAB} rows",
+        lambda: gpt_pipe.run_train(**oov),
+    )
     expect(
         "`run_eval` on one rank while the others train",
         px.BatchMismatchError,

@@ -59,12 +59,15 @@ def check_batch(
     need_labels: bool,
     dp_size: int = 1,
     index_limits: Mapping[str, int] | None = None,
+    label_rows: int | None = None,
 ) -> Batch:
     """Checks a step's batch; returns it as the pipeline reads it (``None`` entries dropped, a
     default ``attention_mask`` added). Raises ``ValueError`` / ``TypeError`` naming what is
     wrong, before any communication; every rank holds the whole batch, so every rank raises the
     same error. ``index_limits``: the inputs that index an embedding table, and its rows
-    (:attr:`pippy_xla.split.emit.StageGraph.index_limits`)."""
+    (:attr:`pippy_xla.split.emit.StageGraph.index_limits`). ``label_rows``: the vocabulary
+    the model's own loss reads the labels against (``None`` with a user ``loss_fn``): labels lie
+    in ``[0, label_rows)`` or are the ignore index -100."""
     if need_labels and "labels" not in batch:
         raise ValueError("run_train needs labels=...")
     names = list(input_names)
@@ -94,6 +97,8 @@ def check_batch(
                 f"{size} (that of '{first}') in dim 0"
             )
     _check_indices(batch, index_limits or {})
+    if label_rows is not None:
+        _check_indices(batch, {"labels": label_rows}, ignore=IGNORE_INDEX)
     m, dp = num_microbatches, dp_size
     if size % (m * dp) != 0:
         what = f"num_microbatches={m}"
@@ -106,22 +111,39 @@ def check_batch(
     return batch
 
 
-def _check_indices(batch: Batch, index_limits: Mapping[str, int]) -> None:
-    """Values of inputs that index an embedding table lie in ``[0, rows)``: an id outside the
-    vocabulary would fail deep inside one stage's step, with its peers mid-transfer."""
+IGNORE_INDEX = -100
+"""The label HF's losses skip."""
+
+
+def _check_indices(
+    batch: Batch, index_limits: Mapping[str, int], ignore: int | None = None
+) -> None:
+    """Values of inputs that index an embedding table (or, for the labels, the logits) lie in
+    ``[0, rows)`` or equal ``ignore``: an id outside the vocabulary would fail deep inside one
+    stage's step, with its peers mid-transfer."""
     for name, rows in index_limits.items():
         v = batch.get(name)
         if v is None or v.numel() == 0 or v.is_floating_point():
             continue
         low, high = (int(x) for x in torch.aminmax(v))
-        if low < 0 or high >= rows:
-            bad = v.lt(0).logical_or(v.ge(rows)).nonzero()[0].tolist()
-            raise ValueError(
-                f"batch['{name}'] holds {int(v[tuple(bad)])} at {tuple(bad)} (values "
-                f"{low}..{high}), but it indexes an embedding table of {rows} rows: every value "
-                f"must lie in [0, {rows}); check the tokenizer's vocabulary against the model's "
-                "(resize the embeddings for added tokens)"
-            )
+        if low >= 0 and high < rows:
+            continue
+        outside = v.lt(0).logical_or(v.ge(rows))
+        if ignore is not None:
+            outside = outside.logical_and(v.ne(ignore))
+        if not bool(outside.any()):
+            continue
+        bad = outside.nonzero()[0].tolist()
+        if ignore is None:
+            what, allowed = f"indexes an embedding table of {rows} rows", f"[0, {rows})"
+        else:
+            what = f"is read by the model's loss against a vocabulary of {rows} tokens"
+            allowed = f"[0, {rows}) or be {ignore} (ignored)"
+        raise ValueError(
+            f"batch['{name}'] holds {int(v[tuple(bad)])} at {tuple(bad)} (values "
+            f"{low}..{high}), but it {what}: every value must lie in {allowed}; check the "
+            "tokenizer's vocabulary against the model's (resize the embeddings for added tokens)"
+        )
 
 
 def split_batch(

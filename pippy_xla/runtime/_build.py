@@ -143,6 +143,9 @@ class BuiltPipeline:
     """The loss of one microbatch."""
     num_items_fn: Callable[[torch.Tensor], torch.Tensor]
     """The whole batch's count of what ``loss_fn`` averages over."""
+    label_rows: int | None
+    """The vocabulary the model's own loss reads the labels against (``None`` with a user
+    ``loss_fn``): the step checks the labels against it."""
     abort: AbortChannel
     """This pipeline's abort record in the job's store (see [Note: failing fast])."""
     compile_watch: RecompileWatch | None
@@ -191,6 +194,7 @@ def build(
         dp=dp,
         loss_fn=loss_fn,
         num_items_fn=num_items_fn,
+        label_rows=text_vocab_size(model.config) if config.loss_fn is None else None,
         abort=_abort_channel(place),
         compile_watch=watch,
     )

@@ -211,8 +211,13 @@ class StepRunner:
         self.dp = built.dp
         self.watch = built.compile_watch
         self.loss_fn = built.loss_fn
-        self.num_items_fn = built.num_items_fn
         """The loss of one microbatch (assignable between steps)."""
+        self.num_items_fn = built.num_items_fn
+        """The whole batch's count of what ``loss_fn`` averages over (assignable between
+        steps)."""
+        self._own_loss = built.loss_fn if built.label_rows is not None else None
+        """The model's own loss, while the labels are checked against its vocabulary."""
+        self._label_rows = built.label_rows
         self.last_rank = built.train_engine.schedule.stage_rank[-1]
         self.last_engine = built.train_engine
         """The engine of the last step."""
@@ -395,6 +400,7 @@ class StepRunner:
             need_labels=kind == "train",
             dp_size=place.dp_size,
             index_limits=self.stages[0].index_limits,
+            label_rows=self._label_rows if self.loss_fn is self._own_loss else None,
         )
         key, contents = step_key(kind, batch, self.config.check_batch_content)
 

@@ -8,6 +8,7 @@ import operator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import fx, nn
 
 from pippy_xla.split import hf
@@ -302,25 +303,65 @@ def known_non_tensor(root: nn.Module, node: fx.Node) -> bool:
     return _value_kind(root, node) != "tensor"
 
 
+_SHAPE_ONLY_METHODS = (
+    "view",
+    "reshape",
+    "flatten",
+    "contiguous",
+    "to",
+    "long",
+    "int",
+    "squeeze",
+    "unsqueeze",
+    "expand",
+    "clone",
+)
+"""Tensor methods whose result holds their tensor's values: ids reach an embedding through them
+(GPT-2 views ``input_ids`` before ``wte``)."""
+
+
+def _same_values(node: fx.Node) -> list[fx.Node]:
+    """The users of ``node`` that hold its values, rearranged (:data:`_SHAPE_ONLY_METHODS`)."""
+    return [
+        u
+        for u in node.users
+        if u.args[:1] == (node,)
+        and (
+            (u.op == "call_method" and u.target in _SHAPE_ONLY_METHODS)
+            or (u.op == "call_function" and u.target in (torch.reshape, torch.flatten))
+        )
+    ]
+
+
 def index_limits(root: nn.Module, graph: fx.Graph) -> dict[str, int]:
-    """Batch input -> the rows of the smallest embedding table it indexes directly (an
-    ``nn.Embedding`` call or ``F.embedding``): its values must lie in ``[0, rows)``."""
+    """Batch input -> the rows of the smallest embedding table it indexes (an ``nn.Embedding``
+    call or ``F.embedding``, directly or through ops that only rearrange it): its values must lie
+    in ``[0, rows)``."""
     limits: dict[str, int] = {}
     for n in graph.nodes:
         if n.op != "placeholder":
             continue
-        for user in n.users:
-            rows = None
-            if user.op == "call_module" and user.args[:1] == (n,):
-                mod = root.get_submodule(user.target)
-                rows = mod.num_embeddings if isinstance(mod, nn.Embedding) else None
-            elif user.target is nn.functional.embedding and user.args[:1] == (n,):
-                weight = user.args[1] if len(user.args) > 1 else user.kwargs.get("weight")
-                if isinstance(weight, fx.Node) and weight.op == "get_attr":
-                    rows = fetch(root, weight.target).shape[0]
-            if rows is not None:
-                limits[n.target] = min(rows, limits.get(n.target, rows))
+        stack = [n]
+        while stack:
+            value = stack.pop()
+            stack.extend(_same_values(value))
+            for user in value.users:
+                rows = _embedding_rows(root, user, value)
+                if rows is not None:
+                    limits[n.target] = min(rows, limits.get(n.target, rows))
     return limits
+
+
+def _embedding_rows(root: nn.Module, user: fx.Node, ids: fx.Node) -> int | None:
+    """The rows of the embedding table ``user`` looks ``ids`` up in, if it is a lookup."""
+    if user.op == "call_module" and user.args[:1] == (ids,):
+        mod = root.get_submodule(user.target)
+        return mod.num_embeddings if isinstance(mod, nn.Embedding) else None
+    if user.target is nn.functional.embedding and user.args[:1] == (ids,):
+        weight = user.args[1] if len(user.args) > 1 else user.kwargs.get("weight")
+        if isinstance(weight, fx.Node) and weight.op == "get_attr":
+            return fetch(root, weight.target).shape[0]
+    return None
 
 
 def fetch(root: nn.Module, target: str) -> Any:
