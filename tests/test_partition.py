@@ -287,6 +287,34 @@ def test_branches_on_metadata_are_followed_and_on_sizes_refused():
         partition(_Branching(on_size=True), _Block, [(0, 1), (1, 2)], input_names=("input_ids",))
 
 
+class _Numbers(_Branching):
+    """Fixes a number in the graph with Python's builtins: ``len(h.shape)`` (a constant of the
+    model), or with ``by_size`` ``int(h.shape[1] // 8)``, which two short samples (lengths 4 and
+    7) agree on but a real batch does not."""
+
+    def __init__(self, by_size: bool) -> None:
+        super().__init__(on_size=False)
+        self.by_size = by_size
+
+    def forward(self, input_ids):
+        h = self.embed(input_ids)
+        h = h * len(h.shape)
+        if self.by_size:
+            h = h + int(h.shape[1] // 8)
+        for layer in self.layers:
+            h = layer(h)
+        return h
+
+
+def test_numbers_of_the_model_are_fixed_and_of_the_batch_refused():
+    model = _Numbers(by_size=False)
+    stages = partition(model, _Block, [(0, 1), (1, 2)], input_names=("input_ids",))
+    ids = torch.randint(0, 16, (2, 20))
+    torch.testing.assert_close(stages[1].module(*stages[0].module(ids))[0], model(ids))
+    with pytest.raises(UnsupportedModelError, match="int of a traced value that depends on"):
+        partition(_Numbers(by_size=True), _Block, [(0, 1), (1, 2)], input_names=("input_ids",))
+
+
 class _LossBranching(_Branching):
     """Branches on its labels' values before computing its loss: traced without labels."""
 

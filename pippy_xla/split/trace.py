@@ -194,8 +194,12 @@ not on the batch: the tracer evaluates the value on the ``meta`` device, from sa
 2-D token tensors of two shapes, and follows the branch they agree on (``to_bool``, ``iter``):
 a branch on sizes (``if seq_len > 4``) gives different answers and stays an error. Python's
 builtins on sizes and shapes (``len(x.shape)``, ``int(n)``, ``range(n)``, ``float(n)``) are
-answered the same way: the value the samples agree on is a constant of the model; one that
-depends on the batch is an error. A value whose
+answered the same way, with a third, long odd sample (``_NUMBER_SHAPES``) so that a number the
+two short ones agree on by chance (``seq // 8``) is not taken for a constant: the value the
+samples agree on is a constant of the model; one that depends on the batch is an error. Inputs
+that are not token tensors (``pixel_values``) have one row shape in every sample, from the config
+(``image_size``): a number computed from an image's size is therefore taken as a constant of the
+model, and a batch of images of another size is outside what the pipeline supports. A value whose
 sample cannot be computed, or a branch on tensor data, is an error naming the model's line.
 ``torch.finfo`` of a traced dtype becomes a graph value (:class:`_FInfo`), so the dtype stays
 symbolic (autocast may change it at run time).
@@ -204,6 +208,11 @@ symbolic (autocast may change it at run time).
 
 _SAMPLE_SHAPES = ((2, 4), (3, 7))
 """Sample batch shapes ``(batch, sequence)``: a branch is followed only if they all agree."""
+
+_NUMBER_SHAPES = (*_SAMPLE_SHAPES, (5, 1031))
+"""Sample batch shapes for a number fixed in the graph (``int(n)``): a long odd sequence as well,
+so that a number computed from the batch's sizes that the short samples happen to agree on
+(``seq // 8``, ``(seq + 63) // 64``) disagrees, and stays an error."""
 
 
 class _NoSample(Exception):
@@ -262,7 +271,7 @@ class _Tracer(fx.Tracer):
         """``obj``'s value if it is a number that every sample batch agrees on; else a
         ``TypeError`` saying that a size of the batch cannot be fixed in the graph."""
         try:
-            value = self._agreed_sample(obj.node)
+            value = self._agreed_sample(obj.node, _NUMBER_SHAPES)
         except _NoSample:
             value = None
         if isinstance(value, (int, float)):
@@ -283,10 +292,13 @@ class _Tracer(fx.Tracer):
             lengths.add(len(value) if isinstance(value, (tuple, list, torch.Size)) else None)
         return lengths.pop() if len(lengths) == 1 else None
 
-    def _agreed_sample(self, node: fx.Node) -> Any:
+    def _agreed_sample(
+        self, node: fx.Node, shapes: Sequence[tuple[int, int]] = _SAMPLE_SHAPES
+    ) -> Any:
         """``node``'s value (a Python value, not a tensor) if it is the same for every sample
-        batch shape: a branch on sizes is not followed. Raises :class:`_NoSample`."""
-        values = [self._sample_for(node, shape) for shape in _SAMPLE_SHAPES]
+        batch shape in ``shapes``: a branch on sizes is not followed. Raises
+        :class:`_NoSample`."""
+        values = [self._sample_for(node, shape) for shape in shapes]
         first = values[0]
         if isinstance(first, torch.Tensor) or any(
             type(v) is not type(first) or v != first for v in values[1:]
