@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import models
 import pytest
 import torch
 from models import VOCAB, gpt2, llama, qwen2
@@ -313,6 +314,15 @@ def test_numbers_of_the_model_are_fixed_and_of_the_batch_refused():
     torch.testing.assert_close(stages[1].module(*stages[0].module(ids))[0], model(ids))
     with pytest.raises(UnsupportedModelError, match="int of a traced value that depends on"):
         partition(_Numbers(by_size=True), _Block, [(0, 1), (1, 2)], input_names=("input_ids",))
+
+
+def test_a_container_handed_to_the_layers_is_one_per_stage():
+    # See [Note: containers handed to the layers]: Gemma 4's KVSharingDict.
+    model, layer_cls = models.MODELS["gemma4_text"]()
+    stages = partition(model, layer_cls, [(0, 2), (2, 4)])
+    for st in stages:
+        assert st.code.count("KVSharingDict()") == 1, st.code
+        assert st.code.count("shared_kv_states = kvsharing_dict") == 2, st.code
 
 
 class _LossBranching(_Branching):

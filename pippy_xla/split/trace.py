@@ -86,6 +86,7 @@ def traced_root(
     ``loss`` and the model has an HF loss (see [Note: terms added to the loss]), and without it
     if the model's Python cannot be traced with labels (its logits are all the pipeline needs
     then). ``constants``: keyword arguments of the model's forward fixed in the trace."""
+    _refuse_state_across_layers(model)
     with_labels = loss and _traces_loss(model, input_names)
     while True:
         inputs = [*input_names, "labels"] if with_labels else list(input_names)
@@ -249,6 +250,9 @@ class _Tracer(fx.Tracer):
         """The shape of one row of each input that is not a 2-D token tensor (``pixel_values``):
         its samples are float tensors of that shape (see [Note: branches on metadata])."""
         self.first_input: fx.Proxy | None = None
+        self._containers: dict[int, tuple[Any, fx.Node]] = {}
+        """Each empty container handed to the layers and its one constructor node (see [Note:
+        containers handed to the layers])."""
         self._samples: dict[tuple[int, int], dict[fx.Node, Any]] = {}
 
     def to_bool(self, obj: fx.Proxy) -> bool:
@@ -371,7 +375,11 @@ class _Tracer(fx.Tracer):
     def create_arg(self, a: Any) -> Any:
         # See [Note: containers handed to the layers]
         if isinstance(a, (collections.UserDict, collections.UserList)) and not a.data:
-            return self.create_node("call_function", type(a), (), {})
+            held = self._containers.get(id(a))
+            if held is None:
+                held = (a, self.create_node("call_function", type(a), (), {}))
+                self._containers[id(a)] = held  # the object is kept: its id stays its own
+            return held[1]
         return super().create_arg(a)
 
     def create_proxy(self, kind: str, target: Any, args: Any, kwargs: Any, *a: Any, **k: Any):
@@ -388,10 +396,30 @@ class _Tracer(fx.Tracer):
 A model may create an empty container in its forward and hand it to every layer (Gemma 4's
 ``KVSharingDict``, where layers that reuse another layer's keys and values find them). fx
 records a dataclass argument as a call of its constructor; an empty ``UserDict`` or
-``UserList`` is recorded the same way, so each stage creates its own for its layers. What a layer
-puts there reaches the later layers of its own stage only: a layer that reads an entry written on
-another stage fails (``KeyError``) on every rank at its first step.
+``UserList`` is recorded the same way, once per container object (``_Tracer.create_arg``), so the
+layers it is handed to share one node. That node reads no input and no parameter: it is
+replicated (see [Note: replicated prologue]), and each stage creates one container that the
+layers of that stage share. What a layer puts there therefore reaches the later layers of its own
+stage only. Whether a layer reads an entry written on another stage cannot be seen in the trace
+(the layers are leaves), so the models known to do it are refused before tracing
+(``_refuse_state_across_layers``): Gemma 4 with ``num_kv_shared_layers > 0``, whose last layers
+read the keys and values that earlier layers store.
 """
+
+
+def _refuse_state_across_layers(model: nn.Module) -> None:
+    """Refuses a model whose layers read what other layers write into a container they are all
+    handed (see [Note: containers handed to the layers])."""
+    for cfg in hf.find_configs(model):
+        shared = getattr(cfg, "num_kv_shared_layers", 0) or 0
+        if shared > 0:
+            raise UnsupportedModelError(
+                f"{type(model).__name__} shares keys and values between layers "
+                f"(num_kv_shared_layers={shared}): its last {shared} layers read the keys and "
+                "values that earlier layers write into a container handed to every layer, and a "
+                "layer on one stage cannot read what a layer on another stage wrote (each stage "
+                "has its own container); use a config with num_kv_shared_layers=0"
+            )
 
 
 @contextlib.contextmanager
