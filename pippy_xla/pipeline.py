@@ -62,9 +62,9 @@ class PipelineModel:
             the pipeline's device and initialized as the model would initialize them.
         layer_cls: the decoder-layer class, a tuple of classes (a stack of several, e.g.
             attention and linear-attention layers), or ``None`` (the default): the entries of
-            the model's layer stack, the ``nn.ModuleList`` that HF's ``base_model_pp_plan``
-            names, else the longest one of modules with parameters (see
-            :func:`pippy_xla.split.partition.decoder_stack`). Layers are the stage-cut points.
+            the model's layer stack, the text model's ``nn.ModuleList`` or ``nn.Sequential``
+            that HF's ``base_model_pp_plan`` names, else the one of modules with parameters
+            (see :func:`pippy_xla.split.partition.decoder_stack`). Layers are the stage-cut points.
         config: a :class:`~pippy_xla.config.PipelineConfig`, or ``None`` to pass its fields as
             keyword arguments instead (each is documented there). With ``plan=`` (a
             :class:`~pippy_xla.Plan`) the plan's schedule, microbatch count, stages per rank,

@@ -305,7 +305,9 @@ PATCHES = (IMAGE_SIDE // PATCH) ** 2
 """Image tokens per row: one per patch (the CLS position dropped, Llava's "default")."""
 
 
-def llava(attn: str | None = None, layers: int = 4) -> tuple[nn.Module, None]:
+def llava(
+    attn: str | None = None, layers: int = 4, vision_layers: int = 2
+) -> tuple[nn.Module, None]:
     """A vision-language model: a CLIP vision tower and a projector before a Llama; no
     decoder-layer class (the pipeline finds the language model's layers from HF's plan)."""
     from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
@@ -314,7 +316,7 @@ def llava(attn: str | None = None, layers: int = 4) -> tuple[nn.Module, None]:
     vision = CLIPVisionConfig(
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=2,
+        num_hidden_layers=vision_layers,
         num_attention_heads=2,
         image_size=IMAGE_SIDE,
         patch_size=PATCH,

@@ -325,6 +325,41 @@ def test_a_container_handed_to_the_layers_is_one_per_stage():
         assert st.code.count("shared_kv_states = kvsharing_dict") == 2, st.code
 
 
+def test_the_text_models_stack_is_found_when_the_vision_tower_is_longer():
+    # See [Note: finding the layer stack]: the vision tower's 6 CLIP layers, named by a plan of
+    # their own config (as sub-models' configs may have), lose to the text model's 2 layers.
+    model, _ = models.llava(layers=2, vision_layers=6)
+    model.config.vision_config.base_model_pp_plan = {"layers": (["hidden_states"], ["x"])}
+    names = find_layers(model, None)
+    assert names == ["model.language_model.layers.0", "model.language_model.layers.1"]
+    stages = partition(model, None, [(0, 1), (1, 2)], input_names=models.INPUT_NAMES["llava"])
+    held = [
+        {n.rsplit(".", 1)[0] for n in st.param_names.values() if ".layers." in n} for st in stages
+    ]
+    assert held[0] >= {"model.language_model.layers.0.mlp.up_proj"}
+    assert not any("language_model.layers.0" in n for n in held[1]), held[1]
+
+
+class _TwoStacks(nn.Module):
+    """Two stacks of blocks, one an ``nn.Sequential``, with no config to choose between them;
+    each block holds a nested list (never a candidate)."""
+
+    def __init__(self, second: bool) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.layers = nn.Sequential(_Block(), _Block(), _Block())
+        for block in self.layers:
+            block.parts = nn.ModuleList([nn.Linear(8, 8) for _ in range(5)])
+        if second:
+            self.other = nn.ModuleList([_Block(), _Block(), _Block()])
+
+
+def test_one_stack_is_found_and_several_are_refused():
+    assert find_layers(_TwoStacks(second=False), None) == ["layers.0", "layers.1", "layers.2"]
+    with pytest.raises(UnsupportedModelError, match=r"several layer stacks .*layers \(3 x _Block"):
+        find_layers(_TwoStacks(second=True), None)
+
+
 class _LossBranching(_Branching):
     """Branches on its labels' values before computing its loss: traced without labels."""
 

@@ -81,36 +81,94 @@ def layer_classes(model: nn.Module, layer_cls: LayerCls = None) -> tuple[type[nn
     return classes
 
 
-def decoder_stack(model: nn.Module) -> nn.ModuleList:
-    """The model's decoder layers: the longest non-empty ``nn.ModuleList`` that HF's
-    ``base_model_pp_plan`` names on a submodule (its config's), else the longest
-    ``nn.ModuleList`` whose entries all hold parameters; the first of equal lengths.
+def decoder_stack(model: nn.Module) -> nn.ModuleList | nn.Sequential:
+    """The model's decoder layers (see [Note: finding the layer stack]).
 
     Raises:
-        UnsupportedModelError: the model has no such list.
+        UnsupportedModelError: the model has no such stack, or several with nothing to choose
+            between them.
     """
-    named: list[nn.ModuleList] = []
-    for _, mod in model.named_modules():
-        plan = getattr(getattr(mod, "config", None), "base_model_pp_plan", None) or {}
+    stacks = _plan_stacks(model) or _parameter_stacks(model)
+    if not stacks:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has no nn.ModuleList or nn.Sequential of layers (none named "
+            "by HF's base_model_pp_plan, none of modules with parameters) for the pipeline to "
+            "split between; pass layer_cls=<the class of its repeated layers>"
+        )
+    # Lists inside another candidate (a layer's own sublayers) are not the stack.
+    stacks = {
+        name: owner_list
+        for name, owner_list in stacks.items()
+        if not any(name.startswith(other + ".") for other in stacks)
+    }
+    text = _text_config(model)
+    of_text = {n: ol for n, ol in stacks.items() if text is not None and _config(ol[0]) is text}
+    stacks = of_text or stacks
+    if len(stacks) > 1:
+        found = ", ".join(
+            f"{n} ({len(ol[1])} x {type(ol[1][0]).__name__})" for n, ol in stacks.items()
+        )
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has several layer stacks the pipeline could split between "
+            f"({found}), none of them the text model's; pass layer_cls=<the class of the "
+            "decoder layers>"
+        )
+    return next(iter(stacks.values()))[1]
+
+
+"""[Note: finding the layer stack]
+
+With ``layer_cls=None`` the pipeline splits the model between the entries of one stack, an
+``nn.ModuleList`` or ``nn.Sequential``: the non-empty stacks that HF's ``base_model_pp_plan``
+names on a submodule (on its config), or without any, every stack whose entries all hold
+parameters. A stack inside another candidate (a layer's own sublayers) is not one. Of the rest,
+the stack owned by the module whose config is the model's text config
+(``model.config.get_text_config()``: the language model of a vision-language model, not its
+vision tower or another sub-model with a plan of its own) is chosen; if there is none of the
+text model's and more than one remain, the model is refused with the candidates named and
+``layer_cls`` asked for.
+"""
+
+
+def _plan_stacks(model: nn.Module) -> dict[str, tuple[nn.Module, nn.Module]]:
+    """Qualified name -> (owner, stack) of every non-empty stack a ``base_model_pp_plan``
+    names."""
+    found: dict[str, tuple[nn.Module, nn.Module]] = {}
+    for name, mod in model.named_modules():
+        plan = getattr(_config(mod), "base_model_pp_plan", None) or {}
         for key in plan:
             sub = mod._modules.get(key)
-            if isinstance(sub, nn.ModuleList) and len(sub) and not any(sub is m for m in named):
-                named.append(sub)
-    if not named:
-        named = [
-            m
-            for m in model.modules()
-            if isinstance(m, nn.ModuleList)
-            and len(m)
-            and all(any(True for _ in c.parameters()) for c in m)
-        ]
-    if not named:
-        raise UnsupportedModelError(
-            f"{type(model).__name__} has no nn.ModuleList of layers (none named by HF's "
-            "base_model_pp_plan, none of modules with parameters) for the pipeline to split "
-            "between; pass layer_cls=<the class of its repeated layers>"
-        )
-    return max(named, key=len)
+            if isinstance(sub, (nn.ModuleList, nn.Sequential)) and len(sub):
+                qual = f"{name}.{key}" if name else key
+                if not any(sub is s for _, s in found.values()):
+                    found[qual] = (mod, sub)
+    return found
+
+
+def _parameter_stacks(model: nn.Module) -> dict[str, tuple[nn.Module, nn.Module]]:
+    """Qualified name -> (owner, stack) of every non-empty stack whose entries all hold
+    parameters."""
+    found: dict[str, tuple[nn.Module, nn.Module]] = {}
+    for name, mod in model.named_modules():
+        for key, sub in mod._modules.items():
+            if (
+                isinstance(sub, (nn.ModuleList, nn.Sequential))
+                and len(sub)
+                and all(any(True for _ in c.parameters()) for c in sub)
+                and not any(sub is s for _, s in found.values())
+            ):
+                found[f"{name}.{key}" if name else key] = (mod, sub)
+    return found
+
+
+def _config(mod: nn.Module) -> object | None:
+    return getattr(mod, "config", None)
+
+
+def _text_config(model: nn.Module) -> object | None:
+    """``model.config.get_text_config()``: the config of its language model, if it has one."""
+    get = getattr(_config(model), "get_text_config", None)
+    return get() if callable(get) else None
 
 
 def find_layers(model: nn.Module, layer_cls: LayerCls = None) -> list[str]:
