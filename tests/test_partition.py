@@ -11,7 +11,9 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from pippy_xla.split import hf
+from pippy_xla.split.classify import keeps_self_meta
 from pippy_xla.split.partition import UnsupportedModelError, find_layers, partition
+from pippy_xla.split.trace import traced_root
 
 torch.set_num_threads(1)
 
@@ -358,6 +360,29 @@ def test_one_stack_is_found_and_several_are_refused():
     assert find_layers(_TwoStacks(second=False), None) == ["layers.0", "layers.1", "layers.2"]
     with pytest.raises(UnsupportedModelError, match=r"several layer stacks .*layers \(3 x _Block"):
         find_layers(_TwoStacks(second=True), None)
+
+
+class _Fills(_Branching):
+    """An out-of-place ``masked_fill`` that keeps its tensor's shape, one that broadcasts it, and
+    an in-place one."""
+
+    def forward(self, input_ids):
+        h = self.embed(input_ids)
+        pad = (input_ids == 0).unsqueeze(-1)
+        h = h.masked_fill(pad, 0.0)  # keeps h's shape
+        h = h + torch.zeros(8, device=h.device).masked_fill(pad, 1.0)  # broadcasts (8,) to h's
+        h = h.masked_fill_(pad, 0.0)
+        for layer in self.layers:
+            h = layer(h)
+        return h
+
+
+def test_only_fills_that_keep_their_tensors_shape_keep_its_metadata():
+    _, graph = traced_root(_Fills(on_size=False), (_Block,), ("input_ids",), "cpu")
+    fills = [n for n in graph.nodes if n.op == "call_method" and "masked_fill" in n.target]
+    assert [n.target for n in fills] == ["masked_fill", "masked_fill", "masked_fill_"]
+    assert [keeps_self_meta(n) for n in fills] == [True, False, True]
+    assert torch.zeros(3).masked_fill(torch.ones(2, 3, dtype=torch.bool), 1).shape == (2, 3)
 
 
 class _LossBranching(_Branching):

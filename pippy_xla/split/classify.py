@@ -12,7 +12,7 @@ import torch
 from torch import fx, nn
 
 from pippy_xla.split import hf
-from pippy_xla.split.trace import ROOT_PREFIX
+from pippy_xla.split.trace import ROOT_PREFIX, SELF_META
 
 __all__ = [
     "Classified",
@@ -29,20 +29,12 @@ __all__ = [
 
 _META_ATTRS = ("shape", "dtype", "device", "ndim", "is_cuda", "layout")
 _META_METHODS = ("size", "dim", "get_device")
-_SELF_META_METHODS = ("masked_scatter", "masked_fill", "index_put", "scatter", "index_copy")
-"""Tensor methods whose result has their tensor's shape, dtype and device: for metadata, the
-result is the tensor (a vision-language model scatters image features into the token embeddings
-that the mask factories read for their shape)."""
 
 
 def keeps_self_meta(node: fx.Node) -> bool:
-    """Whether ``node``'s shape, dtype and device are its first argument's."""
-    return (
-        node.op == "call_method"
-        and node.target.rstrip("_") in _SELF_META_METHODS
-        and bool(node.args)
-        and isinstance(node.args[0], fx.Node)
-    )
+    """Whether ``node``'s shape, dtype and device are its first argument's (marked by the tracer:
+    see :data:`pippy_xla.split.trace.SELF_META_METHODS`)."""
+    return bool(node.meta.get(SELF_META, False))
 
 
 """[Note: replicated prologue]

@@ -20,6 +20,8 @@ from pippy_xla.split import hf
 
 __all__ = [
     "ROOT_PREFIX",
+    "SELF_META",
+    "SELF_META_METHODS",
     "SUPPORTED",
     "UnsupportedModelError",
     "separate_added_loss",
@@ -207,6 +209,15 @@ symbolic (autocast may change it at run time).
 """
 
 
+SELF_META_METHODS = ("masked_scatter", "masked_fill", "index_put", "scatter", "index_copy")
+"""Tensor methods whose result may have their tensor's shape, dtype and device: for metadata, the
+result is then the tensor (a vision-language model scatters image features into the token
+embeddings that the mask factories read for their shape). Out of place they may broadcast, so
+the tracer marks the calls whose samples keep the tensor's shape (``SELF_META``)."""
+
+SELF_META = "pippy_self_meta"
+"""``node.meta`` key: the call's result has its first argument's shape, dtype and device."""
+
 _SAMPLE_SHAPES = ((2, 4), (3, 7))
 """Sample batch shapes ``(batch, sequence)``: a branch is followed only if they all agree."""
 
@@ -285,6 +296,36 @@ class _Tracer(fx.Tracer):
             "fixed in the graph; only sizes of the model (the same for every batch) can"
         )
 
+    def mark_self_meta(self, graph: fx.Graph) -> None:
+        """Marks the calls of :data:`SELF_META_METHODS` whose result has their tensor's shape and
+        dtype (``node.meta[SELF_META]``): in place always; out of place only if every sample
+        batch says so (``zeros(3).masked_fill(mask_of_shape_2_3, 1)`` broadcasts to ``(2, 3)``)."""
+        for n in graph.nodes:
+            if not (
+                n.op == "call_method"
+                and n.target.rstrip("_") in SELF_META_METHODS
+                and n.args
+                and isinstance(n.args[0], fx.Node)
+            ):
+                continue
+            n.meta[SELF_META] = n.target.endswith("_") or self._same_meta_as_first(n)
+
+    def _same_meta_as_first(self, node: fx.Node) -> bool:
+        for shape in _SAMPLE_SHAPES:
+            try:
+                out = self._sample_for(node, shape)
+                first = self._sample_for(node.args[0], shape)
+            except _NoSample:
+                return False
+            if not (
+                isinstance(out, torch.Tensor)
+                and isinstance(first, torch.Tensor)
+                and out.shape == first.shape
+                and out.dtype == first.dtype
+            ):
+                return False
+        return True
+
     def sample_length(self, obj: fx.Proxy) -> int | None:
         """The length of ``obj``'s sample value if it is a sequence (a shape)."""
         lengths = set()
@@ -338,15 +379,18 @@ class _Tracer(fx.Tracer):
             if isinstance(value, torch.Tensor):
                 value = torch.empty_like(value, device="meta")
             return value
+        if node.op == "call_function" and node.target is hf.call_features:
+            with contextlib.ExitStack() as on_meta:
+                for mod in args[2]:  # the encoders it runs
+                    on_meta.enter_context(_on_meta(mod))
+                return node.target(*args, **kwargs)
         if node.op == "call_function":
             return node.target(*args, **kwargs)
         if node.op == "call_method":
             return getattr(args[0], node.target)(*args[1:], **kwargs)
         if node.op == "call_module":
             mod = self.root.get_submodule(node.target)
-            tensors = {**dict(mod.named_parameters()), **dict(mod.named_buffers())}
-            meta = {k: torch.empty_like(t, device="meta") for k, t in tensors.items()}
-            with torch.nn.utils.stateless._reparametrize_module(mod, meta):
+            with _on_meta(mod):
                 return (
                     mod.sample(**kwargs) if isinstance(mod, hf.MaskLeaf) else mod(*args, **kwargs)
                 )
@@ -438,6 +482,13 @@ def _fx_patches_reverted() -> Any:
         patcher.reapply_all_patches()
 
 
+def _on_meta(mod: nn.Module) -> Any:
+    """``mod`` with ``meta`` stand-ins of its parameters and buffers inside the block."""
+    tensors = {**dict(mod.named_parameters()), **dict(mod.named_buffers())}
+    meta = {k: torch.empty_like(t, device="meta") for k, t in tensors.items()}
+    return torch.nn.utils.stateless._reparametrize_module(mod, meta)
+
+
 def _placeholder_sample(row: tuple[int, ...] | None, shape: tuple[int, int]) -> torch.Tensor:
     if row is None:  # token ids (or a mask) of the sample shape
         return torch.ones(shape, dtype=torch.long, device="meta")
@@ -498,7 +549,9 @@ def _trace(
             hf.recorded_traced_checks(),
             _feature_leaves(root, tracer, layer_cls),
         ):
-            return _canonical(tracer.trace(root))
+            graph = tracer.trace(root)
+            tracer.mark_self_meta(graph)
+            return _canonical(graph)
     except UnsupportedModelError:
         raise
     except Exception as e:  # noqa: BLE001  (any failure of the model's Python under the tracer)
