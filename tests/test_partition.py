@@ -182,6 +182,18 @@ def test_mask_globals_restored() -> None:
     assert modeling_llama.create_causal_mask is masking_utils.create_causal_mask
 
 
+def _factory_raising_on_meta(config, input_embeds):
+    if not globals().get("is_tracing", lambda: False)():
+        raise RuntimeError("reads values")
+    return None
+
+
+def test_a_mask_sample_leaves_a_module_without_is_tracing_as_it_was() -> None:
+    assert "is_tracing" not in globals()
+    assert hf.MaskLeaf(_factory_raising_on_meta, None).sample(input_embeds=None) is None
+    assert "is_tracing" not in globals()
+
+
 def test_find_layers() -> None:
     model, layer_cls = build("gpt2-sdpa")
     assert find_layers(model, layer_cls) == [f"transformer.h.{i}" for i in range(4)]

@@ -96,6 +96,10 @@ def _is_config(obj: Any) -> bool:
     return isinstance(obj, PretrainedConfig)
 
 
+_ABSENT = object()
+"""A name that a module's globals did not hold."""
+
+
 class MaskLeaf(nn.Module):
     """fx leaf calling one mask factory with a fixed config.
 
@@ -121,12 +125,15 @@ class MaskLeaf(nn.Module):
             return self.forward(**kwargs)
         except RuntimeError:
             names = self.fn.__globals__
-            saved = names.get("is_tracing")
+            saved = names.get("is_tracing", _ABSENT)
             names["is_tracing"] = lambda *args, **kw: True
             try:
                 return self.forward(**kwargs)
             finally:
-                names["is_tracing"] = saved
+                if saved is _ABSENT:
+                    del names["is_tracing"]
+                else:
+                    names["is_tracing"] = saved
 
     def extra_repr(self) -> str:
         return f"fn={self.fn.__module__}.{self.fn.__qualname__}"
