@@ -18,13 +18,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pippy_xla._native import _C
-from pippy_xla.runtime._build import causal_lm_num_items
 from pippy_xla.runtime.data_parallel import DATA_PARALLEL_MODES
 
 if TYPE_CHECKING:
     from pippy_xla.plan.planner import Plan
 
-__all__ = ["LossFn", "PipelineConfig", "causal_lm_num_items"]
+__all__ = ["LossFn", "PipelineConfig"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """``loss_fn(logits, labels, num_items) -> loss`` of one microbatch."""
@@ -73,7 +72,7 @@ class PipelineConfig:
     num_items_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
     """Counts the items ``loss_fn`` averages over in the whole batch's labels. ``None``: for a
     model whose own HF loss is the causal-LM loss, the labels other than -100 after the shift
-    (:func:`causal_lm_num_items`); any other model must name its count (an error at
+    (``(labels[..., 1:] != -100).sum()``); any other model must name its count (an error at
     construction otherwise), e.g. ``lambda labels: torch.tensor(labels.shape[0])`` for a loss
     averaged over rows."""
     transport: str = "auto"

@@ -409,7 +409,7 @@ def reference_step(
     microbatch]): for each microbatch, HF's loss function over the whole batch's token count plus
     what the model adds to it (HF's loss of the microbatch minus the loss function's part) over
     ``num_microbatches``; backward. Returns the summed loss and the summed added part."""
-    from pippy_xla.config import causal_lm_num_items
+    from pippy_xla.runtime._build import causal_lm_num_items
     from pippy_xla.split.hf import text_vocab_size
 
     num_items = causal_lm_num_items(batch["labels"])

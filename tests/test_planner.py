@@ -809,9 +809,21 @@ def test_layers_of_two_classes_cost_apart():
     assert len(set(sharing.values())) == 2
     prof = profile_model(meta, None, microbatch_size=2, seq_len=16, repeats=1, cache=False)
     kinds = meta.config.layer_types
+    assert len(set(kinds)) == 2, kinds
+
+    def costs(k):
+        c = prof.layers[k]
+        times = (c.fwd, c.bwd, c.recompute)
+        sets = (c.saved_bytes, c.transient_bytes, c.static_bytes, c.weight_bytes)
+        return times, sets
+
     for i, j in itertools.combinations(range(4), 2):
-        same = prof.layers[i].weight_bytes == prof.layers[j].weight_bytes
-        assert same == (kinds[i] == kinds[j]), (i, j, kinds)
+        (times_i, sets_i), (times_j, sets_j) = costs(i), costs(j)
+        if kinds[i] == kinds[j]:  # the same measured layer: every cost equal
+            assert (times_i, sets_i) == (times_j, sets_j), (i, j, kinds)
+        else:  # each kind's own: times and every working set apart
+            assert all(a != b for a, b in zip(times_i, times_j, strict=True)), (i, j, kinds)
+            assert all(a != b for a, b in zip(sets_i, sets_j, strict=True)), (i, j, kinds)
 
 
 def test_a_meta_model_can_be_planned():
