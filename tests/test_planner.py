@@ -826,6 +826,26 @@ def test_layers_of_two_classes_cost_apart():
             assert all(a != b for a, b in zip(sets_i, sets_j, strict=True)), (i, j, kinds)
 
 
+def test_a_model_with_image_inputs_is_refused_by_the_profiler():
+    from models import INPUT_NAMES, llava
+
+    model, _ = llava()
+    kw = dict(microbatch_size=2, seq_len=16, repeats=1, cache=False)
+    with pytest.raises(px.UnsupportedModelError, match=r"takes \['pixel_values'\], which the"):
+        profile_model(model, None, input_names=INPUT_NAMES["llava"], **kw)
+    with pytest.raises(px.UnsupportedModelError, match="plan\\(\\) and profile_model"):
+        px.plan(
+            model,
+            num_stages=2,
+            num_microbatches=2,
+            batch_size=4,
+            seq_len=16,
+            memory_limit="1GiB",
+            repeats=1,
+            input_names=INPUT_NAMES["llava"],
+        )
+
+
 def test_a_meta_model_can_be_planned():
     torch.manual_seed(0)
     real, layer_cls = MODELS["llama"](layers=4)

@@ -19,8 +19,14 @@ from torch import nn
 
 from pippy_xla._native import _C
 from pippy_xla.plan.cost_model import LayerCost, ModelProfile, StageExtra
-from pippy_xla.split.hf import text_vocab_size
-from pippy_xla.split.partition import LayerCls, class_names, find_layers, layer_classes
+from pippy_xla.split.hf import input_rows, text_vocab_size
+from pippy_xla.split.partition import (
+    LayerCls,
+    UnsupportedModelError,
+    class_names,
+    find_layers,
+    layer_classes,
+)
 
 __all__ = ["ADAMW_STATES", "SavedBytes", "profile_model"]
 
@@ -468,6 +474,7 @@ def profile_model(
     model]) on ``device`` (default: the CPU), so a model that fits on no single device can be
     planned; a real model is profiled where it is (``device`` is ignored).
     """
+    _refuse_non_token_inputs(model, input_names)
     dtype = next(model.parameters()).dtype
     layer_cls = layer_classes(model, layer_cls)
     key = _cache_key(model, layer_cls, microbatch_size, seq_len, dtype, repeats, input_names)
@@ -485,6 +492,19 @@ def profile_model(
     if cache:
         _CACHE[key] = prof
     return prof
+
+
+def _refuse_non_token_inputs(model: nn.Module, input_names: Sequence[str]) -> None:
+    """The profiler's batches are token ids and masks (:func:`profile_batch`): a model with other
+    inputs (images) is refused rather than profiled on token-shaped stand-ins of them."""
+    others = sorted(set(input_rows(model, input_names)) | ({"pixel_values"} & set(input_names)))
+    if others:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} takes {others}, which the profiler cannot build (it profiles "
+            "on token ids and masks only, and a vision-language model's image tokens must match "
+            "its images), so plan() and profile_model() cannot cost it; choose layer_ranges "
+            "yourself (or leave them to the balanced default)"
+        )
 
 
 def _config_vocab_size(model: nn.Module) -> int:
