@@ -43,7 +43,11 @@ void free_counted(void* data) {
   {
     std::lock_guard<std::mutex> lock(table_mutex);
     auto it = table().find(data);
-    TORCH_CHECK(it != table().end(), "counting allocator: freeing an unknown pointer");
+    if (it == table().end()) {
+      // A deleter runs while a storage is destroyed: throwing there ends in std::terminate.
+      TORCH_WARN("counting allocator: freeing an unknown pointer (left allocated)");
+      return;
+    }
     c = std::move(it->second);
     table().erase(it);
   }
