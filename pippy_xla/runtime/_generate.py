@@ -188,22 +188,7 @@ class Generator:
             "generation_options": torch.tensor([digest64(options.encode())]),
         }
         key, contents = step_key("generate", batch, True)
-        place = self.place
-        handshake = place.handshake
-
-        def gather(values, what: str) -> list[list[int]]:
-            return self.failures.watched(
-                what,
-                _C.all_gather_int64,
-                values,
-                handshake.group_name,
-                handshake.device,
-                place.timeout_ms,
-                f"[rank {place.rank}] {what}",
-                abortable=self.runner._abortable,
-            )
-
-        agree_on_step(key, contents, batch, place.rank, gather)
+        agree_on_step(key, contents, batch, self.place.rank, self.runner.gather_ints)
 
     def _step(
         self,

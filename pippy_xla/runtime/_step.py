@@ -387,6 +387,22 @@ class StepRunner:
         place = self.place
         return {"rank": place.rank, "group_name": place.group_name, "timeout_ms": place.timeout_ms}
 
+    def gather_ints(self, values: Sequence[int], what: str) -> list[list[int]]:
+        """Every rank's ``values`` over the handshake group, watched as ``what`` (a peer's
+        failure or death is a ``PipelineError`` here, not a hang)."""
+        place = self.place
+        handshake = place.handshake
+        return self.failures.watched(
+            what,
+            _C.all_gather_int64,
+            values,
+            handshake.group_name,
+            handshake.device,
+            place.timeout_ms,
+            f"[rank {place.rank}] {what}",
+            abortable=self._abortable,
+        )
+
     def _prepare(self, batch: dict[str, torch.Tensor], kind: str):
         """A step's batch checked and split, and its signature, after every rank agreed on the
         step (see [Note: step handshake]). The split comes after the handshake: a rank that
@@ -404,22 +420,8 @@ class StepRunner:
         )
         key, contents = step_key(kind, batch, self.config.check_batch_content)
 
-        handshake = place.handshake
-
-        def gather(values: Sequence[int], what: str) -> list[list[int]]:
-            return self.failures.watched(
-                what,
-                _C.all_gather_int64,
-                values,
-                handshake.group_name,
-                handshake.device,
-                place.timeout_ms,
-                f"[rank {place.rank}] {what}",
-                abortable=self._abortable,
-            )
-
         # A mismatch leaves the pipeline usable: no transfer of the step has started.
-        agree_on_step(key, contents, batch, place.rank, gather)
+        agree_on_step(key, contents, batch, place.rank, self.gather_ints)
         with self.failures.guard("batch split"):  # its peers are on their way to the engine
             microbatches = split_batch(
                 batch,
