@@ -266,8 +266,8 @@ def _unique_bytes(tensors) -> int:
 class _SavedBytes:
     """Live bytes of tensors autograd saved for backward (unique storages, parameters
     excluded) and their peak. Packed tensors are wrapped in handles whose ``__del__`` runs
-    when autograd frees them. (``pippy_xla.plan.profiler.SavedBytes`` counts something else: every
-    byte saved in a region, freed or not, for the planner's per-layer costs.)"""
+    when autograd frees them. (``pippy_xla.plan.profiler.SavedBytes`` counts something else: the
+    bytes still saved when a forward ends, by region, for the planner's per-layer costs.)"""
 
     def __init__(self, modules) -> None:
         import torch

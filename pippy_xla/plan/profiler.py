@@ -10,6 +10,7 @@ import json
 import logging
 import statistics
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -38,26 +39,54 @@ ADAMW_STATES = 2
 
 class SavedBytes:
     """Counts bytes saved for backward under ``saved_tensors_hooks``, deduplicated by storage
-    and excluding parameters and buffers (``exclude``: storages not to count)."""
+    and excluding parameters and buffers (``exclude``: storages not to count).
+
+    Only what is still saved when the hooks are left counts: a saved tensor that dies while
+    they are on (saved by a graph the forward dropped, such as a recurrent layer's chunked
+    kernel) is forgotten, as are its storage's bytes once no saved tensor holds it. Counting it
+    would be wrong twice: its bytes are not held until backward, and a later tensor the
+    allocator places at the same address with the same size would pass for it and go
+    uncounted (a storage is known by its address and size)."""
 
     def __init__(self, exclude: Sequence[torch.Tensor] = ()) -> None:
         self._exclude = {_storage_key(t) for t in exclude}
         self.owner: dict[tuple, str] = {}
         self.sizes: dict[tuple, int] = {}
         self.region = ""
+        self._holders: dict[tuple, int] = {}  # saved tensors alive per counted storage
+        self._epoch = 0  # bumped when the hooks are left or the counts cleared
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         key = _storage_key(t)
-        if key not in self._exclude and key not in self.owner:
+        if key in self._exclude:
+            return t
+        if key not in self.owner:
             self.owner[key] = self.region
             self.sizes[key] = t.untyped_storage().nbytes()
+        self._holders[key] = self._holders.get(key, 0) + 1
+        weakref.finalize(t, self._release, key, self._epoch)
         return t
 
+    def _release(self, key: tuple, epoch: int) -> None:
+        if epoch != self._epoch:  # died after the hooks were left (in backward): it counted
+            return
+        self._holders[key] -= 1
+        if not self._holders[key]:
+            del self._holders[key], self.owner[key], self.sizes[key]
+
+    @contextlib.contextmanager
     def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+                yield
+        finally:
+            self._epoch += 1
+            self._holders.clear()
 
     def clear(self) -> None:
         """Forgets what was counted (the excluded storages stay excluded)."""
+        self._epoch += 1
+        self._holders.clear()
         self.owner.clear()
         self.sizes.clear()
         self.region = ""
@@ -783,8 +812,9 @@ def _checkpointed_layer_saved(layer: nn.Module, inputs: tuple, exclude: list) ->
         for a in args
     )
     ck = SavedBytes(exclude + _tensors(kwargs))
-    with ck.hooks():
-        torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False, **kwargs)
+    with ck.hooks():  # the output holds what is saved until the hooks are left
+        out = torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False, **kwargs)
+    del out
     return ck.total()
 
 
