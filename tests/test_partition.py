@@ -415,3 +415,45 @@ def test_a_model_whose_loss_cannot_be_traced_is_traced_without_labels():
     assert not stages[-1].added_loss
     ids = torch.randint(0, 16, (2, 6))
     torch.testing.assert_close(stages[1].module(*stages[0].module(ids))[0], model(ids))
+
+
+class _InPlace(nn.Module):
+    """Changes values in place outside its layers, the results unused (see [Note: in-place ops
+    outside the layers]); ``through_view`` changes one through a view."""
+
+    def __init__(self, through_view: bool = False) -> None:
+        super().__init__()
+        self.through_view = through_view
+        self.embed = nn.Embedding(16, 8)
+        self.layers = nn.ModuleList([_Block(), _Block(), _Block()])
+
+    def forward(self, input_ids, attention_mask):
+        h = self.embed(input_ids)
+        h.masked_fill_(attention_mask[..., None] == 0, 0.0)
+        h = self.layers[0](h)
+        h.mul_(2)
+        h = self.layers[1](h)
+        h.add_(1)
+        if self.through_view:
+            h.view(-1)[:3].zero_()
+        return self.layers[2](h)
+
+
+def test_in_place_ops_outside_the_layers_are_kept_on_the_right_stage():
+    torch.manual_seed(0)
+    model = _InPlace()
+    batch = make_batch("left")
+    batch["input_ids"] = batch["input_ids"] % 16
+    expected = model(**batch)
+    expected.square().sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for ranges in ([(0, 3)], [(0, 1), (1, 2), (2, 3)], [(0, 2), (2, 3)]):
+        model.zero_grad()
+        stages = partition(model, _Block, ranges, input_names=("input_ids", "attention_mask"))
+        out = run_pipeline(stages, batch)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+        out.square().sum().backward()
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, grads[n], rtol=0, atol=0, msg=n)
+    with pytest.raises(UnsupportedModelError, match=r"changes a view in place .*`zero_`"):
+        partition(_InPlace(through_view=True), _Block, [(0, 3)])

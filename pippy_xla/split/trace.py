@@ -551,6 +551,7 @@ def _trace(
         ):
             graph = tracer.trace(root)
             tracer.mark_self_meta(graph)
+            _thread_mutations(graph)
             return _canonical(graph)
     except UnsupportedModelError:
         raise
@@ -619,6 +620,72 @@ def _canonical(graph: fx.Graph) -> fx.Graph:
         env[n] = new.create_node(n.op, n.target, args, kwargs, name=name, type_expr=n.type)
         env[n].meta = dict(n.meta)
     return new
+
+
+"""[Note: in-place ops outside the layers]
+
+An in-place op traced outside the decoder layers (``h.masked_fill_(pad, 0)``, ``h.mul_(2)``, its
+result unused) changes a value that later nodes read, but nothing in the graph's data flow says
+so: the graph rebuilt from the output (see [Note: canonical graphs]) would leave it out, and the
+stages would compute something else than the model, silently. So the mutation is made data
+flow: every later node reading the mutated value reads the in-place op's result instead (an
+in-place tensor method returns its tensor), which places the op on a stage before its readers
+like any other node. A mutation through a view (``h.view(-1)[:3].zero_()``) would change values
+that the graph reads through another node, the view's base: such a model is refused.
+"""
+
+_VIEW_METHODS = frozenset(
+    "view view_as reshape flatten unflatten squeeze unsqueeze expand expand_as transpose t "
+    "permute narrow select unbind split chunk diagonal movedim swapaxes as_strided detach "
+    "__getitem__".split()
+)
+"""Tensor methods (and ``operator.getitem``) whose result may share its input's memory."""
+
+
+def _mutated(n: fx.Node) -> fx.Node | None:
+    """The value ``n`` changes in place (its first argument), or ``None``."""
+    if n.op == "call_method":
+        name = str(n.target)
+    elif n.op == "call_function":
+        name = getattr(n.target, "__name__", "")
+        if n.kwargs.get("inplace") is True and n.args and isinstance(n.args[0], fx.Node):
+            return n.args[0]
+    else:
+        return None
+    in_place = name.endswith("_") and not name.startswith("_") and name != "requires_grad_"
+    return n.args[0] if in_place and n.args and isinstance(n.args[0], fx.Node) else None
+
+
+def _op_name(n: fx.Node) -> str:
+    return str(n.target) if n.op == "call_method" else getattr(n.target, "__name__", n.name)
+
+
+def _is_view(n: fx.Node) -> bool:
+    if n.op == "call_method":
+        return n.target in _VIEW_METHODS
+    return n.op == "call_function" and (
+        n.target is operator.getitem or getattr(n.target, "__name__", "") in _VIEW_METHODS
+    )
+
+
+def _thread_mutations(graph: fx.Graph) -> None:
+    """Makes in-place ops data flow, or refuses them. See [Note: in-place ops outside the
+    layers]."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for n in list(graph.nodes):
+        target = _mutated(n)
+        if target is None:
+            continue
+        if _is_view(target) and isinstance(target.args[0], fx.Node):
+            raise UnsupportedModelError(
+                f"the model changes a view in place outside its decoder layers "
+                f"(`{_op_name(target)}` then `{_op_name(n)}`): the traced graph cannot "
+                f"follow a mutation through a view to its base. Write it out of place "
+                f"(`h = h.masked_fill(...)`) or inside a decoder layer. {SUPPORTED}"
+            )
+        for user in list(target.users):
+            if user is not n and order[user] > order[n]:
+                user.replace_input_with(target, n)
 
 
 SUPPORTED = (
