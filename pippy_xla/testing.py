@@ -11,11 +11,14 @@ cores (a 2-rank run took 5.4 s, a 4-rank one 12 s, for a function that returns a
 the suite's time. Ranks of a function defined in an importable module are therefore forked from
 multiprocessing's forkserver, which imports torch, transformers, pippy_xla and that module once
 per session (0.1-0.2 s per run after the first, for the same function; the suite went from 22 to
-13 minutes). What a forked rank does not get: interpreter finalization (a forked child ends with
-``os._exit``), so the worker runs the ``atexit`` handlers itself (``atexit._run_exitfuncs``;
-pippy_xla's exit hook among them) and the clean-exit check below still sees a crash in them;
-its own hash seed (``rank_env`` runs spawn); the parent's environment at call time (the server's
-is the parent's when it started). ``spawn`` remains for ``backend="nccl"``, for
+13 minutes). The server starts once: the modules of later callers, and what they import, are
+imported by every rank it forks unless :func:`preload` named them before the first run (the
+suite's conftest names its helpers and every collected test module). What a forked rank does
+not get: interpreter finalization (a forked child ends with ``os._exit``), so the worker runs
+the ``atexit`` handlers itself (``atexit._run_exitfuncs``; pippy_xla's exit hook among them)
+and the clean-exit check below still sees a crash in them; its own hash seed (``rank_env``
+runs spawn); the parent's environment at call time (the server's is the parent's when it
+started). ``spawn`` remains for ``backend="nccl"``, for
 ``rank_env`` and for functions of ``__main__`` (the benchmarks), and on request
 (``start_method="spawn"``). User jobs run under torchrun, whose ranks are interpreters of their
 own; the README's jobs are tested that way.
@@ -41,7 +44,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["EXIT_TIMEOUT_S", "PG_TIMEOUT_S", "run_ranks"]
+__all__ = ["EXIT_TIMEOUT_S", "PG_TIMEOUT_S", "preload", "run_ranks"]
 
 # Long enough for a slow CI machine to finish one collective, short enough to fail fast.
 PG_TIMEOUT_S = 60.0
@@ -55,8 +58,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-_PRELOAD = ("torch", "torch.distributed", "transformers", "pippy_xla")
-"""What the forkserver imports before it forks any rank, with the first caller's module."""
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "transformers",
+    "transformers.modeling_utils",
+    "pippy_xla",
+]
+"""What the forkserver imports before it forks any rank, with the first caller's module and what
+:func:`preload` added. ``transformers`` imports its model stack lazily: ``modeling_utils`` (with
+``torch.distributed.tensor``, ``torch._dynamo`` and the loss modules) is 1-2 s of CPU that every
+rank building an HF model would pay again."""
+
+
+def preload(*modules: str) -> None:
+    """Adds ``modules`` to what the forkserver imports when it starts (see [Note: ranks forked
+    from a preloaded server]): the modules the ranks' functions live in and import, so that a
+    forked rank does not import them itself. The tests' own helpers (``tests/models.py`` imports
+    every family's model classes) cost a rank 2.2 s of CPU: 4.4 s per 2-rank test, most of a
+    short test's time. No effect once the server runs (call it before the first run)."""
+    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
 
 
 def _context(fn: Callable[..., Any], start_method: str | None, spawn_only: bool):

@@ -18,3 +18,12 @@ if _isa and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
         tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{_isa}"
     )
+
+
+def pytest_collection_finish(session):
+    """The ranks' forkserver imports the tests' helpers and every collected test module once,
+    before its first fork, instead of each rank importing them (``pippy_xla.testing.preload``)."""
+    from pippy_xla.testing import preload
+
+    modules = {getattr(item, "module", None) for item in session.items}
+    preload("models", *sorted(m.__name__ for m in modules if m is not None))
