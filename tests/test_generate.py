@@ -9,7 +9,7 @@ from models import MODELS, VOCAB, make_batch, tiny
 from torch import nn
 
 import pippy_xla as px
-from pippy_xla.runtime._generate import cache_bytes
+from pippy_xla.runtime._generate import DECODE_WINDOW, cache_bytes
 from pippy_xla.testing import run_ranks
 
 NEW = 6
@@ -47,6 +47,10 @@ def _equal_hf(family: str) -> list[str]:
     pipe, ref = _pipe(family)
     ids, mask = _prompts()
     done = []
+
+    def new_tokens(out: torch.Tensor) -> torch.Tensor:
+        return out[:, ids.shape[1] :]
+
     opts = {"max_new_tokens": NEW, "do_sample": False, **_OPTIONS.get(family, {})}
     greedy = ref.generate(ids, attention_mask=mask, **opts)
     got = pipe.generate(ids, attention_mask=mask, **opts)
@@ -66,9 +70,24 @@ def _equal_hf(family: str) -> list[str]:
     want = ref.generate(ids, attention_mask=mask, **stop)
     got = pipe.generate(ids, attention_mask=mask, groups=2, **stop)
     assert torch.equal(got, want), f"{family} eos\n{got}\n{want}"
-    new = (got[:, ids.shape[1] :] == eos).int()
+    new = (new_tokens(got) == eos).int()
     ends = {int(r.argmax()) if r.any() else NEW for r in new}
     assert len(ends) > 1, f"{family}: every row ended at step {ends}"
+    # A group per row, decode windows of 2 tokens (new tokens 1-2, 3-4, 5): row r ends by its
+    # new token 1 + r, so every row ends before NEW, maybe inside a window; a group that
+    # finished leaves the schedule at the next window.
+    eos = [int(greedy[r, ids.shape[1] + 1 + r]) for r in range(ids.shape[0])]
+    stop = {**opts, "eos_token_id": eos, "pad_token_id": 3}
+    want = ref.generate(ids, attention_mask=mask, **stop)
+    pipe._generator.window = 2
+    got = pipe.generate(ids, attention_mask=mask, groups=3, **stop)
+    pipe._generator.window = DECODE_WINDOW
+    assert torch.equal(got, want), f"{family} eos, 3 groups\n{got}\n{want}"
+    ends = [next((i for i, x in enumerate(r.tolist()) if x in eos), NEW) for r in new_tokens(want)]
+    live = [tuple(r for r, e in enumerate(ends) if e >= s) for s in (1, 3, 5) if s <= max(ends)]
+    assert pipe._generator.decode_runs == live, f"{family}: {pipe._generator.decode_runs}"
+    if family == "llama":  # rows end at new tokens 1, 2 and 3: inside the second window
+        assert live == [(0, 1, 2), (2,)] and want.shape[1] == ids.shape[1] + 4, (live, want)
     done.append("eos")
     sample = {**opts, **SAMPLING, "repetition_penalty": 1.2}
     torch.manual_seed(7)
@@ -122,13 +141,28 @@ def _meta_built(rank, world) -> bool:
     return True
 
 
+def _group_per_stage(world: int) -> bool:
+    """As many groups as stages (a group per row): greedy and seeded sampling equal HF's, every
+    decode run with all groups (no row finishes)."""
+    pipe, ref = _pipe("llama")
+    ids, mask = _prompts(batch=world)
+    for opts in ({"do_sample": False}, SAMPLING):
+        torch.manual_seed(7)
+        want = ref.generate(ids, attention_mask=mask, max_new_tokens=NEW, **opts)
+        torch.manual_seed(7)
+        got = pipe.generate(ids, attention_mask=mask, max_new_tokens=NEW, groups=world, **opts)
+        assert torch.equal(got, want), f"{world} groups {opts}\n{got}\n{want}"
+        assert pipe._generator.decode_runs == [tuple(range(world))]
+    return True
+
+
 def _four(rank, world):
-    return _families(rank, world, ("llama",)), _meta_built(rank, world)
+    return _families(rank, world, ("llama",)), _meta_built(rank, world), _group_per_stage(world)
 
 
 def test_generate_equal_hf_four_ranks():
     out = run_ranks(4, _four, timeout=300)
-    assert out == [({"llama": ["greedy", "eos", "sampling"]}, True)] * 4
+    assert out == [({"llama": ["greedy", "eos", "sampling"]}, True, True)] * 4
 
 
 def _stages_per_rank(rank, world) -> dict[str, list[int]]:
