@@ -166,22 +166,30 @@ def test_generate_equal_hf_four_ranks():
 
 
 def _stages_per_rank(rank, world) -> dict[str, list[int]]:
-    """Two stages per rank, in loop (``interleaved``) and V (``zbv``: the last stage on rank 0)
-    placements: HF's greedy tokens; returns each schedule's local stages."""
+    """Two stages per rank, in loop (``interleaved``) and V (``zbv``: the last stage on rank 0,
+    which feeds the first stage's token ids locally) placements, one group and as many as
+    stages; the loop placement once more with transfers matched in order (NCCL's rule, here
+    over gloo): HF's greedy tokens; returns each run's local stages."""
     out = {}
-    for schedule in ("interleaved", "zbv"):
-        pipe, ref = _pipe("llama", schedule=schedule, chunks=2)
+    runs = (("interleaved", "auto"), ("zbv", "auto"), ("interleaved", "in_order"))
+    for schedule, transport in runs:
+        pipe, ref = _pipe("llama", schedule=schedule, chunks=2, transport=transport)
         ids, mask = _prompts()
-        got = pipe.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
         want = ref.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
-        assert torch.equal(got, want), f"{schedule}\n{got}\n{want}"
-        out[schedule] = [st.index for st in pipe.local_stages]
+        for groups in (1, 3):
+            got = pipe.generate(
+                ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, groups=groups
+            )
+            assert torch.equal(got, want), f"{schedule} {transport} {groups}\n{got}\n{want}"
+        out[f"{schedule} {transport}"] = [st.index for st in pipe.local_stages]
     return out
 
 
 def test_generate_with_two_stages_per_rank():
     out = run_ranks(2, _stages_per_rank, timeout=300)
-    assert out == [{"interleaved": [0, 2], "zbv": [0, 3]}, {"interleaved": [1, 3], "zbv": [1, 2]}]
+    for rank, o in enumerate(out):
+        loop, v = [rank, rank + 2], [rank, 3 - rank]
+        assert o == {"interleaved auto": loop, "zbv auto": v, "interleaved in_order": loop}
 
 
 def _between_steps(rank, world):
