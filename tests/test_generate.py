@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from models import MODELS, VOCAB, make_batch, tiny
 from torch import nn
@@ -176,7 +177,7 @@ def _stages_per_rank(rank, world) -> dict[str, list[int]]:
         pipe, ref = _pipe("llama", schedule=schedule, chunks=2, transport=transport)
         ids, mask = _prompts()
         want = ref.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
-        for groups in (1, 3):
+        for groups in (1, 3) if transport == "auto" else (3,):
             got = pipe.generate(
                 ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, groups=groups
             )
@@ -284,8 +285,35 @@ def _error(case: str, rank: int) -> str:
     raise AssertionError(f"{case}: no error")
 
 
+def _decode_failure(pipe, rank: int, world: int) -> dict:
+    """The last stage of ``pipe`` (its generation graphs built) raises in the decode schedule
+    (group 1's first decode token): every rank fails with the engine's error naming that rank,
+    stage and microbatch, as in training."""
+    from test_errors import _raiser_outlives_peers
+
+    ids, mask = _prompts()
+    last = world - 1
+    if rank == last:
+        st = pipe._generator.stages[-1]
+        module, calls = st.module, []
+
+        def failing(*args):
+            calls.append(None)
+            if len(calls) == 4:  # two prefill forwards, then group 0's and group 1's token 0
+                raise ValueError("decode exploded")
+            return module(*args)
+
+        st.module = failing
+    with pytest.raises(px.PipelineError) as info:
+        pipe.generate(ids, attention_mask=mask, max_new_tokens=NEW, groups=2)
+    _raiser_outlives_peers(rank, world, last)
+    e = info.value
+    return {"failed_rank": e.failed_rank, "stage": e.stage, "mb": e.microbatch, "action": e.action}
+
+
 def _errors(rank, world):
-    """Each error on every rank, and the pipeline still generates afterwards."""
+    """Each error on every rank, and the pipeline still generates afterwards; then a failure
+    inside the decode schedule."""
     out = {}
     for case in ("no_head", "too_long", "other_prompts", "other_options"):
         try:
@@ -296,6 +324,7 @@ def _errors(rank, world):
     ids, mask = _prompts()
     got = pipe.generate(ids, attention_mask=mask, max_new_tokens=2)
     assert torch.equal(got, ref.generate(ids, attention_mask=mask, max_new_tokens=2))
+    out["decode_failure"] = _decode_failure(pipe, rank, world)
     return out
 
 
@@ -309,6 +338,8 @@ def test_generate_errors_on_every_rank():
             assert o[case][0] == "BatchMismatchError", o[case]
             assert "other values" in o[case][1], o[case]
         assert "generation_options" in o["other_options"][1]
+        assert o["decode_failure"]["failed_rank"] == 1, o
+    assert out[1]["decode_failure"] == {"failed_rank": 1, "stage": 1, "mb": 1, "action": "F"}
 
 
 def _compiled_between(rank, world) -> list[str]:
