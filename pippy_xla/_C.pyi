@@ -126,6 +126,9 @@ class Schedule(_pybind11_object):
     def split_backward(self) -> bool:
         """B computes input gradients only and W weight gradients."""
     @property
+    def decode_groups(self) -> int:
+        """0, or a decode schedule's groups (see [Note: decode schedules] in schedule.h)."""
+    @property
     def stage_rank(self) -> list[int]:
         """The rank of every stage."""
     @staticmethod
@@ -220,6 +223,13 @@ def make_schedule(
 
 def forward_schedule(stage_rank: Sequence[int], num_ranks: int, num_microbatches: int) -> Schedule:
     """Evaluation on the stages where ``stage_rank`` puts them (any placement)."""
+
+def decode_schedule(
+    stage_rank: Sequence[int], num_ranks: int, groups: int, tokens: int
+) -> Schedule:
+    """Pipelined decoding of ``tokens`` tokens for ``groups`` groups of rows ([Note: decode
+    schedules] in csrc/schedule/schedule.h): microbatch ``t * groups + g`` is group ``g``'s token
+    ``t``."""
 
 def schedule_names() -> list[str]:
     """Every schedule :func:`make_schedule` generates, ``"forward"`` (evaluation) last."""

@@ -360,8 +360,12 @@ class PipelineModel:
         ``repetition_penalty``...); left-padded prompts. Each stage keeps the key/value cache of
         its own layers, and only the sampled tokens travel back (see [Note: generation data flow]
         in ``runtime/_generate.py``). ``groups``: the batch's rows split into that many groups,
-        each a microbatch with its own caches (a pipelined prefill; the stages overlap within a
-        token step). Training and evaluation steps may come before and after."""
+        each a microbatch with its own caches: the prefill is pipelined by groups, and decoding
+        by groups across the ranks (a group's next token starts on the first stage as soon as
+        the last stage sent its token ids), so with as many groups as stages every stage works
+        at every step; a group whose rows all finished leaves the schedule. One group (the
+        default) decodes as HF does in one process, the stages taking turns. Training and
+        evaluation steps may come before and after."""
         return self._generator.generate(
             input_ids, attention_mask, generation_config, kwargs, groups
         )

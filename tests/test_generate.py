@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from models import MODELS, VOCAB, make_batch, tiny
 from torch import nn
 
 import pippy_xla as px
-from pippy_xla.runtime._generate import cache_bytes
+from pippy_xla.runtime._generate import DECODE_WINDOW, cache_bytes
 from pippy_xla.testing import run_ranks
 
 NEW = 6
@@ -47,6 +48,10 @@ def _equal_hf(family: str) -> list[str]:
     pipe, ref = _pipe(family)
     ids, mask = _prompts()
     done = []
+
+    def new_tokens(out: torch.Tensor) -> torch.Tensor:
+        return out[:, ids.shape[1] :]
+
     opts = {"max_new_tokens": NEW, "do_sample": False, **_OPTIONS.get(family, {})}
     greedy = ref.generate(ids, attention_mask=mask, **opts)
     got = pipe.generate(ids, attention_mask=mask, **opts)
@@ -66,9 +71,24 @@ def _equal_hf(family: str) -> list[str]:
     want = ref.generate(ids, attention_mask=mask, **stop)
     got = pipe.generate(ids, attention_mask=mask, groups=2, **stop)
     assert torch.equal(got, want), f"{family} eos\n{got}\n{want}"
-    new = (got[:, ids.shape[1] :] == eos).int()
+    new = (new_tokens(got) == eos).int()
     ends = {int(r.argmax()) if r.any() else NEW for r in new}
     assert len(ends) > 1, f"{family}: every row ended at step {ends}"
+    # A group per row, decode windows of 2 tokens (new tokens 1-2, 3-4, 5): row r ends by its
+    # new token 1 + r, so every row ends before NEW, maybe inside a window; a group that
+    # finished leaves the schedule at the next window.
+    eos = [int(greedy[r, ids.shape[1] + 1 + r]) for r in range(ids.shape[0])]
+    stop = {**opts, "eos_token_id": eos, "pad_token_id": 3}
+    want = ref.generate(ids, attention_mask=mask, **stop)
+    pipe._generator.window = 2
+    got = pipe.generate(ids, attention_mask=mask, groups=3, **stop)
+    pipe._generator.window = DECODE_WINDOW
+    assert torch.equal(got, want), f"{family} eos, 3 groups\n{got}\n{want}"
+    ends = [next((i for i, x in enumerate(r.tolist()) if x in eos), NEW) for r in new_tokens(want)]
+    live = [tuple(r for r, e in enumerate(ends) if e >= s) for s in (1, 3, 5) if s <= max(ends)]
+    assert pipe._generator.decode_runs == live, f"{family}: {pipe._generator.decode_runs}"
+    if family == "llama":  # rows end at new tokens 1, 2 and 3: inside the second window
+        assert live == [(0, 1, 2), (2,)] and want.shape[1] == ids.shape[1] + 4, (live, want)
     done.append("eos")
     sample = {**opts, **SAMPLING, "repetition_penalty": 1.2}
     torch.manual_seed(7)
@@ -122,32 +142,55 @@ def _meta_built(rank, world) -> bool:
     return True
 
 
+def _group_per_stage(world: int) -> bool:
+    """As many groups as stages (a group per row): greedy and seeded sampling equal HF's, every
+    decode run with all groups (no row finishes)."""
+    pipe, ref = _pipe("llama")
+    ids, mask = _prompts(batch=world)
+    for opts in ({"do_sample": False}, SAMPLING):
+        torch.manual_seed(7)
+        want = ref.generate(ids, attention_mask=mask, max_new_tokens=NEW, **opts)
+        torch.manual_seed(7)
+        got = pipe.generate(ids, attention_mask=mask, max_new_tokens=NEW, groups=world, **opts)
+        assert torch.equal(got, want), f"{world} groups {opts}\n{got}\n{want}"
+        assert pipe._generator.decode_runs == [tuple(range(world))]
+    return True
+
+
 def _four(rank, world):
-    return _families(rank, world, ("llama",)), _meta_built(rank, world)
+    return _families(rank, world, ("llama",)), _meta_built(rank, world), _group_per_stage(world)
 
 
 def test_generate_equal_hf_four_ranks():
     out = run_ranks(4, _four, timeout=300)
-    assert out == [({"llama": ["greedy", "eos", "sampling"]}, True)] * 4
+    assert out == [({"llama": ["greedy", "eos", "sampling"]}, True, True)] * 4
 
 
 def _stages_per_rank(rank, world) -> dict[str, list[int]]:
-    """Two stages per rank, in loop (``interleaved``) and V (``zbv``: the last stage on rank 0)
-    placements: HF's greedy tokens; returns each schedule's local stages."""
+    """Two stages per rank, in loop (``interleaved``) and V (``zbv``: the last stage on rank 0,
+    which feeds the first stage's token ids locally) placements, one group and as many as
+    stages; the loop placement once more with transfers matched in order (NCCL's rule, here
+    over gloo): HF's greedy tokens; returns each run's local stages."""
     out = {}
-    for schedule in ("interleaved", "zbv"):
-        pipe, ref = _pipe("llama", schedule=schedule, chunks=2)
+    runs = (("interleaved", "auto"), ("zbv", "auto"), ("interleaved", "in_order"))
+    for schedule, transport in runs:
+        pipe, ref = _pipe("llama", schedule=schedule, chunks=2, transport=transport)
         ids, mask = _prompts()
-        got = pipe.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
         want = ref.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
-        assert torch.equal(got, want), f"{schedule}\n{got}\n{want}"
-        out[schedule] = [st.index for st in pipe.local_stages]
+        for groups in (1, 3) if transport == "auto" else (3,):
+            got = pipe.generate(
+                ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, groups=groups
+            )
+            assert torch.equal(got, want), f"{schedule} {transport} {groups}\n{got}\n{want}"
+        out[f"{schedule} {transport}"] = [st.index for st in pipe.local_stages]
     return out
 
 
 def test_generate_with_two_stages_per_rank():
     out = run_ranks(2, _stages_per_rank, timeout=300)
-    assert out == [{"interleaved": [0, 2], "zbv": [0, 3]}, {"interleaved": [1, 3], "zbv": [1, 2]}]
+    for rank, o in enumerate(out):
+        loop, v = [rank, rank + 2], [rank, 3 - rank]
+        assert o == {"interleaved auto": loop, "zbv auto": v, "interleaved in_order": loop}
 
 
 def _between_steps(rank, world):
@@ -242,8 +285,35 @@ def _error(case: str, rank: int) -> str:
     raise AssertionError(f"{case}: no error")
 
 
+def _decode_failure(pipe, rank: int, world: int) -> dict:
+    """The last stage of ``pipe`` (its generation graphs built) raises in the decode schedule
+    (group 1's first decode token): every rank fails with the engine's error naming that rank,
+    stage and microbatch, as in training."""
+    from test_errors import _raiser_outlives_peers
+
+    ids, mask = _prompts()
+    last = world - 1
+    if rank == last:
+        st = pipe._generator.stages[-1]
+        module, calls = st.module, []
+
+        def failing(*args):
+            calls.append(None)
+            if len(calls) == 4:  # two prefill forwards, then group 0's and group 1's token 0
+                raise ValueError("decode exploded")
+            return module(*args)
+
+        st.module = failing
+    with pytest.raises(px.PipelineError) as info:
+        pipe.generate(ids, attention_mask=mask, max_new_tokens=NEW, groups=2)
+    _raiser_outlives_peers(rank, world, last)
+    e = info.value
+    return {"failed_rank": e.failed_rank, "stage": e.stage, "mb": e.microbatch, "action": e.action}
+
+
 def _errors(rank, world):
-    """Each error on every rank, and the pipeline still generates afterwards."""
+    """Each error on every rank, and the pipeline still generates afterwards; then a failure
+    inside the decode schedule."""
     out = {}
     for case in ("no_head", "too_long", "other_prompts", "other_options"):
         try:
@@ -254,6 +324,7 @@ def _errors(rank, world):
     ids, mask = _prompts()
     got = pipe.generate(ids, attention_mask=mask, max_new_tokens=2)
     assert torch.equal(got, ref.generate(ids, attention_mask=mask, max_new_tokens=2))
+    out["decode_failure"] = _decode_failure(pipe, rank, world)
     return out
 
 
@@ -267,6 +338,8 @@ def test_generate_errors_on_every_rank():
             assert o[case][0] == "BatchMismatchError", o[case]
             assert "other values" in o[case][1], o[case]
         assert "generation_options" in o["other_options"][1]
+        assert o["decode_failure"]["failed_rank"] == 1, o
+    assert out[1]["decode_failure"] == {"failed_rank": 1, "stage": 1, "mb": 1, "action": "F"}
 
 
 def _compiled_between(rank, world) -> list[str]:

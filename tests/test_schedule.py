@@ -116,6 +116,46 @@ def test_forward_table() -> None:
     )
 
 
+def test_decode_table() -> None:
+    """Pipelined decoding (see [Note: decode schedules] in ``csrc/schedule/schedule.h``) of 2
+    tokens for 2 groups on 2 ranks: microbatch ``t * 2 + g``; the last stage's F of a group's
+    token sends its token ids to stage 0's F of the group's next token (SF1.m -> RF0.m+2)."""
+    s = _C.decode_schedule([0, 1], 2, 2, 2)
+    assert (s.name, s.decode_groups, s.num_microbatches, s.backward) == ("decode", 2, 4, False)
+    assert s.table() == (
+        "rank 0: F0.0 SF0.0 RF0.2 F0.1 SF0.1 RF0.3 F0.2 SF0.2 F0.3 SF0.3\n"
+        "rank 1: RF1.0 RF1.1 F1.0 SF1.0 RF1.2 F1.1 SF1.1 RF1.3 F1.2 F1.3\n"
+    )
+    s.validate()
+
+
+@pytest.mark.parametrize("p,groups,tokens", [(2, 1, 3), (2, 2, 3), (3, 2, 4), (3, 3, 4), (2, 5, 2)])
+def test_decode_makespan(p: int, groups: int, tokens: int) -> None:
+    """At unit costs a token's round trip is ``p`` steps: one group leaves ``p - 1`` ranks idle
+    at every step; with ``groups >= p`` every rank works at every step once the first group
+    reached it."""
+    res = _C.decode_schedule(list(range(p)), p, groups, tokens).simulate()
+    busy = max(groups, p)
+    assert res.makespan == busy * (tokens - 1) + groups + p - 1
+    if groups >= p:
+        assert exact_bubble(res, p) == Fraction(p - 1, groups * tokens + p - 1)
+
+
+@pytest.mark.parametrize("placement", ["loop", "v"])
+def test_decode_with_two_stages_per_rank(placement: str) -> None:
+    """Four stages on two ranks, in loop and V placements (the ring's last stage on rank 1 or on
+    rank 0, where it feeds stage 0 locally): valid, and a rank runs its stages in wavefront
+    order (stage 0 of both groups' token before stage 2 of them)."""
+    stage_rank = [_C.stage_rank(i, 2, placement) for i in range(4)]
+    s = _C.decode_schedule(stage_rank, 2, 2, 3)
+    s.validate()
+    other = 2 if placement == "loop" else 3  # rank 0's second stage
+    f0 = [(a.stage, a.mb) for a in s.actions[0] if a.op == "F"]
+    assert f0[:4] == [(0, 0), (0, 1), (other, 0), (other, 1)]
+    with pytest.raises(RuntimeError, match="at least 1 group"):
+        _C.decode_schedule([0, 1], 2, 0, 3)
+
+
 def test_schedule_names() -> None:
     assert _C.schedule_names() == [
         "1f1b",

@@ -61,6 +61,7 @@ void bind_schedule_class(py::module_& m) {
       .def_readonly("num_microbatches", &Schedule::num_microbatches)
       .def_readonly("backward", &Schedule::backward)
       .def_readonly("split_backward", &Schedule::split_backward)
+      .def_readonly("decode_groups", &Schedule::decode_groups)
       .def_readonly("stage_rank", &Schedule::stage_rank)
       .def_static("from_csv", &Schedule::from_csv, py::arg("text"), py::arg("name") = "csv",
                   "A schedule in torch.distributed.pipelining's CSV action format (the file's "
@@ -114,6 +115,10 @@ void bind_generators(py::module_& m) {
   m.def("forward_schedule", &forward_schedule, py::arg("stage_rank"), py::arg("num_ranks"),
         py::arg("num_microbatches"),
         "Evaluation on the stages where `stage_rank` puts them (any placement).");
+  m.def("decode_schedule", &decode_schedule, py::arg("stage_rank"), py::arg("num_ranks"),
+        py::arg("groups"), py::arg("tokens"),
+        "Pipelined decoding of `tokens` tokens for `groups` groups of rows ([Note: decode "
+        "schedules]): microbatch t * groups + g is group g's token t.");
 }
 
 void bind_layout(py::module_& m) {

@@ -86,8 +86,10 @@ void Engine::index_in_order() {
     if (src == rank_) continue;
     for (const Action& a : schedule_.actions[src]) {
       std::tuple<Op, int64_t, int64_t> key;
-      if (a.op == Op::SEND_F && schedule_.stage_rank[a.stage + 1] == rank_) {
-        key = {Op::RECV_F, a.stage + 1, a.mb};
+      Action next;
+      if (a.op == Op::SEND_F && schedule_.next_forward(a.stage, a.mb, &next) &&
+          schedule_.stage_rank[next.stage] == rank_) {
+        key = {Op::RECV_F, next.stage, next.mb};
       } else if (a.op == Op::SEND_B && schedule_.stage_rank[a.stage - 1] == rank_) {
         key = {Op::RECV_B, a.stage - 1, a.mb};
       } else {
@@ -105,6 +107,12 @@ void Engine::index_in_order() {
   for (const auto& [key, pos] : receive_at)
     TORCH_CHECK(in_order_index_.count(pos), "schedule '", schedule_.name, "': rank ", rank_,
                 " has a receive at position ", pos, " that no rank sends");
+}
+
+int32_t Engine::prev_stage(const Action& a) const {
+  Action prev;
+  TORCH_CHECK(schedule_.prev_forward(a.stage, a.mb, &prev), where(a, "receives from no forward"));
+  return prev.stage;
 }
 
 std::string Engine::where(const Action& a, const char* what) const {
@@ -367,7 +375,7 @@ void Engine::do_recv_f(StepState& st, const Action& a) {
 }
 
 void Engine::post_header_recv(StepState& st, const Action& a) {
-  const int64_t peer = schedule_.stage_rank[a.stage - 1];
+  const int64_t peer = schedule_.stage_rank[prev_stage(a)];
   auto buf = at::empty({kHeaderLen}, at::TensorOptions().dtype(at::kLong).device(header_.device));
   st.headers.emplace(Slot{a.stage, a.mb},
                      track(irecv(buf, peer, tag(kHeader, a.stage, a.mb, 0), header_route_, {},
@@ -375,7 +383,7 @@ void Engine::post_header_recv(StepState& st, const Action& a) {
 }
 
 void Engine::post_activation_recvs(StepState& st, const Action& a) {
-  const int64_t peer = schedule_.stage_rank[a.stage - 1];
+  const int64_t peer = schedule_.stage_rank[prev_stage(a)];
   const Slot slot{a.stage, a.mb};
   auto& ts = st.recv_f[slot];
   const auto& specs = st.specs->in.at(slot);
@@ -390,7 +398,9 @@ void Engine::post_activation_recvs(StepState& st, const Action& a) {
 void Engine::do_forward(StepState& st, const Action& a, const StageFn& forward) {
   const Slot slot{a.stage, a.mb};
   std::vector<at::Tensor> inputs;
-  if (a.stage > 0 && schedule_.stage_rank[a.stage - 1] != rank_) {
+  Action prev, next;
+  const bool has_prev = schedule_.prev_forward(a.stage, a.mb, &prev);
+  if (has_prev && schedule_.stage_rank[prev.stage] != rank_) {
     if (options_.in_order) {
       post_in_order(st, recv_f_pos_.at(slot));
     } else if (st.discover) {
@@ -403,14 +413,16 @@ void Engine::do_forward(StepState& st, const Action& a, const StageFn& forward) 
     const auto& specs = st.specs->in.at(slot);
     for (size_t i = 0; i < inputs.size(); ++i)
       if (specs[i].requires_grad) inputs[i].requires_grad_(true);
-  } else if (a.stage > 0) {
+  } else if (has_prev) {
     inputs = std::move(st.local_in.at(slot));
     st.local_in.erase(slot);
   }
   compute_start_ns_ = now_ns();
   std::vector<at::Tensor> outputs = forward(a.stage, a.mb, inputs);
-  const bool last = a.stage == schedule_.num_stages - 1;
-  if (!last) {
+  // Outputs that feed another forward: the next stage's, or the next token's on a decode
+  // schedule's last stage ([Note: decode schedules] in schedule.h).
+  const bool feeds = schedule_.next_forward(a.stage, a.mb, &next);
+  if (feeds) {
     TORCH_CHECK(static_cast<int64_t>(outputs.size()) <= kMaxBoundaryTensors,
                 where(a, "too many boundary tensors"));
     std::vector<TensorSpec> specs;
@@ -424,36 +436,38 @@ void Engine::do_forward(StepState& st, const Action& a, const StageFn& forward) 
     } else {
       TORCH_CHECK(known == specs,
                   where(a, c10::str("stage outputs are ", specs_str(specs), " but stage ",
-                                    a.stage + 1, " expects ", specs_str(known),
+                                    next.stage, " expects ", specs_str(known),
                                     " (agreed the first time this batch shape was seen); boundary "
                                     "tensors must depend only on the batch's shapes")
                                .c_str()));
     }
-    if (schedule_.stage_rank[a.stage + 1] == rank_) {
-      auto& next = st.local_in[{a.stage + 1, a.mb}];
-      for (const auto& o : outputs) next.push_back(o.detach().requires_grad_(o.requires_grad()));
-      st.specs->in[{a.stage + 1, a.mb}] = specs;
+    if (schedule_.stage_rank[next.stage] == rank_) {
+      auto& local = st.local_in[{next.stage, next.mb}];
+      for (const auto& o : outputs) local.push_back(o.detach().requires_grad_(o.requires_grad()));
+      st.specs->in[{next.stage, next.mb}] = specs;
     }
   }
   if (schedule_.backward) stash_.push(a.stage, a.mb, StashSlot{inputs, outputs});
   // Kept for SEND_F only: a reference held longer would keep the microbatch's graph alive.
-  if (!last && schedule_.stage_rank[a.stage + 1] != rank_) st.fwd_out[slot] = std::move(outputs);
+  if (feeds && schedule_.stage_rank[next.stage] != rank_) st.fwd_out[slot] = std::move(outputs);
 }
 
 void Engine::do_send_f(StepState& st, const Action& a) {
   const Slot slot{a.stage, a.mb};
-  const int64_t peer = schedule_.stage_rank[a.stage + 1];
+  Action next;
+  TORCH_CHECK(schedule_.next_forward(a.stage, a.mb, &next), where(a, "sends to no forward"));
+  const int64_t peer = schedule_.stage_rank[next.stage];
   auto outputs = std::move(st.fwd_out.at(slot));
   st.fwd_out.erase(slot);
   if (st.discover) {
     auto header = encode_header(st.specs->out.at(slot), where(a, "header")).to(header_.device);
     st.sends[st.pos].push_back(
-        track(isend(header, peer, tag(kHeader, a.stage + 1, a.mb, 0), header_route_, {},
+        track(isend(header, peer, tag(kHeader, next.stage, next.mb, 0), header_route_, {},
                     context(a, peer, "the boundary header"))));
   }
   for (size_t i = 0; i < outputs.size(); ++i) {
     st.sends[st.pos].push_back(track(
-        isend(outputs[i].detach().contiguous(), peer, data_tag(kActivation, a.stage + 1, a.mb, i),
+        isend(outputs[i].detach().contiguous(), peer, data_tag(kActivation, next.stage, next.mb, i),
               group_of(rank_, peer), {}, context(a, peer, "activation", i))));
   }
 }

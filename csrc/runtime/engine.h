@@ -173,6 +173,8 @@ class Engine {
                           int64_t index = -1) const;
   Failure failure_of(const StepState& st, std::exception_ptr error) const;
   std::string where(const Action& a, const char* what) const;
+  // The stage whose forward sends `a`'s (a RECV_F's or F's) inputs (see Schedule::prev_forward).
+  int32_t prev_stage(const Action& a) const;
   int64_t tag(int kind, int64_t stage, int64_t mb, int64_t idx) const;
   // Looks up the step's groups (see [Note: routes] in transport/p2p.h).
   void resolve_routes();

@@ -43,8 +43,9 @@ std::vector<std::vector<size_t>> send_releases(const Schedule& s, int32_t rank) 
   };
   // The F or B on the receiving rank that waits for the data of send action `a`.
   auto consumer = [&](const Action& a) {
-    const int32_t to = a.op == Op::SEND_F ? a.stage + 1 : a.stage - 1;
-    return std::make_pair(s.stage_rank[to], Action{a.op == Op::SEND_F ? Op::F : Op::B, to, a.mb});
+    Action use{Op::B, a.stage - 1, a.mb};
+    if (a.op == Op::SEND_F) s.next_forward(a.stage, a.mb, &use);
+    return std::make_pair(s.stage_rank[use.stage], use);
   };
   for (size_t i = 0; i < mine.size(); ++i) {
     if (mine[i].op != Op::SEND_F && mine[i].op != Op::SEND_B) continue;

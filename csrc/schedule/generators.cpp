@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <deque>
 #include <functional>
+#include <tuple>
 
 #include "schedule/facts.h"
 #include "schedule/layout.h"
@@ -260,6 +261,27 @@ Schedule forward_schedule(std::vector<int32_t> stage_rank, int32_t num_ranks,
   for (int32_t r = 0; r < num_ranks; ++r)
     for (int32_t stage : s.stages_of(r))
       for (int32_t i = 0; i < num_microbatches; ++i) compute[r].push_back({Op::F, stage, i});
+  return with_transfers(std::move(s), compute);
+}
+
+Schedule decode_schedule(std::vector<int32_t> stage_rank, int32_t num_ranks, int32_t groups,
+                         int32_t tokens) {
+  TORCH_CHECK(groups >= 1 && tokens >= 1,
+              "decode schedule: need at least 1 group and 1 token, got ", groups, " and ", tokens);
+  Schedule s = forward_schedule(std::move(stage_rank), num_ranks, groups * tokens);
+  s.name = "decode";
+  s.decode_groups = groups;
+  const int32_t p = s.num_stages;
+  Orders compute(num_ranks);
+  for (int32_t r = 0; r < num_ranks; ++r) {
+    std::vector<std::tuple<int32_t, int32_t, int32_t>> order;  // (wavefront, group, stage)
+    for (int32_t stage : s.stages_of(r))
+      for (int32_t t = 0; t < tokens; ++t)
+        for (int32_t g = 0; g < groups; ++g) order.emplace_back(t * p + stage, g, stage);
+    std::sort(order.begin(), order.end());
+    for (const auto& [wave, g, stage] : order)
+      compute[r].push_back({Op::F, stage, (wave - stage) / p * groups + g});
+  }
   return with_transfers(std::move(s), compute);
 }
 

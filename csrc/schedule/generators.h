@@ -27,4 +27,13 @@ Schedule make_schedule(const std::string& name, int32_t num_ranks, int32_t num_m
 Schedule forward_schedule(std::vector<int32_t> stage_rank, int32_t num_ranks,
                           int32_t num_microbatches);
 
+// Pipelined decoding of `tokens` tokens for `groups` groups of rows on any stage placement (see
+// [Note: decode schedules] in schedule.h): microbatch t * groups + g is group g's token t, and the
+// last stage's forward of it feeds stage 0's forward of the group's token t + 1 (its sampled
+// token ids). Every rank runs its forwards in wavefront order, by (t * stages + stage, g): a
+// rank holding stage s runs group g's token t while the rank of stage s - 1 runs group g + 1's,
+// so with groups >= stages every stage has a group to work on at every step.
+Schedule decode_schedule(std::vector<int32_t> stage_rank, int32_t num_ranks, int32_t groups,
+                         int32_t tokens);
+
 }  // namespace pippy_xla

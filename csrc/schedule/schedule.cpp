@@ -92,10 +92,31 @@ std::string Schedule::table() const {
   return os.str();
 }
 
+bool Schedule::next_forward(int32_t stage, int32_t mb, Action* next) const {
+  Action a{Op::F, stage + 1, mb};
+  if (stage == num_stages - 1) {
+    if (decode_groups <= 0 || mb + decode_groups >= num_microbatches) return false;
+    a = {Op::F, 0, mb + decode_groups};
+  }
+  if (next) *next = a;
+  return true;
+}
+
+bool Schedule::prev_forward(int32_t stage, int32_t mb, Action* prev) const {
+  Action a{Op::F, stage - 1, mb};
+  if (stage == 0) {
+    if (decode_groups <= 0 || mb < decode_groups) return false;
+    a = {Op::F, num_stages - 1, mb - decode_groups};
+  }
+  if (prev) *prev = a;
+  return true;
+}
+
 bool is_compute(Op op) { return op == Op::F || op == Op::B || op == Op::W; }
 
 Schedule with_transfers(Schedule s, const std::vector<std::vector<Action>>& compute) {
   const int32_t last = s.num_stages - 1;
+  Action other;  // a neighbouring forward (see [Note: decode schedules])
   s.actions.assign(s.num_ranks, {});
   for (int32_t r = 0; r < s.num_ranks; ++r) {
     const auto& c = compute[r];
@@ -105,7 +126,8 @@ Schedule with_transfers(Schedule s, const std::vector<std::vector<Action>>& comp
       const Action& a = c[i];
       if (a.op == Op::F) f_index[{a.stage, a.mb}] = i;
       size_t at = i == 0 ? 0 : i - 1;
-      if (a.op == Op::F && a.stage > 0 && s.stage_rank[a.stage - 1] != r) {
+      if (a.op == Op::F && s.prev_forward(a.stage, a.mb, &other) &&
+          s.stage_rank[other.stage] != r) {
         before[at].push_back({Op::RECV_F, a.stage, a.mb});
       } else if (a.op == Op::B && a.stage < last && s.stage_rank[a.stage + 1] != r) {
         at = std::max(at, f_index.at({a.stage, a.mb}) + 1);
@@ -117,7 +139,8 @@ Schedule with_transfers(Schedule s, const std::vector<std::vector<Action>>& comp
       const Action& a = c[i];
       out.insert(out.end(), before[i].begin(), before[i].end());
       out.push_back(a);
-      if (a.op == Op::F && a.stage < last && s.stage_rank[a.stage + 1] != r) {
+      if (a.op == Op::F && s.next_forward(a.stage, a.mb, &other) &&
+          s.stage_rank[other.stage] != r) {
         out.push_back({Op::SEND_F, a.stage, a.mb});
       } else if (a.op == Op::B && a.stage > 0 && s.stage_rank[a.stage - 1] != r) {
         out.push_back({Op::SEND_B, a.stage, a.mb});

@@ -49,6 +49,24 @@ struct Schedule {
   bool split_backward = false;      // B computes input gradients only; W computes weight gradients
   std::vector<int32_t> stage_rank;  // stage -> rank
   std::vector<std::vector<Action>> actions;  // rank -> ordered actions
+  // 0, or a decode schedule of that many groups (forward only): see [Note: decode schedules].
+  int32_t decode_groups = 0;
+
+  // [Note: decode schedules] Pipelined generation (decode_schedule in generators.h) as a ring of
+  // stages: microbatch m is token m / G of group m % G (G = decode_groups), and the last stage's
+  // forward of m, which samples that group's next token ids, feeds the first stage's forward of
+  // m + G (the group's next token) besides the usual stage s -> s + 1 edges. That edge is an
+  // ordinary pair of actions, SEND_F on the last stage and RECV_F on stage 0 (the receiver's
+  // (stage, microbatch) as always), so the engine moves the token ids as it moves activations:
+  // the same transfers, boundary headers, tags, waits and failures. next_forward and
+  // prev_forward name the edges; everything that follows them (transfers, validator, simulator,
+  // engine, send release) is written with them.
+  //
+  // The forward of (stage, mb) whose outputs (stage, mb)'s feed, if any: (stage + 1, mb), or on
+  // a decode schedule's last stage (0, mb + decode_groups) while that microbatch exists.
+  bool next_forward(int32_t stage, int32_t mb, Action* next = nullptr) const;
+  // The forward whose outputs (stage, mb) takes as inputs, if any (next_forward's inverse).
+  bool prev_forward(int32_t stage, int32_t mb, Action* prev = nullptr) const;
 
   // A hand-written schedule: `stage_rank` gives the number of stages.
   static Schedule from_parts(std::string name, int32_t num_ranks, int32_t num_microbatches,

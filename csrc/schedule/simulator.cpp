@@ -56,9 +56,11 @@ class Timeline {
   bool ready(int32_t r, const Action& a, double* t) const {
     *t = 0.0;
     switch (a.op) {
-      case Op::F:
-        if (a.stage == 0) return true;
-        return input(r, {Op::F, a.stage - 1, a.mb}, Op::SEND_F, t);
+      case Op::F: {
+        Action prev;
+        if (!s_.prev_forward(a.stage, a.mb, &prev)) return true;
+        return input(r, prev, Op::SEND_F, t);
+      }
       case Op::B:
         if (!end_of({Op::F, a.stage, a.mb}, t)) return false;
         if (a.stage == s_.num_stages - 1) return true;

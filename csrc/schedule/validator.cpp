@@ -19,6 +19,9 @@ void check_sizes(const Schedule& s) {
               "': ", s.actions.size(), " action lists for ", s.num_ranks, " ranks");
   TORCH_CHECK(!s.split_backward || s.backward, "schedule '", s.name,
               "': split backward without backward");
+  TORCH_CHECK(s.decode_groups >= 0 && (s.decode_groups == 0 || !s.backward), "schedule '", s.name,
+              "': a decode schedule (decode_groups ", s.decode_groups,
+              ") must be forward only and have >= 1 group");
   for (int32_t st = 0; st < s.num_stages; ++st) {
     const int32_t r = s.stage_rank[st];
     TORCH_CHECK(r >= 0 && r < s.num_ranks, "schedule '", s.name, "': stage ", st,
@@ -34,9 +37,10 @@ std::set<Action> expected_actions(const Schedule& s) {
     const int32_t r = s.stage_rank[st];
     for (int32_t m = 0; m < s.num_microbatches; ++m) {
       expected.insert({Op::F, st, m});
-      if (st < last && s.stage_rank[st + 1] != r) {
+      Action next;
+      if (s.next_forward(st, m, &next) && s.stage_rank[next.stage] != r) {
         expected.insert({Op::SEND_F, st, m});
-        expected.insert({Op::RECV_F, st + 1, m});
+        expected.insert({Op::RECV_F, next.stage, next.mb});
       }
       if (!s.backward) continue;
       expected.insert({Op::B, st, m});

@@ -3,30 +3,41 @@
 [Note: generation data flow]
 
 Every rank calls ``generate`` with the same prompts. After one handshake (the prompts, the mask
-and the call's generation options, compared as a step's batch is), each step of the decoding loop
-is one run of a forward-only engine over the generation graphs (see [Note: per-stage generation
-graphs] in ``split/generation.py``): the prefill step with the whole prompt, then one step per
-new token with the last token of each row. The batch is split into ``groups`` groups of rows
-(``generate(..., groups=G)``, at most one per row), one per microbatch, each group with its own
-cache on every stage: the engine runs them in a forward schedule, so the prefill is pipelined by
-microbatches like a training forward, and within a token step the stages work on different
-groups. Hidden states cross the stage boundaries on the same C++ engine and transports as in
-training; each cache is updated in place by its stage's own layers. The last stage keeps the last
-position's logits of each group, and HF's logits processors, sampling and stopping criteria
-(:class:`_Sampler`) turn the whole batch's into one token per row and a stop flag, as HF does in
-one process (so seeded sampling draws what HF draws); only those ``batch + 1`` integers travel,
-broadcast from the last rank, so every rank extends its copy of the sequences and returns HF's
-result. Logits never leave the last rank. One group is the default (the stages take turns on
-the whole batch): while token steps end together, each more group adds a forward action per
-stage and step, and on the shared 2-core VM two groups were not faster than one
-(``benchmarks/generate.py``, docs/benchmarks.md).
+and the call's generation options, compared as a step's batch is), the batch is split into
+``groups`` groups of rows (``generate(..., groups=G)``, at most one per row), each with its own
+cache on every stage (see [Note: per-stage generation graphs] in ``split/generation.py``), and
+the C++ engine runs two kinds of forward-only schedules over them, a group per microbatch; hidden
+states cross the stage boundaries on the same engine and transports as in training, and each
+cache is updated in place by its stage's own layers.
 
-Not yet: token steps still end together (group ``g``'s step ``t + 1`` waits for every group's
-step ``t``), and finished rows are still computed. Decoding pipelined across steps (issue 50,
-item 3) keeps these groups and caches and changes the schedule: group ``g``'s step ``t + 1``
-starts on the first stage as soon as its own tokens of step ``t`` arrive (a per-group token send
-from the last stage to the first instead of the broadcast, decode actions in the C++ schedule),
-and a group whose rows have all finished leaves the schedule.
+- The prefill: one run of a forward schedule with the whole prompts, pipelined by groups like a
+  training forward. The last stage keeps the last position's logits of each group and samples
+  each group's first token; the first tokens and a stop flag per group are broadcast from the
+  last rank.
+- Decoding, in windows of up to ``DECODE_WINDOW`` tokens: one run of a decode schedule per
+  window ([Note: decode schedules] in ``csrc/schedule/schedule.h``), a ring of the stages in
+  which the last stage's forward of group ``g``'s token ``t`` samples the group's next token ids
+  and sends them, point to point, to the first stage, whose forward of the group's token
+  ``t + 1`` starts as soon as they arrive. Each rank runs its forwards in wavefront order, so
+  group ``g``'s token ``t`` runs on stage ``s`` while group ``g + 1``'s runs on stage ``s - 1``:
+  with ``groups >= stages`` every stage has a group to work on at every step, while one group
+  leaves the stages taking turns. At the end of a window the last rank broadcasts the window's
+  tokens and, per group, the step at which all its rows had finished, so that every rank extends
+  its copy of the sequences and returns HF's result.
+
+Sampling is HF's (:class:`_Sampler`: its logits processors, sampling and stopping criteria), one
+sampler per group on the last rank, called in the order ``(token, group)``: greedy decoding is
+HF's token for token, and so is seeded sampling while every group is in the schedule, since
+``torch.multinomial`` draws a batch's rows in row order from the generator (one group: always
+HF's; several: reproducible). Only token ids and the per-group stop steps travel; logits never
+leave the last stage, so the stages after the first get zeros of the input ids' shape: their
+graphs recompute masks, positions and rotary tables from the batch inputs (some embed the ids for
+a dtype), which need the shape, not the tokens (the families of ``tests/test_generate.py``). A
+group whose rows have all finished (with an end-of-sequence token, after
+which HF pads them with ``pad_token_id``) leaves the schedule at the next window and costs no
+more work; the sequences end where HF's do (the step at which the last row finished), even
+inside a window. Finished rows of a group that still has unfinished rows are still computed, as
+in HF's one-process loop.
 """
 
 from __future__ import annotations
@@ -54,23 +65,32 @@ from pippy_xla.split.partition import LayerCls
 if TYPE_CHECKING:
     from pippy_xla.runtime._step import StepRunner
 
-__all__ = ["Generator", "cache_bytes"]
+__all__ = ["DECODE_WINDOW", "Generator", "cache_bytes"]
 
 logger = logging.getLogger(__name__)
 
+DECODE_WINDOW = 16
+"""Tokens per decode-schedule run (see [Note: generation data flow]): the stages drain once per
+window (``stages - 1`` forwards of each rank's time, and a broadcast of the window's tokens), and
+a group whose rows have all finished leaves at the end of a window."""
+
 
 class _Sampler:
-    """The last rank's part of HF's ``_sample`` loop: logits -> tokens and whether to stop."""
+    """The last rank's part of HF's ``_sample`` loop for one group of rows: logits -> tokens, and
+    whether all its rows have finished."""
 
-    def __init__(self, settings: GenerationSettings, batch: int, device: torch.device) -> None:
+    def __init__(self, settings: GenerationSettings, ids: torch.Tensor) -> None:
         self.settings = settings
-        self.unfinished = torch.ones(batch, dtype=torch.long, device=device)
-        self.pad = settings.pad.to(device) if settings.pad is not None else None
+        self.ids = ids
+        """The group's sequences so far (its prompts and the tokens sampled)."""
+        self.unfinished = torch.ones(ids.shape[0], dtype=torch.long, device=ids.device)
+        self.pad = settings.pad.to(ids.device) if settings.pad is not None else None
 
-    def next(self, ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """``[tokens..., stop]`` for the sequences ``ids`` and their last position's logits."""
+    def next(self, logits: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """The group's next tokens from its last position's ``logits``, and whether every row of
+        the group has finished."""
         s = self.settings
-        scores = s.processors(ids, logits.to(copy=True, dtype=torch.float32))
+        scores = s.processors(self.ids, logits.to(copy=True, dtype=torch.float32))
         if s.config.do_sample:
             probs = nn.functional.softmax(scores, dim=-1)
             tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
@@ -78,14 +98,36 @@ class _Sampler:
             tokens = torch.argmax(scores, dim=-1)
         if s.has_eos:
             tokens = tokens * self.unfinished + self.pad * (1 - self.unfinished)
-        extended = torch.cat([ids, tokens[:, None]], dim=-1)
-        self.unfinished = self.unfinished & ~s.stopping(extended, None)
-        stop = (self.unfinished.max() == 0).to(torch.long)
-        return torch.cat([tokens.to(torch.long), stop[None]])
+        tokens = tokens.to(torch.long)
+        self.ids = torch.cat([self.ids, tokens[:, None]], dim=-1)
+        self.unfinished = self.unfinished & ~s.stopping(self.ids, None)
+        return tokens, bool(self.unfinished.max() == 0)
+
+
+class _Groups:
+    """One generation's groups of rows, as every rank knows them."""
+
+    def __init__(self, rows: list[int], mask: torch.Tensor, positions: torch.Tensor) -> None:
+        self.rows = rows
+        self.mask = list(mask.split(rows))
+        """Each group's attention mask, up to its last sampled token."""
+        self.next_position = list(positions[:, -1:].split(rows))
+        """Each group's position of its last token (the next forward's input ids)."""
+        self.tokens: list[torch.Tensor] = []
+        """Each group's last sampled tokens, ``[rows, 1]``: the next forward's input ids."""
+        self.stopped = [False] * len(rows)
+        """Whether all of a group's rows have finished."""
+
+    def live(self, has_eos: bool) -> list[int]:
+        """The groups the next window runs: those with unfinished rows; all groups while
+        finished rows are not padded (without end-of-sequence tokens HF computes them on)."""
+        if all(self.stopped):
+            return []
+        return [g for g in range(len(self.rows)) if not (has_eos and self.stopped[g])]
 
 
 class Generator:
-    """Generation on one rank of a built pipeline; its graphs and engine are made at the first
+    """Generation on one rank of a built pipeline; its graphs and engines are made at the first
     call and kept (see [Note: per-stage generation graphs])."""
 
     def __init__(self, model: nn.Module, layer_cls: LayerCls, runner: StepRunner) -> None:
@@ -95,11 +137,16 @@ class Generator:
         self.place = runner.place
         self.failures: FailureState = runner.failures
         self.stages: list[StageGraph] | None = None
-        self.engines: dict[int, _C.Engine] = {}
-        """The forward-only engine of each group count."""
+        self.engines: dict[tuple, _C.Engine] = {}
+        """The prefill engine of each group count and the decode engine of each (group sizes,
+        window); see [Note: generation data flow]."""
         self.caches: dict[int, list[Any]] = {}
         """The last generation's caches of each local stage, one per group (until the next
         call)."""
+        self.window = DECODE_WINDOW
+        """Tokens per decode-schedule run (tests set fewer)."""
+        self.decode_runs: list[tuple[int, ...]] = []
+        """The last generation's decode-schedule runs: each one's live groups."""
 
     def _setup(self) -> None:
         if self.stages is not None:
@@ -131,38 +178,36 @@ class Generator:
                 "a pipeline built without mesh=..."
             )
         self.caches = {}
+        self.decode_runs = []
         ids, mask = _check_prompts(input_ids, attention_mask)
         self._agree(ids, mask, generation_config, {**kwargs, "groups": groups})  # on the CPU
         ids, mask = ids.to(self.place.device), mask.to(self.place.device)
         settings = prepare_generation(self.model, ids, generation_config, kwargs)
         self._setup()
         positions = self.model._prepare_position_ids_for_generation(ids, {"attention_mask": mask})
-        rows = self._groups(ids.shape[0], groups)
+        rows = [len(r) for r in torch.arange(ids.shape[0]).tensor_split(min(groups, ids.shape[0]))]
         caches = self.caches = self._caches(settings, len(rows))
-        sampler = None
+        samplers = None
         if self.place.rank == self.runner.last_rank:
-            sampler = _Sampler(settings, ids.shape[0], self.place.device)
+            samplers = [_Sampler(settings, part) for part in ids.split(rows)]
+        state = _Groups(rows, mask, positions)
         inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
-        while True:
-            out = self._step(inputs, rows, caches, ids, sampler)
-            tokens, stop = out[:-1], bool(out[-1])
-            ids = torch.cat([ids, tokens[:, None]], dim=-1)
-            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
-            positions = positions[:, -1:] + 1
-            inputs = {"input_ids": tokens[:, None], "attention_mask": mask}
-            inputs["position_ids"] = positions
-            if stop:
-                return ids
+        ids = self._prefill(inputs, state, caches, samplers)
+        while ids.shape[1] < settings.max_length:
+            live = state.live(settings.has_eos)
+            if not live:
+                break
+            window = min(self.window, settings.max_length - ids.shape[1])
+            ids, end = self._decode(ids, live, window, state, caches, samplers, settings)
+            if end is not None:
+                return ids[:, :end]
+        return ids
 
-    def _groups(self, batch: int, groups: int) -> list[int]:
-        """The rows of each of ``groups`` groups (at most one per row), and the engine of that
-        many groups, made once."""
-        rows = [len(r) for r in torch.arange(batch).tensor_split(min(groups, batch))]
-        if len(rows) not in self.engines:
-            stage_rank = self.runner.train_engine.schedule.stage_rank
-            schedule = _C.forward_schedule(stage_rank, self.place.num_ranks, len(rows))
-            self.engines[len(rows)] = self.place.engine(schedule)
-        return rows
+    def _engine(self, key: tuple, make: Callable[[], _C.Schedule]) -> _C.Engine:
+        """The engine of ``key``, of the schedule ``make()`` at its first use."""
+        if key not in self.engines:
+            self.engines[key] = self.place.engine(make())
+        return self.engines[key]
 
     def _caches(self, settings: GenerationSettings, groups: int) -> dict[int, list[Any]]:
         """Every local stage's cache of each group."""
@@ -190,57 +235,147 @@ class Generator:
         key, contents = step_key("generate", batch, True)
         agree_on_step(key, contents, batch, self.place.rank, self.runner.gather_ints)
 
-    def _step(
-        self,
-        inputs: dict[str, torch.Tensor],
-        rows: list[int],
-        caches: dict[int, list[Any]],
-        ids: torch.Tensor,
-        sampler: _Sampler | None,
-    ) -> torch.Tensor:
-        """One engine run over ``inputs``, a microbatch per group of ``rows``; the broadcast
-        ``[tokens..., stop]``."""
-        logits: dict[int, torch.Tensor] = {}
-        forward = self._forward({k: v.split(rows) for k, v in inputs.items()}, caches, logits)
-        batch, length = inputs["input_ids"].shape
+    def _signature(self, *what: Any) -> int:
+        """The engine signature of a run described by ``what``."""
         device = self.place.device.type  # autocast changes the boundary dtype: another key
         cast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-        signature = digest64(repr(("generate", rows, length, cast)).encode())
-        self.failures.run_step(self.engines[len(rows)], signature, forward, None)
-        if sampler is not None:
-            out = sampler.next(ids, torch.cat([logits[g] for g in range(len(rows))]))
-        else:
-            out = torch.zeros(batch + 1, dtype=torch.long, device=self.place.device)
+        return digest64(repr((*what, cast)).encode())
+
+    def _broadcast(self, out: torch.Tensor, what: str) -> torch.Tensor:
+        """``out`` of the last rank on every rank (a watched collective)."""
         place = self.place
-        what = f"[rank {place.rank}] generated tokens broadcast"
         return self.failures.watched(
-            "generated tokens broadcast",
+            what,
             _C.broadcast_copy,
             out,
             self.runner.last_rank,
             place.group_name,
             place.timeout_ms,
-            what,
+            f"[rank {place.rank}] {what}",
             abortable=self.runner._abortable,
         )
 
-    def _forward(
-        self, groups: dict[str, tuple[torch.Tensor, ...]], caches: dict[int, list], logits: dict
-    ) -> Callable:
-        """The engine's forward: microbatch ``mb`` is group ``mb``'s rows, with its cache."""
-        stages = self.stages
-        last = len(stages) - 1
+    def _prefill(
+        self,
+        inputs: dict[str, torch.Tensor],
+        state: _Groups,
+        caches: dict[int, list[Any]],
+        samplers: list[_Sampler] | None,
+    ) -> torch.Tensor:
+        """The prompts through a forward schedule, a microbatch per group; the sequences with
+        their first new token, on every rank."""
+        rows = state.rows
+        stage_rank = self.runner.train_engine.schedule.stage_rank
+        num_ranks = self.place.num_ranks
+        engine = self._engine(
+            ("prefill", len(rows)), lambda: _C.forward_schedule(stage_rank, num_ranks, len(rows))
+        )
+        logits: dict[int, torch.Tensor] = {}
+        parts = {k: v.split(rows) for k, v in inputs.items()}
+        stages, last = self.stages, len(self.stages) - 1
 
         def forward(stage: int, mb: int, received: list[torch.Tensor]):
             st = stages[stage]
-            own = (groups[n][mb] for n in st.batch_inputs)
-            out = st.module(*own, *received, caches[stage][mb])
+            out = st.module(*(parts[n][mb] for n in st.batch_inputs), *received, caches[stage][mb])
             if stage != last:
                 return out
             logits[mb] = out[0][:, -1]
             return []
 
-        return forward
+        length = inputs["input_ids"].shape[1]
+        signature = self._signature("generate", rows, length)
+        self.failures.run_step(engine, signature, forward, None)
+        out = torch.zeros(sum(rows) + len(rows), dtype=torch.long, device=self.place.device)
+        if samplers is not None:
+            drawn = [samplers[g].next(logits[g]) for g in range(len(rows))]
+            out = torch.cat([t for t, _ in drawn] + [out.new_tensor([s for _, s in drawn])])
+        out = self._broadcast(out, "generated tokens broadcast")
+        tokens, stops = out[: sum(rows)], out[sum(rows) :]
+        state.tokens = list(tokens[:, None].split(rows))
+        state.stopped = [bool(x) for x in stops]
+        state.mask = [torch.cat([m, m.new_ones(m.shape[0], 1)], dim=-1) for m in state.mask]
+        state.next_position = [p + 1 for p in state.next_position]
+        return torch.cat([inputs["input_ids"], tokens[:, None]], dim=-1)
+
+    def _decode(
+        self,
+        ids: torch.Tensor,
+        live: list[int],
+        window: int,
+        state: _Groups,
+        caches: dict[int, list[Any]],
+        samplers: list[_Sampler] | None,
+        settings: GenerationSettings,
+    ) -> tuple[torch.Tensor, int | None]:
+        """One decode-schedule run: ``window`` tokens of the ``live`` groups (see [Note:
+        generation data flow]). Returns the sequences extended by the window (on every rank) and,
+        if every row has finished inside it, their length there (where HF's end)."""
+        rows = [state.rows[g] for g in live]
+        n = len(live)
+        stage_rank = self.runner.train_engine.schedule.stage_rank
+        num_ranks = self.place.num_ranks
+        engine = self._engine(
+            ("decode", tuple(rows), window),
+            lambda: _C.decode_schedule(stage_rank, num_ranks, n, window),
+        )
+        stages, last = self.stages, len(self.stages) - 1
+        drawn: list[list[torch.Tensor]] = [[] for _ in live]
+        stopped_at = [0] * n  # per live group: tokens of the window until all its rows finished
+        ones = [state.mask[g].new_ones(state.mask[g].shape[0], window) for g in live]
+        no_ids = [state.tokens[g].new_zeros(state.tokens[g].shape) for g in live]
+
+        def forward(stage: int, mb: int, received: list[torch.Tensor]):
+            t, j = divmod(mb, n)
+            g = live[j]
+            st = stages[stage]
+            batch = {"attention_mask": torch.cat([state.mask[g], ones[j][:, :t]], dim=-1)}
+            batch["position_ids"] = state.next_position[g] + t
+            if stage == 0:  # the group's last tokens: from the last stage, or the window's start
+                batch["input_ids"] = received.pop()[:, None] if t else state.tokens[g]
+            else:  # see [Note: generation data flow]: the shape matters here, not the ids
+                batch["input_ids"] = no_ids[j]
+            own = (batch[name] for name in st.batch_inputs)
+            out = st.module(*own, *received, caches[stage][g])
+            if stage != last:
+                return out
+            tokens, stop = samplers[g].next(out[0][:, -1])
+            drawn[j].append(tokens)
+            if stop and not stopped_at[j] and not state.stopped[g]:
+                stopped_at[j] = t + 1
+            return [tokens]
+
+        signature = self._signature("decode", rows, window)
+        self.failures.run_step(engine, signature, forward, None)
+        self.decode_runs.append(tuple(live))
+        total = sum(rows) * window
+        out = torch.zeros(total + n, dtype=torch.long, device=self.place.device)
+        if samplers is not None:
+            flat = [torch.stack(d, dim=1).flatten() for d in drawn]
+            out = torch.cat([*flat, out.new_tensor(stopped_at)])
+        out = self._broadcast(out, "generated tokens broadcast")
+        parts = out[:total].split([r * window for r in rows])
+        tokens = [x.view(r, window) for x, r in zip(parts, rows, strict=True)]
+        stops = out[total:].tolist()
+        new = torch.full(
+            (ids.shape[0], window), _pad_id(settings), dtype=torch.long, device=ids.device
+        )
+        starts = [0, *torch.tensor(state.rows).cumsum(0).tolist()]
+        for j, g in enumerate(live):
+            new[starts[g] : starts[g + 1]] = tokens[j]
+            state.tokens[g] = tokens[j][:, -1:]
+            state.mask[g] = torch.cat([state.mask[g], ones[j]], dim=-1)
+            state.next_position[g] = state.next_position[g] + window
+            if stops[j]:
+                state.stopped[g] = True
+        ids = torch.cat([ids, new], dim=-1)
+        if all(state.stopped):  # where the last group to finish did, as HF's loop ends
+            return ids, ids.shape[1] - window + max(stops)
+        return ids, None
+
+
+def _pad_id(settings: GenerationSettings) -> int:
+    """The token of a row whose group left the schedule: HF's padding of finished rows."""
+    return int(settings.pad) if settings.pad is not None else 0
 
 
 def cache_bytes(caches: dict[int, list[Any]]) -> int:

@@ -89,6 +89,24 @@ TEST(Schedule, ForwardOnly) {
   EXPECT_EQ(compute_table("forward", 2, 2, 2), "0F0,0F1,2F0,2F1\n1F0,1F1,3F0,3F1\n");
 }
 
+TEST(Schedule, DecodeRing) {
+  // [Note: decode schedules]: the last stage's F of group g's token t feeds stage 0's F of
+  // microbatch (t + 1) * groups + g; the wavefront order puts both groups' token on each stage.
+  const Schedule s = decode_schedule({0, 1}, 2, 2, 2);
+  EXPECT_EQ(s.decode_groups, 2);
+  EXPECT_EQ(s.table(),
+            "rank 0: F0.0 SF0.0 RF0.2 F0.1 SF0.1 RF0.3 F0.2 SF0.2 F0.3 SF0.3\n"
+            "rank 1: RF1.0 RF1.1 F1.0 SF1.0 RF1.2 F1.1 SF1.1 RF1.3 F1.2 F1.3\n");
+  Action next;
+  EXPECT_TRUE(s.next_forward(1, 1, &next));
+  EXPECT_EQ(next, (Action{Op::F, 0, 3}));
+  EXPECT_FALSE(s.next_forward(1, 2));
+  EXPECT_FALSE(s.prev_forward(0, 1));
+  // As many groups as stages: no rank waits once the first group reached it.
+  EXPECT_EQ(simulate(decode_schedule({0, 1, 2}, 3, 3, 4), Costs{}).makespan, 3 * 4 + 2);
+  EXPECT_THROW(decode_schedule({0, 1}, 2, 0, 2), c10::Error);
+}
+
 TEST(Schedule, EveryTrainingScheduleValidates) {
   for (const std::string& name : train_schedule_names()) {
     const ScheduleInfo& info = schedule_info(name);
