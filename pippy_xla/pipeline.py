@@ -75,7 +75,10 @@ class PipelineModel:
             pipeline runs over its ``pp_dim`` dimension, replicas over ``dp_dim``. Every rank is
             given the global batch; each replica trains on its share, and stage gradients are
             reduced over the replicas with FSDP2 (see [Note: pipeline x data parallel] in
-            runtime/data_parallel.py). Exclusive with ``group``.
+            runtime/data_parallel.py). Exclusive with ``group``. Or a 3-D ``DeviceMesh``
+            ``("dp", "pp", "tp")`` with ``tensor_parallel="auto"``: each stage's decoder layers
+            are sharded over the ``tp`` dimension by the model's own HF plan (see [Note:
+            pipeline x tensor parallel] in runtime/tensor_parallel.py; ``dp`` must be 1 then).
     """
 
     def __init__(
@@ -170,6 +173,24 @@ class PipelineModel:
     def dp_size(self) -> int:
         """How many pipeline replicas train together (1 without a mesh)."""
         return self._place.dp_size
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's coordinate on the mesh's tensor-parallel dimension (0 without one)."""
+        return self._place.tp_rank
+
+    @property
+    def tp_size(self) -> int:
+        """How many ranks run each stage together, each with its shard of the decoder layers
+        (1 without tensor parallelism)."""
+        return self._place.tp_size
+
+    def _refuse_under_tp(self, what: str) -> None:
+        if self.tp_size > 1:
+            raise NotImplementedError(
+                f"{what} with tensor parallelism (tp={self.tp_size}) is not supported yet "
+                "(issue 48): the stages' decoder layers hold DTensor shards"
+            )
 
     @property
     def device(self) -> torch.device:
@@ -278,6 +299,7 @@ class PipelineModel:
         """Loads this rank's stage from a HF safetensors checkpoint directory (what
         ``save_pretrained`` writes), reading only the local tensors. See
         :func:`pippy_xla.checkpoint.load_pretrained`."""
+        self._refuse_under_tp("load_pretrained")
         checkpoint.load_pretrained(self, path)
 
     def save_pretrained(
@@ -285,6 +307,7 @@ class PipelineModel:
     ) -> None:
         """Writes the model as a HF safetensors checkpoint, one shard (or more) per rank and one
         index; a collective. See :func:`pippy_xla.checkpoint.save_pretrained`."""
+        self._refuse_under_tp("save_pretrained")
         checkpoint.save_pretrained(self, path, max_shard_size)
 
     def save(
@@ -297,6 +320,7 @@ class PipelineModel:
         """Saves parameters, buffers, optimizer and learning-rate scheduler state and ``step``
         with ``torch.distributed.checkpoint``, atomically; a collective. See
         :func:`pippy_xla.checkpoint.save`."""
+        self._refuse_under_tp("save")
         return checkpoint.save(self, directory, optimizer, step, scheduler)
 
     def load(
@@ -310,6 +334,7 @@ class PipelineModel:
         into this pipeline, ``optimizer`` and ``scheduler``; returns its step (``None`` with
         ``missing_ok`` when there is none yet); a collective. See
         :func:`pippy_xla.checkpoint.load`."""
+        self._refuse_under_tp("load")
         return checkpoint.load(self, directory, optimizer, scheduler, missing_ok)
 
     # ----------------------------------------------------------------------------- running

@@ -21,6 +21,7 @@ import torch
 import torch.nn.modules.module as _module
 
 from pippy_xla._native import _C
+from pippy_xla.errors import BatchMismatchError
 from pippy_xla.runtime._batch import agree_on_step, check_batch, digest64, split_batch, step_key
 from pippy_xla.runtime._build import BuiltPipeline
 from pippy_xla.runtime._grads import clip_, global_norm, local_gradients
@@ -209,6 +210,7 @@ class StepRunner:
         self.eval_engine = built.eval_engine
         self.ties = built.ties
         self.dp = built.dp
+        self.tp = built.tp
         self.watch = built.compile_watch
         self.loss_fn = built.loss_fn
         """The loss of one microbatch (assignable between steps)."""
@@ -251,8 +253,13 @@ class StepRunner:
         added: dict[int, torch.Tensor] = {}
         forward = self._forward(batch, microbatches, losses, added, logits=None)
         earlier = set_aside_grads(self.ties)  # [Note: tied gradients accumulate once]
+        partial = self.tp.set_aside_partial() if self.tp is not None else None
         try:
             end = self._run(self.train_engine, forward, signature, start)
+            if partial is not None:  # [Note: pipeline x tensor parallel]
+                self.failures.watched(
+                    "tensor-parallel gradient sum", self.tp.reduce_partial_grads, partial
+                )
             if self.ties:
                 self.failures.watched("tied-weight gradient sum", self._sum_tied_grads)
         finally:
@@ -295,6 +302,9 @@ class StepRunner:
         self.failures.check_usable()
         place, norm_type = self.place, float(norm_type)
         scaled, counted = local_gradients(params, self.ties, place.rank)
+        if self.tp is not None:  # a tensor replicated over tp counts once: on tp rank 0
+            mine = [p for p in params if self.tp.counts_in_norm(p)]
+            _, counted = local_gradients(mine, self.ties, place.rank)
 
         sharded = self.dp is not None and self.dp.sharded
 
@@ -308,10 +318,14 @@ class StepRunner:
             reductions = [(pipeline_sum, place.rank, place.num_ranks)]
             if sharded:
                 reductions.append((self.dp.all_reduce_sum, place.dp_rank, place.dp_size))
+            if self.tp is not None:
+                reductions.append((self.tp.all_reduce_sum, self.tp.rank, self.tp.size))
             return global_norm(counted, norm_type, place.device, reductions)
 
         total = self.failures.watched(
-            "gradient norm all_reduce", norm, abortable=self._abortable and not sharded
+            "gradient norm all_reduce",
+            norm,
+            abortable=self._abortable and not sharded and self.tp is None,
         )
         clip_(
             scaled,
@@ -422,6 +436,8 @@ class StepRunner:
 
         # A mismatch leaves the pipeline usable: no transfer of the step has started.
         agree_on_step(key, contents, batch, place.rank, self.gather_ints)
+        if self.tp is not None:
+            self._agree_over_tp(key)
         with self.failures.guard("batch split"):  # its peers are on their way to the engine
             microbatches = split_batch(
                 batch,
@@ -432,6 +448,21 @@ class StepRunner:
                 split=self._reads,
             )
         return batch, microbatches, key.signature
+
+    def _agree_over_tp(self, key) -> None:
+        """The tp ranks of a stage were given the same step (kind, shapes and, when checked,
+        values): a tp rank given other rows would otherwise mix two batches in its layers'
+        collectives without any error."""
+        what = f"[rank {self.place.rank}] tensor-parallel step handshake"
+        mine = digest64(repr(key.words()).encode())
+        if not self.failures.watched(what, self.tp.agree, mine, what):
+            raise BatchMismatchError(
+                rank=self.place.rank,
+                failed_rank=self.place.rank,
+                action="tensor-parallel step handshake",
+                cause="a rank on the mesh's tensor-parallel dimension was given another batch "
+                "(or another kind of step); every rank must get the same whole batch",
+            )
 
     def _forward(self, batch, microbatches, losses, added, logits) -> StageForward:
         labels = batch.get("labels")
