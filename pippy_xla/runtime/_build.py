@@ -401,7 +401,7 @@ def _check_tensor_parallel(config: PipelineConfig, groups: MeshGroups) -> None:
         )
 
 
-TP_SCHEDULES = ("1f1b", "gpipe", "interleaved")
+TP_SCHEDULES = ("1f1b", "interleaved")
 """The schedules a tensor-parallel pipeline runs (those its tests cover)."""
 
 
