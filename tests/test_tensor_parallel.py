@@ -5,6 +5,8 @@ AdamW steps; and what a tensor-parallel pipeline refuses at build."""
 from __future__ import annotations
 
 import copy
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -135,7 +137,14 @@ def test_pp2_tp2_matches_one_process(cases):
         assert names <= set(runs[0][3]) | set(runs[2][3]), names - set(runs[0][3] + runs[2][3])
 
 
-def _refusals(rank, world, tmp):
+def _docs_block() -> str:
+    """The Python block of docs/tensor_parallel.md."""
+    text = (Path(__file__).parents[1] / "docs" / "tensor_parallel.md").read_text()
+    (block,) = re.findall(r"^```python\n(.*?)^```$", text, re.M | re.S)
+    return block
+
+
+def _refusals(rank, world, tmp, docs_block):
     """Each case is refused on every rank alike, before any tensor is exchanged."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -177,11 +186,17 @@ def _refusals(rank, world, tmp):
         "dp x tp": {"mesh": _mesh(2, 1, 2)},
         "schedule": {"schedule": "zbv"},
         "checkpoint_layers": {"checkpoint_layers": [0]},
+        "in order": {"transport": "in_order"},
     }.items():
         with pytest.raises((ValueError, NotImplementedError)) as e:
             wrap(**kw)
         errors[case] = f"{type(e.value).__name__}: {e.value}"
-    pipe = wrap()
+    # The docs page's block, as shown: a good build and step.
+    names = {"px": px, "model": copy.deepcopy(llama), "LlamaDecoderLayer": llama_cls}
+    names["batch"] = make_batch(seed=0, batch=4)
+    exec(docs_block, names)
+    pipe = names["pipe"]
+    assert torch.isfinite(names["loss"]) and pipe.tp_size == 2
     with pytest.raises(NotImplementedError) as e:
         pipe.save(tmp)
     errors["save"] = str(e.value)
@@ -194,7 +209,7 @@ def _refusals(rank, world, tmp):
 
 
 def test_what_tensor_parallel_does_not_cover_is_refused_at_build(tmp_path):
-    errors = run_ranks(4, _refusals, str(tmp_path))
+    errors = run_ranks(4, _refusals, str(tmp_path), _docs_block())
     e = errors[0]
     for other in errors[1:]:  # every rank alike, but for the rank each names
         assert {k: v for k, v in other.items() if k != "batch"} == {
@@ -210,5 +225,6 @@ def test_what_tensor_parallel_does_not_cover_is_refused_at_build(tmp_path):
     assert "NotImplementedError" in e["dp x tp"] and "'dp'=2" in e["dp x tp"]
     assert "schedule 'zbv' (it splits the backward)" in e["schedule"]
     assert "NotImplementedError: checkpoint_layers=..." in e["checkpoint_layers"]
+    assert "transport='in_order' is not supported yet" in e["in order"]
     assert "save with tensor parallelism (tp=2)" in e["save"]
     assert "tensor-parallel step handshake" in e["batch"]

@@ -183,7 +183,7 @@ def build(
     tp_plan = layer_tp_plan(model, layer_names, place.tp_size) if place.tp_size > 1 else None
     layer_ranges, stages, train_schedule = _partition(model, layer_cls, config, place)
     if tp_plan is not None:
-        refuse_under_tp(config, train_schedule)
+        refuse_under_tp(config, train_schedule, place)
     local_stages = [stages[s] for s in train_schedule.stages_of(place.rank)]
     build_key = check_ranks_agree(stages, config, place)
     attach_transport(config, place)
@@ -194,19 +194,7 @@ def build(
         untie_local_copies(tied, local_stages)
     ties = _tie_weights(tied, stages, local_stages, train_schedule.stage_rank, place)
     modules = {st.index: st.module for st in local_stages}
-    tp = None
-    if tp_plan is not None:  # [Note: pipeline x tensor parallel]
-        local_layers = [layer_names[i] for st in local_stages for i in st.layers]
-        tp = TensorParallel(
-            place.mesh,
-            model,
-            tp_plan,
-            local_layers,
-            list(modules.values()),
-            place.timeout_ms,
-            place.device,
-            build_key,
-        )
+    tp = _tensor_parallel(model, tp_plan, layer_names, local_stages, place, build_key)
     dp = _replicas(modules, config, place, build_key) if tp is None else None
     runners, watch = _runners(modules, config, split=train_schedule.split_backward)
     eval_schedule = _schedule("forward", place.num_ranks, config, train_schedule)
@@ -295,6 +283,30 @@ def _tie_weights(
             timeout_ms=place.timeout_ms,
         )
     return ties
+
+
+def _tensor_parallel(
+    model: nn.Module,
+    plan: dict[str, str] | None,
+    layer_names: Sequence[str],
+    local_stages: Sequence[StageGraph],
+    place: Placement,
+    build_key: int,
+) -> TensorParallel | None:
+    """With a tensor-parallel plan: the local decoder layers sharded over the mesh's ``tp``
+    dimension (see [Note: pipeline x tensor parallel] in ``tensor_parallel.py``)."""
+    if plan is None:
+        return None
+    return TensorParallel(
+        place.mesh,
+        model,
+        plan,
+        [layer_names[i] for st in local_stages for i in st.layers],
+        [st.module for st in local_stages],
+        place.timeout_ms,
+        place.device,
+        build_key,
+    )
 
 
 def _replicas(
@@ -405,8 +417,15 @@ TP_SCHEDULES = ("1f1b", "interleaved")
 """The schedules a tensor-parallel pipeline runs (those its tests cover)."""
 
 
-def refuse_under_tp(config: PipelineConfig, schedule: _C.Schedule) -> None:
+def refuse_under_tp(config: PipelineConfig, schedule: _C.Schedule, place: Placement) -> None:
     """Raises ``NotImplementedError`` for what a tensor-parallel pipeline does not cover yet."""
+    if place.device.type != "cpu" or config.transport == "in_order":
+        raise NotImplementedError(
+            f"tensor parallelism on {place.device} with transport={config.transport!r} is not "
+            "supported yet (issue 48): the layers' tp collectives beside the pipeline's "
+            "transfers matched in order (NCCL) are untested; use gloo on the CPU with "
+            "transport='auto', 'shm' or 'process_group'"
+        )
     if not isinstance(config.schedule, str) or config.schedule not in TP_SCHEDULES:
         why = " (it splits the backward)" if schedule.split_backward else ""
         raise NotImplementedError(
