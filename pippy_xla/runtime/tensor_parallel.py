@@ -13,9 +13,11 @@ no extra hop.
   with the model class's own ``_tp_plan``, keys with ``*`` for the layer index) that fall inside
   this rank's decoder layers are expanded by HF (``_expand_parallel_plan``) and applied by HF
   (``apply_tensor_parallelism``): parameters become DTensors sharded over the ``tp`` dimension,
-  and HF's styles (``colwise``, ``rowwise``) redistribute inside each layer. pippy_xla writes no
-  parallel layer. Rules outside the decoder layers (the embedding's ``embedding_rowwise``, the
-  head's ``colwise_gather_output``) are not applied: those modules stay whole on every tp rank.
+  and HF's styles (``colwise``, ``rowwise``; for experts ``packed_colwise`` and
+  ``moe_tp_experts``, which all-reduce the experts' partial outputs) redistribute inside each
+  layer. pippy_xla writes no parallel layer. Rules outside the decoder layers (the embedding's
+  ``embedding_rowwise``, the head's ``colwise_gather_output``) are not applied: those modules
+  stay whole on every tp rank.
 - Boundaries: HF's styles give plain (local) outputs, and a decoder layer's output is replicated
   over the ``tp`` group (a ``rowwise`` projection all-reduces it), so the tensors that travel
   between stages are plain tensors, equal on every tp rank. Their gradients are replicated too
@@ -53,8 +55,10 @@ __all__ = [
 
 _COLWISE = ("colwise",)
 _ROWWISE = ("rowwise",)
+_PACKED_COLWISE = ("packed_colwise",)
 _PARTIAL_GRAD = "replicated_with_grad_allreduce"
-TP_STYLES = (*_COLWISE, *_ROWWISE, _PARTIAL_GRAD)
+_MOE = ("moe_tp_experts",)
+TP_STYLES = (*_COLWISE, *_ROWWISE, *_PACKED_COLWISE, *_MOE, _PARTIAL_GRAD)
 """The HF tensor-parallel styles a pipeline applies (those its tests cover); a plan with another
 style inside the decoder layers is refused at build."""
 
@@ -98,6 +102,19 @@ def layer_tp_plan(model: nn.Module, layer_names: Sequence[str], tp_size: int) ->
     return inside
 
 
+def _sharded_dim(style: str, param: torch.Tensor) -> tuple[int, int] | None:
+    """The dimension HF's ``style`` shards ``param`` on and the factor its size must divide by
+    (besides ``tp``: a packed projection splits each of its halves), or ``None`` when the
+    style keeps ``param`` whole."""
+    if style in _COLWISE:
+        return (param.ndim - 2 if param.ndim > 1 else -1), 1
+    if style in _ROWWISE:
+        return (-1, 1) if param.ndim > 1 else None  # a rowwise bias is replicated
+    if style in _PACKED_COLWISE:
+        return (param.ndim - 2, 2) if param.ndim > 1 else (-1, 1)
+    return None
+
+
 def _check_divides(model: nn.Module, plan: dict[str, str], tp_size: int) -> None:
     """Every sharded dimension, and the attention heads when a projection is sharded, divide by
     ``tp_size``."""
@@ -111,24 +128,28 @@ def _check_divides(model: nn.Module, plan: dict[str, str], tp_size: int) -> None
                     f"divide by tp={tp_size}; choose a tp size that divides it"
                 )
     modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
     for key, style in plan.items():
         module = modules.get(key)
-        if module is None or style == _PARTIAL_GRAD:
-            continue  # a parameter's entry: its module's entry checks it
-        if not isinstance(module, nn.Linear):
-            raise NotImplementedError(
-                f"tensor_parallel='auto': {key} is a {type(module).__name__} under style "
-                f"{style!r}; the pipeline applies {style!r} to nn.Linear only yet (issue 48)"
-            )
-        what, size = (
-            ("out_features", module.out_features)
-            if style in _COLWISE
-            else ("in_features", module.in_features)
-        )
-        if size % tp_size:
+        if module is not None:
+            if style in (*_COLWISE, *_ROWWISE) and not isinstance(module, nn.Linear):
+                raise NotImplementedError(
+                    f"tensor_parallel='auto': {key} is a {type(module).__name__} under style "
+                    f"{style!r}; the pipeline applies {style!r} to nn.Linear only yet (issue 48)"
+                )
+            continue
+        param = params.get(key)
+        where = _sharded_dim(style, param) if param is not None else None
+        if where is None:
+            continue
+        dim, factor = where
+        size = param.shape[dim]
+        if size % (tp_size * factor):
+            by = f"tp={tp_size}" if factor == 1 else f"{factor} x tp={tp_size}"
             raise ValueError(
-                f"tensor_parallel='auto': {key} ({style}) has {what}={size}, which does not "
-                f"divide by tp={tp_size}; choose a tp size that divides it"
+                f"tensor_parallel='auto': {key} ({style}) has size {size} in dim "
+                f"{dim % param.ndim}, which does not divide by {by}; choose a tp size that "
+                "divides it"
             )
 
 
