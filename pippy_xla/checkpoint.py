@@ -63,6 +63,8 @@ class Checkpointable(Protocol):
     def group(self) -> dist.ProcessGroup | None: ...
     @property
     def checkpoint_group(self) -> dist.ProcessGroup | None: ...
+    @property
+    def tp_size(self) -> int: ...
 
     config: Any
     generation_config: Any
@@ -92,7 +94,12 @@ def _collective(pipe: Checkpointable, action: str, fn, *args, refusals: tuple = 
     within seconds, not a wait for the process group's timeout, and a failure here is posted for
     the peers. ``refusals``: exception types that every rank raises alike (a damaged or
     mismatched checkpoint, found before anything is written); they are raised as they are, and
-    the pipeline stays usable."""
+    the pipeline stays usable. A tensor-parallel pipeline is refused (on every rank alike)."""
+    if pipe.tp_size > 1:
+        raise NotImplementedError(
+            f"{action} with tensor parallelism (tp={pipe.tp_size}) is not supported yet (issue "
+            "48): the stages' decoder layers hold DTensor shards over the mesh's tp dimension"
+        )
 
     def attempt():
         try:

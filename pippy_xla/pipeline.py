@@ -139,7 +139,7 @@ class PipelineModel:
 
     @property
     def mesh(self) -> DeviceMesh | None:
-        """The data x pipeline mesh, if the pipeline has replicas."""
+        """The data x pipeline (x tensor) mesh, if the pipeline was built on one."""
         return self._place.mesh.mesh if self._place.mesh is not None else None
 
     @property
@@ -184,13 +184,6 @@ class PipelineModel:
         """How many ranks run each stage together, each with its shard of the decoder layers
         (1 without tensor parallelism)."""
         return self._place.tp_size
-
-    def _refuse_under_tp(self, what: str) -> None:
-        if self.tp_size > 1:
-            raise NotImplementedError(
-                f"{what} with tensor parallelism (tp={self.tp_size}) is not supported yet "
-                "(issue 48): the stages' decoder layers hold DTensor shards"
-            )
 
     @property
     def device(self) -> torch.device:
@@ -299,7 +292,6 @@ class PipelineModel:
         """Loads this rank's stage from a HF safetensors checkpoint directory (what
         ``save_pretrained`` writes), reading only the local tensors. See
         :func:`pippy_xla.checkpoint.load_pretrained`."""
-        self._refuse_under_tp("load_pretrained")
         checkpoint.load_pretrained(self, path)
 
     def save_pretrained(
@@ -307,7 +299,6 @@ class PipelineModel:
     ) -> None:
         """Writes the model as a HF safetensors checkpoint, one shard (or more) per rank and one
         index; a collective. See :func:`pippy_xla.checkpoint.save_pretrained`."""
-        self._refuse_under_tp("save_pretrained")
         checkpoint.save_pretrained(self, path, max_shard_size)
 
     def save(
@@ -320,7 +311,6 @@ class PipelineModel:
         """Saves parameters, buffers, optimizer and learning-rate scheduler state and ``step``
         with ``torch.distributed.checkpoint``, atomically; a collective. See
         :func:`pippy_xla.checkpoint.save`."""
-        self._refuse_under_tp("save")
         return checkpoint.save(self, directory, optimizer, step, scheduler)
 
     def load(
@@ -334,7 +324,6 @@ class PipelineModel:
         into this pipeline, ``optimizer`` and ``scheduler``; returns its step (``None`` with
         ``missing_ok`` when there is none yet); a collective. See
         :func:`pippy_xla.checkpoint.load`."""
-        self._refuse_under_tp("load")
         return checkpoint.load(self, directory, optimizer, scheduler, missing_ok)
 
     # ----------------------------------------------------------------------------- running

@@ -148,6 +148,23 @@ def _docs_block() -> str:
     return block
 
 
+def _check_initialized_as_hf_would(pipe, std: float) -> None:
+    """Sharded projections are whole random matrices of HF's scale (gathered); tensors
+    replicated over tp are equal on every tp rank (tp rank 0's)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    group = pipe.mesh.get_group("tp")
+    for name, p in pipe.named_parameters():
+        if isinstance(p, DTensor):
+            whole = p.full_tensor().detach()
+            assert abs(float(whole.std()) - std) < 0.25 * std, (name, float(whole.std()))
+        else:
+            copies = [torch.empty_like(p) for _ in range(2)]
+            dist.all_gather(copies, p.detach(), group=group)
+            assert torch.equal(copies[0], copies[1]), name
+
+
 def _refusals(rank, world, tmp, docs_block):
     """Each case is refused on every rank alike, before any tensor is exchanged."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -195,12 +212,18 @@ def _refusals(rank, world, tmp, docs_block):
         with pytest.raises((ValueError, NotImplementedError)) as e:
             wrap(**kw)
         errors[case] = f"{type(e.value).__name__}: {e.value}"
-    # The docs page's block, as shown: a good build and step.
-    names = {"px": px, "model": copy.deepcopy(llama), "LlamaDecoderLayer": llama_cls}
+    # The docs page's block, as shown: a meta-built model, a good build and step.
+    names = {"px": px, "torch": torch, "LlamaForCausalLM": LlamaForCausalLM}
+    names |= {"config": llama.config, "LlamaDecoderLayer": llama_cls}
     names["batch"] = make_batch(seed=0, batch=4)
     exec(docs_block, names)
     pipe = names["pipe"]
     assert torch.isfinite(names["loss"]) and pipe.tp_size == 2
+    _check_initialized_as_hf_would(pipe, llama.config.initializer_range)
+    # A whole model's state dict loads into the shards.
+    pipe.load_state_dict(llama.state_dict())
+    for name, p in pipe.named_parameters():
+        assert torch.equal(full(p).detach(), llama.get_parameter(name).detach()), name
     with pytest.raises(NotImplementedError) as e:
         pipe.save(tmp)
     errors["save"] = str(e.value)
