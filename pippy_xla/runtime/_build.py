@@ -147,8 +147,8 @@ class BuiltPipeline:
     aliases: dict[str, list[str]]
     """Every name of a tied tensor -> all its names, in model order."""
     dp: DataParallel | None
-    """The stage replicas' gradient reduction, with a mesh (``None`` under tensor parallelism:
-    one replica)."""
+    """The stage replicas' gradient reduction, with a mesh (``None`` under tensor parallelism
+    with one replica)."""
     tp: TensorParallel | None
     """The local decoder layers' sharding over the mesh's tensor-parallel dimension (``None``
     without one, or of size 1)."""
@@ -195,7 +195,8 @@ def build(
     ties = _tie_weights(tied, stages, local_stages, train_schedule.stage_rank, place)
     modules = {st.index: st.module for st in local_stages}
     tp = _tensor_parallel(model, tp_plan, layer_names, local_stages, place, build_key)
-    dp = _replicas(modules, config, place, build_key) if tp is None else None
+    # Under tp, replicas only where there are several (FSDP2 over the tp-sharded layers).
+    dp = _replicas(modules, config, place, build_key) if tp is None or place.dp_size > 1 else None
     runners, watch = _runners(modules, config, split=train_schedule.split_backward)
     eval_schedule = _schedule("forward", place.num_ranks, config, train_schedule)
     return BuiltPipeline(
@@ -391,8 +392,7 @@ def resolve_placement(
 
 
 def _check_tensor_parallel(config: PipelineConfig, groups: MeshGroups) -> None:
-    """A mesh's tensor-parallel dimension and ``config.tensor_parallel`` agree, and what a
-    tensor-parallel pipeline does not cover yet is refused."""
+    """A mesh's tensor-parallel dimension and ``config.tensor_parallel`` agree."""
     if config.tensor_parallel is None and groups.tp_size > 1:
         raise ValueError(
             f"the mesh's {config.tp_dim!r} dim has size {groups.tp_size} but "
@@ -404,12 +404,6 @@ def _check_tensor_parallel(config: PipelineConfig, groups: MeshGroups) -> None:
             f"tensor_parallel={config.tensor_parallel!r} but the mesh's dims "
             f"{groups.mesh.mesh_dim_names} have no {config.tp_dim!r}; build a 3-D mesh "
             f"({config.dp_dim!r}, {config.pp_dim!r}, {config.tp_dim!r})"
-        )
-    if groups.tp_size > 1 and groups.dp_size > 1:
-        raise NotImplementedError(
-            f"a mesh with {config.dp_dim!r}={groups.dp_size} and {config.tp_dim!r}="
-            f"{groups.tp_size}: data parallelism over tensor-parallel stages is not supported "
-            f"yet (issue 48); use {config.dp_dim!r}=1 with tensor parallelism"
         )
 
 

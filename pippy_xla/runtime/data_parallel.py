@@ -161,9 +161,10 @@ class DataParallel:
     def _sync_from_first_replica(self, module: nn.Module) -> None:
         with torch.no_grad():
             for name, t in [*module.named_parameters(), *module.named_buffers()]:
+                t = local_tensor(t.detach())  # a tensor-parallel shard: this tp rank's part
                 t.copy_(
                     _C.broadcast_copy(
-                        t.detach(),
+                        t,
                         0,
                         self._group_name,
                         self._timeout_ms,

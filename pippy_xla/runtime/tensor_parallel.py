@@ -32,6 +32,11 @@ no extra hop.
   the last backward (:meth:`TensorParallel.reduce_partial_grads`).
 - Start: the tp ranks' values are made equal (copied from tp rank 0) before sharding, so a model
   initialized differently per rank still trains as one model.
+- Replicas: with ``dp`` > 1, each stage module is wrapped by FSDP2 over the ``dp`` dimension
+  after tensor parallelism ([Note: pipeline x data parallel]); FSDP2 composes with the tp
+  DTensors (``"shard"`` makes 2-D shards), and the global norm counts a tensor replicated over
+  ``tp`` on tp rank 0 only (:meth:`TensorParallel.counts_in_norm`, by the DTensor's ``tp``
+  placement).
 - Refused at build, with one line naming the module and the numbers: a model without a plan, a
   plan with no rule in the decoder layers, a style not covered yet, and a rule whose sharded
   dimension (or the attention heads and key/value heads) does not divide by ``tp``.
@@ -45,6 +50,7 @@ import torch
 from torch import nn
 
 from pippy_xla._native import _C
+from pippy_xla.runtime.data_parallel import local_tensor
 from pippy_xla.split.partition import UnsupportedModelError
 
 __all__ = [
@@ -175,6 +181,7 @@ class TensorParallel:
         from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
         self.mesh = groups.tp_mesh
+        self._dim = self.mesh.mesh_dim_names[0]
         self.rank: int = groups.tp_rank
         self.size: int = groups.tp_size
         self._group_name = groups.tp_group.group_name
@@ -191,14 +198,12 @@ class TensorParallel:
         prefixes = tuple(f"{n}." for n in local_layer_names)
         mine = {k: v for k, v in plan.items() if k.startswith(prefixes)}
         named = dict(model.named_modules())
-        self.partial: list[nn.Parameter] = [
-            p
-            for k, v in mine.items()
-            if v == _PARTIAL_GRAD and k in named
-            for p in named[k].parameters()
+        self._partial_modules: list[nn.Module] = [
+            named[k] for k, v in mine.items() if v == _PARTIAL_GRAD and k in named
         ]
-        """Replicated parameters whose gradients are partial over ``tp`` (summed after a
-        step's last backward)."""
+        """Modules whose (replicated) parameters get partial gradients over ``tp``, summed
+        after a step's last backward; their parameters are looked up at each step (data
+        parallelism replaces them with its own after this)."""
         apply_tensor_parallelism(
             model, self.mesh, {k: v for k, v in mine.items() if v != _PARTIAL_GRAD}
         )
@@ -216,20 +221,29 @@ class TensorParallel:
                     )
                 )
 
+    @property
+    def partial(self) -> list[nn.Parameter]:
+        """The parameters of the partial-gradient modules, now."""
+        return [p for m in self._partial_modules for p in m.parameters()]
+
     def set_aside_partial(self) -> list[torch.Tensor | None]:
         """The partial-gradient parameters' gradients from before the step (taken off them, so
         the step's own are reduced alone)."""
-        earlier = [p.grad for p in self.partial]
-        for p in self.partial:
+        params = self.partial
+        earlier = [p.grad for p in params]
+        for p in params:
             p.grad = None
         return earlier
 
     def reduce_partial_grads(self, earlier: Sequence[torch.Tensor | None]) -> None:
         """Sums the step's gradients of the partial-gradient parameters over ``tp`` (one
-        all-reduce each) and adds back ``earlier``."""
+        all-reduce each, of the local shard where data parallelism shards them) and adds back
+        ``earlier``."""
         for p, before in zip(self.partial, earlier, strict=True):
             if p.grad is not None:
-                p.grad = self.all_reduce_sum(p.grad, "tensor-parallel partial gradient sum")
+                local = local_tensor(p.grad)
+                summed = self.all_reduce_sum(local, "tensor-parallel partial gradient sum")
+                local.copy_(summed)
             if before is not None:
                 p.grad = before if p.grad is None else before.add_(p.grad)
 
@@ -244,10 +258,13 @@ class TensorParallel:
         return all(k == [key] for k in everyone)
 
     def counts_in_norm(self, p: torch.Tensor) -> bool:
-        """Whether this rank counts ``p``'s gradient in the global norm: a shard of a sharded
-        DTensor on every tp rank, a tensor replicated over ``tp`` on tp rank 0 only."""
+        """Whether this rank counts ``p``'s gradient in the global norm: a shard of a DTensor
+        sharded over ``tp`` on every tp rank, a tensor replicated over ``tp`` (plain, or a
+        DTensor of data parallelism only) on tp rank 0 only."""
         from torch.distributed.tensor import DTensor
 
-        if isinstance(p, DTensor) and not all(q.is_replicate() for q in p.placements):
-            return True
+        if isinstance(p, DTensor):
+            names = p.device_mesh.mesh_dim_names or ()
+            if self._dim in names and not p.placements[names.index(self._dim)].is_replicate():
+                return True
         return self.rank == 0
