@@ -64,7 +64,7 @@ class Checkpointable(Protocol):
     @property
     def checkpoint_group(self) -> dist.ProcessGroup | None: ...
     @property
-    def tp_size(self) -> int: ...
+    def tp_rank(self) -> int: ...
 
     config: Any
     generation_config: Any
@@ -94,12 +94,7 @@ def _collective(pipe: Checkpointable, action: str, fn, *args, refusals: tuple = 
     within seconds, not a wait for the process group's timeout, and a failure here is posted for
     the peers. ``refusals``: exception types that every rank raises alike (a damaged or
     mismatched checkpoint, found before anything is written); they are raised as they are, and
-    the pipeline stays usable. A tensor-parallel pipeline is refused (on every rank alike)."""
-    if pipe.tp_size > 1:
-        raise NotImplementedError(
-            f"{action} with tensor parallelism (tp={pipe.tp_size}) is not supported yet (issue "
-            "48): the stages' decoder layers hold DTensor shards over the mesh's tp dimension"
-        )
+    the pipeline stays usable."""
 
     def attempt():
         try:
@@ -280,8 +275,9 @@ def _save_pretrained(
     local = {
         k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in pipe.state_dict().items()
     }
-    if pipe.dp_rank != 0:
-        dist.barrier(group=pipe.checkpoint_group)  # until the first replica has written
+    if pipe.dp_rank != 0 or pipe.tp_rank != 0:
+        # Until the first replica's tp rank 0 pipeline has written (it holds every tensor whole).
+        dist.barrier(group=pipe.checkpoint_group)
         return
     everyone: list = [None] * pipe.num_ranks
     dist.all_gather_object(everyone, sorted(local), group=pipe.group)

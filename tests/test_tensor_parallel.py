@@ -1,6 +1,7 @@
 """Pipeline x tensor parallel on a 3-D DeviceMesh (4 gloo ranks: pp=2 x tp=2, and dp=2 x tp=2)
 against a one-process reference: loss, every gradient (DTensors gathered) and the clipped norm
-over three AdamW steps; and what a tensor-parallel pipeline refuses at build.
+over three AdamW steps; the docs page's block, checkpoints across layouts, and what a
+tensor-parallel pipeline refuses at build.
 
 dp=2 x pp=2 x tp=2 needs 8 ranks, too many for CI's 2 cores; by hand:
 ``run_ranks(8, _tp_trains_like_one_process, [("qwen3_tied", "1f1b", (2, 2, 2), "shard"),
@@ -182,6 +183,50 @@ def _check_initialized_as_hf_would(pipe, std: float) -> None:
             assert torch.equal(copies[0], copies[1]), name
 
 
+def _checkpoints_across_layouts(pipe, model, layer_cls, tmp) -> None:
+    """``pipe`` (pp2 x tp2, holding ``model``'s values) trains a step and saves (DCP with its
+    AdamW state, and HF's layout); a pp4 pipeline without a mesh loads the DCP checkpoint, and
+    the next step of both equals one process's. ``save_pretrained`` writes the whole tensors
+    bit-exact; ``load_pretrained`` reads them back into the shards."""
+    from transformers import AutoModelForCausalLM
+
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **ADAM)
+    opt = torch.optim.AdamW(pipe.parameters(), **ADAM)
+    opt.zero_grad()  # the docs block's step left gradients
+    batches = [make_batch(seed=s, batch=4) for s in (1, 2)]
+    pipe.run_train(**batches[0])
+    opt.step()
+    pipe.save(f"{tmp}/ckpt", opt, step=1)
+    pipe.save_pretrained(f"{tmp}/hf")
+    saved = AutoModelForCausalLM.from_pretrained(f"{tmp}/hf")
+    for name, p in pipe.named_parameters():
+        assert torch.equal(full(p).detach(), saved.get_parameter(name).detach()), name
+    other = px.PipelineModel(
+        copy.deepcopy(model), layer_cls=layer_cls, num_microbatches=2, timeout=60
+    )
+    other_opt = torch.optim.AdamW(other.parameters(), **ADAM)
+    assert other.load(f"{tmp}/ckpt", other_opt) == 1 and other.num_stages == 4
+    for batch in batches:
+        reference_step(ref, batch, 2)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for p_, o in ((pipe, opt), (other, other_opt)):
+        o.zero_grad()
+        p_.run_train(**batches[1])
+        o.step()
+        for name, p in p_.named_parameters():
+            torch.testing.assert_close(
+                full(p).detach(),
+                ref.get_parameter(name).detach(),
+                **PARAM_TOL,
+                msg=lambda m, name=name, n=p_.num_stages: f"{n} stages: {name}\n{m}",
+            )
+    pipe.load_pretrained(f"{tmp}/hf")  # back to the step-1 values
+    for name, p in pipe.named_parameters():
+        assert torch.equal(full(p).detach(), saved.get_parameter(name).detach()), name
+
+
 def _refusals(rank, world, tmp, docs_block):
     """Each case is refused on every rank alike, before any tensor is exchanged."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -240,9 +285,7 @@ def _refusals(rank, world, tmp, docs_block):
     pipe.load_state_dict(llama.state_dict())
     for name, p in pipe.named_parameters():
         assert torch.equal(full(p).detach(), llama.get_parameter(name).detach()), name
-    with pytest.raises(NotImplementedError) as e:
-        pipe.save(tmp)
-    errors["save"] = str(e.value)
+    _checkpoints_across_layouts(pipe, llama, llama_cls, tmp)
     tp_rank = pipe.tp_rank
     with pytest.raises(BatchMismatchError) as e:  # tp ranks given other rows
         pipe.run_train(**make_batch(seed=tp_rank, batch=4))
@@ -251,7 +294,7 @@ def _refusals(rank, world, tmp, docs_block):
     return errors
 
 
-def test_what_tensor_parallel_does_not_cover_is_refused_at_build(tmp_path):
+def test_docs_block_checkpoints_across_layouts_and_refusals(tmp_path):
     errors = run_ranks(4, _refusals, str(tmp_path), _docs_block())
     e = errors[0]
     for other in errors[1:]:  # every rank alike, but for the rank each names
@@ -270,5 +313,4 @@ def test_what_tensor_parallel_does_not_cover_is_refused_at_build(tmp_path):
     assert "schedule 'zbv' (it splits the backward)" in e["schedule"]
     assert "NotImplementedError: checkpoint_layers=..." in e["checkpoint_layers"]
     assert "transport='in_order' is not supported yet" in e["in order"]
-    assert "save with tensor parallelism (tp=2)" in e["save"]
     assert "tensor-parallel step handshake" in e["batch"]
