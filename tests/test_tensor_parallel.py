@@ -125,6 +125,11 @@ def _tp_trains_like_one_process(rank, world, cases, steps=3, mbs=2):
                     msg=lambda m, name=name, where=where: f"{where}: param {name}\n{m}",
                 )
             losses.append(float(loss))
+            if step == 0 and px.schedule_info(schedule).list_scheduled:
+                # Reordered for measured costs: the tp ranks of a stage average theirs, so that
+                # their layers' collectives run in one order; later steps still match.
+                tuned = pipe.tune_schedule()
+                assert pipe.engine.schedule.table() == tuned.table()
         if not getattr(ref.config, "output_router_logits", False):  # one term per batch
             out = pipe.run_eval(**make_batch(seed=9, batch=4))
             with torch.no_grad():
@@ -137,15 +142,17 @@ def _tp_trains_like_one_process(rank, world, cases, steps=3, mbs=2):
 @pytest.mark.parametrize(
     "cases",
     [
-        (("llama", "1f1b", (1, 2, 2), "replicate"), ("qwen3_tied", "1f1b", (1, 2, 2), "replicate")),
+        # zbh1 and zbv split the backward (W later) and are reordered for measured costs.
+        (("llama", "1f1b", (1, 2, 2), "replicate"), ("qwen3_tied", "zbh1", (1, 2, 2), "replicate")),
         # Replicas of tp-sharded stages: FSDP2's fully_shard over the tp DTensors (2-D shards).
         # dp x pp x tp all above 1 takes 8 ranks: see the module's docstring.
         (
             ("mixtral_router_loss", "interleaved", (1, 2, 2), "replicate"),
+            ("mixtral_router_loss", "zbv", (1, 2, 2), "replicate"),
             ("qwen3_tied", "1f1b", (2, 1, 2), "shard"),
         ),
     ],
-    ids=["1f1b", "interleaved-and-dp"],
+    ids=["1f1b-zbh1", "interleaved-zbv-dp"],
 )
 def test_tp2_matches_one_process(cases):
     out = run_ranks(4, _tp_trains_like_one_process, cases, timeout=240)
@@ -266,7 +273,6 @@ def _refusals(rank, world, tmp, docs_block):
             "mesh": _mesh(1, 1, 4),
         },
         "gathered styles": {"model": phi3, "layer_cls": phi3_cls},
-        "schedule": {"schedule": "zbv"},
         "checkpoint_layers": {"checkpoint_layers": [0]},
         "in order": {"transport": "in_order"},
     }.items():
@@ -310,7 +316,6 @@ def test_docs_block_checkpoints_across_layouts_and_refusals(tmp_path):
     assert "does not divide by tp=4" in e["intermediate"]
     assert "NotImplementedError" in e["gathered styles"]
     assert "['colwise_gather_output', 'rowwise_split_input']" in e["gathered styles"]
-    assert "schedule 'zbv' (it splits the backward)" in e["schedule"]
     assert "NotImplementedError: checkpoint_layers=..." in e["checkpoint_layers"]
     assert "transport='in_order' is not supported yet" in e["in order"]
     assert "tensor-parallel step handshake" in e["batch"]

@@ -183,7 +183,7 @@ def build(
     tp_plan = layer_tp_plan(model, layer_names, place.tp_size) if place.tp_size > 1 else None
     layer_ranges, stages, train_schedule = _partition(model, layer_cls, config, place)
     if tp_plan is not None:
-        refuse_under_tp(config, train_schedule, place)
+        refuse_under_tp(config, place)
     local_stages = [stages[s] for s in train_schedule.stages_of(place.rank)]
     build_key = check_ranks_agree(stages, config, place)
     attach_transport(config, place)
@@ -407,11 +407,7 @@ def _check_tensor_parallel(config: PipelineConfig, groups: MeshGroups) -> None:
         )
 
 
-TP_SCHEDULES = ("1f1b", "interleaved")
-"""The schedules a tensor-parallel pipeline runs (those its tests cover)."""
-
-
-def refuse_under_tp(config: PipelineConfig, schedule: _C.Schedule, place: Placement) -> None:
+def refuse_under_tp(config: PipelineConfig, place: Placement) -> None:
     """Raises ``NotImplementedError`` for what a tensor-parallel pipeline does not cover yet."""
     if place.device.type != "cpu" or config.transport == "in_order":
         raise NotImplementedError(
@@ -419,12 +415,6 @@ def refuse_under_tp(config: PipelineConfig, schedule: _C.Schedule, place: Placem
             "supported yet (issue 48): the layers' tp collectives beside the pipeline's "
             "transfers matched in order (NCCL) are untested; use gloo on the CPU with "
             "transport='auto', 'shm' or 'process_group'"
-        )
-    if not isinstance(config.schedule, str) or config.schedule not in TP_SCHEDULES:
-        why = " (it splits the backward)" if schedule.split_backward else ""
-        raise NotImplementedError(
-            f"schedule {config.schedule_name!r}{why} with tensor parallelism is not supported "
-            f"yet (issue 48); use one of {list(TP_SCHEDULES)}"
         )
     given = [f for f in ("checkpoint_layers", "plan") if getattr(config, f) not in (None, ())]
     if given:

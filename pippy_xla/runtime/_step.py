@@ -353,20 +353,11 @@ class StepRunner:
                 f"list-scheduled schedules {listed}"
             )
         costs = measure()
-        if self.dp is not None:
-            flat = torch.tensor(
-                [c for k in ("forward", "backward", "weight") for c in costs[k]],
-                dtype=torch.float64,
-                device=place.device,
-            )
-            what = f"[rank {place.rank}] schedule costs all_reduce over replicas"
-            total = self.failures.watched(what, self.dp.all_reduce_sum, flat, what)
-            n = len(costs["forward"])
-            mean = (total / place.dp_size).tolist()
-            costs = {
-                k: mean[i * n : (i + 1) * n]
-                for i, k in enumerate(("forward", "backward", "weight"))
-            }
+        # Every replica and every tp rank of a stage must run one order (a tp rank's layers
+        # run collectives with its peers'): their costs are averaged.
+        for group, what in ((self.dp, "replicas"), (self.tp, "tensor-parallel ranks")):
+            if group is not None:
+                costs = self._mean_costs(costs, group, what)
         schedule = _C.make_schedule(
             config.schedule_name, place.num_ranks, config.num_microbatches, config.chunks, **costs
         )
@@ -382,14 +373,33 @@ class StepRunner:
             what,
         )
         agreed = all(k == [key] for k in everyone)
-        if self.dp is not None:
-            agreed = self.failures.watched(what, self.dp.agree, key, what) and agreed
+        for group in (self.dp, self.tp):
+            if group is not None:
+                agreed = self.failures.watched(what, group.agree, key, what) and agreed
         if not agreed:
             raise RuntimeError(f"{what}: the ranks generated different orders from their costs")
         self.train_engine = place.engine(schedule)
         logger.info("[rank %d] %r reordered for the measured costs", place.rank, schedule.name)
         logger.debug("[rank %d] %s", place.rank, schedule.table())
         return schedule
+
+    def _mean_costs(self, costs: dict[str, list[float]], group, what: str) -> dict:
+        """``costs`` averaged over ``group`` (the replicas' :class:`DataParallel` or the tp
+        ranks' :class:`TensorParallel`: an ``all_reduce_sum`` over them)."""
+        place = self.place
+        flat = torch.tensor(
+            [c for k in ("forward", "backward", "weight") for c in costs[k]],
+            dtype=torch.float64,
+            device=place.device,
+        )
+        where = f"[rank {place.rank}] schedule costs all_reduce over {what}"
+        total = self.failures.watched(where, group.all_reduce_sum, flat, where)
+        size = place.dp_size if group is self.dp else place.tp_size
+        n = len(costs["forward"])
+        mean = (total / size).tolist()
+        return {
+            k: mean[i * n : (i + 1) * n] for i, k in enumerate(("forward", "backward", "weight"))
+        }
 
     def _sum_tied_grads(self) -> None:
         """Sums each tied weight's gradient over its owners."""
