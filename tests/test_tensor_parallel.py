@@ -50,6 +50,11 @@ def _build(family: str, seed: int):
     return FAMILIES[family]()
 
 
+def _is_proj(name: str) -> bool:
+    """Whether ``name`` is a decoder layer's projection (attention, MLP, experts)."""
+    return ".layers." in name and name.endswith(("_proj.weight", "_proj"))
+
+
 def _tp_trains_like_one_process(rank, world, cases, steps=3, mbs=2):
     """Per case (family, schedule, mesh shape, data_parallel) and step: the loss, every
     gradient and the clipped global norm equal the reference's; after AdamW the parameters
@@ -84,7 +89,7 @@ def _tp_trains_like_one_process(rank, world, cases, steps=3, mbs=2):
         # each tp rank holds 1/tp of it; norms, routers, embedding and head stay whole (but
         # for the replicas' shards of data_parallel="shard").
         for name, p in params.items():
-            is_proj = ".layers." in name and name.endswith(("_proj.weight", "_proj"))
+            is_proj = _is_proj(name)
             parts = (tp if is_proj else 1) * (dp if data_parallel == "shard" else 1)
             assert isinstance(p, DTensor) == (is_proj or dp > 1), name
             assert local_tensor(p).numel() * parts == p.numel(), name
@@ -135,7 +140,8 @@ def _tp_trains_like_one_process(rank, world, cases, steps=3, mbs=2):
             with torch.no_grad():
                 ref_out = ref(**make_batch(seed=9, batch=4), use_cache=False)
             torch.testing.assert_close(out.loss, ref_out.loss, **LOSS_TOL, msg=f"{where0} eval")
-        checked.append((family, shape, losses, sorted(params)))
+        held = sum(local_tensor(p).numel() for n, p in params.items() if _is_proj(n))
+        checked.append((family, shape, losses, sorted(params), held))
     return checked
 
 
@@ -164,6 +170,12 @@ def test_tp2_matches_one_process(cases):
         # The tp ranks of a stage hold the same names; the stages together hold the model.
         assert runs[0][3] == runs[1][3] and runs[2][3] == runs[3][3]
         assert names <= set(runs[0][3]) | set(runs[2][3]), names - set(runs[0][3] + runs[2][3])
+        # Memory: each rank holds 1/(dp x pp x tp) of the layers' projections ("shard"), or
+        # 1/(pp x tp) (replicas hold it whole).
+        _, _, shape, mode = cases[i]
+        parts = shape[1] * shape[2] * (shape[0] if mode == "shard" else 1)
+        total = sum(p.numel() for n, p in model.named_parameters() if _is_proj(n))
+        assert all(r[4] * parts == total for r in runs), ([r[4] for r in runs], total, parts)
 
 
 def _docs_block() -> str:
