@@ -56,7 +56,7 @@ def _is_proj(name: str) -> bool:
 
 
 def _tp_trains_like_one_process(rank, world, cases, steps=3, mbs=2):
-    """Per case (family, schedule, mesh shape, data_parallel) and step: the loss, every
+    """Per case (family, schedule, mesh shape, data_parallel[, options]) and step: the loss, every
     gradient and the clipped global norm equal the reference's; after AdamW the parameters
     still match. Each tp rank and replica starts from another seed: the pipeline must copy tp
     rank 0's values, then the first replica's (the reference's)."""
@@ -64,7 +64,7 @@ def _tp_trains_like_one_process(rank, world, cases, steps=3, mbs=2):
     from torch.distributed.tensor import DTensor
 
     checked = []
-    for family, schedule, shape, data_parallel in cases:
+    for family, schedule, shape, data_parallel, *options in cases:
         dp, pp, tp = shape
         mesh = _mesh(*shape)
         tp_rank, dp_rank = mesh["tp"].get_local_rank(), mesh["dp"].get_local_rank()
@@ -79,6 +79,7 @@ def _tp_trains_like_one_process(rank, world, cases, steps=3, mbs=2):
             tensor_parallel="auto",
             data_parallel=data_parallel,
             timeout=60,
+            **(options[0] if options else {}),
         )
         assert (pipe.tp_rank, pipe.tp_size, pipe.num_ranks, pipe.dp_size) == (tp_rank, tp, pp, dp)
         # The pipeline of (dp=d, tp=j) is (pp=0, tp=j) -> (pp=1, tp=j) -> ... in replica d.
@@ -149,7 +150,11 @@ def _tp_trains_like_one_process(rank, world, cases, steps=3, mbs=2):
     "cases",
     [
         # zbh1 and zbv split the backward (W later) and are reordered for measured costs.
-        (("llama", "1f1b", (1, 2, 2), "replicate"), ("qwen3_tied", "zbh1", (1, 2, 2), "replicate")),
+        # Llama's layer 1 checkpointed: recomputed in backward, collectives included.
+        (
+            ("llama", "1f1b", (1, 2, 2), "replicate", {"checkpoint_layers": [1]}),
+            ("qwen3_tied", "zbh1", (1, 2, 2), "replicate"),
+        ),
         # Replicas of tp-sharded stages: FSDP2's fully_shard over the tp DTensors (2-D shards).
         # dp x pp x tp all above 1 takes 8 ranks: see the module's docstring.
         (
@@ -172,7 +177,7 @@ def test_tp2_matches_one_process(cases):
         assert names <= set(runs[0][3]) | set(runs[2][3]), names - set(runs[0][3] + runs[2][3])
         # Memory: each rank holds 1/(dp x pp x tp) of the layers' projections ("shard"), or
         # 1/(pp x tp) (replicas hold it whole).
-        _, _, shape, mode = cases[i]
+        _, _, shape, mode, *_ = cases[i]
         parts = shape[1] * shape[2] * (shape[0] if mode == "shard" else 1)
         total = sum(p.numel() for n, p in model.named_parameters() if _is_proj(n))
         assert all(r[4] * parts == total for r in runs), ([r[4] for r in runs], total, parts)
@@ -285,7 +290,15 @@ def _refusals(rank, world, tmp, docs_block):
             "mesh": _mesh(1, 1, 4),
         },
         "gathered styles": {"model": phi3, "layer_cls": phi3_cls},
-        "checkpoint_layers": {"checkpoint_layers": [0]},
+        "plan": {
+            "plan": px.Plan(
+                schedule="1f1b",
+                num_microbatches=2,
+                stages=[],
+                step_time=1.0,
+                bottleneck_time=1.0,
+            )
+        },
         "in order": {"transport": "in_order"},
     }.items():
         with pytest.raises((ValueError, NotImplementedError)) as e:
@@ -328,6 +341,6 @@ def test_docs_block_checkpoints_across_layouts_and_refusals(tmp_path):
     assert "does not divide by tp=4" in e["intermediate"]
     assert "NotImplementedError" in e["gathered styles"]
     assert "['colwise_gather_output', 'rowwise_split_input']" in e["gathered styles"]
-    assert "NotImplementedError: checkpoint_layers=..." in e["checkpoint_layers"]
+    assert "NotImplementedError: plan=... with tensor parallelism" in e["plan"]
     assert "transport='in_order' is not supported yet" in e["in order"]
     assert "tensor-parallel step handshake" in e["batch"]

@@ -177,13 +177,13 @@ def build(
     ranks (and the replicas, with a mesh). A configuration that does not fit the model or the
     process groups is a ``ValueError`` before any stage is materialized."""
     place = resolve_placement(config, group, mesh)
+    if place.tp_size > 1:
+        refuse_under_tp(config, place)
     loss_fn = config.loss_fn if config.loss_fn is not None else default_loss(model)
     num_items_fn = config.num_items_fn or default_num_items(model)
     layer_names = find_layers(model, layer_classes(model, layer_cls))
     tp_plan = layer_tp_plan(model, layer_names, place.tp_size) if place.tp_size > 1 else None
     layer_ranges, stages, train_schedule = _partition(model, layer_cls, config, place)
-    if tp_plan is not None:
-        refuse_under_tp(config, place)
     local_stages = [stages[s] for s in train_schedule.stages_of(place.rank)]
     build_key = check_ranks_agree(stages, config, place)
     attach_transport(config, place)
@@ -416,12 +416,10 @@ def refuse_under_tp(config: PipelineConfig, place: Placement) -> None:
             "transfers matched in order (NCCL) are untested; use gloo on the CPU with "
             "transport='auto', 'shm' or 'process_group'"
         )
-    given = [f for f in ("checkpoint_layers", "plan") if getattr(config, f) not in (None, ())]
-    if given:
+    if config.plan is not None:
         raise NotImplementedError(
-            f"{given[0]}=... with tensor parallelism is not supported yet (issue 48): the "
-            "planner does not cost tensor-parallel layers, and checkpointed layers under "
-            "DTensor are untested"
+            "plan=... with tensor parallelism is not supported yet (issue 48): the planner does "
+            "not cost tensor-parallel layers (their time, memory and collectives per tp degree)"
         )
 
 
