@@ -69,6 +69,11 @@ TP_STYLES = (*_COLWISE, *_ROWWISE, *_PACKED_COLWISE, *_MOE, _PARTIAL_GRAD)
 style inside the decoder layers is refused at build."""
 
 
+_HEAD_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value")
+"""Projections whose output holds attention heads (fused or not, as HF's
+``get_kv_heads_per_rank`` names them): sharding one needs the heads to divide by ``tp``."""
+
+
 def _text_config(model: nn.Module):
     config = getattr(model, "config", None)
     if config is None:
@@ -125,7 +130,7 @@ def _check_divides(model: nn.Module, plan: dict[str, str], tp_size: int) -> None
     """Every sharded dimension, and the attention heads when a projection is sharded, divide by
     ``tp_size``."""
     config = _text_config(model)
-    if config is not None and any(k.endswith(("q_proj", "k_proj", "v_proj")) for k in plan):
+    if config is not None and any(k.endswith(_HEAD_PROJECTIONS) for k in plan):
         for field in ("num_attention_heads", "num_key_value_heads"):
             heads = getattr(config, field, None)
             if isinstance(heads, int) and heads % tp_size:
