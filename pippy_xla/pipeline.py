@@ -78,7 +78,8 @@ class PipelineModel:
             runtime/data_parallel.py). Exclusive with ``group``. Or a 3-D ``DeviceMesh``
             ``("dp", "pp", "tp")`` with ``tensor_parallel="auto"``: each stage's decoder layers
             are sharded over the ``tp`` dimension by the model's own HF plan (see [Note:
-            pipeline x tensor parallel] in runtime/tensor_parallel.py; ``dp`` must be 1 then).
+            pipeline x tensor parallel] in runtime/tensor_parallel.py; replicas over ``dp``
+            as above, FSDP2 over the tp-sharded stages).
     """
 
     def __init__(

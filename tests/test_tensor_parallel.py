@@ -317,9 +317,10 @@ def _refusals(rank, world, tmp, docs_block):
     for name, p in pipe.named_parameters():
         assert torch.equal(full(p).detach(), llama.get_parameter(name).detach()), name
     _checkpoints_across_layouts(pipe, llama, llama_cls, tmp)
-    tp_rank = pipe.tp_rank
-    with pytest.raises(BatchMismatchError) as e:  # tp ranks given other rows
-        pipe.run_train(**make_batch(seed=tp_rank, batch=4))
+    # Rank 1 alone (pp=0, tp=1) is given other rows: its pipeline peer (rank 3) and its tp peer
+    # (rank 0) see it, and rank 2, whose groups it is in neither, raises too.
+    with pytest.raises(BatchMismatchError) as e:
+        pipe.run_train(**make_batch(seed=int(rank == 1), batch=4))
     errors["batch"] = str(e.value)
     assert torch.isfinite(pipe.run_train(**make_batch(seed=0, batch=4)))  # still usable
     return errors

@@ -445,9 +445,8 @@ class StepRunner:
         key, contents = step_key(kind, batch, self.config.check_batch_content)
 
         # A mismatch leaves the pipeline usable: no transfer of the step has started.
-        agree_on_step(key, contents, batch, place.rank, self.gather_ints)
-        if self.tp is not None:
-            self._agree_over_tp(key)
+        gather = self.gather_ints if self.tp is None else self._tp_checked_gather(key)
+        agree_on_step(key, contents, batch, place.rank, gather)
         with self.failures.guard("batch split"):  # its peers are on their way to the engine
             microbatches = split_batch(
                 batch,
@@ -459,20 +458,35 @@ class StepRunner:
             )
         return batch, microbatches, key.signature
 
-    def _agree_over_tp(self, key) -> None:
-        """The tp ranks of a stage were given the same step (kind, shapes and, when checked,
-        values): a tp rank given other rows would otherwise mix two batches in its layers'
-        collectives without any error."""
-        what = f"[rank {self.place.rank}] tensor-parallel step handshake"
+    def _tp_checked_gather(self, key) -> Callable[[Sequence[int], str], list[list[int]]]:
+        """The step handshake's gather under tensor parallelism: first the tp ranks of this
+        stage compare their step keys (a tp rank given other rows would otherwise mix two
+        batches in its layers' collectives without any error), then the pipeline's handshake
+        carries each rank's verdict, so that every rank of the mesh raises or none does (see
+        [Note: pipeline x tensor parallel]: every pipeline group holds a rank of every stage)."""
+        place = self.place
+        what = f"[rank {place.rank}] tensor-parallel step handshake"
         mine = digest64(repr(key.words()).encode())
-        if not self.failures.watched(what, self.tp.agree, mine, what):
-            raise BatchMismatchError(
-                rank=self.place.rank,
-                failed_rank=self.place.rank,
-                action="tensor-parallel step handshake",
-                cause="a rank on the mesh's tensor-parallel dimension was given another batch "
-                "(or another kind of step); every rank must get the same whole batch",
-            )
+        tp_ok = int(self.failures.watched(what, self.tp.agree, mine, what))
+        first = [True]
+
+        def gather(values: Sequence[int], what: str) -> list[list[int]]:
+            if not first[0]:
+                return self.gather_ints(values, what)
+            first[0] = False
+            everyone = self.gather_ints([*values, tp_ok], what)
+            if not all(words[-1] for words in everyone):
+                raise BatchMismatchError(
+                    rank=place.rank,
+                    failed_rank=place.rank,
+                    action="tensor-parallel step handshake",
+                    cause="a rank on the mesh's tensor-parallel dimension was given another "
+                    "batch (or another kind of step) than its tp peers; every rank must get "
+                    "the same whole batch",
+                )
+            return [words[:-1] for words in everyone]
+
+        return gather
 
     def _forward(self, batch, microbatches, losses, added, logits) -> StageForward:
         labels = batch.get("labels")

@@ -30,6 +30,10 @@ no extra hop.
   all-reduces ``param.grad`` after every accumulation, which sums the earlier microbatches again
   at each one; here it is not installed, and the step all-reduces those gradients once, after
   the last backward (:meth:`TensorParallel.reduce_partial_grads`).
+- Batches: the tp ranks of a stage must be given the same step; each step they compare their
+  step keys, and the pipeline's step handshake carries every rank's verdict. A pipeline group
+  holds a rank of every stage, so a mismatch in any tp group fails every rank's handshake alike
+  (no rank is left waiting in a collective its peers skipped).
 - Start: the tp ranks' values are made equal (copied from tp rank 0) before sharding, so a model
   initialized differently per rank still trains as one model.
 - Replicas: with ``dp`` > 1, each stage module is wrapped by FSDP2 over the ``dp`` dimension
