@@ -63,6 +63,8 @@ class Checkpointable(Protocol):
     def group(self) -> dist.ProcessGroup | None: ...
     @property
     def checkpoint_group(self) -> dist.ProcessGroup | None: ...
+    @property
+    def tp_rank(self) -> int: ...
 
     config: Any
     generation_config: Any
@@ -273,8 +275,9 @@ def _save_pretrained(
     local = {
         k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in pipe.state_dict().items()
     }
-    if pipe.dp_rank != 0:
-        dist.barrier(group=pipe.checkpoint_group)  # until the first replica has written
+    if pipe.dp_rank != 0 or pipe.tp_rank != 0:
+        # Until the first replica's tp rank 0 pipeline has written (it holds every tensor whole).
+        dist.barrier(group=pipe.checkpoint_group)
         return
     everyone: list = [None] * pipe.num_ranks
     dist.all_gather_object(everyone, sorted(local), group=pipe.group)

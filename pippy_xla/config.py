@@ -36,7 +36,7 @@ TRANSPORTS = ("auto", "shm", "process_group", "in_order")
 @dataclass(kw_only=True, slots=True)
 class PipelineConfig:
     """How a model is pipelined: schedule, microbatches, stage layout, checkpointing, loss,
-    timeouts, device, compilation and data parallelism."""
+    timeouts, device, compilation, data and tensor parallelism."""
 
     num_microbatches: int
     """Microbatches per step; the batch size must be divisible by it (on a mesh: by it times the
@@ -117,6 +117,15 @@ class PipelineConfig:
     """The mesh's pipeline dimension."""
     dp_dim: str = "dp"
     """The mesh's data-parallel dimension."""
+    tp_dim: str = "tp"
+    """The mesh's tensor-parallel dimension (a 3-D mesh ``(dp, pp, tp)``)."""
+    tensor_parallel: str | None = None
+    """With a mesh that has a ``tp_dim``: ``"auto"`` applies the model's own HF tensor-parallel
+    plan (``model.tp_plan``: ``config.base_model_tp_plan`` and the model class's own) to each
+    stage's decoder layers over the mesh's tensor-parallel dimension, through transformers' and
+    torch's DTensor machinery (see [Note: pipeline x tensor parallel] in
+    ``runtime/tensor_parallel.py``). ``None``: no tensor parallelism (a mesh's ``tp_dim``, if
+    any, must then have size 1)."""
 
     def __post_init__(self) -> None:
         m = self.num_microbatches
@@ -158,8 +167,18 @@ class PipelineConfig:
             raise ValueError(
                 f"data_parallel must be one of {DATA_PARALLEL_MODES}, got {self.data_parallel!r}"
             )
-        if self.pp_dim == self.dp_dim:
-            raise ValueError(f"pp_dim and dp_dim must differ, both are {self.pp_dim!r}")
+        dims = (self.dp_dim, self.pp_dim, self.tp_dim)
+        if len(set(dims)) != len(dims):
+            raise ValueError(f"dp_dim, pp_dim and tp_dim must differ, got {dims}")
+        if isinstance(self.tensor_parallel, dict):
+            raise NotImplementedError(
+                "tensor_parallel as a dict of rules is not supported yet (issue 48); pass "
+                "tensor_parallel='auto' (the model's own HF plan) or None"
+            )
+        if self.tensor_parallel not in (None, "auto"):
+            raise ValueError(
+                f"tensor_parallel must be None or 'auto', got {self.tensor_parallel!r}"
+            )
 
     @property
     def schedule_name(self) -> str:

@@ -75,7 +75,11 @@ class PipelineModel:
             pipeline runs over its ``pp_dim`` dimension, replicas over ``dp_dim``. Every rank is
             given the global batch; each replica trains on its share, and stage gradients are
             reduced over the replicas with FSDP2 (see [Note: pipeline x data parallel] in
-            runtime/data_parallel.py). Exclusive with ``group``.
+            runtime/data_parallel.py). Exclusive with ``group``. Or a 3-D ``DeviceMesh``
+            ``("dp", "pp", "tp")`` with ``tensor_parallel="auto"``: each stage's decoder layers
+            are sharded over the ``tp`` dimension by the model's own HF plan (see [Note:
+            pipeline x tensor parallel] in runtime/tensor_parallel.py; replicas over ``dp``
+            as above, FSDP2 over the tp-sharded stages).
     """
 
     def __init__(
@@ -136,7 +140,7 @@ class PipelineModel:
 
     @property
     def mesh(self) -> DeviceMesh | None:
-        """The data x pipeline mesh, if the pipeline has replicas."""
+        """The data x pipeline (x tensor) mesh, if the pipeline was built on one."""
         return self._place.mesh.mesh if self._place.mesh is not None else None
 
     @property
@@ -170,6 +174,17 @@ class PipelineModel:
     def dp_size(self) -> int:
         """How many pipeline replicas train together (1 without a mesh)."""
         return self._place.dp_size
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's coordinate on the mesh's tensor-parallel dimension (0 without one)."""
+        return self._place.tp_rank
+
+    @property
+    def tp_size(self) -> int:
+        """How many ranks run each stage together, each with its shard of the decoder layers
+        (1 without tensor parallelism)."""
+        return self._place.tp_size
 
     @property
     def device(self) -> torch.device:

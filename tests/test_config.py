@@ -27,12 +27,18 @@ from pippy_xla.testing import run_ranks
         ({"num_microbatches": 2, "input_names": "input_ids"}, "input_names must be a non-empty"),
         ({"num_microbatches": 2, "loss_fn": 3}, "loss_fn must be callable"),
         ({"num_microbatches": 2, "data_parallel": "ddp"}, "data_parallel must be one of"),
-        ({"num_microbatches": 2, "pp_dim": "x", "dp_dim": "x"}, "pp_dim and dp_dim must differ"),
+        ({"num_microbatches": 2, "pp_dim": "x", "dp_dim": "x"}, "pp_dim and tp_dim must differ"),
+        ({"num_microbatches": 2, "tensor_parallel": "yes"}, "tensor_parallel must be None or"),
     ],
 )
 def test_config_rejects_bad_values(options, message):
     with pytest.raises((ValueError, TypeError), match=message.replace("(", r"\(")):
         PipelineConfig(**options)
+
+
+def test_config_refuses_tensor_parallel_rules_not_covered_yet():
+    with pytest.raises(NotImplementedError, match="tensor_parallel as a dict"):
+        PipelineConfig(num_microbatches=2, tensor_parallel={"layers.*.mlp.up_proj": "colwise"})
 
 
 def test_config_defaults_come_from_the_schedule_table():

@@ -30,6 +30,7 @@ from pippy_xla.runtime._ties import Tie, combine_among, local_ties, tied_names, 
 from pippy_xla.runtime.data_parallel import DataParallel, MeshGroups, mesh_groups
 from pippy_xla.runtime.failures import AbortChannel
 from pippy_xla.runtime.ops import group_name_of
+from pippy_xla.runtime.tensor_parallel import TensorParallel, layer_tp_plan
 from pippy_xla.split._split_compile import split_backward_backend
 from pippy_xla.split.hf import text_vocab_size
 from pippy_xla.split.materialize import materialize
@@ -114,6 +115,14 @@ class Placement:
     def dp_size(self) -> int:
         return self.mesh.dp_size if self.mesh is not None else 1
 
+    @property
+    def tp_rank(self) -> int:
+        return self.mesh.tp_rank if self.mesh is not None else 0
+
+    @property
+    def tp_size(self) -> int:
+        return self.mesh.tp_size if self.mesh is not None else 1
+
 
 @dataclass(kw_only=True, slots=True)
 class BuiltPipeline:
@@ -138,7 +147,11 @@ class BuiltPipeline:
     aliases: dict[str, list[str]]
     """Every name of a tied tensor -> all its names, in model order."""
     dp: DataParallel | None
-    """The stage replicas' gradient reduction, with a mesh."""
+    """The stage replicas' gradient reduction, with a mesh (``None`` under tensor parallelism
+    with one replica)."""
+    tp: TensorParallel | None
+    """The local decoder layers' sharding over the mesh's tensor-parallel dimension (``None``
+    without one, or of size 1)."""
     loss_fn: LossFn
     """The loss of one microbatch."""
     num_items_fn: Callable[[torch.Tensor], torch.Tensor]
@@ -164,8 +177,12 @@ def build(
     ranks (and the replicas, with a mesh). A configuration that does not fit the model or the
     process groups is a ``ValueError`` before any stage is materialized."""
     place = resolve_placement(config, group, mesh)
+    if place.tp_size > 1:
+        refuse_under_tp(config, place)
     loss_fn = config.loss_fn if config.loss_fn is not None else default_loss(model)
     num_items_fn = config.num_items_fn or default_num_items(model)
+    layer_names = find_layers(model, layer_classes(model, layer_cls))
+    tp_plan = layer_tp_plan(model, layer_names, place.tp_size) if place.tp_size > 1 else None
     layer_ranges, stages, train_schedule = _partition(model, layer_cls, config, place)
     local_stages = [stages[s] for s in train_schedule.stages_of(place.rank)]
     build_key = check_ranks_agree(stages, config, place)
@@ -177,7 +194,9 @@ def build(
         untie_local_copies(tied, local_stages)
     ties = _tie_weights(tied, stages, local_stages, train_schedule.stage_rank, place)
     modules = {st.index: st.module for st in local_stages}
-    dp = _replicas(modules, config, place, build_key)
+    tp = _tensor_parallel(model, tp_plan, layer_names, local_stages, place, build_key)
+    # Under tp, replicas only where there are several (FSDP2 over the tp-sharded layers).
+    dp = _replicas(modules, config, place, build_key) if tp is None or place.dp_size > 1 else None
     runners, watch = _runners(modules, config, split=train_schedule.split_backward)
     eval_schedule = _schedule("forward", place.num_ranks, config, train_schedule)
     return BuiltPipeline(
@@ -192,6 +211,7 @@ def build(
         ties=[(tie, params_named(local_stages, tie.names)) for tie in ties],
         aliases={n: names for names in tied for n in names},
         dp=dp,
+        tp=tp,
         loss_fn=loss_fn,
         num_items_fn=num_items_fn,
         label_rows=text_vocab_size(model.config) if config.loss_fn is None else None,
@@ -266,6 +286,30 @@ def _tie_weights(
     return ties
 
 
+def _tensor_parallel(
+    model: nn.Module,
+    plan: dict[str, str] | None,
+    layer_names: Sequence[str],
+    local_stages: Sequence[StageGraph],
+    place: Placement,
+    build_key: int,
+) -> TensorParallel | None:
+    """With a tensor-parallel plan: the local decoder layers sharded over the mesh's ``tp``
+    dimension (see [Note: pipeline x tensor parallel] in ``tensor_parallel.py``)."""
+    if plan is None:
+        return None
+    return TensorParallel(
+        place.mesh,
+        model,
+        plan,
+        [layer_names[i] for st in local_stages for i in st.layers],
+        [st.module for st in local_stages],
+        place.timeout_ms,
+        place.device,
+        build_key,
+    )
+
+
 def _replicas(
     modules: dict[int, nn.Module], config: PipelineConfig, place: Placement, build_key: int
 ) -> DataParallel | None:
@@ -319,14 +363,22 @@ def resolve_placement(
             "first (torchrun sets the rendezvous)"
         )
     groups = None
+    if mesh is None and config.tensor_parallel is not None:
+        raise ValueError(
+            f"tensor_parallel={config.tensor_parallel!r} needs mesh=init_device_mesh(device_type, "
+            f"(dp, pp, tp), mesh_dim_names=({config.dp_dim!r}, {config.pp_dim!r}, "
+            f"{config.tp_dim!r})); got no mesh"
+        )
     if mesh is not None:
         if config.compile:
             raise ValueError(
-                "compile=True with a data-parallel mesh is not supported yet; compile a "
-                "pipeline without mesh=..."
+                "compile=True with a mesh (data or tensor parallel) is not supported yet: compiled "
+                "stages around FSDP2's hooks and DTensor layers are untested (issue 48); compile "
+                "a pipeline without mesh=..."
             )
-        groups = mesh_groups(mesh, config.pp_dim, config.dp_dim, group)
+        groups = mesh_groups(mesh, config.pp_dim, config.dp_dim, group, config.tp_dim)
         group = groups.pp_group
+        _check_tensor_parallel(config, groups)
     group = group or dist.group.WORLD
     return Placement(
         group=group,
@@ -337,6 +389,38 @@ def resolve_placement(
         device=resolve_device(config.device, group),
         timeout_ms=int(config.timeout * 1000),
     )
+
+
+def _check_tensor_parallel(config: PipelineConfig, groups: MeshGroups) -> None:
+    """A mesh's tensor-parallel dimension and ``config.tensor_parallel`` agree."""
+    if config.tensor_parallel is None and groups.tp_size > 1:
+        raise ValueError(
+            f"the mesh's {config.tp_dim!r} dim has size {groups.tp_size} but "
+            "tensor_parallel=None; pass tensor_parallel='auto' to shard the decoder layers with "
+            "the model's own HF plan"
+        )
+    if config.tensor_parallel is not None and groups.tp_mesh is None:
+        raise ValueError(
+            f"tensor_parallel={config.tensor_parallel!r} but the mesh's dims "
+            f"{groups.mesh.mesh_dim_names} have no {config.tp_dim!r}; build a 3-D mesh "
+            f"({config.dp_dim!r}, {config.pp_dim!r}, {config.tp_dim!r})"
+        )
+
+
+def refuse_under_tp(config: PipelineConfig, place: Placement) -> None:
+    """Raises ``NotImplementedError`` for what a tensor-parallel pipeline does not cover yet."""
+    if place.device.type != "cpu" or config.transport == "in_order":
+        raise NotImplementedError(
+            f"tensor parallelism on {place.device} with transport={config.transport!r} is not "
+            "supported yet (issue 48): the layers' tp collectives beside the pipeline's "
+            "transfers matched in order (NCCL) are untested; use gloo on the CPU with "
+            "transport='auto', 'shm' or 'process_group'"
+        )
+    if config.plan is not None:
+        raise NotImplementedError(
+            "plan=... with tensor parallelism is not supported yet (issue 48): the planner does "
+            "not cost tensor-parallel layers (their time, memory and collectives per tp degree)"
+        )
 
 
 def resolve_layout(

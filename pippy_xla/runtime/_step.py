@@ -21,6 +21,7 @@ import torch
 import torch.nn.modules.module as _module
 
 from pippy_xla._native import _C
+from pippy_xla.errors import BatchMismatchError
 from pippy_xla.runtime._batch import agree_on_step, check_batch, digest64, split_batch, step_key
 from pippy_xla.runtime._build import BuiltPipeline
 from pippy_xla.runtime._grads import clip_, global_norm, local_gradients
@@ -209,6 +210,7 @@ class StepRunner:
         self.eval_engine = built.eval_engine
         self.ties = built.ties
         self.dp = built.dp
+        self.tp = built.tp
         self.watch = built.compile_watch
         self.loss_fn = built.loss_fn
         """The loss of one microbatch (assignable between steps)."""
@@ -251,8 +253,13 @@ class StepRunner:
         added: dict[int, torch.Tensor] = {}
         forward = self._forward(batch, microbatches, losses, added, logits=None)
         earlier = set_aside_grads(self.ties)  # [Note: tied gradients accumulate once]
+        partial = self.tp.set_aside_partial() if self.tp is not None else None
         try:
             end = self._run(self.train_engine, forward, signature, start)
+            if partial is not None:  # [Note: pipeline x tensor parallel]
+                self.failures.watched(
+                    "tensor-parallel gradient sum", self.tp.reduce_partial_grads, partial
+                )
             if self.ties:
                 self.failures.watched("tied-weight gradient sum", self._sum_tied_grads)
         finally:
@@ -295,6 +302,9 @@ class StepRunner:
         self.failures.check_usable()
         place, norm_type = self.place, float(norm_type)
         scaled, counted = local_gradients(params, self.ties, place.rank)
+        if self.tp is not None:  # a tensor replicated over tp counts once: on tp rank 0
+            mine = [p for p in params if self.tp.counts_in_norm(p)]
+            _, counted = local_gradients(mine, self.ties, place.rank)
 
         sharded = self.dp is not None and self.dp.sharded
 
@@ -308,10 +318,14 @@ class StepRunner:
             reductions = [(pipeline_sum, place.rank, place.num_ranks)]
             if sharded:
                 reductions.append((self.dp.all_reduce_sum, place.dp_rank, place.dp_size))
+            if self.tp is not None:
+                reductions.append((self.tp.all_reduce_sum, self.tp.rank, self.tp.size))
             return global_norm(counted, norm_type, place.device, reductions)
 
         total = self.failures.watched(
-            "gradient norm all_reduce", norm, abortable=self._abortable and not sharded
+            "gradient norm all_reduce",
+            norm,
+            abortable=self._abortable and not sharded and self.tp is None,
         )
         clip_(
             scaled,
@@ -339,20 +353,11 @@ class StepRunner:
                 f"list-scheduled schedules {listed}"
             )
         costs = measure()
-        if self.dp is not None:
-            flat = torch.tensor(
-                [c for k in ("forward", "backward", "weight") for c in costs[k]],
-                dtype=torch.float64,
-                device=place.device,
-            )
-            what = f"[rank {place.rank}] schedule costs all_reduce over replicas"
-            total = self.failures.watched(what, self.dp.all_reduce_sum, flat, what)
-            n = len(costs["forward"])
-            mean = (total / place.dp_size).tolist()
-            costs = {
-                k: mean[i * n : (i + 1) * n]
-                for i, k in enumerate(("forward", "backward", "weight"))
-            }
+        # Every replica and every tp rank of a stage must run one order (a tp rank's layers
+        # run collectives with its peers'): their costs are averaged.
+        for group, what in ((self.dp, "replicas"), (self.tp, "tensor-parallel ranks")):
+            if group is not None:
+                costs = self._mean_costs(costs, group, what)
         schedule = _C.make_schedule(
             config.schedule_name, place.num_ranks, config.num_microbatches, config.chunks, **costs
         )
@@ -368,14 +373,33 @@ class StepRunner:
             what,
         )
         agreed = all(k == [key] for k in everyone)
-        if self.dp is not None:
-            agreed = self.failures.watched(what, self.dp.agree, key, what) and agreed
+        for group in (self.dp, self.tp):
+            if group is not None:
+                agreed = self.failures.watched(what, group.agree, key, what) and agreed
         if not agreed:
             raise RuntimeError(f"{what}: the ranks generated different orders from their costs")
         self.train_engine = place.engine(schedule)
         logger.info("[rank %d] %r reordered for the measured costs", place.rank, schedule.name)
         logger.debug("[rank %d] %s", place.rank, schedule.table())
         return schedule
+
+    def _mean_costs(self, costs: dict[str, list[float]], group, what: str) -> dict:
+        """``costs`` averaged over ``group`` (the replicas' :class:`DataParallel` or the tp
+        ranks' :class:`TensorParallel`: an ``all_reduce_sum`` over them)."""
+        place = self.place
+        flat = torch.tensor(
+            [c for k in ("forward", "backward", "weight") for c in costs[k]],
+            dtype=torch.float64,
+            device=place.device,
+        )
+        where = f"[rank {place.rank}] schedule costs all_reduce over {what}"
+        total = self.failures.watched(where, group.all_reduce_sum, flat, where)
+        size = place.dp_size if group is self.dp else place.tp_size
+        n = len(costs["forward"])
+        mean = (total / size).tolist()
+        return {
+            k: mean[i * n : (i + 1) * n] for i, k in enumerate(("forward", "backward", "weight"))
+        }
 
     def _sum_tied_grads(self) -> None:
         """Sums each tied weight's gradient over its owners."""
@@ -421,7 +445,8 @@ class StepRunner:
         key, contents = step_key(kind, batch, self.config.check_batch_content)
 
         # A mismatch leaves the pipeline usable: no transfer of the step has started.
-        agree_on_step(key, contents, batch, place.rank, self.gather_ints)
+        gather = self.gather_ints if self.tp is None else self._tp_checked_gather(key)
+        agree_on_step(key, contents, batch, place.rank, gather)
         with self.failures.guard("batch split"):  # its peers are on their way to the engine
             microbatches = split_batch(
                 batch,
@@ -432,6 +457,36 @@ class StepRunner:
                 split=self._reads,
             )
         return batch, microbatches, key.signature
+
+    def _tp_checked_gather(self, key) -> Callable[[Sequence[int], str], list[list[int]]]:
+        """The step handshake's gather under tensor parallelism: first the tp ranks of this
+        stage compare their step keys (a tp rank given other rows would otherwise mix two
+        batches in its layers' collectives without any error), then the pipeline's handshake
+        carries each rank's verdict, so that every rank of the mesh raises or none does (see
+        [Note: pipeline x tensor parallel]: every pipeline group holds a rank of every stage)."""
+        place = self.place
+        what = f"[rank {place.rank}] tensor-parallel step handshake"
+        mine = digest64(repr(key.words()).encode())
+        tp_ok = int(self.failures.watched(what, self.tp.agree, mine, what))
+        first = [True]
+
+        def gather(values: Sequence[int], what: str) -> list[list[int]]:
+            if not first[0]:
+                return self.gather_ints(values, what)
+            first[0] = False
+            everyone = self.gather_ints([*values, tp_ok], what)
+            if not all(words[-1] for words in everyone):
+                raise BatchMismatchError(
+                    rank=place.rank,
+                    failed_rank=place.rank,
+                    action="tensor-parallel step handshake",
+                    cause="a rank on the mesh's tensor-parallel dimension was given another "
+                    "batch (or another kind of step) than its tp peers; every rank must get "
+                    "the same whole batch",
+                )
+            return [words[:-1] for words in everyone]
+
+        return gather
 
     def _forward(self, batch, microbatches, losses, added, logits) -> StageForward:
         labels = batch.get("labels")

@@ -48,20 +48,35 @@ DATA_PARALLEL_MODES = ("replicate", "shard")
 
 
 class MeshGroups:
-    """The process groups and coordinates a rank has on a ``(dp, pp)`` mesh."""
+    """The process groups and coordinates a rank has on a ``(dp, pp)`` or ``(dp, pp, tp)`` mesh."""
 
-    def __init__(self, mesh, pp_dim: str, dp_dim: str) -> None:
+    def __init__(self, mesh, pp_dim: str, dp_dim: str, tp_dim: str | None = None) -> None:
         self.mesh = mesh
         self.pp_group: dist.ProcessGroup = mesh.get_group(pp_dim)
         self.dp_mesh = mesh[dp_dim]
         self.dp_group: dist.ProcessGroup = mesh.get_group(dp_dim)
         self.dp_rank: int = self.dp_mesh.get_local_rank()
         self.dp_size: int = self.dp_mesh.size()
+        self.tp_mesh = mesh[tp_dim] if tp_dim is not None else None
+        """The tensor-parallel dimension's 1-D mesh (``None`` on a 2-D mesh): the ranks that run
+        this rank's stages together, each with its shard of their decoder layers."""
+        self.tp_group: dist.ProcessGroup | None = (
+            mesh.get_group(tp_dim) if tp_dim is not None else None
+        )
+        self.tp_rank: int = self.tp_mesh.get_local_rank() if self.tp_mesh is not None else 0
+        self.tp_size: int = self.tp_mesh.size() if self.tp_mesh is not None else 1
 
 
-def mesh_groups(mesh, pp_dim: str, dp_dim: str, group: dist.ProcessGroup | None) -> MeshGroups:
-    """Checks ``mesh`` (a 2-D ``DeviceMesh`` with dims ``pp_dim`` and ``dp_dim``) and ``group``
-    (``None``, or the mesh's pipeline group) and returns this rank's groups."""
+def mesh_groups(
+    mesh,
+    pp_dim: str,
+    dp_dim: str,
+    group: dist.ProcessGroup | None,
+    tp_dim: str | None = None,
+) -> MeshGroups:
+    """Checks ``mesh`` (a 2-D ``DeviceMesh`` with dims ``dp_dim`` and ``pp_dim``, or a 3-D one
+    with ``tp_dim`` too) and ``group`` (``None``, or the mesh's pipeline group) and returns this
+    rank's groups."""
     from torch.distributed.device_mesh import DeviceMesh
 
     if not isinstance(mesh, DeviceMesh):
@@ -71,24 +86,27 @@ def mesh_groups(mesh, pp_dim: str, dp_dim: str, group: dist.ProcessGroup | None)
     names = mesh.mesh_dim_names
     how = (
         f"build it with init_device_mesh(device_type, (dp, pp), mesh_dim_names=({dp_dim!r}, "
-        f"{pp_dim!r})), or name its dims with pp_dim=... and dp_dim=..."
+        f"{pp_dim!r})) (or (dp, pp, tp) with {tp_dim or 'tp'!r} last for tensor parallelism), "
+        "or name its dims with dp_dim=..., pp_dim=... and tp_dim=..."
     )
     if not names or pp_dim not in names or dp_dim not in names:
         raise ValueError(
             f"the mesh's dims are {names}, but the pipeline needs a pipeline dim {pp_dim!r} and "
             f"a data-parallel dim {dp_dim!r}; {how}"
         )
-    if mesh.ndim != 2:
+    has_tp = tp_dim is not None and tp_dim in names
+    if mesh.ndim != 2 + has_tp:
         raise ValueError(
             f"the mesh has {mesh.ndim} dims {names}; PipelineModel supports 2-D (data x "
-            "pipeline) meshes only"
+            f"pipeline) meshes and 3-D (data x pipeline x tensor) meshes with dims "
+            f"({dp_dim!r}, {pp_dim!r}, {tp_dim or 'tp'!r})"
         )
     if mesh.size() != dist.get_world_size():
         raise ValueError(
             f"the mesh spans {mesh.size()} ranks but the job has {dist.get_world_size()}; "
             "PipelineModel needs a mesh over every rank of the job"
         )
-    groups = MeshGroups(mesh, pp_dim, dp_dim)
+    groups = MeshGroups(mesh, pp_dim, dp_dim, tp_dim if has_tp else None)
     if group is not None and group is not groups.pp_group:
         raise ValueError(
             f"group= is not the mesh's pipeline dimension {pp_dim!r} (its ranks are "
@@ -143,9 +161,10 @@ class DataParallel:
     def _sync_from_first_replica(self, module: nn.Module) -> None:
         with torch.no_grad():
             for name, t in [*module.named_parameters(), *module.named_buffers()]:
+                t = local_tensor(t.detach())  # a tensor-parallel shard: this tp rank's part
                 t.copy_(
                     _C.broadcast_copy(
-                        t.detach(),
+                        t,
                         0,
                         self._group_name,
                         self._timeout_ms,

@@ -1,0 +1,279 @@
+"""Pipeline x tensor parallel on a ``DeviceMesh``: each stage's decoder layers under the model's
+own HF tensor-parallel plan, applied by transformers' and torch's DTensor machinery.
+
+[Note: pipeline x tensor parallel]
+
+A 3-D mesh ``(dp, pp, tp)`` holds, for each pipeline stage, ``tp`` ranks that run that stage
+together. The pipeline's process group of a rank is the mesh's ``pp`` dimension at its own
+``(dp, tp)`` coordinates, so rank ``(pp=i, tp=j)`` exchanges activations and gradients with
+``(pp=i+1, tp=j)`` only: every tp rank has its own copy of each boundary tensor, no gather and
+no extra hop.
+
+- Layers: after partitioning, the rules of ``model.tp_plan`` (HF's: ``config.base_model_tp_plan``
+  with the model class's own ``_tp_plan``, keys with ``*`` for the layer index) that fall inside
+  this rank's decoder layers are expanded by HF (``_expand_parallel_plan``) and applied by HF
+  (``apply_tensor_parallelism``): parameters become DTensors sharded over the ``tp`` dimension,
+  and HF's styles (``colwise``, ``rowwise``; for experts ``packed_colwise`` and
+  ``moe_tp_experts``, which all-reduce the experts' partial outputs) redistribute inside each
+  layer. pippy_xla writes no parallel layer. Rules outside the decoder layers (the embedding's
+  ``embedding_rowwise``, the head's ``colwise_gather_output``) are not applied: those modules
+  stay whole on every tp rank.
+- Boundaries: HF's styles give plain (local) outputs, and a decoder layer's output is replicated
+  over the ``tp`` group (a ``rowwise`` projection all-reduces it), so the tensors that travel
+  between stages are plain tensors, equal on every tp rank. Their gradients are replicated too
+  (a ``colwise`` projection all-reduces its input's gradient in backward).
+- Gradients: a sharded parameter's gradient is a DTensor with the same placement (its local
+  shard); a parameter outside HF's rules (norms, embeddings, head) sees replicated inputs and
+  replicated output gradients, so every tp rank computes the same whole gradient and nothing is
+  reduced. A ``replicated_with_grad_allreduce`` rule (Qwen3's per-head ``q_norm`` / ``k_norm``,
+  which see only the rank's heads) marks a parameter whose gradient is partial: HF's style
+  all-reduces ``param.grad`` after every accumulation, which sums the earlier microbatches again
+  at each one; here it is not installed, and the step all-reduces those gradients once, after
+  the last backward (:meth:`TensorParallel.reduce_partial_grads`).
+- Batches: the tp ranks of a stage must be given the same step; each step they compare their
+  step keys, and the pipeline's step handshake carries every rank's verdict. A pipeline group
+  holds a rank of every stage, so a mismatch in any tp group fails every rank's handshake alike
+  (no rank is left waiting in a collective its peers skipped).
+- Start: the tp ranks' values are made equal (copied from tp rank 0) before sharding, so a model
+  initialized differently per rank still trains as one model.
+- Replicas: with ``dp`` > 1, each stage module is wrapped by FSDP2 over the ``dp`` dimension
+  after tensor parallelism ([Note: pipeline x data parallel]); FSDP2 composes with the tp
+  DTensors (``"shard"`` makes 2-D shards), and the global norm counts a tensor replicated over
+  ``tp`` on tp rank 0 only (:meth:`TensorParallel.counts_in_norm`, by the DTensor's ``tp``
+  placement).
+- Refused at build, with one line naming the module and the numbers: a model without a plan, a
+  plan with no rule in the decoder layers, a style not covered yet, and a rule whose sharded
+  dimension (or the attention heads and key/value heads) does not divide by ``tp``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from pippy_xla._native import _C
+from pippy_xla.runtime.data_parallel import local_tensor
+from pippy_xla.split.partition import UnsupportedModelError
+
+__all__ = [
+    "TP_STYLES",
+    "TensorParallel",
+    "layer_tp_plan",
+]
+
+_COLWISE = ("colwise",)
+_ROWWISE = ("rowwise",)
+_PACKED_COLWISE = ("packed_colwise",)
+_PARTIAL_GRAD = "replicated_with_grad_allreduce"
+_MOE = ("moe_tp_experts",)
+TP_STYLES = (*_COLWISE, *_ROWWISE, *_PACKED_COLWISE, *_MOE, _PARTIAL_GRAD)
+"""The HF tensor-parallel styles a pipeline applies (those its tests cover); a plan with another
+style inside the decoder layers is refused at build."""
+
+
+_HEAD_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value")
+"""Projections whose output holds attention heads (fused or not, as HF's
+``get_kv_heads_per_rank`` names them): sharding one needs the heads to divide by ``tp``."""
+
+
+def _text_config(model: nn.Module):
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def layer_tp_plan(model: nn.Module, layer_names: Sequence[str], tp_size: int) -> dict[str, str]:
+    """The model's own HF tensor-parallel plan expanded over its decoder layers ``layer_names``
+    (every layer of the model, so that every rank checks the same): concrete module and
+    parameter names -> HF style. Raises ``UnsupportedModelError`` for a model without a plan,
+    ``NotImplementedError`` for a style not covered yet and ``ValueError`` for a rule that does
+    not divide by ``tp_size``; each in one line naming the module and the numbers."""
+    name = type(model).__name__
+    plan = getattr(model, "tp_plan", None)
+    if not plan or not hasattr(model, "_expand_parallel_plan"):
+        raise UnsupportedModelError(
+            f"tensor_parallel='auto': {name} has no HF tensor-parallel plan "
+            "(config.base_model_tp_plan is empty); use a mesh without a 'tp' dim (or of size 1)"
+        )
+    prefixes = tuple(f"{n}." for n in layer_names)
+    expanded = model._expand_parallel_plan(dict(plan))
+    inside = {k: v for k, v in expanded.items() if k.startswith(prefixes)}
+    if not inside:
+        raise UnsupportedModelError(
+            f"tensor_parallel='auto': {name}'s tp plan {dict(plan)} has no rule inside its "
+            f"decoder layers ({layer_names[0]}, ...); nothing to shard over tp={tp_size}"
+        )
+    odd = sorted({v for v in inside.values() if v not in TP_STYLES})
+    if odd:
+        where = next(k for k, v in inside.items() if v == odd[0])
+        raise NotImplementedError(
+            f"tensor_parallel='auto': {name}'s tp plan uses style(s) {odd} (e.g. {where}), which "
+            f"the pipeline does not apply yet (issue 48); covered: {list(TP_STYLES)}"
+        )
+    _check_divides(model, inside, tp_size)
+    return inside
+
+
+def _sharded_dim(style: str, param: torch.Tensor) -> tuple[int, int] | None:
+    """The dimension HF's ``style`` shards ``param`` on and the factor its size must divide by
+    (besides ``tp``: a packed projection splits each of its halves), or ``None`` when the
+    style keeps ``param`` whole."""
+    if style in _COLWISE:
+        return (param.ndim - 2 if param.ndim > 1 else -1), 1
+    if style in _ROWWISE:
+        return (-1, 1) if param.ndim > 1 else None  # a rowwise bias is replicated
+    if style in _PACKED_COLWISE:
+        return (param.ndim - 2, 2) if param.ndim > 1 else (-1, 1)
+    return None
+
+
+def _check_divides(model: nn.Module, plan: dict[str, str], tp_size: int) -> None:
+    """Every sharded dimension, and the attention heads when a projection is sharded, divide by
+    ``tp_size``."""
+    config = _text_config(model)
+    if config is not None and any(k.endswith(_HEAD_PROJECTIONS) for k in plan):
+        for field in ("num_attention_heads", "num_key_value_heads"):
+            heads = getattr(config, field, None)
+            if isinstance(heads, int) and heads % tp_size:
+                raise ValueError(
+                    f"tensor_parallel='auto': {type(config).__name__}.{field}={heads} does not "
+                    f"divide by tp={tp_size}; choose a tp size that divides it"
+                )
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
+    for key, style in plan.items():
+        module = modules.get(key)
+        if module is not None:
+            if style in (*_COLWISE, *_ROWWISE) and not isinstance(module, nn.Linear):
+                raise NotImplementedError(
+                    f"tensor_parallel='auto': {key} is a {type(module).__name__} under style "
+                    f"{style!r}; the pipeline applies {style!r} to nn.Linear only yet (issue 48)"
+                )
+            continue
+        param = params.get(key)
+        where = _sharded_dim(style, param) if param is not None else None
+        if where is None:
+            continue
+        dim, factor = where
+        size = param.shape[dim]
+        if size % (tp_size * factor):
+            by = f"tp={tp_size}" if factor == 1 else f"{factor} x tp={tp_size}"
+            raise ValueError(
+                f"tensor_parallel='auto': {key} ({style}) has size {size} in dim "
+                f"{dim % param.ndim}, which does not divide by {by}; choose a tp size that "
+                "divides it"
+            )
+
+
+class TensorParallel:
+    """This rank's decoder layers sharded over the mesh's ``tp`` dimension, and the gradient
+    reductions that go with them. See [Note: pipeline x tensor parallel]."""
+
+    def __init__(
+        self,
+        groups,
+        model: nn.Module,
+        plan: dict[str, str],
+        local_layer_names: Sequence[str],
+        modules: Sequence[nn.Module],
+        timeout_ms: int,
+        device: torch.device,
+        build_key: int,
+    ) -> None:
+        """``groups``: the rank's :class:`~pippy_xla.runtime.data_parallel.MeshGroups`;
+        ``plan``: :func:`layer_tp_plan`'s; ``modules``: the local stage modules (their values are
+        copied from tp rank 0 before sharding); ``build_key``: the digest of this rank's
+        pipeline, which the tp ranks must agree on before any tensor is exchanged."""
+        from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+        self.mesh = groups.tp_mesh
+        self._dim = self.mesh.mesh_dim_names[0]
+        self.rank: int = groups.tp_rank
+        self.size: int = groups.tp_size
+        self._group_name = groups.tp_group.group_name
+        self._timeout_ms = timeout_ms
+        self._device = str(device)
+        if not self.agree(build_key, f"[tp {self.rank}] tensor-parallel build handshake"):
+            raise RuntimeError(
+                f"[tp {self.rank}] the ranks on the mesh's tensor-parallel dimension built "
+                "different pipelines (model, layer ranges, schedule, microbatches or inputs "
+                "differ); every rank must wrap the same model with the same arguments"
+            )
+        for module in modules:
+            self._sync_from_first(module)
+        prefixes = tuple(f"{n}." for n in local_layer_names)
+        mine = {k: v for k, v in plan.items() if k.startswith(prefixes)}
+        named = dict(model.named_modules())
+        self._partial_modules: list[nn.Module] = [
+            named[k] for k, v in mine.items() if v == _PARTIAL_GRAD and k in named
+        ]
+        """Modules whose (replicated) parameters get partial gradients over ``tp``, summed
+        after a step's last backward; their parameters are looked up at each step (data
+        parallelism replaces them with its own after this)."""
+        apply_tensor_parallelism(
+            model, self.mesh, {k: v for k, v in mine.items() if v != _PARTIAL_GRAD}
+        )
+
+    def _sync_from_first(self, module: nn.Module) -> None:
+        with torch.no_grad():
+            for name, t in [*module.named_parameters(), *module.named_buffers()]:
+                t.copy_(
+                    _C.broadcast_copy(
+                        t.detach(),
+                        0,
+                        self._group_name,
+                        self._timeout_ms,
+                        f"tensor-parallel start: broadcast of {name}",
+                    )
+                )
+
+    @property
+    def partial(self) -> list[nn.Parameter]:
+        """The parameters of the partial-gradient modules, now."""
+        return [p for m in self._partial_modules for p in m.parameters()]
+
+    def set_aside_partial(self) -> list[torch.Tensor | None]:
+        """The partial-gradient parameters' gradients from before the step (taken off them, so
+        the step's own are reduced alone)."""
+        params = self.partial
+        earlier = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        return earlier
+
+    def reduce_partial_grads(self, earlier: Sequence[torch.Tensor | None]) -> None:
+        """Sums the step's gradients of the partial-gradient parameters over ``tp`` (one
+        all-reduce each, of the local shard where data parallelism shards them) and adds back
+        ``earlier``."""
+        for p, before in zip(self.partial, earlier, strict=True):
+            if p.grad is not None:
+                local = local_tensor(p.grad)
+                summed = self.all_reduce_sum(local, "tensor-parallel partial gradient sum")
+                local.copy_(summed)
+            if before is not None:
+                p.grad = before if p.grad is None else before.add_(p.grad)
+
+    def all_reduce_sum(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
+        return _C.all_reduce_sum_copy(tensor, self._group_name, self._timeout_ms, what)
+
+    def agree(self, key: int, what: str) -> bool:
+        """Whether every tp rank passed the same 64-bit ``key``."""
+        everyone = _C.all_gather_int64(
+            [key], self._group_name, self._device, self._timeout_ms, what
+        )
+        return all(k == [key] for k in everyone)
+
+    def counts_in_norm(self, p: torch.Tensor) -> bool:
+        """Whether this rank counts ``p``'s gradient in the global norm: a shard of a DTensor
+        sharded over ``tp`` on every tp rank, a tensor replicated over ``tp`` (plain, or a
+        DTensor of data parallelism only) on tp rank 0 only."""
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(p, DTensor):
+            names = p.device_mesh.mesh_dim_names or ()
+            if self._dim in names and not p.placements[names.index(self._dim)].is_replicate():
+                return True
+        return self.rank == 0

@@ -1,0 +1,394 @@
+"""Pipeline x tensor parallel on a 3-D DeviceMesh (4 gloo ranks: pp=2 x tp=2, and dp=2 x tp=2)
+against a one-process reference: loss, every gradient (DTensors gathered) and the clipped norm
+over three AdamW steps; the docs page's block, checkpoints across layouts, and what a
+tensor-parallel pipeline refuses at build.
+
+dp=2 x pp=2 x tp=2 needs 8 ranks, too many for CI's 2 cores; by hand:
+``run_ranks(8, _tp_trains_like_one_process, [("qwen3_tied", "1f1b", (2, 2, 2), "shard"),
+("mixtral_router_loss", "interleaved", (2, 2, 2), "replicate")])`` (passed, ~40 s here)."""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from models import MODELS, VOCAB, full, make_batch, reference_step, tiny
+from test_pipeline import ADAM, LOSS_TOL, PARAM_TOL
+
+import pippy_xla as px
+from pippy_xla.runtime.data_parallel import local_tensor
+from pippy_xla.testing import run_ranks
+
+# Qwen3: q_norm / k_norm under HF's replicated_with_grad_allreduce (partial gradients over tp),
+# and tied embedding and head (a tie between the first and the last stage).
+# Two layers (one per stage) where the schedule allows, to keep the 4 ranks on 2 cores short.
+FAMILIES = {
+    "llama": lambda: MODELS["llama"](layers=2),
+    "qwen3_tied": lambda: tiny("qwen3", layers=2, tie_word_embeddings=True),
+    # Experts under HF's packed_colwise / rowwise / moe_tp_experts, router losses on.
+    "mixtral_router_loss": MODELS["mixtral_router_loss"],
+}
+
+# A rowwise projection's output is the all-reduce of the tp ranks' partial products, a colwise
+# one's input gradient too: fp32 sums in another order than one process's matmul. Measured: up to
+# 1.3e-6 on gradient elements near zero (Qwen3's tied embedding, step 2), so atol 1e-5 instead
+# of test_pipeline's 1e-6; a lost or doubled microbatch moves gradients by a sizeable fraction.
+GRAD_TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+def _mesh(dp: int, pp: int, tp: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+
+
+def _build(family: str, seed: int):
+    torch.manual_seed(seed)
+    return FAMILIES[family]()
+
+
+def _is_proj(name: str) -> bool:
+    """Whether ``name`` is a decoder layer's projection (attention, MLP, experts)."""
+    return ".layers." in name and name.endswith(("_proj.weight", "_proj"))
+
+
+def _tp_trains_like_one_process(rank, world, cases, steps=3, mbs=2):
+    """Per case (family, schedule, mesh shape, data_parallel[, options]) and step: the loss, every
+    gradient and the clipped global norm equal the reference's; after AdamW the parameters
+    still match. Each tp rank and replica starts from another seed: the pipeline must copy tp
+    rank 0's values, then the first replica's (the reference's)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    checked = []
+    for family, schedule, shape, data_parallel, *options in cases:
+        dp, pp, tp = shape
+        mesh = _mesh(*shape)
+        tp_rank, dp_rank = mesh["tp"].get_local_rank(), mesh["dp"].get_local_rank()
+        ref, layer_cls = _build(family, seed=0)
+        model, _ = _build(family, seed=tp_rank + 10 * dp_rank)
+        pipe = px.PipelineModel(
+            model,
+            layer_cls=layer_cls,
+            num_microbatches=mbs,
+            schedule=schedule,
+            mesh=mesh,
+            tensor_parallel="auto",
+            data_parallel=data_parallel,
+            timeout=60,
+            **(options[0] if options else {}),
+        )
+        assert (pipe.tp_rank, pipe.tp_size, pipe.num_ranks, pipe.dp_size) == (tp_rank, tp, pp, dp)
+        # The pipeline of (dp=d, tp=j) is (pp=0, tp=j) -> (pp=1, tp=j) -> ... in replica d.
+        pp_ranks = [dist.get_global_rank(pipe.group, r) for r in range(pp)]
+        assert pp_ranks == [d * pp * tp + s * tp + tp_rank for d in [dp_rank] for s in range(pp)]
+        params = dict(pipe.named_parameters())
+        # Every projection of the local layers (attention, MLP, experts) is sharded over tp:
+        # each tp rank holds 1/tp of it; norms, routers, embedding and head stay whole (but
+        # for the replicas' shards of data_parallel="shard").
+        for name, p in params.items():
+            is_proj = _is_proj(name)
+            parts = (tp if is_proj else 1) * (dp if data_parallel == "shard" else 1)
+            assert isinstance(p, DTensor) == (is_proj or dp > 1), name
+            assert local_tensor(p).numel() * parts == p.numel(), name
+        where0 = f"{family} {schedule} {shape} {data_parallel} rank={rank}"
+        opt = torch.optim.AdamW(pipe.parameters(), **ADAM)
+        ref_opt = torch.optim.AdamW(ref.parameters(), **ADAM)
+        losses = []
+        for step in range(steps):
+            batch = make_batch(seed=step, batch=4)
+            loss = pipe.run_train(**batch)
+            # Router losses per microbatch: mbs per replica.
+            ref_loss, _ = reference_step(ref, batch, mbs * dp)
+            where = f"{where0} step={step}"
+            torch.testing.assert_close(
+                loss, ref_loss.detach(), **LOSS_TOL, msg=f"{where}: loss {loss} vs {ref_loss}"
+            )
+            for name, p in params.items():
+                assert p.grad is not None, f"{where}: {name} got no gradient"
+                torch.testing.assert_close(
+                    full(p.grad),
+                    ref.get_parameter(name).grad,
+                    **GRAD_TOL,
+                    msg=lambda m, name=name, where=where: f"{where}: grad {name}\n{m}",
+                )
+            # Norms over the tp shards and the stages, replicated tensors and ties once.
+            norm = pipe.clip_grad_norm_(0.5)
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+            torch.testing.assert_close(norm, ref_norm, **LOSS_TOL, msg=f"{where}: norm")
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            for name, p in params.items():
+                torch.testing.assert_close(
+                    full(p).detach(),
+                    ref.get_parameter(name).detach(),
+                    **PARAM_TOL,
+                    msg=lambda m, name=name, where=where: f"{where}: param {name}\n{m}",
+                )
+            losses.append(float(loss))
+            if step == 0 and px.schedule_info(schedule).list_scheduled:
+                # Reordered for measured costs: the tp ranks of a stage average theirs, so that
+                # their layers' collectives run in one order; later steps still match.
+                tuned = pipe.tune_schedule()
+                assert pipe.engine.schedule.table() == tuned.table()
+        if not getattr(ref.config, "output_router_logits", False):  # one term per batch
+            out = pipe.run_eval(**make_batch(seed=9, batch=4))
+            with torch.no_grad():
+                ref_out = ref(**make_batch(seed=9, batch=4), use_cache=False)
+            torch.testing.assert_close(out.loss, ref_out.loss, **LOSS_TOL, msg=f"{where0} eval")
+        held = sum(local_tensor(p).numel() for n, p in params.items() if _is_proj(n))
+        checked.append((family, shape, losses, sorted(params), held))
+    return checked
+
+
+@pytest.mark.parametrize(
+    "cases",
+    [
+        # zbh1 and zbv split the backward (W later) and are reordered for measured costs.
+        # Llama's layer 1 checkpointed: recomputed in backward, collectives included.
+        (
+            ("llama", "1f1b", (1, 2, 2), "replicate", {"checkpoint_layers": [1]}),
+            ("qwen3_tied", "zbh1", (1, 2, 2), "replicate"),
+        ),
+        # Replicas of tp-sharded stages: FSDP2's fully_shard over the tp DTensors (2-D shards).
+        # dp x pp x tp all above 1 takes 8 ranks: see the module's docstring.
+        (
+            ("mixtral_router_loss", "interleaved", (1, 2, 2), "replicate"),
+            ("mixtral_router_loss", "zbv", (1, 2, 2), "replicate"),
+            ("qwen3_tied", "1f1b", (2, 1, 2), "shard"),
+        ),
+    ],
+    ids=["1f1b-zbh1", "interleaved-zbv-dp"],
+)
+def test_tp2_matches_one_process(cases):
+    out = run_ranks(4, _tp_trains_like_one_process, cases, timeout=240)
+    for i, (family, *_) in enumerate(cases):
+        model, _ = _build(family, seed=0)
+        names = {n for n, _ in model.named_parameters()}
+        runs = [checked[i] for checked in out]
+        assert all(r[2] == runs[0][2] for r in runs), runs  # the same losses on every rank
+        # The tp ranks of a stage hold the same names; the stages together hold the model.
+        assert runs[0][3] == runs[1][3] and runs[2][3] == runs[3][3]
+        assert names <= set(runs[0][3]) | set(runs[2][3]), names - set(runs[0][3] + runs[2][3])
+        # Memory: each rank holds 1/(dp x pp x tp) of the layers' projections ("shard"), or
+        # 1/(pp x tp) (replicas hold it whole).
+        _, _, shape, mode, *_ = cases[i]
+        parts = shape[1] * shape[2] * (shape[0] if mode == "shard" else 1)
+        total = sum(p.numel() for n, p in model.named_parameters() if _is_proj(n))
+        assert all(r[4] * parts == total for r in runs), ([r[4] for r in runs], total, parts)
+
+
+def _docs_block() -> str:
+    """The Python block of docs/tensor_parallel.md."""
+    text = (Path(__file__).parents[1] / "docs" / "tensor_parallel.md").read_text()
+    (block,) = re.findall(r"^```python\n(.*?)^```$", text, re.M | re.S)
+    return block
+
+
+def _check_initialized_as_hf_would(pipe, std: float) -> None:
+    """Sharded projections are whole random matrices of HF's scale (gathered); tensors
+    replicated over tp are equal on every tp rank (tp rank 0's)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    group = pipe.mesh.get_group("tp")
+    for name, p in pipe.named_parameters():
+        if isinstance(p, DTensor):
+            whole = p.full_tensor().detach()
+            assert abs(float(whole.std()) - std) < 0.25 * std, (name, float(whole.std()))
+        else:
+            copies = [torch.empty_like(p) for _ in range(2)]
+            dist.all_gather(copies, p.detach(), group=group)
+            assert torch.equal(copies[0], copies[1]), name
+
+
+def _checkpoints_across_layouts(pipe, model, layer_cls, tmp) -> None:
+    """``pipe`` (pp2 x tp2, holding ``model``'s values) trains a step and saves (DCP with its
+    AdamW state, and HF's layout); a pp4 pipeline without a mesh loads the DCP checkpoint, and
+    the next step of both equals one process's. ``save_pretrained`` writes the whole tensors
+    bit-exact; ``load_pretrained`` reads them back into the shards."""
+    from transformers import AutoModelForCausalLM
+
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **ADAM)
+    opt = torch.optim.AdamW(pipe.parameters(), **ADAM)
+    opt.zero_grad()  # the docs block's step left gradients
+    batches = [make_batch(seed=s, batch=4) for s in (1, 2)]
+    pipe.run_train(**batches[0])
+    opt.step()
+    pipe.save(f"{tmp}/ckpt", opt, step=1)
+    pipe.save_pretrained(f"{tmp}/hf")
+    saved = AutoModelForCausalLM.from_pretrained(f"{tmp}/hf")
+    for name, p in pipe.named_parameters():
+        assert torch.equal(full(p).detach(), saved.get_parameter(name).detach()), name
+    other = px.PipelineModel(
+        copy.deepcopy(model), layer_cls=layer_cls, num_microbatches=2, timeout=60
+    )
+    other_opt = torch.optim.AdamW(other.parameters(), **ADAM)
+    assert other.load(f"{tmp}/ckpt", other_opt) == 1 and other.num_stages == 4
+    for batch in batches:
+        reference_step(ref, batch, 2)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for p_, o in ((pipe, opt), (other, other_opt)):
+        o.zero_grad()
+        p_.run_train(**batches[1])
+        o.step()
+        for name, p in p_.named_parameters():
+            torch.testing.assert_close(
+                full(p).detach(),
+                ref.get_parameter(name).detach(),
+                **PARAM_TOL,
+                msg=lambda m, name=name, n=p_.num_stages: f"{n} stages: {name}\n{m}",
+            )
+    pipe.load_pretrained(f"{tmp}/hf")  # back to the step-1 values
+    for name, p in pipe.named_parameters():
+        assert torch.equal(full(p).detach(), saved.get_parameter(name).detach()), name
+
+
+def _refusals(rank, world, tmp, docs_block):
+    """Each case is refused on every rank alike, before any tensor is exchanged."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pippy_xla.errors import BatchMismatchError
+
+    llama, llama_cls = MODELS["llama"]()
+    gpt2, gpt2_cls = MODELS["gpt2"]()
+    phi3, phi3_cls = MODELS["phi3"]()
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=130,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+    )
+    odd = LlamaForCausalLM(cfg)
+    default = object()
+
+    def wrap(model=llama, layer_cls=llama_cls, mesh=default, **kw):
+        mesh = _mesh(1, 2, 2) if mesh is default else mesh
+        kw.setdefault("tensor_parallel", "auto")
+        return px.PipelineModel(
+            copy.deepcopy(model), layer_cls=layer_cls, num_microbatches=2, mesh=mesh, **kw
+        )
+
+    errors = {}
+    for case, kw in {
+        "tp dim without tensor_parallel": {"tensor_parallel": None},
+        "tensor_parallel without mesh": {"mesh": None},
+        "no plan": {"model": gpt2, "layer_cls": gpt2_cls},
+        "kv heads": {"mesh": _mesh(1, 1, 4)},
+        "intermediate": {
+            "model": odd,
+            "layer_cls": type(odd.model.layers[0]),
+            "mesh": _mesh(1, 1, 4),
+        },
+        "gathered styles": {"model": phi3, "layer_cls": phi3_cls},
+        "plan": {
+            "plan": px.Plan(
+                schedule="1f1b",
+                num_microbatches=2,
+                stages=[],
+                step_time=1.0,
+                bottleneck_time=1.0,
+            )
+        },
+        "in order": {"transport": "in_order"},
+    }.items():
+        with pytest.raises((ValueError, NotImplementedError)) as e:
+            wrap(**kw)
+        errors[case] = f"{type(e.value).__name__}: {e.value}"
+    # The docs page's block, as shown: a meta-built model, a good build and step.
+    names = {"px": px, "torch": torch, "LlamaForCausalLM": LlamaForCausalLM}
+    names |= {"config": llama.config, "LlamaDecoderLayer": llama_cls}
+    names["batch"] = make_batch(seed=0, batch=4)
+    exec(docs_block, names)
+    pipe = names["pipe"]
+    assert torch.isfinite(names["loss"]) and pipe.tp_size == 2
+    _check_initialized_as_hf_would(pipe, llama.config.initializer_range)
+    # A whole model's state dict loads into the shards.
+    pipe.load_state_dict(llama.state_dict())
+    for name, p in pipe.named_parameters():
+        assert torch.equal(full(p).detach(), llama.get_parameter(name).detach()), name
+    _checkpoints_across_layouts(pipe, llama, llama_cls, tmp)
+    # Rank 1 alone (pp=0, tp=1) is given other rows: its pipeline peer (rank 3) and its tp peer
+    # (rank 0) see it, and rank 2, whose groups it is in neither, raises too.
+    with pytest.raises(BatchMismatchError) as e:
+        pipe.run_train(**make_batch(seed=int(rank == 1), batch=4))
+    errors["batch"] = str(e.value)
+    assert torch.isfinite(pipe.run_train(**make_batch(seed=0, batch=4)))  # still usable
+    return errors
+
+
+def test_docs_block_checkpoints_across_layouts_and_refusals(tmp_path):
+    errors = run_ranks(4, _refusals, str(tmp_path), _docs_block())
+    e = errors[0]
+    for other in errors[1:]:  # every rank alike, but for the rank each names
+        assert {k: v for k, v in other.items() if k != "batch"} == {
+            k: v for k, v in e.items() if k != "batch"
+        }
+    assert "ValueError" in e["tp dim without tensor_parallel"]
+    assert "tensor_parallel='auto'" in e["tp dim without tensor_parallel"]
+    assert "got no mesh" in e["tensor_parallel without mesh"]
+    assert "GPT2LMHeadModel has no HF tensor-parallel plan" in e["no plan"]
+    assert "LlamaConfig.num_key_value_heads=2 does not divide by tp=4" in e["kv heads"]
+    assert "layers.0.mlp.gate_proj.weight (colwise) has size 130 in dim 0" in e["intermediate"]
+    assert "does not divide by tp=4" in e["intermediate"]
+    assert "NotImplementedError" in e["gathered styles"]
+    assert "['colwise_gather_output', 'rowwise_split_input']" in e["gathered styles"]
+    assert "NotImplementedError: plan=... with tensor parallelism" in e["plan"]
+    assert "transport='in_order' is not supported yet" in e["in order"]
+    assert "tensor-parallel step handshake" in e["batch"]
+
+
+def _one_dies_in_a_tp_collective(rank, world):
+    """Rank 3 (pp=1, tp=1) exits inside its second step's loss: its tp peer is then inside a
+    layer's collective (an all-reduce of the backward) or about to be; every other rank must
+    raise a ``PipelineError`` naming rank 3 as dead."""
+    import os
+
+    from pippy_xla.errors import PipelineError
+
+    model, layer_cls = _build("llama", seed=0)
+    steps = []
+
+    def loss_fn(logits, labels, num_items):
+        if len(steps) == 1 and rank == 3:
+            os._exit(1)
+        flat = logits[:, :-1].reshape(-1, logits.shape[-1])
+        return (
+            torch.nn.functional.cross_entropy(
+                flat, labels[:, 1:].reshape(-1), reduction="sum", ignore_index=-100
+            )
+            / num_items
+        )
+
+    pipe = px.PipelineModel(
+        model,
+        layer_cls=layer_cls,
+        num_microbatches=2,
+        mesh=_mesh(1, 2, 2),
+        tensor_parallel="auto",
+        loss_fn=loss_fn,
+        timeout=30,
+    )
+    pipe.run_train(**make_batch(seed=0, batch=4))
+    steps.append(0)
+    with pytest.raises(PipelineError) as e:
+        pipe.run_train(**make_batch(seed=1, batch=4))
+    return str(e.value)
+
+
+def test_a_rank_that_dies_in_a_tp_collective_is_named_on_every_rank():
+    out = run_ranks(4, _one_dies_in_a_tp_collective, may_exit=(3,))
+    assert out[3] is None
+    # Named through the job's store (see [Note: failing fast]), not found at the process
+    # group's timeout: measured 1.6 s on every rank here (not asserted).
+    for rank, message in enumerate(out[:3]):
+        assert "rank 3 died" in message, (rank, message)
