@@ -361,3 +361,35 @@ def _compiled_between(rank, world) -> list[str]:
 
 def test_generate_keeps_compiled_training_graphs():
     assert run_ranks(2, _compiled_between, timeout=300) == [[], []]
+
+
+class _IdsAfterLayer(nn.Module):
+    """Reads the token ids after its layers: by value (``by_value``) or by shape only."""
+
+    def __init__(self, by_value: bool) -> None:
+        super().__init__()
+        self.by_value = by_value
+        self.embed = nn.Embedding(VOCAB, 8)
+        self.layers = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+
+    def forward(self, input_ids, attention_mask):
+        h = self.layers[1](self.layers[0](self.embed(input_ids)))
+        if self.by_value:  # recomputed on the last stage from the batch input
+            return h + (input_ids == 3)[..., None]
+        return h + torch.ones(input_ids.shape)[..., None]
+
+
+def test_a_later_stage_reading_token_ids_is_found():
+    """While decoding only the first stage receives the sampled tokens (see [Note: generation
+    data flow]): a later stage's graph that reads the ids' values is found (generate refuses
+    such a model), one that reads their shape is not."""
+    from pippy_xla.split.generation import _value_reader
+    from pippy_xla.split.partition import partition
+
+    inputs = ("input_ids", "attention_mask")
+    for by_value, found in ((True, "eq"), (False, None)):
+        stages = partition(_IdsAfterLayer(by_value), nn.Linear, [(0, 1), (1, 2)], inputs)
+        reader = _value_reader(stages[1].module, "input_ids")
+        assert (reader if reader is None else "eq") == found, reader
+        if found:
+            assert "input_ids" in reader and "3" in reader, reader

@@ -32,9 +32,10 @@ HF's token for token, and so is seeded sampling while every group is in the sche
 HF's; several: reproducible). Only token ids and the per-group stop steps travel; logits never
 leave the last stage, so the stages after the first get zeros of the input ids' shape: their
 graphs recompute masks, positions and rotary tables from the batch inputs (some embed the ids for
-a dtype), which need the shape, not the tokens (the families of ``tests/test_generate.py``). A
-group whose rows have all finished (with an end-of-sequence token, after
-which HF pads them with ``pad_token_id``) leaves the schedule at the next window and costs no
+a dtype), which need the shape, not the tokens; a model whose later stage reads the tokens'
+values is refused by ``generation_stages`` (``split/generation.py``) with an error naming the
+node. A group whose rows have all finished (with an end-of-sequence token, after which HF pads
+them with ``pad_token_id``) leaves the schedule at the next window and costs no
 more work; the sequences end where HF's do (the step at which the last row finished), even
 inside a window. Finished rows of a group that still has unfinished rows are still computed, as
 in HF's one-process loop.

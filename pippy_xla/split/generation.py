@@ -44,6 +44,7 @@ import torch
 from torch import fx, nn
 
 from pippy_xla.split import hf
+from pippy_xla.split.classify import producers
 from pippy_xla.split.emit import StageGraph
 from pippy_xla.split.partition import LayerCls, UnsupportedModelError, layer_classes, partition
 
@@ -103,7 +104,34 @@ def generation_stages(
     for st in stages:
         _thread_cache(st.module, classes)
         st.code = st.module.code
+    for st in stages[1:]:
+        reader = _value_reader(st.module, "input_ids")
+        if reader is not None:
+            raise UnsupportedModelError(
+                f"{type(model).__name__} cannot generate through the pipeline: stage {st.index} "
+                f"reads the values of the token ids (`{reader}`), which only the first stage "
+                "receives while decoding (see [Note: generation data flow] in "
+                "runtime/_generate.py); training and evaluation are not affected"
+            )
     return stages
+
+
+def _value_reader(gm: fx.GraphModule, name: str) -> str | None:
+    """The first node of ``gm`` whose result depends on the values of placeholder ``name`` and
+    reaches the output (not only its shape, dtype or device), or ``None``."""
+    nodes = list(gm.graph.nodes)
+    needed = {nodes[-1]}
+    for n in reversed(nodes):
+        if n in needed:
+            needed.update(p for p, meta_only in producers(n) if not meta_only)
+    placeholder = next((n for n in nodes if n.op == "placeholder" and n.target == name), None)
+    if placeholder is None or placeholder not in needed:
+        return None
+    return next(
+        u.format_node()
+        for u in placeholder.users
+        if u in needed and any(p is placeholder and not meta for p, meta in producers(u))
+    )
 
 
 def _thread_cache(gm: fx.GraphModule, layer_cls: tuple[type[nn.Module], ...]) -> None:
