@@ -348,11 +348,29 @@ class Generator:
         signature = self._signature("decode", rows, window)
         self.failures.run_step(engine, signature, forward, None)
         self.decode_runs.append(tuple(live))
+        drawn_here = (drawn, stopped_at) if samplers is not None else None
+        return self._extend(ids, live, window, state, drawn_here, settings)
+
+    def _extend(
+        self,
+        ids: torch.Tensor,
+        live: list[int],
+        window: int,
+        state: _Groups,
+        drawn: tuple[list[list[torch.Tensor]], list[int]] | None,
+        settings: GenerationSettings,
+    ) -> tuple[torch.Tensor, int | None]:
+        """After a decode run: the window's tokens and each live group's stop step, ``drawn``
+        on the last rank (``None`` elsewhere), broadcast from it; every rank's sequences and
+        ``state`` extended by them (see :meth:`_decode`)."""
+        rows = [state.rows[g] for g in live]
+        n = len(live)
+        ones = [state.mask[g].new_ones(state.mask[g].shape[0], window) for g in live]
         total = sum(rows) * window
         out = torch.zeros(total + n, dtype=torch.long, device=self.place.device)
-        if samplers is not None:
-            flat = [torch.stack(d, dim=1).flatten() for d in drawn]
-            out = torch.cat([*flat, out.new_tensor(stopped_at)])
+        if drawn is not None:
+            flat = [torch.stack(d, dim=1).flatten() for d in drawn[0]]
+            out = torch.cat([*flat, out.new_tensor(drawn[1])])
         out = self._broadcast(out, "generated tokens broadcast")
         parts = out[:total].split([r * window for r in rows])
         tokens = [x.view(r, window) for x, r in zip(parts, rows, strict=True)]
