@@ -2,9 +2,15 @@
 # The C++ unit tests (tests/cpp/, GoogleTest): configures and builds the C++ core against the
 # installed torch's LibTorch in build/cmake, then runs ctest there. Without cmake or GoogleTest
 # (scripts/setup.sh installs libgtest-dev where it may install packages) it says why the C++
-# tests are skipped and exits 0. Extra arguments go to ctest.
+# tests are skipped and exits 0. Extra arguments go to ctest; `--build-only` (first) builds and
+# stops (scripts/test.sh builds beside the Python suite, then runs this again to test).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+build_only=0
+if [ "${1:-}" = --build-only ]; then
+  build_only=1
+  shift
+fi
 if ! command -v cmake >/dev/null; then
   echo "C++ tests skipped: cmake is not installed"
   exit 0
@@ -17,4 +23,5 @@ if ! grep -q "^PIPPY_XLA_HAVE_GTEST:INTERNAL=\(1\|TRUE\|ON\)$" "$build/CMakeCach
   exit 0
 fi
 cmake --build "$build" -j "${MAX_JOBS:-2}"
+[ "$build_only" = 1 ] && exit 0
 ctest --test-dir "$build" --output-on-failure -j "${MAX_JOBS:-2}" "$@"
