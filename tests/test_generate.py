@@ -393,3 +393,42 @@ def test_a_later_stage_reading_token_ids_is_found():
         assert (reader if reader is None else "eq") == found, reader
         if found:
             assert "input_ids" in reader and "3" in reader, reader
+
+
+def _on_mesh(rank, world) -> dict[str, list[str]]:
+    """On a (dp=2, pp=2) mesh, each replica generating for its half of the rows, every rank
+    returns HF's greedy tokens of the whole batch, with FSDP2 ``replicate`` and ``shard``; rows
+    stop at eos at different steps (replica 0's rows end before replica 1's, its
+    shorter sequences padded as HF pads); prompts that differ between the replicas are refused
+    on every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    ids, mask = _prompts(batch=4)
+    out = {}
+    for mode in ("replicate", "shard"):
+        pipe, ref = _pipe("llama", mesh=mesh, data_parallel=mode)
+        opts = {"max_new_tokens": NEW, "do_sample": False}
+        greedy = ref.generate(ids, attention_mask=mask, **opts)
+        # Row r ends by its new token 1 + r: replica 0 (rows 0, 1) stops before replica 1.
+        eos = [int(greedy[r, ids.shape[1] + 1 + r]) for r in range(ids.shape[0])]
+        stop = {**opts, "eos_token_id": eos, "pad_token_id": 3}
+        want = ref.generate(ids, attention_mask=mask, **stop)
+        got = pipe.generate(ids, attention_mask=mask, groups=2, **stop)
+        assert torch.equal(got, want), f"{mode} eos\n{got}\n{want}"
+        new = want[:, ids.shape[1] :].tolist()
+        ends = [next((i for i, x in enumerate(r) if x in eos), NEW) for r in new]
+        assert max(ends[:2]) < max(ends[2:]) < NEW, ends  # replica 0's output was padded
+        out[mode] = ["greedy", "eos"]
+    try:
+        pipe.generate(ids + mesh["dp"].get_local_rank(), attention_mask=mask, max_new_tokens=2)
+    except px.BatchMismatchError as e:
+        out["other_prompts"] = [str(e).splitlines()[0][:200]]
+    return out
+
+
+def test_generate_on_a_data_parallel_mesh():
+    out = run_ranks(4, _on_mesh, timeout=300)
+    for o in out:
+        assert o["replicate"] == o["shard"] == ["greedy", "eos"], o
+        assert "data-parallel" in o["other_prompts"][0], o
