@@ -432,3 +432,43 @@ def test_generate_on_a_data_parallel_mesh():
     for o in out:
         assert o["replicate"] == o["shard"] == ["greedy", "eos"], o
         assert "data-parallel" in o["other_prompts"][0], o
+
+
+def _on_tp_mesh(rank, world) -> dict:
+    """With tensor parallelism, the tp ranks of a stage generating the same rows together (their
+    layers' collectives): HF's greedy tokens on pp=2 x tp=2 (each tp rank's cache holding its
+    key/value heads only) and on dp=2 x tp=2 sharded; a tp rank given other prompts is refused
+    on every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    ids, mask = _prompts(batch=4)
+    out = {}
+    for shape, mode in (((1, 2, 2), "replicate"), ((2, 1, 2), "shard")):
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "pp", "tp"))
+        pipe, ref = _pipe("llama", mesh=mesh, tensor_parallel="auto", data_parallel=mode)
+        opts = {"max_new_tokens": NEW, "do_sample": False}
+        greedy = ref.generate(ids, attention_mask=mask, **opts)
+        eos = [int(greedy[r, ids.shape[1] + 1 + r]) for r in range(ids.shape[0])]
+        stop = {**opts, "eos_token_id": eos, "pad_token_id": 3}
+        want = ref.generate(ids, attention_mask=mask, **stop)
+        got = pipe.generate(ids, attention_mask=mask, groups=2, **stop)
+        assert torch.equal(got, want), f"{shape} eos\n{got}\n{want}"
+        out[shape] = "eos"
+    # This replica's 2 rows, this tp rank's half of the key/value heads, the cache's length.
+    cfg, (start, end) = ref.config, pipe.layer_ranges[pipe.rank]
+    head = cfg.hidden_size // cfg.num_attention_heads
+    per_layer = 2 * 2 * (cfg.num_key_value_heads // 2) * (ids.shape[1] + NEW - 1) * head * 4
+    out["cache"] = (cache_bytes(pipe._generator.caches), (end - start) * per_layer)
+    try:
+        pipe.generate(ids + mesh["tp"].get_local_rank(), attention_mask=mask, max_new_tokens=2)
+    except px.BatchMismatchError as e:
+        out["other_prompts"] = str(e).splitlines()[0][:200]
+    return out
+
+
+def test_generate_with_tensor_parallel():
+    out = run_ranks(4, _on_tp_mesh, timeout=300)
+    for o in out:
+        assert o[(1, 2, 2)] == o[(2, 1, 2)] == "eos", o
+        assert o["cache"][0] == o["cache"][1], o
+        assert "tensor-parallel" in o["other_prompts"], o

@@ -317,9 +317,6 @@ def _refusals(rank, world, tmp, docs_block):
     for name, p in pipe.named_parameters():
         assert torch.equal(full(p).detach(), llama.get_parameter(name).detach()), name
     _checkpoints_across_layouts(pipe, llama, llama_cls, tmp)
-    with pytest.raises(NotImplementedError) as e:  # before any communication, on every rank
-        pipe.generate(make_batch(seed=0, batch=4)["input_ids"], max_new_tokens=2)
-    errors["generate"] = str(e.value)
     # Rank 1 alone (pp=0, tp=1) is given other rows: its pipeline peer (rank 3) and its tp peer
     # (rank 0) see it, and rank 2, whose groups it is in neither, raises too.
     with pytest.raises(BatchMismatchError) as e:
@@ -348,7 +345,6 @@ def test_docs_block_checkpoints_across_layouts_and_refusals(tmp_path):
     assert "NotImplementedError: plan=... with tensor parallelism" in e["plan"]
     assert "transport='in_order' is not supported yet" in e["in order"]
     assert "tensor-parallel step handshake" in e["batch"]
-    assert "generate with tensor parallelism (a mesh with tp=2)" in e["generate"]
 
 
 def _one_dies_in_a_tp_collective(rank, world):

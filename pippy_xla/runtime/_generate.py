@@ -42,21 +42,25 @@ in HF's one-process loop.
 
 [Note: generation on a mesh]
 
-On a ``(dp, pp)`` mesh every rank passes the whole batch of prompts, as to ``run_train``. The
-handshake compares them within each pipeline and across the replicas (a replica given other
-prompts would return another batch's rows): every rank raises or none does. Replica ``i`` then
-generates, as above and over its own pipeline group, for the ``i``-th of ``dp`` equal contiguous
-shares of the rows (``replica_rows``, the rule that splits a training batch). Its stage modules
-are wrapped by FSDP2, whose forward hooks the generation graphs do not run: the parameters are
-gathered once before the generation (``unshard``, a collective over the replicas under
-``"shard"``; a swap of ``replicate``'s replicated DTensors for their local tensors) and resharded
-after it, so replicas whose rows finish earlier need not keep stepping. Each replica's
-sequences end where its own rows' do; the replicas' lengths are gathered, each pads its rows
-with ``pad_token_id`` to the longest (HF pads a finished row so while others go on) and one sum
-over the replicas gives every rank the whole batch: greedy decoding equals HF's on the whole
-batch. Sampling is reproducible, but each replica draws its rows from its own generator, so
-its tokens are not HF's. Tensor parallelism is refused for now (each tp rank's cache would
-hold its heads only, and the tp ranks of a stage must run identical forwards).
+On a ``(dp, pp)`` or ``(dp, pp, tp)`` mesh every rank passes the whole batch of prompts, as to
+``run_train``. The handshake compares them within each pipeline, across the replicas (a replica
+given other prompts would return another batch's rows) and across the tp ranks of each stage: every
+rank raises or none does. Replica ``i`` then generates, as above and over its own pipeline group,
+for the ``i``-th of ``dp`` equal contiguous shares of the rows (``replica_rows``, the rule that
+splits a training batch). Its stage modules are wrapped by FSDP2, whose forward hooks the
+generation graphs do not run: the parameters are gathered once before the generation (``unshard``,
+a collective over the replicas under ``"shard"``; a swap of ``replicate``'s replicated DTensors for
+their local tensors) and resharded after it, so replicas whose rows finish earlier need not keep
+stepping. Each replica's sequences end where its own rows' do; the replicas' lengths are gathered,
+each pads its rows with ``pad_token_id`` to the longest (HF pads a finished row so while others go
+on) and one sum over the replicas gives every rank the whole batch: greedy decoding equals HF's on
+the whole batch. Sampling is reproducible, but each replica draws its rows from its own generator,
+so its tokens are not HF's. With tensor parallelism each tp rank of a stage is in its own pipeline
+group (``(pp=i, tp=j)`` to ``(pp=i+1, tp=j)``), and the tp ranks of a stage run the same forwards
+in the same order, as their layers' collectives need: the same rows (a replica's share), the same
+schedules, and the same tokens, which each tp rank of the last stage samples from the same
+(replicated) logits; each tp rank's cache holds its key/value heads only (HF's caches take their
+shape from the first keys). Sampling then needs the same seed on every rank.
 """
 
 from __future__ import annotations
@@ -192,12 +196,6 @@ class Generator:
         self.failures.check_usable()
         check_can_generate(self.model)
         place = self.place
-        if place.tp_size > 1:
-            raise NotImplementedError(
-                f"generate with tensor parallelism (a mesh with tp={place.tp_size}) is not "
-                "supported yet (issue 50): each stage's key/value cache would hold its tp "
-                "rank's heads; generate with a pipeline built on a (dp, pp) mesh or none"
-            )
         self.caches = {}
         self.decode_runs = []
         ids, mask = _check_prompts(input_ids, attention_mask)
@@ -291,9 +289,12 @@ class Generator:
             "generation_options": torch.tensor([digest64(options.encode())]),
         }
         key, contents = step_key("generate", batch, True)
-        gather = self.runner.gather_ints
-        if self.runner.dp is not None:  # the replicas too: each generates a share of the rows
-            gather = self.runner.checked_gather(key, self.runner.dp, "data-parallel", _DP_CAUSE)
+        runner, checks = self.runner, []
+        if runner.dp is not None:  # the replicas too: each generates a share of the rows
+            checks.append((runner.dp, "data-parallel", _DP_CAUSE))
+        if runner.tp is not None:  # and the tp ranks, whose layers run the same rows together
+            checks.append(runner.tp_check)
+        gather = runner.checked_gather(key, checks) if checks else runner.gather_ints
         agree_on_step(key, contents, batch, self.place.rank, gather)
 
     def _signature(self, *what: Any) -> int:

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.modules.module as _module
@@ -452,7 +452,7 @@ class StepRunner:
         # A mismatch leaves the pipeline usable: no transfer of the step has started.
         gather = self.gather_ints
         if self.tp is not None:
-            gather = self.checked_gather(key, self.tp, "tensor-parallel", _TP_CAUSE)
+            gather = self.checked_gather(key, [self.tp_check])
         agree_on_step(key, contents, batch, place.rank, gather)
         with self.failures.guard("batch split"):  # its peers are on their way to the engine
             microbatches = split_batch(
@@ -466,36 +466,45 @@ class StepRunner:
         return batch, microbatches, key.signature
 
     def checked_gather(
-        self, key, peers, kind: str, cause: str
+        self, key, checks: Sequence[tuple[Any, str, str]]
     ) -> Callable[[Sequence[int], str], list[list[int]]]:
         """The step handshake's gather when other ranks than the pipeline's must get the same
-        batch (``peers``: the tp ranks of this stage, or the replicas, as :class:`DataParallel`
-        or :class:`TensorParallel`, with ``agree``): first they compare their step keys (a tp
-        rank given other rows would otherwise mix two batches in its layers' collectives
-        without any error), then the pipeline's handshake carries each rank's verdict, so that
-        every rank of the mesh raises ``cause`` or none does (see [Note: pipeline x tensor
-        parallel]: every pipeline group holds a rank of every stage)."""
+        batch: per check ``(peers, kind, cause)`` (``peers``: the tp ranks of this stage or the
+        replicas, a :class:`TensorParallel` or :class:`DataParallel`, with ``agree``), first
+        they compare their step keys (a tp rank given other rows would otherwise mix two
+        batches in its layers' collectives without any error), then the pipeline's handshake
+        carries each rank's verdicts, so that every rank of the mesh raises the first failed
+        check's ``cause`` or none does (see [Note: pipeline x tensor parallel]: every pipeline
+        group holds a rank of every stage)."""
         place = self.place
-        what = f"[rank {place.rank}] {kind} step handshake"
         mine = digest64(repr(key.words()).encode())
-        ok = int(self.failures.watched(what, peers.agree, mine, what))
+        oks = []
+        for peers, kind, _ in checks:
+            what = f"[rank {place.rank}] {kind} step handshake"
+            oks.append(int(self.failures.watched(what, peers.agree, mine, what)))
         first = [True]
 
         def gather(values: Sequence[int], what: str) -> list[list[int]]:
             if not first[0]:
                 return self.gather_ints(values, what)
             first[0] = False
-            everyone = self.gather_ints([*values, ok], what)
-            if not all(words[-1] for words in everyone):
-                raise BatchMismatchError(
-                    rank=place.rank,
-                    failed_rank=place.rank,
-                    action=f"{kind} step handshake",
-                    cause=cause,
-                )
-            return [words[:-1] for words in everyone]
+            everyone = self.gather_ints([*values, *oks], what)
+            for i, (_, kind, cause) in enumerate(checks):
+                if not all(words[len(values) + i] for words in everyone):
+                    raise BatchMismatchError(
+                        rank=place.rank,
+                        failed_rank=place.rank,
+                        action=f"{kind} step handshake",
+                        cause=cause,
+                    )
+            return [words[: len(values)] for words in everyone]
 
         return gather
+
+    @property
+    def tp_check(self) -> tuple[Any, str, str]:
+        """The :meth:`checked_gather` check of the tp ranks of this rank's stages."""
+        return (self.tp, "tensor-parallel", _TP_CAUSE)
 
     def _forward(self, batch, microbatches, losses, added, logits) -> StageForward:
         labels = batch.get("labels")
