@@ -437,8 +437,9 @@ def test_generate_on_a_data_parallel_mesh():
 def _on_tp_mesh(rank, world) -> dict:
     """With tensor parallelism, the tp ranks of a stage generating the same rows together (their
     layers' collectives): HF's greedy tokens on pp=2 x tp=2 (each tp rank's cache holding its
-    key/value heads only) and on dp=2 x tp=2 sharded; a tp rank given other prompts is refused
-    on every rank."""
+    key/value heads only) and on dp=2 x tp=2 sharded; seeded sampling equal to HF's with tp
+    ranks seeded differently (the last stage's tp ranks draw alike); a tp rank given other
+    prompts is refused on every rank."""
     from torch.distributed.device_mesh import init_device_mesh
 
     ids, mask = _prompts(batch=4)
@@ -454,6 +455,14 @@ def _on_tp_mesh(rank, world) -> dict:
         got = pipe.generate(ids, attention_mask=mask, groups=2, **stop)
         assert torch.equal(got, want), f"{shape} eos\n{got}\n{want}"
         out[shape] = "eos"
+        if shape[0] == 1:  # one replica, one group: HF's sampled tokens whatever the tp seeds
+            sample = {**opts, **SAMPLING}
+            torch.manual_seed(7)
+            want = ref.generate(ids, attention_mask=mask, **sample)
+            torch.manual_seed(7 + 100 * mesh["tp"].get_local_rank())
+            got = pipe.generate(ids, attention_mask=mask, **sample)
+            assert torch.equal(got, want), f"{shape} sampling\n{got}\n{want}"
+            out[shape] = "eos, sampling"
     # This replica's 2 rows, this tp rank's half of the key/value heads, the cache's length.
     cfg, (start, end) = ref.config, pipe.layer_ranges[pipe.rank]
     head = cfg.hidden_size // cfg.num_attention_heads
@@ -469,6 +478,6 @@ def _on_tp_mesh(rank, world) -> dict:
 def test_generate_with_tensor_parallel():
     out = run_ranks(4, _on_tp_mesh, timeout=300)
     for o in out:
-        assert o[(1, 2, 2)] == o[(2, 1, 2)] == "eos", o
+        assert o[(1, 2, 2)] == "eos, sampling" and o[(2, 1, 2)] == "eos", o
         assert o["cache"][0] == o["cache"][1], o
         assert "tensor-parallel" in o["other_prompts"], o

@@ -59,8 +59,10 @@ so its tokens are not HF's. With tensor parallelism each tp rank of a stage is i
 group (``(pp=i, tp=j)`` to ``(pp=i+1, tp=j)``), and the tp ranks of a stage run the same forwards
 in the same order, as their layers' collectives need: the same rows (a replica's share), the same
 schedules, and the same tokens, which each tp rank of the last stage samples from the same
-(replicated) logits; each tp rank's cache holds its key/value heads only (HF's caches take their
-shape from the first keys). Sampling then needs the same seed on every rank.
+(replicated) logits: before a sampling generation every tp rank takes its tp rank 0's random state
+(the CPU generator's: tensor parallelism runs on the CPU), so that they draw alike whatever seeds
+they were given. Each tp rank's cache holds its key/value heads only (HF's caches take their
+shape from the first keys).
 """
 
 from __future__ import annotations
@@ -209,6 +211,8 @@ class Generator:
         rows = replica_rows(ids.shape[0], place.dp_rank, place.dp_size)
         ids, mask = ids[rows].to(place.device), mask[rows].to(place.device)
         settings = prepare_generation(self.model, ids, generation_config, kwargs)
+        if self.runner.tp is not None and settings.config.do_sample:
+            self._same_random_state()
         self._setup()
         dp = self.runner.dp
         if dp is None:
@@ -258,6 +262,13 @@ class Generator:
         whole[rows, : out.shape[1]] = out
         what = f"[rank {self.place.rank}] generated sequences all_reduce over replicas"
         return failures.watched(what, dp.all_reduce_sum, whole, what)
+
+    def _same_random_state(self) -> None:
+        """Tp rank 0's random state on every tp rank: the tp ranks of the last stage draw the
+        same tokens (see [Note: generation on a mesh])."""
+        what = f"[rank {self.place.rank}] tensor-parallel random state broadcast"
+        state = self.failures.watched(what, self.runner.tp.from_first, torch.get_rng_state(), what)
+        torch.set_rng_state(state)
 
     def _engine(self, key: tuple, make: Callable[[], _C.Schedule]) -> _C.Engine:
         """The engine of ``key``, of the schedule ``make()`` at its first use."""
