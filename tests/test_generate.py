@@ -7,10 +7,12 @@ import copy
 import pytest
 import torch
 from models import MODELS, VOCAB, make_batch, tiny
+from test_pipeline import LOSS_TOL
 from torch import nn
 
 import pippy_xla as px
 from pippy_xla.runtime._generate import DECODE_WINDOW, cache_bytes
+from pippy_xla.runtime.data_parallel import local_tensor
 from pippy_xla.testing import run_ranks
 
 NEW = 6
@@ -399,8 +401,9 @@ def _on_mesh(rank, world) -> dict[str, list[str]]:
     """On a (dp=2, pp=2) mesh, each replica generating for its half of the rows, every rank
     returns HF's greedy tokens of the whole batch, with FSDP2 ``replicate`` and ``shard``; rows
     stop at eos at different steps (replica 0's rows end before replica 1's, its
-    shorter sequences padded as HF pads); prompts that differ between the replicas are refused
-    on every rank."""
+    shorter sequences padded as HF pads); under ``shard`` the stages are resharded after it and
+    the next training step's loss is HF's; prompts that differ between the replicas, or a batch
+    that does not split between them, are refused on every rank."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
@@ -420,6 +423,14 @@ def _on_mesh(rank, world) -> dict[str, list[str]]:
         ends = [next((i for i, x in enumerate(r) if x in eos), NEW) for r in new]
         assert max(ends[:2]) < max(ends[2:]) < NEW, ends  # replica 0's output was padded
         out[mode] = ["greedy", "eos"]
+        if mode == "shard":  # resharded after generating, and training goes on
+            p = next(p for n, p in pipe.named_parameters() if n.endswith("q_proj.weight"))
+            assert local_tensor(p).numel() * 2 == p.numel()
+            batch = make_batch(seed=0, batch=4)
+            torch.testing.assert_close(pipe.run_train(**batch), ref(**batch).loss, **LOSS_TOL)
+            out[mode].append("train")
+    with pytest.raises(ValueError, match="not a multiple of the data-parallel size 2"):
+        pipe.generate(ids[:3], attention_mask=mask[:3], max_new_tokens=2)
     try:
         pipe.generate(ids + mesh["dp"].get_local_rank(), attention_mask=mask, max_new_tokens=2)
     except px.BatchMismatchError as e:
@@ -430,7 +441,7 @@ def _on_mesh(rank, world) -> dict[str, list[str]]:
 def test_generate_on_a_data_parallel_mesh():
     out = run_ranks(4, _on_mesh, timeout=300)
     for o in out:
-        assert o["replicate"] == o["shard"] == ["greedy", "eos"], o
+        assert o["replicate"] == ["greedy", "eos"] and o["shard"] == [*o["replicate"], "train"], o
         assert "data-parallel" in o["other_prompts"][0], o
 
 
