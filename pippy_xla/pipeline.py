@@ -380,7 +380,10 @@ class PipelineModel:
         the last stage sent its token ids), so with as many groups as stages every stage works
         at every step; a group whose rows all finished leaves the schedule. One group (the
         default) decodes as HF does in one process, the stages taking turns. Training and
-        evaluation steps may come before and after."""
+        evaluation steps may come before and after. On a mesh every rank passes the whole batch
+        (a multiple of ``dp`` prompts), each replica generates for its share of the rows (the
+        tp ranks of a stage for the same rows) and every rank returns the whole batch, padded
+        with ``pad_token_id`` as HF pads (see [Note: generation on a mesh])."""
         return self._generator.generate(
             input_ids, attention_mask, generation_config, kwargs, groups
         )

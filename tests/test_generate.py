@@ -7,10 +7,12 @@ import copy
 import pytest
 import torch
 from models import MODELS, VOCAB, make_batch, tiny
+from test_pipeline import LOSS_TOL
 from torch import nn
 
 import pippy_xla as px
 from pippy_xla.runtime._generate import DECODE_WINDOW, cache_bytes
+from pippy_xla.runtime.data_parallel import local_tensor
 from pippy_xla.testing import run_ranks
 
 NEW = 6
@@ -393,3 +395,100 @@ def test_a_later_stage_reading_token_ids_is_found():
         assert (reader if reader is None else "eq") == found, reader
         if found:
             assert "input_ids" in reader and "3" in reader, reader
+
+
+def _on_mesh(rank, world) -> dict[str, list[str]]:
+    """On a (dp=2, pp=2) mesh, each replica generating for its half of the rows, every rank
+    returns HF's greedy tokens of the whole batch, with FSDP2 ``replicate`` and ``shard``; rows
+    stop at eos at different steps (replica 0's rows end before replica 1's, its
+    shorter sequences padded as HF pads); under ``shard`` the stages are resharded after it and
+    the next training step's loss is HF's; prompts that differ between the replicas, or a batch
+    that does not split between them, are refused on every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    ids, mask = _prompts(batch=4)
+    out = {}
+    for mode in ("replicate", "shard"):
+        pipe, ref = _pipe("llama", mesh=mesh, data_parallel=mode)
+        opts = {"max_new_tokens": NEW, "do_sample": False}
+        greedy = ref.generate(ids, attention_mask=mask, **opts)
+        # Row r ends by its new token 1 + r: replica 0 (rows 0, 1) stops before replica 1.
+        eos = [int(greedy[r, ids.shape[1] + 1 + r]) for r in range(ids.shape[0])]
+        stop = {**opts, "eos_token_id": eos, "pad_token_id": 3}
+        want = ref.generate(ids, attention_mask=mask, **stop)
+        got = pipe.generate(ids, attention_mask=mask, groups=2, **stop)
+        assert torch.equal(got, want), f"{mode} eos\n{got}\n{want}"
+        new = want[:, ids.shape[1] :].tolist()
+        ends = [next((i for i, x in enumerate(r) if x in eos), NEW) for r in new]
+        assert max(ends[:2]) < max(ends[2:]) < NEW, ends  # replica 0's output was padded
+        out[mode] = ["greedy", "eos"]
+        if mode == "shard":  # resharded after generating, and training goes on
+            p = next(p for n, p in pipe.named_parameters() if n.endswith("q_proj.weight"))
+            assert local_tensor(p).numel() * 2 == p.numel()
+            batch = make_batch(seed=0, batch=4)
+            torch.testing.assert_close(pipe.run_train(**batch), ref(**batch).loss, **LOSS_TOL)
+            out[mode].append("train")
+    with pytest.raises(ValueError, match="not a multiple of the data-parallel size 2"):
+        pipe.generate(ids[:3], attention_mask=mask[:3], max_new_tokens=2)
+    try:
+        pipe.generate(ids + mesh["dp"].get_local_rank(), attention_mask=mask, max_new_tokens=2)
+    except px.BatchMismatchError as e:
+        out["other_prompts"] = [str(e).splitlines()[0][:200]]
+    return out
+
+
+def test_generate_on_a_data_parallel_mesh():
+    out = run_ranks(4, _on_mesh, timeout=300)
+    for o in out:
+        assert o["replicate"] == ["greedy", "eos"] and o["shard"] == [*o["replicate"], "train"], o
+        assert "data-parallel" in o["other_prompts"][0], o
+
+
+def _on_tp_mesh(rank, world) -> dict:
+    """With tensor parallelism, the tp ranks of a stage generating the same rows together (their
+    layers' collectives): HF's greedy tokens on pp=2 x tp=2 (each tp rank's cache holding its
+    key/value heads only) and on dp=2 x tp=2 sharded; seeded sampling equal to HF's with tp
+    ranks seeded differently (the last stage's tp ranks draw alike); a tp rank given other
+    prompts is refused on every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    ids, mask = _prompts(batch=4)
+    out = {}
+    for shape, mode in (((1, 2, 2), "replicate"), ((2, 1, 2), "shard")):
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "pp", "tp"))
+        pipe, ref = _pipe("llama", mesh=mesh, tensor_parallel="auto", data_parallel=mode)
+        opts = {"max_new_tokens": NEW, "do_sample": False}
+        greedy = ref.generate(ids, attention_mask=mask, **opts)
+        eos = [int(greedy[r, ids.shape[1] + 1 + r]) for r in range(ids.shape[0])]
+        stop = {**opts, "eos_token_id": eos, "pad_token_id": 3}
+        want = ref.generate(ids, attention_mask=mask, **stop)
+        got = pipe.generate(ids, attention_mask=mask, groups=2, **stop)
+        assert torch.equal(got, want), f"{shape} eos\n{got}\n{want}"
+        out[shape] = "eos"
+        if shape[0] == 1:  # one replica, one group: HF's sampled tokens whatever the tp seeds
+            sample = {**opts, **SAMPLING}
+            torch.manual_seed(7)
+            want = ref.generate(ids, attention_mask=mask, **sample)
+            torch.manual_seed(7 + 100 * mesh["tp"].get_local_rank())
+            got = pipe.generate(ids, attention_mask=mask, **sample)
+            assert torch.equal(got, want), f"{shape} sampling\n{got}\n{want}"
+            out[shape] = "eos, sampling"
+    # This replica's 2 rows, this tp rank's half of the key/value heads, the cache's length.
+    cfg, (start, end) = ref.config, pipe.layer_ranges[pipe.rank]
+    head = cfg.hidden_size // cfg.num_attention_heads
+    per_layer = 2 * 2 * (cfg.num_key_value_heads // 2) * (ids.shape[1] + NEW - 1) * head * 4
+    out["cache"] = (cache_bytes(pipe._generator.caches), (end - start) * per_layer)
+    try:
+        pipe.generate(ids + mesh["tp"].get_local_rank(), attention_mask=mask, max_new_tokens=2)
+    except px.BatchMismatchError as e:
+        out["other_prompts"] = str(e).splitlines()[0][:200]
+    return out
+
+
+def test_generate_with_tensor_parallel():
+    out = run_ranks(4, _on_tp_mesh, timeout=300)
+    for o in out:
+        assert o[(1, 2, 2)] == "eos, sampling" and o[(2, 1, 2)] == "eos", o
+        assert o["cache"][0] == o["cache"][1], o
+        assert "tensor-parallel" in o["other_prompts"], o

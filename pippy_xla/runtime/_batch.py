@@ -39,6 +39,7 @@ __all__ = [
     "agree_on_step",
     "check_batch",
     "digest64",
+    "replica_rows",
     "split_batch",
     "step_key",
 ]
@@ -146,6 +147,14 @@ def _check_indices(
         )
 
 
+def replica_rows(size: int, dp_rank: int, dp_size: int) -> slice:
+    """The rows of a global batch of ``size`` rows (a multiple of ``dp_size``) that replica
+    ``dp_rank`` of ``dp_size`` runs: its equal contiguous share (see [Note: pipeline x data
+    parallel])."""
+    share = size // dp_size
+    return slice(dp_rank * share, (dp_rank + 1) * share)
+
+
 def split_batch(
     batch: Batch,
     *,
@@ -159,8 +168,7 @@ def split_batch(
     a rank splits only what its stages read: 32 views of an input cost 15-40 us), this replica's
     rows (replica ``dp_rank`` of ``dp_size``: see [Note: pipeline x data parallel]) on ``device``
     in ``num_microbatches`` chunks."""
-    share = next(iter(batch.values())).shape[0] // dp_size
-    rows = slice(dp_rank * share, (dp_rank + 1) * share)
+    rows = replica_rows(next(iter(batch.values())).shape[0], dp_rank, dp_size)
     parts = {}
     for k, v in batch.items():
         if split is not None and k not in split:

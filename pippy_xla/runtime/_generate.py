@@ -39,6 +39,30 @@ them with ``pad_token_id``) leaves the schedule at the next window and costs no
 more work; the sequences end where HF's do (the step at which the last row finished), even
 inside a window. Finished rows of a group that still has unfinished rows are still computed, as
 in HF's one-process loop.
+
+[Note: generation on a mesh]
+
+On a ``(dp, pp)`` or ``(dp, pp, tp)`` mesh every rank passes the whole batch of prompts, as to
+``run_train``. The handshake compares them within each pipeline, across the replicas (a replica
+given other prompts would return another batch's rows) and across the tp ranks of each stage: every
+rank raises or none does. Replica ``i`` then generates, as above and over its own pipeline group,
+for the ``i``-th of ``dp`` equal contiguous shares of the rows (``replica_rows``, the rule that
+splits a training batch). Its stage modules are wrapped by FSDP2, whose forward hooks the
+generation graphs do not run: the parameters are gathered once before the generation (``unshard``,
+a collective over the replicas under ``"shard"``; a swap of ``replicate``'s replicated DTensors for
+their local tensors) and resharded after it, so replicas whose rows finish earlier need not keep
+stepping. Each replica's sequences end where its own rows' do; the replicas' lengths are gathered,
+each pads its rows with ``pad_token_id`` to the longest (HF pads a finished row so while others go
+on) and one sum over the replicas gives every rank the whole batch: greedy decoding equals HF's on
+the whole batch. Sampling is reproducible, but each replica draws its rows from its own generator,
+so its tokens are not HF's. With tensor parallelism each tp rank of a stage is in its own pipeline
+group (``(pp=i, tp=j)`` to ``(pp=i+1, tp=j)``), and the tp ranks of a stage run the same forwards
+in the same order, as their layers' collectives need: the same rows (a replica's share), the same
+schedules, and the same tokens, which each tp rank of the last stage samples from the same
+(replicated) logits: before a sampling generation every tp rank takes its tp rank 0's random state
+(the CPU generator's: tensor parallelism runs on the CPU), so that they draw alike whatever seeds
+they were given. Each tp rank's cache holds its key/value heads only (HF's caches take their
+shape from the first keys).
 """
 
 from __future__ import annotations
@@ -51,7 +75,7 @@ import torch
 from torch import nn
 
 from pippy_xla._native import _C
-from pippy_xla.runtime._batch import agree_on_step, digest64, step_key
+from pippy_xla.runtime._batch import agree_on_step, digest64, replica_rows, step_key
 from pippy_xla.runtime.failures import FailureState
 from pippy_xla.split.emit import StageGraph
 from pippy_xla.split.generation import (
@@ -173,18 +197,38 @@ class Generator:
             raise ValueError(f"groups must be a positive int, got {groups!r}")
         self.failures.check_usable()
         check_can_generate(self.model)
-        if self.place.mesh is not None:
-            raise NotImplementedError(
-                "generate on a data-parallel mesh is not supported yet (issue 50); generate with "
-                "a pipeline built without mesh=..."
-            )
+        place = self.place
         self.caches = {}
         self.decode_runs = []
         ids, mask = _check_prompts(input_ids, attention_mask)
+        if ids.shape[0] % place.dp_size:
+            raise ValueError(
+                f"generate got {ids.shape[0]} prompts, not a multiple of the data-parallel size "
+                f"{place.dp_size}: each replica generates for an equal share of the rows; pass "
+                f"a multiple of {place.dp_size} prompts"
+            )
         self._agree(ids, mask, generation_config, {**kwargs, "groups": groups})  # on the CPU
-        ids, mask = ids.to(self.place.device), mask.to(self.place.device)
+        rows = replica_rows(ids.shape[0], place.dp_rank, place.dp_size)
+        ids, mask = ids[rows].to(place.device), mask[rows].to(place.device)
         settings = prepare_generation(self.model, ids, generation_config, kwargs)
+        if self.runner.tp is not None and settings.config.do_sample:
+            self._same_random_state()
         self._setup()
+        dp = self.runner.dp
+        if dp is None:
+            return self._generate(ids, mask, settings, groups)
+        # See [Note: generation on a mesh].
+        self.failures.watched("data-parallel all-gather", dp.unshard)
+        try:
+            out = self._generate(ids, mask, settings, groups)
+        finally:
+            dp.after_eval()
+        return self._gather(out, rows, input_ids.shape[0], settings)
+
+    def _generate(
+        self, ids: torch.Tensor, mask: torch.Tensor, settings: GenerationSettings, groups: int
+    ) -> torch.Tensor:
+        """The sequences of prompts ``ids`` (this replica's), on every rank of the pipeline."""
         positions = self.model._prepare_position_ids_for_generation(ids, {"attention_mask": mask})
         rows = [len(r) for r in torch.arange(ids.shape[0]).tensor_split(min(groups, ids.shape[0]))]
         caches = self.caches = self._caches(settings, len(rows))
@@ -203,6 +247,28 @@ class Generator:
             if end is not None:
                 return ids[:, :end]
         return ids
+
+    def _gather(
+        self, out: torch.Tensor, rows: slice, batch: int, settings: GenerationSettings
+    ) -> torch.Tensor:
+        """The whole batch's sequences on every rank from each replica's ``out`` (its ``rows``),
+        the shorter ones padded as HF pads rows that finished early (see [Note: generation on a
+        mesh])."""
+        dp, failures = self.runner.dp, self.failures
+        what = f"[rank {self.place.rank}] generated lengths all_gather over replicas"
+        lengths = failures.watched(what, dp.all_gather_ints, [out.shape[1]], what)
+        whole = out.new_zeros(batch, max(n for (n,) in lengths))
+        whole[rows] = _pad_id(settings)
+        whole[rows, : out.shape[1]] = out
+        what = f"[rank {self.place.rank}] generated sequences all_reduce over replicas"
+        return failures.watched(what, dp.all_reduce_sum, whole, what)
+
+    def _same_random_state(self) -> None:
+        """Tp rank 0's random state on every tp rank: the tp ranks of the last stage draw the
+        same tokens (see [Note: generation on a mesh])."""
+        what = f"[rank {self.place.rank}] tensor-parallel random state broadcast"
+        state = self.failures.watched(what, self.runner.tp.from_first, torch.get_rng_state(), what)
+        torch.set_rng_state(state)
 
     def _engine(self, key: tuple, make: Callable[[], _C.Schedule]) -> _C.Engine:
         """The engine of ``key``, of the schedule ``make()`` at its first use."""
@@ -234,7 +300,13 @@ class Generator:
             "generation_options": torch.tensor([digest64(options.encode())]),
         }
         key, contents = step_key("generate", batch, True)
-        agree_on_step(key, contents, batch, self.place.rank, self.runner.gather_ints)
+        runner, checks = self.runner, []
+        if runner.dp is not None:  # the replicas too: each generates a share of the rows
+            checks.append((runner.dp, "data-parallel", _DP_CAUSE))
+        if runner.tp is not None:  # and the tp ranks, whose layers run the same rows together
+            checks.append(runner.tp_check)
+        gather = runner.checked_gather(key, checks) if checks else runner.gather_ints
+        agree_on_step(key, contents, batch, self.place.rank, gather)
 
     def _signature(self, *what: Any) -> int:
         """The engine signature of a run described by ``what``."""
@@ -390,6 +462,12 @@ class Generator:
         if all(state.stopped):  # where the last group to finish did, as HF's loop ends
             return ids, ids.shape[1] - window + max(stops)
         return ids, None
+
+
+_DP_CAUSE = (
+    "a pipeline replica on the mesh's data-parallel dimension was given other prompts or "
+    "generation options than the others; every rank must pass the same whole batch of prompts"
+)
 
 
 def _pad_id(settings: GenerationSettings) -> int:

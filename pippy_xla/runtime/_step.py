@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.modules.module as _module
@@ -122,6 +122,11 @@ the received tensors as they are (a tuple of outputs goes back to the engine wit
 a list): in the compute regime the F action spent 22 us between entering the step's forward and
 calling the module, building that list cold.
 """
+
+_TP_CAUSE = (
+    "a rank on the mesh's tensor-parallel dimension was given another batch (or another kind "
+    "of step) than its tp peers; every rank must get the same whole batch"
+)
 
 _HOOKS = ("_backward_hooks", "_backward_pre_hooks", "_forward_hooks", "_forward_pre_hooks")
 
@@ -445,7 +450,9 @@ class StepRunner:
         key, contents = step_key(kind, batch, self.config.check_batch_content)
 
         # A mismatch leaves the pipeline usable: no transfer of the step has started.
-        gather = self.gather_ints if self.tp is None else self._tp_checked_gather(key)
+        gather = self.gather_ints
+        if self.tp is not None:
+            gather = self.checked_gather(key, [self.tp_check])
         agree_on_step(key, contents, batch, place.rank, gather)
         with self.failures.guard("batch split"):  # its peers are on their way to the engine
             microbatches = split_batch(
@@ -458,35 +465,46 @@ class StepRunner:
             )
         return batch, microbatches, key.signature
 
-    def _tp_checked_gather(self, key) -> Callable[[Sequence[int], str], list[list[int]]]:
-        """The step handshake's gather under tensor parallelism: first the tp ranks of this
-        stage compare their step keys (a tp rank given other rows would otherwise mix two
+    def checked_gather(
+        self, key, checks: Sequence[tuple[Any, str, str]]
+    ) -> Callable[[Sequence[int], str], list[list[int]]]:
+        """The step handshake's gather when other ranks than the pipeline's must get the same
+        batch: per check ``(peers, kind, cause)`` (``peers``: the tp ranks of this stage or the
+        replicas, a :class:`TensorParallel` or :class:`DataParallel`, with ``agree``), first
+        they compare their step keys (a tp rank given other rows would otherwise mix two
         batches in its layers' collectives without any error), then the pipeline's handshake
-        carries each rank's verdict, so that every rank of the mesh raises or none does (see
-        [Note: pipeline x tensor parallel]: every pipeline group holds a rank of every stage)."""
+        carries each rank's verdicts, so that every rank of the mesh raises the first failed
+        check's ``cause`` or none does (see [Note: pipeline x tensor parallel]: every pipeline
+        group holds a rank of every stage)."""
         place = self.place
-        what = f"[rank {place.rank}] tensor-parallel step handshake"
         mine = digest64(repr(key.words()).encode())
-        tp_ok = int(self.failures.watched(what, self.tp.agree, mine, what))
+        oks = []
+        for peers, kind, _ in checks:
+            what = f"[rank {place.rank}] {kind} step handshake"
+            oks.append(int(self.failures.watched(what, peers.agree, mine, what)))
         first = [True]
 
         def gather(values: Sequence[int], what: str) -> list[list[int]]:
             if not first[0]:
                 return self.gather_ints(values, what)
             first[0] = False
-            everyone = self.gather_ints([*values, tp_ok], what)
-            if not all(words[-1] for words in everyone):
-                raise BatchMismatchError(
-                    rank=place.rank,
-                    failed_rank=place.rank,
-                    action="tensor-parallel step handshake",
-                    cause="a rank on the mesh's tensor-parallel dimension was given another "
-                    "batch (or another kind of step) than its tp peers; every rank must get "
-                    "the same whole batch",
-                )
-            return [words[:-1] for words in everyone]
+            everyone = self.gather_ints([*values, *oks], what)
+            for i, (_, kind, cause) in enumerate(checks):
+                if not all(words[len(values) + i] for words in everyone):
+                    raise BatchMismatchError(
+                        rank=place.rank,
+                        failed_rank=place.rank,
+                        action=f"{kind} step handshake",
+                        cause=cause,
+                    )
+            return [words[: len(values)] for words in everyone]
 
         return gather
+
+    @property
+    def tp_check(self) -> tuple[Any, str, str]:
+        """The :meth:`checked_gather` check of the tp ranks of this rank's stages."""
+        return (self.tp, "tensor-parallel", _TP_CAUSE)
 
     def _forward(self, batch, microbatches, losses, added, logits) -> StageForward:
         labels = batch.get("labels")

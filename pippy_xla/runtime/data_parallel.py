@@ -213,12 +213,13 @@ class DataParallel:
     def all_reduce_sum(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
         return _C.all_reduce_sum_copy(tensor, self._group_name, self._timeout_ms, what)
 
+    def all_gather_ints(self, values: list[int], what: str) -> list[list[int]]:
+        """Every replica's ``values`` (int64s), in replica order."""
+        return _C.all_gather_int64(values, self._group_name, self._device, self._timeout_ms, what)
+
     def agree(self, key: int, what: str) -> bool:
         """Whether every replica passed the same 64-bit ``key``."""
-        everyone = _C.all_gather_int64(
-            [key], self._group_name, self._device, self._timeout_ms, what
-        )
-        return all(k == [key] for k in everyone)
+        return all(k == [key] for k in self.all_gather_ints([key], what))
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -220,15 +220,11 @@ class TensorParallel:
     def _sync_from_first(self, module: nn.Module) -> None:
         with torch.no_grad():
             for name, t in [*module.named_parameters(), *module.named_buffers()]:
-                t.copy_(
-                    _C.broadcast_copy(
-                        t.detach(),
-                        0,
-                        self._group_name,
-                        self._timeout_ms,
-                        f"tensor-parallel start: broadcast of {name}",
-                    )
-                )
+                t.copy_(self.from_first(t.detach(), f"tensor-parallel start: broadcast of {name}"))
+
+    def from_first(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
+        """Tp rank 0's ``tensor`` (a broadcast over the tp ranks)."""
+        return _C.broadcast_copy(tensor, 0, self._group_name, self._timeout_ms, what)
 
     @property
     def partial(self) -> list[nn.Parameter]:
