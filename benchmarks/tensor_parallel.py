@@ -30,7 +30,15 @@ import statistics
 import tempfile
 import time
 
-from _common import Phase, llama_config, proc_memory, run_ranks, save, token_batch
+from _common import (
+    Phase,
+    llama_config,
+    proc_memory,
+    run_ranks,
+    save,
+    state_bytes,
+    token_batch,
+)
 
 # (name, pp, tp, runner): runner "pippy_xla" or "hf".
 LAYOUTS = [
@@ -55,18 +63,6 @@ def _config(args):
     config = llama_config(args.layers, args.hidden, args.vocab)
     config.num_key_value_heads = 4
     return config
-
-
-def _state_bytes(params, opt) -> int:
-    from pippy_xla.runtime.data_parallel import local_tensor
-
-    total = 0
-    for p in params:
-        for t in [p, p.grad, *opt.state.get(p, {}).values()]:
-            if t is not None and t.dim() > 0:
-                t = local_tensor(t)
-                total += t.numel() * t.element_size()
-    return total
 
 
 def _build(args, path: str, pp: int, tp: int, runner: str):
@@ -151,7 +147,7 @@ def _rank(rank, world, args, path: str, layout):
         "step_s": [t for t, _ in timed],
         "losses": [loss for _, loss in warm + timed],
         "anon_bytes": memory["steps"]["anon_peak_bytes"] - base,
-        "state_bytes": _state_bytes(params, opt),
+        "state_bytes": state_bytes(params, opt),
     }
 
 
