@@ -6,8 +6,9 @@ the whole batch on every rank, HF's plan including its row-sharded embedding and
 Every layout starts from the same random Llama, saved once with ``save_pretrained`` (the
 pipelines build on ``meta`` and read their stage with ``load_pretrained``; HF's loads its shards),
 and trains ``--warmup`` + ``--steps`` steps (the training step and an AdamW step) on the same
-global batch, in 4 fresh processes of one thread each. Every step's loss of every layout is
-checked equal to pp=4's (see ``LOSS_RTOL``) before any time is reported. Reported per layout:
+global batch, in 4 fresh processes of one thread each (the layouts one after the other). Every
+step's loss of every layout is checked equal to pp=4's (``LOSS_RTOL_FIRST``,
+``LOSS_RTOL_PER_STEP``) before any time is reported. Reported per layout:
 
 - ``step_s``: median over the timed steps of the slowest rank's step time (a barrier starts each);
 - per rank, ``anon_mib``: the peak of its anonymous resident memory (``RssAnon``, sampled every
@@ -20,7 +21,8 @@ machine only. HF's tensor parallel needs the ``accelerate`` package (``from_pret
 ``distributed_config`` refuses to run without it): ``pip install -e .[bench]``, or, as for the
 recorded run, a venv over the system packages (``python -m venv --system-site-packages
 /tmp/tpb_venv && /tmp/tpb_venv/bin/pip install accelerate``). Run: ``python
-benchmarks/tensor_parallel.py``; results in ``benchmarks/results/tensor_parallel.json``.
+benchmarks/tensor_parallel.py`` (``--hidden 512 --out tensor_parallel_h512`` for the larger
+model); results in ``benchmarks/results/<out>.json``.
 """
 
 from __future__ import annotations
