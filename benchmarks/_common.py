@@ -28,6 +28,7 @@ __all__ = [
     "proc_memory",
     "run_ranks",
     "save",
+    "state_bytes",
     "summarize",
     "token_batch",
 ]
@@ -71,6 +72,20 @@ def planned_pipeline(plan_json: str, model, layer_cls, **kwargs):
     import pippy_xla as px
 
     return px.PipelineModel(model, layer_cls=layer_cls, plan=px.Plan.from_json(plan_json), **kwargs)
+
+
+def state_bytes(params, opt) -> int:
+    """The exact bytes of this rank's local ``params``, their gradients and ``opt``'s state
+    for them (a DTensor counts its local shard)."""
+    from pippy_xla.runtime.data_parallel import local_tensor
+
+    total = 0
+    for p in params:
+        for t in [p, p.grad, *opt.state.get(p, {}).values()]:
+            if t is not None and t.dim() > 0:
+                t = local_tensor(t)
+                total += t.numel() * t.element_size()
+    return total
 
 
 def machine() -> dict:

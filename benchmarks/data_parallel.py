@@ -25,7 +25,15 @@ import argparse
 import statistics
 import time
 
-from _common import Phase, llama_config, proc_memory, run_ranks, save, token_batch
+from _common import (
+    Phase,
+    llama_config,
+    proc_memory,
+    run_ranks,
+    save,
+    state_bytes,
+    token_batch,
+)
 
 LAYOUTS = [
     ("1x4", 1, 4, None),
@@ -34,18 +42,6 @@ LAYOUTS = [
     ("4x1 replicate", 4, 1, "replicate"),
     ("4x1 shard", 4, 1, "shard"),
 ]
-
-
-def _state_bytes(pipe, opt) -> int:
-    from pippy_xla.runtime.data_parallel import local_tensor
-
-    total = 0
-    for p in pipe.parameters():
-        for t in [p, p.grad, *opt.state.get(p, {}).values()]:
-            if t is not None and t.dim() > 0:
-                t = local_tensor(t)
-                total += t.numel() * t.element_size()
-    return total
 
 
 def _layout(args, batch, dp: int, pp: int, mode: str | None) -> dict:
@@ -98,7 +94,7 @@ def _layout(args, batch, dp: int, pp: int, mode: str | None) -> dict:
         "step_s": list(times),
         "losses": list(losses),
         "anon_bytes": memory["steps"]["anon_peak_bytes"] - base,
-        "state_bytes": _state_bytes(pipe, opt),
+        "state_bytes": state_bytes(pipe.parameters(), opt),
         "reduce_s": reduce_s,
         "reduce_overlapping_s": min(overlap_s / 1e9, reduce_s),
     }
