@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 from models import MODELS, full, make_batch
-from test_pipeline import ADAM, GRAD_TOL, LOSS_TOL, PARAM_TOL
+from test_pipeline import ADAM, LOSS_TOL, PARAM_TOL, check_grads
 
 import pippy_xla as px
 from pippy_xla.testing import run_ranks
@@ -79,14 +79,7 @@ def _mesh_trains_like_one_process(rank, world, schedule, families, transport, st
                 ref_loss.backward()
                 where = f"{where0} step={step}"
                 torch.testing.assert_close(loss, ref_loss.detach(), **LOSS_TOL, msg=where)
-                for name, p in params.items():
-                    assert p.grad is not None, f"{where}: {name} got no gradient"
-                    torch.testing.assert_close(
-                        full(p.grad),
-                        ref.get_parameter(name).grad,
-                        **GRAD_TOL,
-                        msg=lambda m, name=name, where=where: f"{where}: grad {name}\n{m}",
-                    )
+                check_grads(params.items(), ref, where)
                 opt.step()
                 ref_opt.step()
                 opt.zero_grad()

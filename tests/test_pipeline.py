@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from models import MODELS, make_batch
+from models import MODELS, full, make_batch
 
 import pippy_xla as px
 from pippy_xla.testing import run_ranks
@@ -31,13 +31,17 @@ def _build(family, seed=0, **kw):
     return model, layer_cls
 
 
-def _check_grads(pipe, ref, where):
+def check_grads(named, ref, where, tol=GRAD_TOL):
+    """Every ``(name, parameter)`` of ``named`` has a gradient equal to ``ref``'s (gathered if a
+    DTensor: a data- or tensor-parallel shard); at least one is checked."""
     n = 0
-    for name, p in pipe.named_parameters():
-        ref_p = ref.get_parameter(name)
+    for name, p in named:
         assert p.grad is not None, f"{where}: {name} got no gradient"
         torch.testing.assert_close(
-            p.grad, ref_p.grad, **GRAD_TOL, msg=lambda m, name=name: f"{where}: grad {name}\n{m}"
+            full(p.grad),
+            ref.get_parameter(name).grad,
+            **tol,
+            msg=lambda m, name=name: f"{where}: grad {name}\n{m}",
         )
         n += 1
     assert n > 0
@@ -71,7 +75,7 @@ def _train_equal(
             ref_loss.backward()
             where = f"{family} {schedule} ranks={world} mbs={mbs} step={step} rank={rank}"
             torch.testing.assert_close(loss, ref_loss.detach(), **LOSS_TOL, msg=where)
-            _check_grads(pipe, ref, where)
+            check_grads(pipe.named_parameters(), ref, where)
             assert pipe.stash_live_bytes == 0, where
             opt.step()
             ref_opt.step()

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from models import MODELS, VOCAB, full, make_batch, reference_step, tiny
-from test_pipeline import ADAM, LOSS_TOL, PARAM_TOL
+from test_pipeline import ADAM, LOSS_TOL, PARAM_TOL, check_grads
 
 import pippy_xla as px
 from pippy_xla.runtime.data_parallel import local_tensor
@@ -107,14 +107,7 @@ def _tp_trains_like_one_process(rank, world, cases, steps=3, mbs=2):
             torch.testing.assert_close(
                 loss, ref_loss.detach(), **LOSS_TOL, msg=f"{where}: loss {loss} vs {ref_loss}"
             )
-            for name, p in params.items():
-                assert p.grad is not None, f"{where}: {name} got no gradient"
-                torch.testing.assert_close(
-                    full(p.grad),
-                    ref.get_parameter(name).grad,
-                    **GRAD_TOL,
-                    msg=lambda m, name=name, where=where: f"{where}: grad {name}\n{m}",
-                )
+            check_grads(params.items(), ref, where, GRAD_TOL)
             # Norms over the tp shards and the stages, replicated tensors and ties once.
             norm = pipe.clip_grad_norm_(0.5)
             ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
