@@ -397,6 +397,15 @@ def test_a_later_stage_reading_token_ids_is_found():
             assert "input_ids" in reader and "3" in reader, reader
 
 
+def _staggered_stops(ref, ids, mask, opts) -> tuple[dict, torch.Tensor]:
+    """Options under which row ``r`` of HF's greedy output ends by its new token ``1 + r`` (that
+    token of every row is an end-of-sequence id), and HF's output under them."""
+    greedy = ref.generate(ids, attention_mask=mask, **opts)
+    eos = [int(greedy[r, ids.shape[1] + 1 + r]) for r in range(ids.shape[0])]
+    stop = {**opts, "eos_token_id": eos, "pad_token_id": 3}
+    return stop, ref.generate(ids, attention_mask=mask, **stop)
+
+
 def _on_mesh(rank, world) -> dict[str, list[str]]:
     """On a (dp=2, pp=2) mesh, each replica generating for its half of the rows, every rank
     returns HF's greedy tokens of the whole batch, with FSDP2 ``replicate`` and ``shard``; rows
@@ -412,11 +421,9 @@ def _on_mesh(rank, world) -> dict[str, list[str]]:
     for mode in ("replicate", "shard"):
         pipe, ref = _pipe("llama", mesh=mesh, data_parallel=mode)
         opts = {"max_new_tokens": NEW, "do_sample": False}
-        greedy = ref.generate(ids, attention_mask=mask, **opts)
         # Row r ends by its new token 1 + r: replica 0 (rows 0, 1) stops before replica 1.
-        eos = [int(greedy[r, ids.shape[1] + 1 + r]) for r in range(ids.shape[0])]
-        stop = {**opts, "eos_token_id": eos, "pad_token_id": 3}
-        want = ref.generate(ids, attention_mask=mask, **stop)
+        stop, want = _staggered_stops(ref, ids, mask, opts)
+        eos = stop["eos_token_id"]
         got = pipe.generate(ids, attention_mask=mask, groups=2, **stop)
         assert torch.equal(got, want), f"{mode} eos\n{got}\n{want}"
         new = want[:, ids.shape[1] :].tolist()
@@ -459,10 +466,7 @@ def _on_tp_mesh(rank, world) -> dict:
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "pp", "tp"))
         pipe, ref = _pipe("llama", mesh=mesh, tensor_parallel="auto", data_parallel=mode)
         opts = {"max_new_tokens": NEW, "do_sample": False}
-        greedy = ref.generate(ids, attention_mask=mask, **opts)
-        eos = [int(greedy[r, ids.shape[1] + 1 + r]) for r in range(ids.shape[0])]
-        stop = {**opts, "eos_token_id": eos, "pad_token_id": 3}
-        want = ref.generate(ids, attention_mask=mask, **stop)
+        stop, want = _staggered_stops(ref, ids, mask, opts)
         got = pipe.generate(ids, attention_mask=mask, groups=2, **stop)
         assert torch.equal(got, want), f"{shape} eos\n{got}\n{want}"
         out[shape] = "eos"
