@@ -12,7 +12,9 @@ forwards over their span, in the last call (from the engine's action timings). E
 call's tokens are checked equal to HF's one-process tokens before any time is reported. The
 pipeline decodes pipelined across ranks (``[Note: generation data flow]`` in
 ``pippy_xla/runtime/_generate.py``): with one group the stages take turns, with two (as many as
-stages) each rank works on one group while the other works on the other.
+stages) each rank works on one group while the other works on the other. A last row runs the
+pipeline with ``compile=True`` (one group): compiled prefill and decode graphs (``[Note: compiled
+generation]``), compiled by the warm-up call.
 Run: ``python benchmarks/generate.py``.
 """
 
@@ -61,7 +63,7 @@ def _one_process(args) -> dict:
     return out
 
 
-def _pipeline(rank, world, args, groups: int):
+def _pipeline(rank, world, args, groups: int, compile: bool = False):
     import torch
 
     import pippy_xla as px
@@ -69,7 +71,7 @@ def _pipeline(rank, world, args, groups: int):
     torch.set_num_threads(1)
     model, prompts = _model(args)
     layer_cls = type(model.model.layers[0])
-    pipe = px.PipelineModel(model, layer_cls=layer_cls, num_microbatches=1)
+    pipe = px.PipelineModel(model, layer_cls=layer_cls, num_microbatches=1, compile=compile)
     opts = {"max_new_tokens": args.new, "do_sample": False}
     mask = torch.ones_like(prompts)
     times, tokens = _timed(
@@ -138,17 +140,19 @@ def main() -> None:
         ranks = run_ranks(2, _hf_pipeline, args, path, timeout=900)
     slowest = _slowest(ranks, want, "HF's pipeline")
     results["hf_pipeline_2_ranks"] = summarize([new_tokens / t for t in slowest])
-    for groups in (1, 2):
-        ranks = run_ranks(2, _pipeline, args, groups, timeout=900)
-        slowest = _slowest(ranks, want, f"pippy_xla, {groups} groups")
-        results[f"pippy_xla_2_ranks_{groups}_groups"] = summarize([new_tokens / t for t in slowest])
-        busy[f"pippy_xla_2_ranks_{groups}_groups"] = [round(r[2], 3) for r in ranks]
+    runs = [(1, False), (2, False), (1, True)]  # compiled: the warm-up call compiles
+    for groups, compiled in runs:
+        ranks = run_ranks(2, _pipeline, args, groups, compiled, timeout=1800)
+        name = f"pippy_xla_2_ranks_{groups}_groups" + ("_compiled" if compiled else "")
+        slowest = _slowest(ranks, want, name)
+        results[name] = summarize([new_tokens / t for t in slowest])
+        busy[name] = [round(r[2], 3) for r in ranks]
     for name, r in results.items():
         print(
-            f"{name:28s} {r['median']:8.1f} new tokens/s (min {r['min']:.1f}, max {r['max']:.1f})"
+            f"{name:37s} {r['median']:8.1f} new tokens/s (min {r['min']:.1f}, max {r['max']:.1f})"
         )
     for name, shares in busy.items():
-        print(f"{name:28s} decode busy share per rank {shares}")
+        print(f"{name:37s} decode busy share per rank {shares}")
     payload = {"args": vars(args), "unit": "new tokens/s", "results": results}
     payload["decode_busy_share"] = busy
     path = save(args.out, payload)

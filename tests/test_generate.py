@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from models import MODELS, VOCAB, make_batch, tiny
+from models import MODELS, VOCAB, llama, make_batch, tiny
 from test_pipeline import LOSS_TOL
 from torch import nn
 
@@ -345,17 +345,23 @@ def test_generate_errors_on_every_rank():
 
 
 def _compiled_between(rank, world) -> list[str]:
-    """Compiled training and evaluation graphs are not recompiled around a ``generate`` (the
-    generation graphs are others, run eagerly); aot_eager keeps it cheap (see test_compile)."""
+    """Compiled training and evaluation graphs are not recompiled around a ``generate``, whose
+    prefill and decode graphs are compiled once each, whatever the number of new tokens (see
+    [Note: compiled generation]); aot_eager keeps it cheap (see test_compile)."""
     import torch._dynamo
 
     torch._dynamo.reset()
-    pipe, _ = _pipe("llama", compile=True, compile_options={"backend": "aot_eager"})
+    pipe, ref = _pipe("llama", compile=True, compile_options={"backend": "aot_eager"})
     ids, mask = _prompts()
     for step in range(2):
         pipe.run_train(**make_batch(seed=step))
         pipe.run_eval(**make_batch(seed=step))
-    pipe.generate(ids, attention_mask=mask, max_new_tokens=2)
+    for new in (4, 12):
+        want = ref.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+        got = pipe.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+        assert torch.equal(got, want), f"{new} new tokens\n{got}\n{want}"
+        graphs = pipe._generator.compiled_graphs()
+        assert graphs == {"prefill": 1, "decode": 1}, f"after {new} new tokens: {graphs}"
     pipe.run_train(**make_batch(seed=0))
     pipe.run_eval(**make_batch(seed=0))
     return pipe.recompiles
@@ -363,6 +369,34 @@ def _compiled_between(rank, world) -> list[str]:
 
 def test_generate_keeps_compiled_training_graphs():
     assert run_ranks(2, _compiled_between, timeout=300) == [[], []]
+
+
+def _compiled_generate(rank, world) -> dict[str, int]:
+    """Inductor-compiled generation graphs: HF's greedy tokens, for 4 and then 12 new tokens
+    with one prefill and one decode graph per stage (the second call compiles nothing: the
+    cache and the decode mask have one length, ``COMPILED_CACHE_MIN``, for both). The tokens
+    are equal, not close: this model and these prompts have no near-tie among the top logits
+    that inductor's reordered sums could flip (checked under AVX-512 and AVX2)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model, layer_cls = llama(layers=2)  # a layer per stage: see test_compile._compiled_training
+    model.eval()
+    ref = copy.deepcopy(model)
+    pipe = px.PipelineModel(model, layer_cls=layer_cls, num_microbatches=2, compile=True)
+    ids, mask = _prompts()
+    for new in (4, 12):
+        want = ref.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+        got = pipe.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+        assert torch.equal(got, want), f"{new} new tokens\n{got}\n{want}"
+    return pipe._generator.compiled_graphs()
+
+
+@pytest.mark.compiled
+def test_compiled_generate_equal_hf_without_recompiles():
+    assert run_ranks(2, _compiled_generate, timeout=600) == [{"prefill": 1, "decode": 1}] * 2
 
 
 class _IdsAfterLayer(nn.Module):

@@ -63,24 +63,62 @@ schedules, and the same tokens, which each tp rank of the last stage samples fro
 (the CPU generator's: tensor parallelism runs on the CPU), so that they draw alike whatever seeds
 they were given. Each tp rank's cache holds its key/value heads only (HF's caches take their
 shape from the first keys).
+
+[Note: compiled generation]
+
+With ``PipelineModel(..., compile=True)`` each local stage's generation graph is compiled with
+``torch.compile`` and the pipeline's ``compile_options`` (at the first ``generate``, beside the
+training graphs, which stay as they are: a ``generate`` neither recompiles nor re-traces them),
+twice: a prefill graph and a decode graph, two copies of the stage's graph sharing its modules,
+each with code of its own, so that dynamo keeps their graphs apart (and
+:meth:`Generator.compiled_graphs` counts them). The decode graph follows what HF does to compile
+its decode step over a ``StaticCache`` (``generation/utils.py``: a compilable cache, a mask of
+the cache's length, inputs cloned to contiguous strides):
+
+- Every input has one shape and stride at every token. The cache is HF's ``StaticCache``,
+  allocated before the prefill (HF's early initialization of a cache, this stage's layers only)
+  with ``mark_static_address`` on its tensors; the position it writes next is its
+  ``cumulative_length``, a tensor updated in place, and the positions are tensors too, so no
+  Python number changes from token to token. The 2-D mask, which grows by a column per token in
+  the eager decode, is padded with zeros to the cache's length, as HF's mask code pads it anyway
+  (same masks, same results); the token ids are cloned to contiguous strides (the window's first
+  token is a column slice of the last window's). The decode graph is compiled with
+  ``dynamic=False``: one static graph per group size.
+- Generations of different lengths share graphs: the cache's length is ``COMPILED_CACHE_MIN``
+  or the power of two at or above the generation's (the static cache's length is a constant of
+  the graph), so the number of compiles does not grow with the number of new tokens and grows
+  by one per doubling beyond 64 tokens; a longer cache attends over more (masked) positions.
+- The prefill graph takes the prompts' length, so a second length recompiles it once with that
+  length dynamic (dynamo's default), and one more graph for a group of one row, which dynamo
+  specializes (a size of 1). HF leaves its prefill eager; compiling it here costs a compile per
+  stage at the first call.
+- Without an early-initializable static cache (``cache_implementation="dynamic"``, the default
+  under autocast, or a model HF cannot early-initialize), the graphs run eagerly: a dynamic
+  cache grows by a token per step, which would recompile at every token.
+
+Greedy tokens stay HF's, up to inductor's reordered sums, which could flip an argmax only on a
+near-tie of the top logits (see ``tests/test_generate.py``).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from pippy_xla._native import _C
 from pippy_xla.runtime._batch import agree_on_step, digest64, replica_rows, step_key
+from pippy_xla.runtime._recompile import RecompileWatch
 from pippy_xla.runtime.failures import FailureState
 from pippy_xla.split.emit import StageGraph
 from pippy_xla.split.generation import (
     GenerationSettings,
     check_can_generate,
+    early_init,
     generation_stages,
     prepare_generation,
     stage_cache,
@@ -90,7 +128,7 @@ from pippy_xla.split.partition import LayerCls
 if TYPE_CHECKING:
     from pippy_xla.runtime._step import StepRunner
 
-__all__ = ["DECODE_WINDOW", "Generator", "cache_bytes"]
+__all__ = ["COMPILED_CACHE_MIN", "DECODE_WINDOW", "Generator", "cache_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +136,10 @@ DECODE_WINDOW = 16
 """Tokens per decode-schedule run (see [Note: generation data flow]): the stages drain once per
 window (``stages - 1`` forwards of each rank's time, and a broadcast of the window's tokens), and
 a group whose rows have all finished leaves at the end of a window."""
+
+COMPILED_CACHE_MIN = 64
+"""The shortest cache of a generation with compiled graphs: its length is this or the power of
+two at or above the generation's length (see [Note: compiled generation])."""
 
 
 class _Sampler:
@@ -172,6 +214,14 @@ class Generator:
         """Tokens per decode-schedule run (tests set fewer)."""
         self.decode_runs: list[tuple[int, ...]] = []
         """The last generation's decode-schedule runs: each one's live groups."""
+        self.compiled: dict[str, dict[int, Callable]] = {}
+        """With ``compile=True``: each local stage's compiled ``"prefill"`` and ``"decode"``
+        graph (see [Note: compiled generation])."""
+        self.graph_watch: dict[str, RecompileWatch] = {}
+        """Counts dynamo's graphs of the compiled ``"prefill"`` and ``"decode"`` graphs."""
+        self.mask_length: int | None = None
+        """The cache's length, to which decode pads the mask, while the compiled graphs
+        generate; ``None`` while the eager ones do."""
 
     def _setup(self) -> None:
         if self.stages is not None:
@@ -181,6 +231,34 @@ class Generator:
         self.stages = generation_stages(
             self.model, self.layer_cls, layer_ranges, self.place.device.type
         )
+        if self.runner.config.compile:
+            self._compile()
+
+    def _compile(self) -> None:
+        """Each local stage's prefill and decode graphs, compiled (see [Note: compiled
+        generation]): two copies of its generation graph that share its modules, each with code
+        of its own, whose graphs dynamo keeps (and :attr:`graph_watch` counts) apart."""
+        options = dict(self.runner.config.compile_options or {})
+        for kind, extra in (("prefill", {}), ("decode", {"dynamic": False})):
+            copies = {
+                s: fx.GraphModule(self.stages[s].module, copy.deepcopy(self.stages[s].module.graph))
+                for s in self.runner.runners
+            }
+            self.compiled[kind] = {
+                s: torch.compile(m, **{**options, **extra}) for s, m in copies.items()
+            }
+            self.graph_watch[kind] = RecompileWatch(list(copies.values()))
+
+    def _module(self, kind: str, stage: int) -> Callable:
+        """What runs local ``stage``'s ``kind`` (``"prefill"`` or ``"decode"``) forwards."""
+        if self.mask_length is None:
+            return self.stages[stage].module
+        return self.compiled[kind][stage]
+
+    def compiled_graphs(self) -> dict[str, int]:
+        """How many graphs dynamo compiled of this rank's ``"prefill"`` and ``"decode"`` graphs
+        (none without ``compile=True``)."""
+        return {kind: watch.graphs() for kind, watch in self.graph_watch.items()}
 
     def generate(
         self,
@@ -231,7 +309,7 @@ class Generator:
         """The sequences of prompts ``ids`` (this replica's), on every rank of the pipeline."""
         positions = self.model._prepare_position_ids_for_generation(ids, {"attention_mask": mask})
         rows = [len(r) for r in torch.arange(ids.shape[0]).tensor_split(min(groups, ids.shape[0]))]
-        caches = self.caches = self._caches(settings, len(rows))
+        caches = self.caches = self._caches(settings, rows)
         samplers = None
         if self.place.rank == self.runner.last_rank:
             samplers = [_Sampler(settings, part) for part in ids.split(rows)]
@@ -276,19 +354,37 @@ class Generator:
             self.engines[key] = self.place.engine(make())
         return self.engines[key]
 
-    def _caches(self, settings: GenerationSettings, groups: int) -> dict[int, list[Any]]:
-        """Every local stage's cache of each group."""
+    def _caches(self, settings: GenerationSettings, rows: list[int]) -> dict[int, list[Any]]:
+        """Every local stage's cache of each group (of ``rows`` rows each); with compiled graphs,
+        allocated here (see [Note: compiled generation])."""
         kind = settings.config.cache_implementation
         if kind is None and torch.is_autocast_enabled(self.place.device.type):
             kind = "dynamic"  # HF's static cache refuses autocast's mixed key dtypes
         length = settings.max_length - 1
-        return {
-            s: [
-                stage_cache(self.model.config, self.stages[s].layers, length, kind)
-                for _ in range(groups)
-            ]
+        shape = self.model._get_static_cache_init_shape() if self.compiled else None
+        self.mask_length = None
+        if shape is not None and kind in (None, "static"):
+            length = self.mask_length = max(COMPILED_CACHE_MIN, 1 << (length - 1).bit_length())
+        caches = {
+            s: [stage_cache(self.model.config, self.stages[s].layers, length, kind) for _ in rows]
             for s in self.runner.runners
         }
+        if self.mask_length is not None:
+            for s, group_caches in caches.items():
+                for cache, n in zip(group_caches, rows, strict=True):
+                    layers = self.stages[s].layers
+                    early_init(cache, layers, n, shape, self.model.dtype, self.place.device)
+        return caches
+
+    def _fixed(self, batch: dict[str, torch.Tensor]) -> None:
+        """A decode forward's ``batch`` of the same shapes and strides at every token, while the
+        compiled graphs generate: the mask padded with zeros to the cache's length (as HF pads
+        it) and the token ids in contiguous strides (see [Note: compiled generation])."""
+        if self.mask_length is None:
+            return
+        mask = batch["attention_mask"]
+        batch["attention_mask"] = nn.functional.pad(mask, (0, self.mask_length - mask.shape[1]))
+        batch["input_ids"] = batch["input_ids"].clone(memory_format=torch.contiguous_format)
 
     def _agree(self, ids, mask, generation_config, kwargs) -> None:
         """The step handshake for a ``generate`` call: prompts, mask and options."""
@@ -349,7 +445,8 @@ class Generator:
 
         def forward(stage: int, mb: int, received: list[torch.Tensor]):
             st = stages[stage]
-            out = st.module(*(parts[n][mb] for n in st.batch_inputs), *received, caches[stage][mb])
+            run = self._module("prefill", stage)
+            out = run(*(parts[n][mb] for n in st.batch_inputs), *received, caches[stage][mb])
             if stage != last:
                 return out
             logits[mb] = out[0][:, -1]
@@ -407,8 +504,9 @@ class Generator:
                 batch["input_ids"] = received.pop()[:, None] if t else state.tokens[g]
             else:  # see [Note: generation data flow]: the shape matters here, not the ids
                 batch["input_ids"] = no_ids[j]
+            self._fixed(batch)
             own = (batch[name] for name in st.batch_inputs)
-            out = st.module(*own, *received, caches[stage][g])
+            out = self._module("decode", stage)(*own, *received, caches[stage][g])
             if stage != last:
                 return out
             tokens, stop = samplers[g].next(out[0][:, -1])

@@ -30,6 +30,10 @@ class RecompileWatch:
         self._first_args: dict[str, dict[int, list]] = {}
         self._step_args: dict[int, list] = {}
 
+    def graphs(self) -> int:
+        """How many graphs dynamo holds for the watched modules' code (their cache entries)."""
+        return self._graph_count()
+
     def _graph_count(self) -> int:
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 

@@ -22,15 +22,17 @@ per decoder layer of the family's own kind (sliding-window layers where the conf
 each allocating its ``[batch, kv_heads, length, head_dim]`` tensors lazily at its first update.
 Only this stage's layers are ever updated, so a rank allocates its layers' share once per
 generation, for the generation's whole length, and keeps its shapes at every decode step (the
-2-D mask input still grows by a column per token: compiled decode graphs, not built yet, would
-take it padded to the cache's length, as HF's static-cache decoding does). The mask
+2-D mask input still grows by a column per token in the eager graphs: compiled decode graphs
+take it padded to the cache's length, as HF's static-cache decoding does; see [Note: compiled
+generation] in ``runtime/_generate.py``). The mask
 factories size masks and read the number of tokens seen from one layer of the cache (the first
 full-attention one, or the first of each sliding kind): the other stages' entries of this stage's
 cache are therefore the same objects as a local layer of the same kind, which has seen the same
 tokens. Under autocast the default is HF's ``DynamicCache`` (same aliasing, tensors grown per
 token): HF's static layers refuse the mixed key dtypes autocast produces, in one process too. The
 training graphs, runners and engines are untouched, so ``run_train`` and ``run_eval``
-neither rebuild nor recompile around a ``generate``.
+neither rebuild nor recompile around a ``generate``; with ``compile=True`` the generation graphs
+are compiled apart from the training ones.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ __all__ = [
     "GENERATION_INPUTS",
     "GenerationSettings",
     "check_can_generate",
+    "early_init",
     "generation_stages",
     "prepare_generation",
     "stage_cache",
@@ -216,6 +219,29 @@ def stage_cache(config: Any, layers: Sequence[int], max_len: int, kind: str | No
         if same is not None:
             cache.layers[i] = same
     return cache
+
+
+def early_init(
+    cache: Any,
+    layers: Sequence[int],
+    rows: int,
+    shape: tuple[int | list[int], int | list[int]],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    """Allocates the tensors of a stage's ``cache`` (its ``layers`` only) for ``rows`` rows now,
+    as HF's ``StaticCache.early_initialization`` does for a whole model: ``shape`` is the model's
+    ``(kv_heads, head_dim)``, each a number or one per layer. Compiled graphs then never allocate
+    them (see [Note: compiled generation] in ``runtime/_generate.py``)."""
+    heads, dims = shape
+    for i in layers:
+        layer = cache.layers[i]
+        if not getattr(layer, "supports_early_init", False) or layer.is_initialized:
+            continue
+        h = heads[i] if isinstance(heads, list) else heads
+        d = dims[i] if isinstance(dims, list) else dims
+        empty = torch.zeros((rows, h, 0, d), dtype=dtype, device=device)
+        layer.lazy_initialization(empty, empty)
 
 
 @dataclass(kw_only=True, slots=True)
