@@ -347,7 +347,8 @@ def test_generate_errors_on_every_rank():
 def _compiled_between(rank, world) -> list[str]:
     """Compiled training and evaluation graphs are not recompiled around a ``generate``, whose
     prefill and decode graphs are compiled once each, whatever the number of new tokens (see
-    [Note: compiled generation]); aot_eager keeps it cheap (see test_compile)."""
+    [Note: compiled generation]), and a real recompile of them is reported; aot_eager keeps it
+    cheap (see test_compile)."""
     import torch._dynamo
 
     torch._dynamo.reset()
@@ -364,11 +365,20 @@ def _compiled_between(rank, world) -> list[str]:
         assert graphs == {"prefill": 1, "decode": 1}, f"after {new} new tokens: {graphs}"
     pipe.run_train(**make_batch(seed=0))
     pipe.run_eval(**make_batch(seed=0))
-    return pipe.recompiles
+    assert pipe.recompiles == []
+    # A real recompile of the generation graphs (their guards on the parameters' requires_grad)
+    # is reported, with dynamo's reason.
+    for p in pipe.parameters():
+        p.requires_grad_(False)
+    pipe.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    return [why.split(":")[0] for why in pipe.recompiles], pipe.recompiles[-1]
 
 
 def test_generate_keeps_compiled_training_graphs():
-    assert run_ranks(2, _compiled_between, timeout=300) == [[], []]
+    for rank, (what, why) in enumerate(run_ranks(2, _compiled_between, timeout=300)):
+        graphs = ("prefill", "decode")
+        assert what == [f"[rank {rank}] {g} graph recompiled" for g in graphs], what
+        assert "requires_grad" in why, why
 
 
 def _compiled_generate(rank, world) -> dict[str, int]:

@@ -92,6 +92,9 @@ the cache's length, inputs cloned to contiguous strides):
   length dynamic (dynamo's default), and one more graph for a group of one row, which dynamo
   specializes (a size of 1). HF leaves its prefill eager; compiling it here costs a compile per
   stage at the first call.
+- A graph compiled again for a run of the same group sizes and lengths as an earlier one (a
+  recompile that these rules should have prevented) is logged and recorded in
+  ``pipe.recompiles`` with dynamo's guard failures, as a training step's.
 - Without an early-initializable static cache (``cache_implementation="dynamic"``, the default
   under autocast, or a model HF cannot early-initialize), the graphs run eagerly: a dynamic
   cache grows by a token per step, which would recompile at every token.
@@ -254,6 +257,19 @@ class Generator:
         if self.mask_length is None:
             return self.stages[stage].module
         return self.compiled[kind][stage]
+
+    def _recompiled(self, kind: str, shapes: tuple) -> None:
+        """After a run of the compiled ``kind`` graphs: a graph that dynamo compiled although a
+        run of the same ``shapes`` (group sizes and lengths) came before is logged and recorded
+        in ``pipe.recompiles``, as a training step's (see [Note: compiled generation])."""
+        watch = self.graph_watch.get(kind)
+        if watch is None or self.mask_length is None:
+            return
+        why = watch.step_done(f"{kind} {shapes}")
+        if why:
+            msg = f"[rank {self.place.rank}] {kind} graph recompiled: {why}"
+            logger.warning("%s", msg)
+            self.runner.recompiles.append(msg)
 
     def compiled_graphs(self) -> dict[str, int]:
         """How many graphs dynamo compiled of this rank's ``"prefill"`` and ``"decode"`` graphs
@@ -455,6 +471,7 @@ class Generator:
         length = inputs["input_ids"].shape[1]
         signature = self._signature("generate", rows, length)
         self.failures.run_step(engine, signature, forward, None)
+        self._recompiled("prefill", (rows, length, self.mask_length))
         out = torch.zeros(sum(rows) + len(rows), dtype=torch.long, device=self.place.device)
         if samplers is not None:
             drawn = [samplers[g].next(logits[g]) for g in range(len(rows))]
@@ -517,6 +534,7 @@ class Generator:
 
         signature = self._signature("decode", rows, window)
         self.failures.run_step(engine, signature, forward, None)
+        self._recompiled("decode", (rows, self.mask_length))
         self.decode_runs.append(tuple(live))
         drawn_here = (drawn, stopped_at) if samplers is not None else None
         return self._extend(ids, live, window, state, drawn_here, settings)
