@@ -381,6 +381,31 @@ def test_generate_keeps_compiled_training_graphs():
         assert "requires_grad" in why, why
 
 
+def _compiled_sliding(rank, world) -> list[dict[str, int]]:
+    """Mistral's sliding-window layers (a window of 8, full after the second new token): HF's
+    greedy tokens from compiled graphs, and as many graphs after 12 new tokens as after 4 (HF's
+    sliding layer counts tokens in a Python int, which dynamo makes symbolic at its second
+    value: see [Note: compiled generation]); aot_eager keeps it cheap."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    pipe, ref = _pipe("mistral", compile=True, compile_options={"backend": "aot_eager"})
+    ids, mask = _prompts()
+    graphs = []
+    for new in (4, 12):
+        want = ref.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+        got = pipe.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+        assert torch.equal(got, want), f"{new} new tokens\n{got}\n{want}"
+        graphs.append(pipe._generator.compiled_graphs())
+    assert pipe.recompiles == [], pipe.recompiles
+    return graphs
+
+
+def test_compiled_generate_with_sliding_windows_compiles_a_bounded_number_of_graphs():
+    for first, second in run_ranks(2, _compiled_sliding, timeout=300):
+        assert first == second and first["decode"] <= 3, (first, second)
+
+
 def _compiled_generate(rank, world) -> dict[str, int]:
     """Inductor-compiled generation graphs: HF's greedy tokens, for 4 and then 12 new tokens
     with one prefill and one decode graph per stage (the second call compiles nothing: the

@@ -82,16 +82,24 @@ the cache's length, inputs cloned to contiguous strides):
   Python number changes from token to token. The 2-D mask, which grows by a column per token in
   the eager decode, is padded with zeros to the cache's length, as HF's mask code pads it anyway
   (same masks, same results); the token ids are cloned to contiguous strides (the window's first
-  token is a column slice of the last window's). The decode graph is compiled with
-  ``dynamic=False``: one static graph per group size.
+  token is a column slice of the last window's). So the decode graph of a full-attention model
+  is one static graph (per group size) for every token.
+- Sliding-window layers are HF's ``StaticSlidingWindowLayer``, which counts the tokens seen in
+  a Python int as well (``cumulative_length_int``) and branches on it (window full or not): a
+  number that changes at every token. The decode graph is therefore compiled with dynamo's
+  default ``dynamic=None``, whose automatic dynamic shapes make that int symbolic when it first
+  changes: a static graph for the first token, a symbolic one for the others, and one more once
+  the window is full; a bounded number of graphs (Mistral: 3) however many tokens follow. With
+  ``dynamic=False`` dynamo compiled a graph per token until its recompile limit (8) and then ran
+  the stage eagerly.
 - Generations of different lengths share graphs: the cache's length is ``COMPILED_CACHE_MIN``
   or the power of two at or above the generation's (the static cache's length is a constant of
   the graph), so the number of compiles does not grow with the number of new tokens and grows
   by one per doubling beyond 64 tokens; a longer cache attends over more (masked) positions.
 - The prefill graph takes the prompts' length, so a second length recompiles it once with that
-  length dynamic (dynamo's default), and one more graph for a group of one row, which dynamo
-  specializes (a size of 1). HF leaves its prefill eager; compiling it here costs a compile per
-  stage at the first call.
+  length dynamic, and one more graph for a group of one row, which dynamo specializes (a size of
+  1); so does the decode graph for a second group size. HF leaves its prefill eager; compiling
+  it here costs a compile per stage at the first call.
 - A graph compiled again for a run of the same group sizes and lengths as an earlier one (a
   recompile that these rules should have prevented) is logged and recorded in
   ``pipe.recompiles`` with dynamo's guard failures, as a training step's.
@@ -242,14 +250,12 @@ class Generator:
         generation]): two copies of its generation graph that share its modules, each with code
         of its own, whose graphs dynamo keeps (and :attr:`graph_watch` counts) apart."""
         options = dict(self.runner.config.compile_options or {})
-        for kind, extra in (("prefill", {}), ("decode", {"dynamic": False})):
+        for kind in ("prefill", "decode"):
             copies = {
                 s: fx.GraphModule(self.stages[s].module, copy.deepcopy(self.stages[s].module.graph))
                 for s in self.runner.runners
             }
-            self.compiled[kind] = {
-                s: torch.compile(m, **{**options, **extra}) for s, m in copies.items()
-            }
+            self.compiled[kind] = {s: torch.compile(m, **options) for s, m in copies.items()}
             self.graph_watch[kind] = RecompileWatch(list(copies.values()))
 
     def _module(self, kind: str, stage: int) -> Callable:
