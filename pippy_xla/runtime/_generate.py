@@ -93,9 +93,10 @@ the cache's length, inputs cloned to contiguous strides):
   ``dynamic=False`` dynamo compiled a graph per token until its recompile limit (8) and then ran
   the stage eagerly.
 - Generations of different lengths share graphs: the cache's length is ``COMPILED_CACHE_MIN``
-  or the power of two at or above the generation's (the static cache's length is a constant of
-  the graph), so the number of compiles does not grow with the number of new tokens and grows
-  by one per doubling beyond 64 tokens; a longer cache attends over more (masked) positions.
+  or the power of two at or above the generation's, so generations up to 64 tokens share one
+  static graph; the first generation of another cache length compiles once more, with the
+  length symbolic, and that graph serves every length after it (4, 70, 140 and then 300 new
+  tokens: 2 decode graphs). A longer cache attends over more (masked) positions.
 - The prefill graph takes the prompts' length, so a second length recompiles it once with that
   length dynamic, and one more graph for a group of one row, which dynamo specializes (a size of
   1); so does the decode graph for a second group size. HF leaves its prefill eager; compiling
