@@ -107,6 +107,9 @@ the cache's length, inputs cloned to contiguous strides):
 - Without an early-initializable static cache (``cache_implementation="dynamic"``, the default
   under autocast, or a model HF cannot early-initialize), the graphs run eagerly: a dynamic
   cache grows by a token per step, which would recompile at every token.
+- On a mesh (data or tensor parallel, where ``compile=True`` compiles the training stages too)
+  the generation graphs run eagerly for now: compiled generation around FSDP2's gathered
+  parameters and DTensor layers is not tested yet.
 
 Greedy tokens stay HF's, up to inductor's reordered sums, which could flip an argmax only on a
 near-tie of the top logits (see ``tests/test_generate.py``).
@@ -243,8 +246,8 @@ class Generator:
         self.stages = generation_stages(
             self.model, self.layer_cls, layer_ranges, self.place.device.type
         )
-        if self.runner.config.compile:
-            self._compile()
+        if self.runner.config.compile and self.runner.dp is None and self.runner.tp is None:
+            self._compile()  # on a mesh: eager, see [Note: compiled generation]
 
     def _compile(self) -> None:
         """Each local stage's prefill and decode graphs, compiled (see [Note: compiled
