@@ -114,3 +114,24 @@ def _check_materialized(out) -> None:
 
 def test_meta_model_materializes_on_the_gpu():
     _check_materialized(run_ranks(2, _meta_on_gpu, **NCCL))
+
+
+def _generate_on_gpu(rank, world):
+    """Greedy ``generate`` over NCCL (the decode ring's token transfers, the window broadcasts)
+    against HF's ``generate`` of the unsplit model on the same GPU, in one group and in two."""
+    from test_generate import _prompts
+
+    torch.manual_seed(0)
+    model, layer_cls = MODELS["llama"]()
+    model.eval()
+    ref = copy.deepcopy(model).cuda()
+    pipe = px.PipelineModel(model, layer_cls=layer_cls, num_microbatches=2)
+    ids, mask = (t.cuda() for t in _prompts(batch=4))
+    opts = {"max_new_tokens": 8, "do_sample": False}
+    want = ref.generate(ids, attention_mask=mask, **opts).cpu()
+    got = {g: pipe.generate(ids, attention_mask=mask, groups=g, **opts).cpu() for g in (1, 2)}
+    return {g: torch.equal(t, want) for g, t in got.items()}
+
+
+def test_nccl_generate_equals_hf():
+    assert run_ranks(2, _generate_on_gpu, **NCCL) == [{1: True, 2: True}] * 2
