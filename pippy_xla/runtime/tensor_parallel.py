@@ -41,6 +41,10 @@ no extra hop.
   DTensors (``"shard"`` makes 2-D shards), and the global norm counts a tensor replicated over
   ``tp`` on tp rank 0 only (:meth:`TensorParallel.counts_in_norm`, by the DTensor's ``tp``
   placement).
+- Plans: the planner profiles decoder layers sharded by the same functions
+  (:func:`layer_tp_plan`, :func:`shard_layers`, through :class:`LayerSharding`), so a plan's
+  layer costs are a tp rank's, collectives included; a plan made for another tp degree is refused
+  (see [Note: planning under tensor parallelism] in ``plan/profiler.py``).
 - Refused at build, with one line naming the module and the numbers: a model without a plan, a
   plan with no rule in the decoder layers, a style not covered yet, and a rule whose sharded
   dimension (or the attention heads and key/value heads) does not divide by ``tp``.
