@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from models import MODELS, make_batch
+from models import MODELS, make_batch, tiny
 
 import pippy_xla as px
 from pippy_xla.plan.planner import (
@@ -903,16 +903,23 @@ def _plan_under_tp(rank, world, seq):
     with torch.device("meta"):
         model, layer_cls = _activation_heavy_llama()
     kw = dict(layer_cls=layer_cls, num_stages=2, num_microbatches=4, batch_size=8, seq_len=seq)
-    shared, prof = [None], None
+    shared, prof = [None, None], None
     if sharding.profiles:
         prof = profile_model(
             model, layer_cls, microbatch_size=2, seq_len=seq, repeats=1, tensor_parallel=sharding
         )
         low, high = limit_range(model, profile=prof, **kw)
-        shared = [low + (high - low) // 3]
+        free = px.plan(model, memory_limit=2**62, profile=prof, **kw)  # this rank's, unshared
+        shared = [low + (high - low) // 3, (free.layer_ranges, free.checkpoint_layers)]
     dist.broadcast_object_list(shared, src=0)
     # The profiling ranks' profile is the plan's (profiled once); the first rank's plan wins.
     plan = px.plan(model, memory_limit=shared[0], profile=prof, tensor_parallel=sharding, **kw)
+    # Nothing fits: the first rank's error, raised on every rank (none left waiting).
+    with pytest.raises(PlanInfeasibleError, match="smallest memory limit that fits") as e:
+        px.plan(model, memory_limit="1MiB", profile=prof, tensor_parallel=sharding, **kw)
+    assert e.value.min_memory_limit[0] > 2**20
+    # Forced by the limit: not the unconstrained plan's layout.
+    assert (plan.layer_ranges, plan.checkpoint_layers) != shared[1], (plan.table(), shared[1])
     return plan.to_json(), prof.layers[0].static_bytes if prof is not None else None
 
 
@@ -984,8 +991,6 @@ def test_a_plan_under_tensor_parallelism_predicts_its_peak_and_trains_like_one_p
     assert all(px.Plan.from_json(p) == plan for p, _ in planned)
     print(plan.table())
     assert plan.tp_size == 2 and "per tp rank of 2" in plan.table()
-    # Forced: something checkpointed, or layers moved off the balanced split.
-    assert plan.checkpoint_layers or plan.layer_ranges != [(0, 2), (2, 4)], plan.table()
     out = run_ranks(4, _run_plan_under_tp, plan.to_json(), seq, timeout=300)
     for rank, (peak, held) in enumerate(out):
         st = plan.stages[rank // 2]  # ranks 0, 1: pp=0; 2, 3: pp=1
@@ -997,3 +1002,54 @@ def test_a_plan_under_tensor_parallelism_predicts_its_peak_and_trains_like_one_p
         if rank < 2:  # pp=0: profiled layer 0, holds its shards
             got, want = held
             assert got == want and planned[rank][1] == 4 * got, (rank, held, planned[rank][1])
+
+
+_TP_FAMILIES = {
+    "qwen3": lambda: tiny("qwen3", layers=2),  # per-head q/k norms: replicated over tp
+    "mixtral": lambda: MODELS["mixtral"](),  # experts sharded, router replicated
+}
+
+
+def _profiled_and_held_under_tp(rank, world):
+    """tp=2 (one stage): per family, layer 0's profiled static bytes of a meta-built model and of
+    a real one, what the pipeline's rank holds of layer 0's parameters, and what it should (half
+    of each sharded projection, the rest whole)."""
+    from test_tensor_parallel import _is_proj, _mesh
+
+    from pippy_xla.runtime.data_parallel import local_tensor
+
+    mesh = _mesh(1, 1, 2)
+    sharding = px.LayerSharding(mesh, timeout=60)
+    out = {}
+    for family, build in _TP_FAMILIES.items():
+        torch.manual_seed(0)
+        model, layer_cls = build()
+        with torch.device("meta"):
+            meta, _ = build()
+        kw = dict(microbatch_size=2, seq_len=16, repeats=1, tensor_parallel=sharding)
+        static = [profile_model(m, layer_cls, **kw).layers[0].static_bytes for m in (meta, model)]
+        want = sum(
+            p.numel() * p.element_size() // (2 if _is_proj(name) else 1)
+            for name, p in model.named_parameters()
+            if name.startswith("model.layers.0.")
+        )
+        pipe = px.PipelineModel(
+            model, layer_cls=layer_cls, num_microbatches=2, mesh=mesh, tensor_parallel="auto"
+        )
+        held = sum(
+            local_tensor(p).numel() * p.element_size()
+            for name, p in pipe.named_parameters()
+            if name.startswith("model.layers.0.")
+        )
+        out[family] = (*static, held, want)
+    return out
+
+
+def test_a_layer_profiled_under_tp_costs_a_ranks_share():
+    """Qwen3 and Mixtral at tp=2: a decoder layer's profiled static bytes, meta-built or real,
+    are 4x (parameters, gradients, AdamW) what a rank of the pipeline holds of it: half of each
+    sharded projection (experts included), the rest (norms, router) whole."""
+    out = run_ranks(2, _profiled_and_held_under_tp)
+    for rank, per_family in enumerate(out):
+        for family, (meta, real, held, want) in per_family.items():
+            assert meta == real == 4 * held and held == want, (rank, family, meta, real, held, want)

@@ -340,20 +340,29 @@ def plan(
 
 def _agreed_plan(sharding: Sharding, make: Callable[[], Plan]) -> Plan:
     """``make()``'s plan on ``sharding.first_rank``, made on the profiling ranks (its tp
-    group) and broadcast to every rank of the job, or its error raised on every rank."""
+    group) and broadcast to every rank of the job; its error is raised on every rank."""
+    import pickle
+
     import torch.distributed as dist
 
     shared: list = [None]
+    error: Exception | None = None
     try:
         result = make() if sharding.profiles else None
         shared = [("plan", result.to_json() if result is not None else None)]
     except Exception as e:  # raised on every rank, not left to the ones that wait
-        shared = [("error", e)]
+        error = e
+        try:
+            shared = [("error", pickle.loads(pickle.dumps(e)))]
+        except Exception:  # not picklable: its type and message
+            shared = [("error", RuntimeError(f"{type(e).__name__}: {e}"))]
     dist.broadcast_object_list(shared, src=sharding.first_rank)
     kind, value = shared[0]
-    if kind == "error":
-        raise value
-    return Plan.from_json(value)
+    if kind == "plan":
+        return Plan.from_json(value)
+    if error is not None:
+        raise error
+    raise value
 
 
 def _profile_for(
