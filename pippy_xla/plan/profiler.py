@@ -804,6 +804,11 @@ def _measure(
             h.remove()
         model.train(was_training)
         model.zero_grad(set_to_none=True)
+        # Layer 0's input holds (through its autograd node) a hook that holds ``hooks``: a cycle
+        # gc cannot see, which kept that input's graph (the embedding, a microbatch's hidden
+        # states) alive after profiling, counted in a later pipeline's peak on that rank.
+        hooks.args = None
+        hooks.kw.clear()
     return _Measured(runs, recompute, saved, ckpt_saved, used, split, split_ckpt, work, hooks)
 
 
