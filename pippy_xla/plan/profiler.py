@@ -58,7 +58,9 @@ class Sharding(Protocol):
     costs; every tp rank of a stage holds the same shard sizes, so one rank's plan serves them
     all. The first profiling rank plans and broadcasts its plan (or its error) to every rank of
     the job: the ranks of a mesh all build the same partition (``Plan.tp_size`` records the
-    degree, and a pipeline with another one refuses the plan).
+    degree, and a pipeline with another one refuses the plan). A ``profile=`` passed to
+    ``plan`` serves the first rank only; give it to every profiling rank or to none (a profiling
+    rank without one profiles, which needs its tp peers to profile too).
 
     This protocol is what the plan wing needs of a sharding (it imports nothing from the
     runtime)."""
