@@ -909,11 +909,15 @@ def test_a_meta_model_can_be_planned():
 # ----------------------------------------------------------------------------- tensor parallel
 
 
+TP_SCHEDULES = ("1f1b", "zbh1")  # ZB-H1: B and W apart, what B keeps for W, under tp
+
+
 def _plan_under_tp(rank, world, seq):
-    """pp=2 x tp=2, on a meta-built model: the tp ranks of the first stage profile together, the
-    first rank plans under a limit a third of the way from the smallest feasible one to the
-    unconstrained peak (forcing checkpointed layers or an uneven split), and every rank gets its
-    plan. Returns the plan and, on the profiling ranks, layer 0's profiled static bytes."""
+    """pp=2 x tp=2, on a meta-built model: the tp ranks of the first stage profile together and,
+    per schedule, the first rank plans under a limit a third of the way from the smallest
+    feasible one to the unconstrained peak (forcing another layout than the unconstrained one);
+    every rank gets the plans. Returns them and, on the profiling ranks, layer 0's profiled
+    static bytes."""
     import torch.distributed as dist
     from test_tensor_parallel import _mesh
 
@@ -922,24 +926,29 @@ def _plan_under_tp(rank, world, seq):
     with torch.device("meta"):
         model, layer_cls = _activation_heavy_llama()
     kw = dict(layer_cls=layer_cls, num_stages=2, num_microbatches=4, batch_size=8, seq_len=seq)
-    shared, prof = [None, None], None
+    prof = None
     if sharding.profiles:
         prof = profile_model(
             model, layer_cls, microbatch_size=2, seq_len=seq, repeats=1, tensor_parallel=sharding
         )
-        low, high = limit_range(model, profile=prof, **kw)
-        free = px.plan(model, memory_limit=2**62, profile=prof, **kw)  # this rank's, unshared
-        shared = [low + (high - low) // 3, (free.layer_ranges, free.checkpoint_layers)]
-    dist.broadcast_object_list(shared, src=0)
-    # The profiling ranks' profile is the plan's (profiled once); the first rank's plan wins.
-    plan = px.plan(model, memory_limit=shared[0], profile=prof, tensor_parallel=sharding, **kw)
+    plans = []
+    for schedule in TP_SCHEDULES:
+        kw["schedule"] = schedule
+        shared = [None, None]
+        if prof is not None:
+            low, high = limit_range(model, profile=prof, **kw)
+            free = px.plan(model, memory_limit=2**62, profile=prof, **kw)  # this rank's alone
+            shared = [low + (high - low) // 3, (free.layer_ranges, free.checkpoint_layers)]
+        dist.broadcast_object_list(shared, src=0)
+        # The profiling ranks' profile is the plan's (profiled once); the first rank's plan wins.
+        plan = px.plan(model, memory_limit=shared[0], profile=prof, tensor_parallel=sharding, **kw)
+        assert (plan.layer_ranges, plan.checkpoint_layers) != shared[1], plan.table()
+        plans.append(plan.to_json())
     # Nothing fits: the first rank's error, raised on every rank (none left waiting).
     with pytest.raises(PlanInfeasibleError, match="smallest memory limit that fits") as e:
         px.plan(model, memory_limit="1MiB", profile=prof, tensor_parallel=sharding, **kw)
     assert e.value.min_memory_limit[0] > 2**20
-    # Forced by the limit: not the unconstrained plan's layout.
-    assert (plan.layer_ranges, plan.checkpoint_layers) != shared[1], (plan.table(), shared[1])
-    return plan.to_json(), prof.layers[0].static_bytes if prof is not None else None
+    return plans, prof.layers[0].static_bytes if prof is not None else None
 
 
 def _layer_bytes_under_tp(model, pipe) -> tuple[int, int]:
@@ -960,10 +969,10 @@ def _layer_bytes_under_tp(model, pipe) -> tuple[int, int]:
     return held, want
 
 
-def _run_plan_under_tp(rank, world, plan_json, seq):
-    """The plan on pp=2 x tp=2: the measured peak of a meta-built pipeline (as
-    :func:`_measured_peaks`), then a real one's two AdamW steps against one process (loss and
-    every gradient); and (pp=0 ranks) layer 0's bytes held and expected."""
+def _run_plan_under_tp(rank, world, plan_jsons, seq):
+    """The plans on pp=2 x tp=2: each one's measured peak on a meta-built pipeline (as
+    :func:`_measured_peaks`), then the first one's two AdamW steps on a real pipeline against one
+    process (loss and every gradient); and (pp=0 ranks) layer 0's bytes held and expected."""
     import gc
 
     from test_pipeline import check_grads
@@ -973,14 +982,16 @@ def _run_plan_under_tp(rank, world, plan_json, seq):
     from pippy_xla import _C
 
     _C.memory_tracker_install()
-    plan = px.Plan.from_json(plan_json)
+    plans = [px.Plan.from_json(p) for p in plan_jsons]
     tp = {"mesh": _mesh(1, 2, 2), "tensor_parallel": "auto"}
-    peak = _measured_peak(plan, seq, **tp)
-    gc.collect()
+    peaks = []
+    for plan in plans:
+        peaks.append(_measured_peak(plan, seq, **tp))
+        gc.collect()
     torch.manual_seed(0)
     model, layer_cls = _activation_heavy_llama()
     ref = copy.deepcopy(model)
-    pipe = px.PipelineModel(model, layer_cls=layer_cls, plan=plan, timeout=60, **tp)
+    pipe = px.PipelineModel(model, layer_cls=layer_cls, plan=plans[0], timeout=60, **tp)
     held = _layer_bytes_under_tp(ref, pipe) if rank < 2 else None
     opt = torch.optim.AdamW(pipe.parameters())
     ref_opt = torch.optim.AdamW(ref.parameters())
@@ -995,32 +1006,35 @@ def _run_plan_under_tp(rank, world, plan_json, seq):
         for o in (opt, ref_opt):
             o.step()
             o.zero_grad()
-    return peak, held
+    return peaks, held
 
 
 def test_a_plan_under_tensor_parallelism_predicts_its_peak_and_trains_like_one_process():
-    """pp=2 x tp=2 on 4 ranks: the first rank's plan is every rank's; a decoder layer's profiled
-    static bytes are 4x (parameters, gradients, AdamW) what a rank holds of it, half of each
-    projection and the whole norms; each rank's measured peak is under the limit and within 10%
-    of the prediction (as without tp); training with the plan equals one process. Planned and
-    run in separate ranks, as a job would (plan once, train many times)."""
+    """pp=2 x tp=2 on 4 ranks: the first rank's plans are every rank's; a decoder layer's
+    profiled static bytes are 4x (parameters, gradients, AdamW) what a rank holds of it, half of
+    each projection and the whole norms; under 1F1B and ZB-H1 each rank's measured peak is under
+    the limit and within 10% of the prediction (as without tp); training with the 1F1B plan
+    equals one process. Planned and run in separate ranks, as a job would (plan once, train
+    many times)."""
     seq = 128
     planned = run_ranks(4, _plan_under_tp, seq)
-    plan = px.Plan.from_json(planned[0][0])
-    assert all(px.Plan.from_json(p) == plan for p, _ in planned)
-    print(plan.table())
-    assert plan.tp_size == 2 and "per tp rank of 2" in plan.table()
-    out = run_ranks(4, _run_plan_under_tp, plan.to_json(), seq, timeout=300)
-    for rank, (peak, held) in enumerate(out):
-        st = plan.stages[rank // 2]  # ranks 0, 1: pp=0; 2, 3: pp=1
-        where = f"rank {rank} stage {st.index} {plan.layer_ranges} ckpt {plan.checkpoint_layers}"
-        print(f"{where}: predicted {st.memory_bytes} measured {peak}")
-        assert st.memory_bytes <= st.memory_limit, where
-        assert peak <= st.memory_limit, (where, peak)
-        assert abs(peak - st.memory_bytes) <= 0.10 * st.memory_bytes, (where, peak)
-        if rank < 2:  # pp=0: profiled layer 0, holds its shards
-            got, want = held
-            assert got == want and planned[rank][1] == 4 * got, (rank, held, planned[rank][1])
+    plans = [px.Plan.from_json(p) for p in planned[0][0]]
+    assert all([px.Plan.from_json(p) for p in other] == plans for other, _ in planned)
+    assert [p.schedule for p in plans] == list(TP_SCHEDULES)
+    out = run_ranks(4, _run_plan_under_tp, [p.to_json() for p in plans], seq, timeout=300)
+    for i, plan in enumerate(plans):
+        print(plan.table())
+        assert plan.tp_size == 2 and "per tp rank of 2" in plan.table()
+        for rank, (peaks, _) in enumerate(out):
+            st = plan.stages[rank // 2]  # ranks 0, 1: pp=0; 2, 3: pp=1
+            where = f"{plan.schedule} rank {rank} {plan.layer_ranges} {plan.checkpoint_layers}"
+            print(f"{where}: predicted {st.memory_bytes} measured {peaks[i]}")
+            assert st.memory_bytes <= st.memory_limit, where
+            assert peaks[i] <= st.memory_limit, (where, peaks[i])
+            assert abs(peaks[i] - st.memory_bytes) <= 0.10 * st.memory_bytes, (where, peaks[i])
+    for rank in (0, 1):  # pp=0: profiled layer 0, holds its shards
+        got, want = out[rank][1]
+        assert got == want and planned[rank][1] == 4 * got, (rank, got, want, planned[rank][1])
 
 
 _TP_FAMILIES = {
