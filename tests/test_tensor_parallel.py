@@ -335,7 +335,9 @@ def test_docs_block_checkpoints_across_layouts_and_refusals(tmp_path):
     assert "does not divide by tp=4" in e["intermediate"]
     assert "NotImplementedError" in e["gathered styles"]
     assert "['colwise_gather_output', 'rowwise_split_input']" in e["gathered styles"]
-    assert "NotImplementedError: plan=... with tensor parallelism" in e["plan"]
+    # A plan made without tp (its costs a whole layer's) for a tp=2 pipeline.
+    assert "ValueError: the plan was made for tensor-parallel degree tp=1" in e["plan"]
+    assert "this pipeline has tp=2" in e["plan"]
     assert "transport='in_order' is not supported yet" in e["in order"]
     assert "tensor-parallel step handshake" in e["batch"]
 

@@ -177,8 +177,7 @@ def build(
     ranks (and the replicas, with a mesh). A configuration that does not fit the model or the
     process groups is a ``ValueError`` before any stage is materialized."""
     place = resolve_placement(config, group, mesh)
-    if place.tp_size > 1:
-        refuse_under_tp(config, place)
+    check_plan_tp(config, place)
     loss_fn = config.loss_fn if config.loss_fn is not None else default_loss(model)
     num_items_fn = config.num_items_fn or default_num_items(model)
     layer_names = find_layers(model, layer_classes(model, layer_cls))
@@ -407,6 +406,21 @@ def _check_tensor_parallel(config: PipelineConfig, groups: MeshGroups) -> None:
         )
 
 
+def check_plan_tp(config: PipelineConfig, place: Placement) -> None:
+    """What a tensor-parallel pipeline does not cover yet is refused, and a plan must have been
+    made for the pipeline's tp degree (its costs are a tp rank's: see [Note: planning under
+    tensor parallelism] in ``plan/profiler.py``)."""
+    if place.tp_size > 1:
+        refuse_under_tp(config, place)
+    made_for = config.plan.tp_size if config.plan is not None else place.tp_size
+    if made_for != place.tp_size:
+        raise ValueError(
+            f"the plan was made for tensor-parallel degree tp={made_for} but this pipeline has "
+            f"tp={place.tp_size}; plan with tensor_parallel=pippy_xla.LayerSharding(mesh) on "
+            "the pipeline's mesh (or without it for tp=1)"
+        )
+
+
 def refuse_under_tp(config: PipelineConfig, place: Placement) -> None:
     """Raises ``NotImplementedError`` for what a tensor-parallel pipeline does not cover yet."""
     if place.device.type != "cpu" or config.transport == "in_order":
@@ -415,11 +429,6 @@ def refuse_under_tp(config: PipelineConfig, place: Placement) -> None:
             "supported yet (issue 48): the layers' tp collectives beside the pipeline's "
             "transfers matched in order (NCCL) are untested; use gloo on the CPU with "
             "transport='auto', 'shm' or 'process_group'"
-        )
-    if config.plan is not None:
-        raise NotImplementedError(
-            "plan=... with tensor parallelism is not supported yet (issue 48): the planner does "
-            "not cost tensor-parallel layers (their time, memory and collectives per tp degree)"
         )
 
 

@@ -41,6 +41,10 @@ no extra hop.
   DTensors (``"shard"`` makes 2-D shards), and the global norm counts a tensor replicated over
   ``tp`` on tp rank 0 only (:meth:`TensorParallel.counts_in_norm`, by the DTensor's ``tp``
   placement).
+- Plans: the planner profiles decoder layers sharded by the same functions
+  (:func:`layer_tp_plan`, :func:`shard_layers`, through :class:`LayerSharding`), so a plan's
+  layer costs are a tp rank's, collectives included; a plan made for another tp degree is refused
+  (see [Note: planning under tensor parallelism] in ``plan/profiler.py``).
 - Refused at build, with one line naming the module and the numbers: a model without a plan, a
   plan with no rule in the decoder layers, a style not covered yet, and a rule whose sharded
   dimension (or the attention heads and key/value heads) does not divide by ``tp``.
@@ -59,8 +63,10 @@ from pippy_xla.split.partition import UnsupportedModelError
 
 __all__ = [
     "TP_STYLES",
+    "LayerSharding",
     "TensorParallel",
     "layer_tp_plan",
+    "shard_layers",
 ]
 
 _COLWISE = ("colwise",)
@@ -187,8 +193,6 @@ class TensorParallel:
         ``plan``: :func:`layer_tp_plan`'s; ``modules``: the local stage modules (their values are
         copied from tp rank 0 before sharding); ``build_key``: the digest of this rank's
         pipeline, which the tp ranks must agree on before any tensor is exchanged."""
-        from transformers.distributed.tensor_parallel import apply_tensor_parallelism
-
         self.mesh = groups.tp_mesh
         self._dim = self.mesh.mesh_dim_names[0]
         self.rank: int = groups.tp_rank
@@ -204,23 +208,15 @@ class TensorParallel:
             )
         for module in modules:
             self._sync_from_first(module)
-        prefixes = tuple(f"{n}." for n in local_layer_names)
-        mine = {k: v for k, v in plan.items() if k.startswith(prefixes)}
-        named = dict(model.named_modules())
-        self._partial_modules: list[nn.Module] = [
-            named[k] for k, v in mine.items() if v == _PARTIAL_GRAD and k in named
-        ]
+        self._partial_modules: list[nn.Module] = shard_layers(
+            model, self.mesh, plan, local_layer_names
+        )
         """Modules whose (replicated) parameters get partial gradients over ``tp``, summed
         after a step's last backward; their parameters are looked up at each step (data
         parallelism replaces them with its own after this)."""
-        apply_tensor_parallelism(
-            model, self.mesh, {k: v for k, v in mine.items() if v != _PARTIAL_GRAD}
-        )
 
     def _sync_from_first(self, module: nn.Module) -> None:
-        with torch.no_grad():
-            for name, t in [*module.named_parameters(), *module.named_buffers()]:
-                t.copy_(self.from_first(t.detach(), f"tensor-parallel start: broadcast of {name}"))
+        copy_from_first(module, self._group_name, self._timeout_ms)
 
     def from_first(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
         """Tp rank 0's ``tensor`` (a broadcast over the tp ranks)."""
@@ -273,3 +269,77 @@ class TensorParallel:
             if self._dim in names and not p.placements[names.index(self._dim)].is_replicate():
                 return True
         return self.rank == 0
+
+
+def shard_layers(
+    model: nn.Module, tp_mesh, plan: dict[str, str], layer_names: Sequence[str]
+) -> list[nn.Module]:
+    """Applies the rules of ``plan`` (:func:`layer_tp_plan`'s) that fall inside the decoder
+    layers ``layer_names`` to ``model`` over the 1-D ``tp_mesh``, by HF's
+    ``apply_tensor_parallelism``. The ``replicated_with_grad_allreduce`` rules are not installed
+    (see [Note: pipeline x tensor parallel]): returns their modules, whose gradients the caller
+    sums."""
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    prefixes = tuple(f"{n}." for n in layer_names)
+    mine = {k: v for k, v in plan.items() if k.startswith(prefixes)}
+    named = dict(model.named_modules())
+    partial = [named[k] for k, v in mine.items() if v == _PARTIAL_GRAD and k in named]
+    apply_tensor_parallelism(model, tp_mesh, {k: v for k, v in mine.items() if v != _PARTIAL_GRAD})
+    return partial
+
+
+def copy_from_first(module: nn.Module, group_name: str, timeout_ms: int) -> None:
+    """Copies tp rank 0's values into ``module``'s parameters and buffers (those not on
+    ``meta``), a broadcast over the tp group ``group_name``."""
+    with torch.no_grad():
+        for name, t in [*module.named_parameters(), *module.named_buffers()]:
+            if t.device.type == "meta":
+                continue
+            what = f"tensor-parallel start: broadcast of {name}"
+            t.copy_(_C.broadcast_copy(t.detach(), 0, group_name, timeout_ms, what))
+
+
+class LayerSharding:
+    """The planner's view of a ``(dp, pp, tp)`` mesh: the profiler measures decoder layers
+    sharded as a tensor-parallel pipeline shards them, on the ``tp`` ranks of the first pipeline
+    position of the first replica, and the first rank's plan is every rank's. See [Note:
+    planning under tensor parallelism] in :mod:`pippy_xla.plan.profiler`."""
+
+    def __init__(
+        self,
+        mesh,
+        *,
+        dp_dim: str = "dp",
+        pp_dim: str = "pp",
+        tp_dim: str = "tp",
+        timeout: float = _C.DEFAULT_TIMEOUT_MS / 1000,
+    ) -> None:
+        """``mesh``: the ``DeviceMesh`` the pipeline will be built on (its dims named as
+        ``PipelineConfig``'s ``dp_dim``, ``pp_dim`` and ``tp_dim``); ``timeout``: seconds a
+        broadcast of the profiled layers' values may take."""
+        import torch.distributed as dist
+
+        from pippy_xla.runtime.data_parallel import mesh_groups
+
+        groups = mesh_groups(mesh, pp_dim, dp_dim, None, tp_dim)
+        if groups.tp_mesh is None:
+            raise ValueError(f"LayerSharding needs a mesh with a {tp_dim!r} dim; got {mesh}")
+        self._mesh = groups.tp_mesh
+        self._group_name = groups.tp_group.group_name
+        self._timeout_ms = int(timeout * 1000)
+        self.size: int = groups.tp_size
+        """The tensor-parallel degree."""
+        self.rank: int = groups.tp_rank
+        self.profiles: bool = groups.dp_rank == 0 and dist.get_rank(groups.pp_group) == 0
+        """Whether this rank profiles (the tp ranks of the first stage of the first replica)."""
+        self.first_rank: int = int(mesh.mesh.flatten()[0])
+        """The job rank whose plan every rank takes."""
+
+    def shard(self, model: nn.Module, layer_names: Sequence[str]) -> None:
+        """Shards ``model``'s decoder layers ``layer_names`` in place over the ``tp`` ranks, as
+        the pipeline's build does (their values tp rank 0's; layers on ``meta`` stay there); a
+        collective over the ``tp`` ranks."""
+        plan = layer_tp_plan(model, layer_names, self.size)
+        copy_from_first(model, self._group_name, self._timeout_ms)
+        shard_layers(model, self._mesh, plan, layer_names)
