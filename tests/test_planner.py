@@ -539,6 +539,39 @@ def test_plan_applied_on_two_ranks():
     assert sorted(out[0] + out[1]) == plan.checkpoint_layers
 
 
+def _train_router_losses_with_plan(rank, world, plan_json):
+    """One step of Mixtral with router losses under ``plan`` (ZB-H1, a split backward): loss and
+    every gradient equal one process's (``reference_step``: router losses per microbatch)."""
+    from models import reference_step
+    from test_pipeline import check_grads
+
+    torch.manual_seed(0)
+    model, layer_cls = MODELS["mixtral_router_loss"]()
+    ref = copy.deepcopy(model)
+    plan = px.Plan.from_json(plan_json)
+    pipe = px.PipelineModel(model, layer_cls=layer_cls, plan=plan, timeout=60)
+    batch = make_batch(seed=0)
+    loss = pipe.run_train(**batch)
+    ref_loss, _ = reference_step(ref, batch, plan.num_microbatches)
+    torch.testing.assert_close(loss, ref_loss.detach(), **LOSS_TOL)
+    check_grads(pipe.named_parameters(), ref, f"rank {rank}")
+    return pipe.layers_of_stage(rank)
+
+
+def test_a_model_with_router_losses_is_planned_for_a_split_backward():
+    """The profiler's split backward (ZB-H1's B and W per layer) of a model whose loss adds terms
+    that read inside the layers (Mixtral's router losses, from router logits that hooks record):
+    it used to run the epilogue's W through the layers' graphs and fail; the plan now trains like
+    one process."""
+    torch.manual_seed(0)
+    model, layer_cls = MODELS["mixtral_router_loss"]()
+    kw = dict(layer_cls=layer_cls, num_stages=2, num_microbatches=4, batch_size=8, seq_len=16)
+    plan = px.plan(model, memory_limit="1GiB", schedule="zbh1", repeats=1, **kw)
+    assert plan.stages[-1].weight_time > 0 and plan.stages[-1].weight_bytes > 0, plan.table()
+    out = run_ranks(2, _train_router_losses_with_plan, plan.to_json())
+    assert [list(range(a, b)) for a, b in plan.layer_ranges] == out
+
+
 def test_plan_validation():
     torch.manual_seed(0)
     model, layer_cls = MODELS["llama"](layers=4)

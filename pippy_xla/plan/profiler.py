@@ -21,7 +21,7 @@ from torch import nn
 
 from pippy_xla._native import _C
 from pippy_xla.plan.cost_model import LayerCost, ModelProfile, StageExtra
-from pippy_xla.split.hf import input_rows, text_vocab_size
+from pippy_xla.split.hf import input_rows, patch_loss_function, text_vocab_size
 from pippy_xla.split.partition import (
     LayerCls,
     UnsupportedModelError,
@@ -446,7 +446,10 @@ def _split_b(
     """One forward and the B of every segment from the top down; ``(segment, WeightWork)`` of
     each, the epilogue's (segment ``num``) first."""
     num = cuts.num
-    loss = _loss(model(**batch, use_cache=False))
+    with _loss_function_part(model) as parts:
+        result = model(**batch, use_cache=False)
+    loss = parts[-1] if len(parts) == 1 else _loss(result)
+    del result, parts
     grad, epi_work, rec, extra = _b_step(mem, loss, torch.ones_like(loss), cuts.leaves[num])
     out.epi_recorded = max(out.epi_recorded, rec)
     out.epi_b_transient = max(out.epi_b_transient, extra)
@@ -482,6 +485,29 @@ def _split_w(works: list, mem: _WorkingSets, out: _SplitCosts, *, timed: bool) -
             out.kept[k] = max(out.kept[k], freed)
             if timed:
                 out.w_time[k].append(seconds)
+
+
+@contextlib.contextmanager
+def _loss_function_part(model: nn.Module):
+    """Collects what ``model.loss_function`` returns inside the block (see [Note: terms added to
+    the loss] in ``split/hf.py``). A split backward is cut at the layers' hidden states; terms
+    a model adds to its loss function's loss read values inside the layers past those cuts (an
+    MoE's router losses read each layer's router logits, recorded by hooks), so the epilogue's
+    B would run through the layers' graphs and free what their own B and W need. The split
+    costs are measured on the loss function's part alone: the pipeline computes the added
+    terms beside it too, and their backward (into the routers) is small next to a layer's."""
+    parts: list[torch.Tensor] = []
+    fn = getattr(model, "loss_function", None)
+    if fn is None:
+        yield parts
+        return
+
+    def record(*args, **kwargs):  # the model may add in place (``loss += ...``): a copy
+        parts.append(fn(*args, **kwargs))
+        return parts[-1].clone()
+
+    with patch_loss_function(model, record):
+        yield parts
 
 
 def _loss(out) -> torch.Tensor:
