@@ -41,9 +41,17 @@ no extra hop.
   DTensors (``"shard"`` makes 2-D shards), and the global norm counts a tensor replicated over
   ``tp`` on tp rank 0 only (:meth:`TensorParallel.counts_in_norm`, by the DTensor's ``tp``
   placement).
-- Refused at build, with one line naming the module and the numbers: a model without a plan, a
-  plan with no rule in the decoder layers, a style not covered yet, and a rule whose sharded
-  dimension (or the attention heads and key/value heads) does not divide by ``tp``.
+- Rules: ``tensor_parallel="auto"`` takes the model's plan as it is; a dict is merged over it
+  the way HF merges ``DistributedConfig(tp_plan={...})`` (:func:`merge_tp_rules`: keys like
+  ``model.tp_plan``'s, an equal key overrides, a new key adds, ``"replicate"`` keeps a module
+  whole, ``{}`` applies nothing), so a model without a plan can be sharded by hand too. What a
+  rule cannot see is the model's code: a ``colwise`` projection must feed a module that reshapes
+  by ``-1`` heads (HF's Llama-style attention, any MLP), not by ``config.num_attention_heads``.
+- Refused at build, on every rank alike, with one line naming the module and the numbers: a
+  model without a plan (``"auto"``), a plan with no rule that shards the decoder layers, a style
+  HF does not know or a dict key that names nothing in the model or changes a rule outside the
+  decoder layers, a style not covered yet, and a rule whose sharded dimension (or the attention
+  heads and key/value heads) does not divide by ``tp``.
 """
 
 from __future__ import annotations
@@ -61,6 +69,7 @@ __all__ = [
     "TP_STYLES",
     "TensorParallel",
     "layer_tp_plan",
+    "merge_tp_rules",
 ]
 
 _COLWISE = ("colwise",)
@@ -68,6 +77,7 @@ _ROWWISE = ("rowwise",)
 _PACKED_COLWISE = ("packed_colwise",)
 _PARTIAL_GRAD = "replicated_with_grad_allreduce"
 _MOE = ("moe_tp_experts",)
+_REPLICATE = "replicate"
 TP_STYLES = (*_COLWISE, *_ROWWISE, *_PACKED_COLWISE, *_MOE, _PARTIAL_GRAD)
 """The HF tensor-parallel styles a pipeline applies (those its tests cover); a plan with another
 style inside the decoder layers is refused at build."""
@@ -85,36 +95,122 @@ def _text_config(model: nn.Module):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def layer_tp_plan(model: nn.Module, layer_names: Sequence[str], tp_size: int) -> dict[str, str]:
-    """The model's own HF tensor-parallel plan expanded over its decoder layers ``layer_names``
-    (every layer of the model, so that every rank checks the same): concrete module and
-    parameter names -> HF style. Raises ``UnsupportedModelError`` for a model without a plan,
-    ``NotImplementedError`` for a style not covered yet and ``ValueError`` for a rule that does
-    not divide by ``tp_size``; each in one line naming the module and the numbers."""
+def layer_tp_plan(
+    model: nn.Module,
+    layer_names: Sequence[str],
+    tp_size: int,
+    rules: str | dict[str, str] = "auto",
+) -> dict[str, str]:
+    """The tensor-parallel plan over the decoder layers ``layer_names`` (every layer of the model,
+    so that every rank checks the same): concrete module and parameter names -> HF style.
+    ``rules``: ``"auto"`` (the model's own HF plan, ``model.tp_plan``) or a dict merged over it
+    as HF merges ``DistributedConfig(tp_plan={...})`` (:func:`merge_tp_rules`). Raises
+    ``UnsupportedModelError`` for a model without a plan (``"auto"``) or without a rule that
+    shards its layers, ``ValueError`` for a bad rule or a size that does not divide by
+    ``tp_size``, ``NotImplementedError`` for a style not covered yet; each in one line naming
+    the module and the numbers."""
     name = type(model).__name__
-    plan = getattr(model, "tp_plan", None)
-    if not plan or not hasattr(model, "_expand_parallel_plan"):
-        raise UnsupportedModelError(
-            f"tensor_parallel='auto': {name} has no HF tensor-parallel plan "
-            "(config.base_model_tp_plan is empty); use a mesh without a 'tp' dim (or of size 1)"
-        )
+    label = _label(rules)
+    if rules == "auto":
+        plan = dict(getattr(model, "tp_plan", None) or {})
+        if not plan:
+            raise UnsupportedModelError(
+                f"{label}: {name} has no HF tensor-parallel plan (config.base_model_tp_plan is "
+                "empty); pass tensor_parallel={rule: style} (HF's rules, e.g. "
+                "{'model.layers.*.mlp.up_proj': 'colwise', ...}) or use a mesh without a 'tp' "
+                "dim (or of size 1)"
+            )
+    else:
+        plan = merge_tp_rules(model, rules, layer_names)
     prefixes = tuple(f"{n}." for n in layer_names)
-    expanded = model._expand_parallel_plan(dict(plan))
-    inside = {k: v for k, v in expanded.items() if k.startswith(prefixes)}
+    inside = {
+        k: v
+        for k, v in _expand(model, plan).items()
+        if k.startswith(prefixes) and v != _REPLICATE  # HF's "replicate" does nothing
+    }
     if not inside:
         raise UnsupportedModelError(
-            f"tensor_parallel='auto': {name}'s tp plan {dict(plan)} has no rule inside its "
-            f"decoder layers ({layer_names[0]}, ...); nothing to shard over tp={tp_size}"
+            f"{label}: {name}'s tp plan {plan} has no rule that shards its decoder layers "
+            f"({layer_names[0]}, ...); nothing to shard over tp={tp_size}"
         )
     odd = sorted({v for v in inside.values() if v not in TP_STYLES})
     if odd:
         where = next(k for k, v in inside.items() if v == odd[0])
         raise NotImplementedError(
-            f"tensor_parallel='auto': {name}'s tp plan uses style(s) {odd} (e.g. {where}), which "
-            f"the pipeline does not apply yet (issue 48); covered: {list(TP_STYLES)}"
+            f"{label}: {name}'s tp plan uses style(s) {odd} (e.g. {where}), which the pipeline "
+            f"does not apply yet (issue 48); covered: {list(TP_STYLES)} and {_REPLICATE!r}"
         )
-    _check_divides(model, inside, tp_size)
+    _check_divides(model, inside, tp_size, label)
     return inside
+
+
+def _label(rules: str | dict[str, str]) -> str:
+    """How errors name the ``tensor_parallel`` argument."""
+    return f"tensor_parallel={rules!r}" if isinstance(rules, str) else "tensor_parallel={...}"
+
+
+def _expand(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """HF's ``_expand_parallel_plan``: ``plan``'s keys with ``*`` replaced by the layer indices,
+    one entry per module and per parameter (HF's method reads only ``named_modules``, so it
+    serves a module that is not a ``PreTrainedModel`` too)."""
+    from transformers.distributed.mixin import DistributedMixin
+
+    return DistributedMixin._expand_parallel_plan(model, plan)
+
+
+def merge_tp_rules(
+    model: nn.Module, rules: dict[str, str], layer_names: Sequence[str]
+) -> dict[str, str]:
+    """The model's own plan with ``rules`` merged over it, with HF's semantics
+    (``DistributedConfig(tp_plan=rules)``, ``_resolve_parallel_plans``): keys name modules or
+    parameters relative to the model passed, as ``model.tp_plan``'s do, with ``*`` for a layer
+    index; a key of the model's plan is overridden, a new key adds a rule, ``"replicate"`` keeps
+    a module whole (HF's way to drop a rule), and an empty dict applies no rule. Raises
+    ``ValueError`` (one line, naming the rule) for a style HF does not know, a key that names
+    nothing in the model, and a rule outside the decoder layers that changes the model's own
+    (those modules stay whole: see [Note: pipeline x tensor parallel])."""
+    from transformers.distributed.parallel_utils import (
+        ALL_PARALLEL_STYLES,
+        replace_layer_number_by_wildcard,
+    )
+
+    name = type(model).__name__
+    own = dict(getattr(model, "tp_plan", None) or {})
+    names = {
+        replace_layer_number_by_wildcard(n)
+        for n, _ in [*model.named_modules(), *model.named_parameters()]
+    }
+    prefixes = tuple(f"{n}." for n in layer_names)
+    for key, style in rules.items():
+        if not isinstance(style, str) or style not in ALL_PARALLEL_STYLES:
+            raise ValueError(
+                f"tensor_parallel={{...}}: rule {key!r}: {style!r} is not an HF tensor-parallel "
+                f"style; HF's: {list(ALL_PARALLEL_STYLES)} ('replicate' keeps a module whole)"
+            )
+        if key not in names and key not in own:
+            raise ValueError(
+                f"tensor_parallel={{...}}: key {key!r} names no module or parameter of {name}"
+                f"{_did_you_mean(model, key, names)}; keys are relative to the model passed, "
+                f"with * for the layer index, like model.tp_plan's (e.g. "
+                f"'{layer_names[0].rpartition('.')[0]}.*...')"
+            )
+        outside = not any(k.startswith(prefixes) for k in _expand(model, {key: style}))
+        if outside and style not in (own.get(key), _REPLICATE):
+            raise ValueError(
+                f"tensor_parallel={{...}}: rule {key!r}: {style!r} is outside the decoder layers "
+                f"({layer_names[0]}, ...); the pipeline applies rules inside them only "
+                "(embeddings, norms and head stay whole on every tp rank): drop the rule"
+            )
+    return own | rules if rules else {}
+
+
+def _did_you_mean(model: nn.Module, key: str, names: set[str]) -> str:
+    """A hint for a key written relative to the base model (``config.base_model_tp_plan``'s
+    way) instead of the model passed."""
+    prefix = getattr(model, "base_model_prefix", "")
+    return (
+        f" (did you mean {prefix + '.' + key!r}?)" if prefix and f"{prefix}.{key}" in names else ""
+    )
 
 
 def _sharded_dim(style: str, param: torch.Tensor) -> tuple[int, int] | None:
@@ -130,7 +226,7 @@ def _sharded_dim(style: str, param: torch.Tensor) -> tuple[int, int] | None:
     return None
 
 
-def _check_divides(model: nn.Module, plan: dict[str, str], tp_size: int) -> None:
+def _check_divides(model: nn.Module, plan: dict[str, str], tp_size: int, label: str) -> None:
     """Every sharded dimension, and the attention heads when a projection is sharded, divide by
     ``tp_size``."""
     config = _text_config(model)
@@ -139,7 +235,7 @@ def _check_divides(model: nn.Module, plan: dict[str, str], tp_size: int) -> None
             heads = getattr(config, field, None)
             if isinstance(heads, int) and heads % tp_size:
                 raise ValueError(
-                    f"tensor_parallel='auto': {type(config).__name__}.{field}={heads} does not "
+                    f"{label}: {type(config).__name__}.{field}={heads} does not "
                     f"divide by tp={tp_size}; choose a tp size that divides it"
                 )
     modules = dict(model.named_modules())
@@ -149,7 +245,7 @@ def _check_divides(model: nn.Module, plan: dict[str, str], tp_size: int) -> None
         if module is not None:
             if style in (*_COLWISE, *_ROWWISE) and not isinstance(module, nn.Linear):
                 raise NotImplementedError(
-                    f"tensor_parallel='auto': {key} is a {type(module).__name__} under style "
+                    f"{label}: {key} is a {type(module).__name__} under style "
                     f"{style!r}; the pipeline applies {style!r} to nn.Linear only yet (issue 48)"
                 )
             continue
@@ -162,7 +258,7 @@ def _check_divides(model: nn.Module, plan: dict[str, str], tp_size: int) -> None
         if size % (tp_size * factor):
             by = f"tp={tp_size}" if factor == 1 else f"{factor} x tp={tp_size}"
             raise ValueError(
-                f"tensor_parallel='auto': {key} ({style}) has size {size} in dim "
+                f"{label}: {key} ({style}) has size {size} in dim "
                 f"{dim % param.ndim}, which does not divide by {by}; choose a tp size that "
                 "divides it"
             )
@@ -199,8 +295,9 @@ class TensorParallel:
         if not self.agree(build_key, f"[tp {self.rank}] tensor-parallel build handshake"):
             raise RuntimeError(
                 f"[tp {self.rank}] the ranks on the mesh's tensor-parallel dimension built "
-                "different pipelines (model, layer ranges, schedule, microbatches or inputs "
-                "differ); every rank must wrap the same model with the same arguments"
+                "different pipelines (model, layer ranges, schedule, microbatches, inputs or "
+                "tensor-parallel rules differ); every rank must wrap the same model with the "
+                "same arguments"
             )
         for module in modules:
             self._sync_from_first(module)
