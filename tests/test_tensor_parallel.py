@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import copy
 import re
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 from models import MODELS, VOCAB, full, make_batch, reference_step, tiny
 from test_pipeline import ADAM, LOSS_TOL, PARAM_TOL, check_grads
+from tolerances import assert_close_compiled
 
 import pippy_xla as px
 from pippy_xla.runtime.data_parallel import local_tensor
@@ -271,6 +273,72 @@ def test_dp2_pp2_tp2_shard_matches_one_process():
     2 microbatches per replica under ``1f1b``, three AdamW steps."""
     cases = (("qwen3_tied", "1f1b", (2, 2, 2), "shard"),)
     _check_layouts(cases, run_ranks(8, _tp_trains_like_one_process, cases, timeout=300))
+
+
+def _compiled_like_eager(rank, world, cases, steps=3):
+    """Per case (schedule, mesh shape, data_parallel): inductor-compiled stages on the mesh train
+    like the same pipeline eager (loss, every gradient and parameter within
+    ``tests/tolerances.py``'s bounds over three AdamW steps), and compile once: no graph after
+    the first step, no recompile."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    graphs = []
+    for schedule, shape, data_parallel in cases:
+        torch._dynamo.reset()
+        pipes, told = [], []
+        for compiled in (True, False):
+            model, layer_cls = _build("llama", seed=0)
+            pipe = px.PipelineModel(
+                model,
+                layer_cls=layer_cls,
+                num_microbatches=2,
+                schedule=schedule,
+                mesh=_mesh(*shape),
+                tensor_parallel="auto" if shape[2] > 1 else None,
+                data_parallel=data_parallel,
+                compile=compiled,
+                timeout=120,
+            )
+            pipes.append((pipe, torch.optim.AdamW(pipe.parameters(), **ADAM)))
+        (pipe, opt), (eager, eager_opt) = pipes
+        seen = []
+        for step in range(steps):
+            where = f"{schedule} {shape} {data_parallel} step {step}"
+            batch = make_batch(seed=step, batch=4)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                loss, eager_loss = pipe.run_train(**batch), eager.run_train(**batch)
+            told += [str(w.message) for w in caught if "keeps one backward" in str(w.message)]
+            assert_close_compiled(loss, eager_loss, "loss", where)
+            named = dict(eager.named_parameters())
+            for name, p in pipe.named_parameters():
+                assert_close_compiled(
+                    full(p.grad), full(named[name].grad), "grad", f"{where} {name}"
+                )
+            for o in (opt, eager_opt):
+                o.step()
+                o.zero_grad()
+            for name, p in pipe.named_parameters():
+                assert_close_compiled(full(p), full(named[name]), "param", f"{where} {name}")
+            seen.append(int(counters["stats"]["unique_graphs"]))
+        assert seen[0] >= 1 and seen[1:] == [seen[0]] * (steps - 1), seen
+        assert pipe.recompiles == []
+        graphs.append((seen, told))
+    return graphs
+
+
+@pytest.mark.compiled
+def test_compiled_stages_on_a_mesh_match_eager():
+    """pp=2 x tp=2 under ``zbh1`` (a split backward: the DTensor layers' DeviceMesh keeps the
+    stage's backward in one node, W runs nothing, with a warning) and dp=2 x tp=2 sharded
+    (FSDP2's hooks around the compiled stage)."""
+    cases = [("zbh1", (1, 2, 2), "replicate"), ("1f1b", (2, 1, 2), "shard")]
+    out = run_ranks(4, _compiled_like_eager, cases, timeout=600)
+    for rank in out:
+        (_, split_told), (_, plain_told) = rank
+        assert split_told and all("a graph input is a DeviceMesh" in m for m in split_told)
+        assert plain_told == []
 
 
 def _docs_block() -> str:

@@ -372,12 +372,6 @@ def resolve_placement(
             f"{config.tp_dim!r})); got no mesh"
         )
     if mesh is not None:
-        if config.compile:
-            raise ValueError(
-                "compile=True with a mesh (data or tensor parallel) is not supported yet: compiled "
-                "stages around FSDP2's hooks and DTensor layers are untested (issue 48); compile "
-                "a pipeline without mesh=..."
-            )
         groups = mesh_groups(mesh, config.pp_dim, config.dp_dim, group, config.tp_dim)
         group = groups.pp_group
         _check_tensor_parallel(config, groups)
