@@ -463,6 +463,7 @@ def _refusals(rank, world, tmp, docs_block):
         "rules key": {"tensor_parallel": {"layers.*.mlp.up_proj": "colwise"}},
         "rules outside layers": {"tensor_parallel": {"lm_head": "colwise"}},
         "rules empty": {"tensor_parallel": {}},
+        "rules parent": {"tensor_parallel": {"model.layers.*.mlp": "replicate"}},
         "rules divide": {
             "model": odd,
             "layer_cls": type(odd.model.layers[0]),
@@ -524,6 +525,7 @@ def test_docs_block_checkpoints_across_layouts_and_refusals(tmp_path):
     )
     assert "rule 'lm_head': 'colwise' is outside the decoder layers" in e["rules outside layers"]
     assert "has no rule that shards its decoder layers" in e["rules empty"]
+    assert "rule 'model.layers.*.mlp': 'replicate' does not cover" in e["rules parent"]
     assert (
         "layers.0.mlp.down_proj.weight (rowwise) has size 130 in dim 1, which does not divide "
         "by tp=4" in e["rules divide"]

@@ -49,9 +49,10 @@ no extra hop.
   by ``-1`` heads (HF's Llama-style attention, any MLP), not by ``config.num_attention_heads``.
 - Refused at build, on every rank alike, with one line naming the module and the numbers: a
   model without a plan (``"auto"``), a plan with no rule that shards the decoder layers, a style
-  HF does not know or a dict key that names nothing in the model or changes a rule outside the
-  decoder layers, a style not covered yet, and a rule whose sharded dimension (or the attention
-  heads and key/value heads) does not divide by ``tp``.
+  HF does not know, a dict key that names nothing in the model, changes a rule outside the
+  decoder layers or replicates a module whose children keep sharding rules, a style not covered
+  yet, and a rule whose sharded dimension (or the attention heads and key/value heads) does not
+  divide by ``tp``.
 """
 
 from __future__ import annotations
@@ -201,7 +202,23 @@ def merge_tp_rules(
                 f"({layer_names[0]}, ...); the pipeline applies rules inside them only "
                 "(embeddings, norms and head stay whole on every tp rank): drop the rule"
             )
-    return own | rules if rules else {}
+    merged = own | rules if rules else {}
+    _check_replicate_covers(rules, merged)
+    return merged
+
+
+def _check_replicate_covers(rules: dict[str, str], merged: dict[str, str]) -> None:
+    """A ``"replicate"`` rule of ``rules`` whose module's children keep sharding rules: HF's rules
+    name modules one by one, so it would keep nothing whole; refused (``ValueError``) rather
+    than run differently from what it says."""
+    for key, style in rules.items():
+        inner = [k for k, v in merged.items() if k.startswith(f"{key}.") and v != _REPLICATE]
+        if style == _REPLICATE and inner:
+            raise ValueError(
+                f"tensor_parallel={{...}}: rule {key!r}: 'replicate' does not cover the rules of "
+                f"its children ({inner[0]!r}: {merged[inner[0]]!r}, ...): HF's rules name modules "
+                "one by one; set 'replicate' on each of them"
+            )
 
 
 def _did_you_mean(model: nn.Module, key: str, names: set[str]) -> str:
