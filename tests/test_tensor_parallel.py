@@ -458,6 +458,7 @@ def _refusals(rank, world, tmp, docs_block):
             )
         },
         "in order": {"transport": "in_order"},
+        "compile checkpoint": {"compile": True, "checkpoint_layers": [1]},
         # Dicts of rules (HF's semantics: keys relative to the model passed).
         "rules style": {"tensor_parallel": {"model.layers.*.mlp.up_proj": "colwize"}},
         "rules key": {"tensor_parallel": {"layers.*.mlp.up_proj": "colwise"}},
@@ -514,6 +515,7 @@ def test_docs_block_checkpoints_across_layouts_and_refusals(tmp_path):
     assert "['colwise_gather_output', 'rowwise_split_input']" in e["gathered styles"]
     assert "NotImplementedError: plan=... with tensor parallelism" in e["plan"]
     assert "transport='in_order' is not supported yet" in e["in order"]
+    assert "tensors_saved_with_vc_check to be Tensors" in e["compile checkpoint"]
     assert "tensor-parallel step handshake" in e["batch"]
     assert (
         "ValueError: tensor_parallel={...}: rule 'model.layers.*.mlp.up_proj': 'colwize' is not "

@@ -417,6 +417,13 @@ def refuse_under_tp(config: PipelineConfig, place: Placement) -> None:
             "plan=... with tensor parallelism is not supported yet (issue 48): the planner does "
             "not cost tensor-parallel layers (their time, memory and collectives per tp degree)"
         )
+    if config.compile and config.checkpoint_layers:
+        raise NotImplementedError(
+            "compile=True with checkpoint_layers under tensor parallelism is not supported yet "
+            "(issue 48): a checkpointed layer saves its DTensor parameters for the recompute, and "
+            "AOTAutograd (torch 2.13) accepts plain tensors only there ('expected all "
+            "tensors_saved_with_vc_check to be Tensors'); drop checkpoint_layers or compile=True"
+        )
 
 
 def resolve_layout(
