@@ -278,8 +278,8 @@ def test_dp2_pp2_tp2_shard_matches_one_process():
 def _compiled_like_eager(rank, world, cases, steps=3):
     """Per case (schedule, mesh shape, data_parallel): inductor-compiled stages on the mesh train
     like the same pipeline eager (loss, every gradient and parameter within
-    ``tests/tolerances.py``'s bounds over three AdamW steps), and compile once: no graph after
-    the first step, no recompile."""
+    ``tests/tolerances.py``'s bounds over three AdamW steps, then ``run_eval``'s loss), and
+    compile once: no graph after the first step, no recompile."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -324,6 +324,9 @@ def _compiled_like_eager(rank, world, cases, steps=3):
             seen.append(int(counters["stats"]["unique_graphs"]))
         assert seen[0] >= 1 and seen[1:] == [seen[0]] * (steps - 1), seen
         assert pipe.recompiles == []
+        batch = make_batch(seed=9, batch=4)  # eval compiles graphs of its own (grad mode off)
+        out, eager_out = pipe.run_eval(**batch), eager.run_eval(**batch)
+        assert_close_compiled(out.loss, eager_out.loss, "loss", f"{schedule} {shape} eval")
         graphs.append((seen, told))
     return graphs
 
