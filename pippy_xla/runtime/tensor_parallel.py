@@ -115,11 +115,11 @@ def layer_tp_plan(
     if rules == "auto":
         plan = dict(getattr(model, "tp_plan", None) or {})
         if not plan:
+            layers = layer_names[0].rpartition(".")[0]
             raise UnsupportedModelError(
                 f"{label}: {name} has no HF tensor-parallel plan (config.base_model_tp_plan is "
-                "empty); pass tensor_parallel={rule: style} (HF's rules, e.g. "
-                "{'model.layers.*.mlp.up_proj': 'colwise', ...}) or use a mesh without a 'tp' "
-                "dim (or of size 1)"
+                f"empty); pass HF rules, tensor_parallel={{'{layers}.*.<module>': 'colwise', "
+                "...}, or use a mesh without a 'tp' dim (or of size 1)"
             )
     else:
         plan = merge_tp_rules(model, rules, layer_names)
