@@ -41,13 +41,22 @@ no extra hop.
   DTensors (``"shard"`` makes 2-D shards), and the global norm counts a tensor replicated over
   ``tp`` on tp rank 0 only (:meth:`TensorParallel.counts_in_norm`, by the DTensor's ``tp``
   placement).
+- Rules: ``tensor_parallel="auto"`` takes the model's plan as it is; a dict is merged over it
+  the way HF merges ``DistributedConfig(tp_plan={...})`` (:func:`merge_tp_rules`: keys like
+  ``model.tp_plan``'s, an equal key overrides, a new key adds, ``"replicate"`` keeps a module
+  whole, ``{}`` applies nothing), so a model without a plan can be sharded by hand too. What a
+  rule cannot see is the model's code: a ``colwise`` projection must feed a module that reshapes
+  by ``-1`` heads (HF's Llama-style attention, any MLP), not by ``config.num_attention_heads``.
 - Plans: the planner profiles decoder layers sharded by the same functions
   (:func:`layer_tp_plan`, :func:`shard_layers`, through :class:`LayerSharding`), so a plan's
   layer costs are a tp rank's, collectives included; a plan made for another tp degree is refused
   (see [Note: planning under tensor parallelism] in ``plan/profiler.py``).
-- Refused at build, with one line naming the module and the numbers: a model without a plan, a
-  plan with no rule in the decoder layers, a style not covered yet, and a rule whose sharded
-  dimension (or the attention heads and key/value heads) does not divide by ``tp``.
+- Refused at build, on every rank alike, with one line naming the module and the numbers: a
+  model without a plan (``"auto"``), a plan with no rule that shards the decoder layers, a style
+  HF does not know, a dict key that names nothing in the model, changes a rule outside the
+  decoder layers or replicates a module whose children keep sharding rules, a style not covered
+  yet, and a rule whose sharded dimension (or the attention heads and key/value heads) does not
+  divide by ``tp``.
 """
 
 from __future__ import annotations
@@ -66,6 +75,7 @@ __all__ = [
     "LayerSharding",
     "TensorParallel",
     "layer_tp_plan",
+    "merge_tp_rules",
     "shard_layers",
 ]
 
@@ -74,6 +84,7 @@ _ROWWISE = ("rowwise",)
 _PACKED_COLWISE = ("packed_colwise",)
 _PARTIAL_GRAD = "replicated_with_grad_allreduce"
 _MOE = ("moe_tp_experts",)
+_REPLICATE = "replicate"
 TP_STYLES = (*_COLWISE, *_ROWWISE, *_PACKED_COLWISE, *_MOE, _PARTIAL_GRAD)
 """The HF tensor-parallel styles a pipeline applies (those its tests cover); a plan with another
 style inside the decoder layers is refused at build."""
@@ -91,36 +102,138 @@ def _text_config(model: nn.Module):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def layer_tp_plan(model: nn.Module, layer_names: Sequence[str], tp_size: int) -> dict[str, str]:
-    """The model's own HF tensor-parallel plan expanded over its decoder layers ``layer_names``
-    (every layer of the model, so that every rank checks the same): concrete module and
-    parameter names -> HF style. Raises ``UnsupportedModelError`` for a model without a plan,
-    ``NotImplementedError`` for a style not covered yet and ``ValueError`` for a rule that does
-    not divide by ``tp_size``; each in one line naming the module and the numbers."""
+def layer_tp_plan(
+    model: nn.Module,
+    layer_names: Sequence[str],
+    tp_size: int,
+    rules: str | dict[str, str] = "auto",
+) -> dict[str, str]:
+    """The tensor-parallel plan over the decoder layers ``layer_names`` (every layer of the model,
+    so that every rank checks the same): concrete module and parameter names -> HF style.
+    ``rules``: ``"auto"`` (the model's own HF plan, ``model.tp_plan``) or a dict merged over it
+    as HF merges ``DistributedConfig(tp_plan={...})`` (:func:`merge_tp_rules`). Raises
+    ``UnsupportedModelError`` for a model without a plan (``"auto"``) or without a rule that
+    shards its layers, ``ValueError`` for a bad rule or a size that does not divide by
+    ``tp_size``, ``NotImplementedError`` for a style not covered yet; each in one line naming
+    the module and the numbers."""
     name = type(model).__name__
-    plan = getattr(model, "tp_plan", None)
-    if not plan or not hasattr(model, "_expand_parallel_plan"):
-        raise UnsupportedModelError(
-            f"tensor_parallel='auto': {name} has no HF tensor-parallel plan "
-            "(config.base_model_tp_plan is empty); use a mesh without a 'tp' dim (or of size 1)"
-        )
+    label = _label(rules)
+    if rules == "auto":
+        plan = dict(getattr(model, "tp_plan", None) or {})
+        if not plan:
+            layers = layer_names[0].rpartition(".")[0]
+            raise UnsupportedModelError(
+                f"{label}: {name} has no HF tensor-parallel plan (config.base_model_tp_plan is "
+                f"empty); pass HF rules, tensor_parallel={{'{layers}.*.<module>': 'colwise', "
+                "...}, or use a mesh without a 'tp' dim (or of size 1)"
+            )
+    else:
+        plan = merge_tp_rules(model, rules, layer_names)
     prefixes = tuple(f"{n}." for n in layer_names)
-    expanded = model._expand_parallel_plan(dict(plan))
-    inside = {k: v for k, v in expanded.items() if k.startswith(prefixes)}
+    inside = {
+        k: v
+        for k, v in _expand(model, plan).items()
+        if k.startswith(prefixes) and v != _REPLICATE  # HF's "replicate" does nothing
+    }
     if not inside:
         raise UnsupportedModelError(
-            f"tensor_parallel='auto': {name}'s tp plan {dict(plan)} has no rule inside its "
-            f"decoder layers ({layer_names[0]}, ...); nothing to shard over tp={tp_size}"
+            f"{label}: {name}'s tp plan {plan} has no rule that shards its decoder layers "
+            f"({layer_names[0]}, ...); nothing to shard over tp={tp_size}"
         )
     odd = sorted({v for v in inside.values() if v not in TP_STYLES})
     if odd:
         where = next(k for k, v in inside.items() if v == odd[0])
         raise NotImplementedError(
-            f"tensor_parallel='auto': {name}'s tp plan uses style(s) {odd} (e.g. {where}), which "
-            f"the pipeline does not apply yet (issue 48); covered: {list(TP_STYLES)}"
+            f"{label}: {name}'s tp plan uses style(s) {odd} (e.g. {where}), which the pipeline "
+            f"does not apply yet (issue 48); covered: {list(TP_STYLES)} and {_REPLICATE!r}"
         )
-    _check_divides(model, inside, tp_size)
+    _check_divides(model, inside, tp_size, label)
     return inside
+
+
+def _label(rules: str | dict[str, str]) -> str:
+    """How errors name the ``tensor_parallel`` argument."""
+    return f"tensor_parallel={rules!r}" if isinstance(rules, str) else "tensor_parallel={...}"
+
+
+def _expand(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """HF's ``_expand_parallel_plan``: ``plan``'s keys with ``*`` replaced by the layer indices,
+    one entry per module and per parameter (HF's method reads only ``named_modules``, so it
+    serves a module that is not a ``PreTrainedModel`` too)."""
+    from transformers.distributed.mixin import DistributedMixin
+
+    return DistributedMixin._expand_parallel_plan(model, plan)
+
+
+def merge_tp_rules(
+    model: nn.Module, rules: dict[str, str], layer_names: Sequence[str]
+) -> dict[str, str]:
+    """The model's own plan with ``rules`` merged over it, with HF's semantics
+    (``DistributedConfig(tp_plan=rules)``, ``_resolve_parallel_plans``): keys name modules or
+    parameters relative to the model passed, as ``model.tp_plan``'s do, with ``*`` for a layer
+    index; a key of the model's plan is overridden, a new key adds a rule, ``"replicate"`` keeps
+    a module whole (HF's way to drop a rule), and an empty dict applies no rule. Raises
+    ``ValueError`` (one line, naming the rule) for a style HF does not know, a key that names
+    nothing in the model, and a rule outside the decoder layers that changes the model's own
+    (those modules stay whole: see [Note: pipeline x tensor parallel])."""
+    from transformers.distributed.parallel_utils import (
+        ALL_PARALLEL_STYLES,
+        replace_layer_number_by_wildcard,
+    )
+
+    name = type(model).__name__
+    own = dict(getattr(model, "tp_plan", None) or {})
+    names = {
+        replace_layer_number_by_wildcard(n)
+        for n, _ in [*model.named_modules(), *model.named_parameters()]
+    }
+    prefixes = tuple(f"{n}." for n in layer_names)
+    for key, style in rules.items():
+        if not isinstance(style, str) or style not in ALL_PARALLEL_STYLES:
+            raise ValueError(
+                f"tensor_parallel={{...}}: rule {key!r}: {style!r} is not an HF tensor-parallel "
+                f"style; HF's: {list(ALL_PARALLEL_STYLES)} ('replicate' keeps a module whole)"
+            )
+        if key not in names and key not in own:
+            raise ValueError(
+                f"tensor_parallel={{...}}: key {key!r} names no module or parameter of {name}"
+                f"{_did_you_mean(model, key, names)}; keys are relative to the model passed, "
+                f"with * for the layer index, like model.tp_plan's (e.g. "
+                f"'{layer_names[0].rpartition('.')[0]}.*...')"
+            )
+        outside = not any(k.startswith(prefixes) for k in _expand(model, {key: style}))
+        if outside and style not in (own.get(key), _REPLICATE):
+            raise ValueError(
+                f"tensor_parallel={{...}}: rule {key!r}: {style!r} is outside the decoder layers "
+                f"({layer_names[0]}, ...); the pipeline applies rules inside them only "
+                "(embeddings, norms and head stay whole on every tp rank): drop the rule"
+            )
+    merged = own | rules if rules else {}
+    _check_replicate_covers(rules, merged)
+    return merged
+
+
+def _check_replicate_covers(rules: dict[str, str], merged: dict[str, str]) -> None:
+    """A ``"replicate"`` rule of ``rules`` whose module's children keep sharding rules: HF's rules
+    name modules one by one, so it would keep nothing whole; refused (``ValueError``) rather
+    than run differently from what it says."""
+    for key, style in rules.items():
+        inner = [k for k, v in merged.items() if k.startswith(f"{key}.") and v != _REPLICATE]
+        if style == _REPLICATE and inner:
+            raise ValueError(
+                f"tensor_parallel={{...}}: rule {key!r}: 'replicate' does not cover the rules of "
+                f"its children ({inner[0]!r}: {merged[inner[0]]!r}, ...): HF's rules name modules "
+                "one by one; set 'replicate' on each of them"
+            )
+
+
+def _did_you_mean(model: nn.Module, key: str, names: set[str]) -> str:
+    """A hint for a key written relative to the base model (``config.base_model_tp_plan``'s
+    way) instead of the model passed."""
+    prefix = getattr(model, "base_model_prefix", "")
+    return (
+        f" (did you mean {prefix + '.' + key!r}?)" if prefix and f"{prefix}.{key}" in names else ""
+    )
 
 
 def _sharded_dim(style: str, param: torch.Tensor) -> tuple[int, int] | None:
@@ -136,7 +249,7 @@ def _sharded_dim(style: str, param: torch.Tensor) -> tuple[int, int] | None:
     return None
 
 
-def _check_divides(model: nn.Module, plan: dict[str, str], tp_size: int) -> None:
+def _check_divides(model: nn.Module, plan: dict[str, str], tp_size: int, label: str) -> None:
     """Every sharded dimension, and the attention heads when a projection is sharded, divide by
     ``tp_size``."""
     config = _text_config(model)
@@ -145,7 +258,7 @@ def _check_divides(model: nn.Module, plan: dict[str, str], tp_size: int) -> None
             heads = getattr(config, field, None)
             if isinstance(heads, int) and heads % tp_size:
                 raise ValueError(
-                    f"tensor_parallel='auto': {type(config).__name__}.{field}={heads} does not "
+                    f"{label}: {type(config).__name__}.{field}={heads} does not "
                     f"divide by tp={tp_size}; choose a tp size that divides it"
                 )
     modules = dict(model.named_modules())
@@ -155,7 +268,7 @@ def _check_divides(model: nn.Module, plan: dict[str, str], tp_size: int) -> None
         if module is not None:
             if style in (*_COLWISE, *_ROWWISE) and not isinstance(module, nn.Linear):
                 raise NotImplementedError(
-                    f"tensor_parallel='auto': {key} is a {type(module).__name__} under style "
+                    f"{label}: {key} is a {type(module).__name__} under style "
                     f"{style!r}; the pipeline applies {style!r} to nn.Linear only yet (issue 48)"
                 )
             continue
@@ -168,7 +281,7 @@ def _check_divides(model: nn.Module, plan: dict[str, str], tp_size: int) -> None
         if size % (tp_size * factor):
             by = f"tp={tp_size}" if factor == 1 else f"{factor} x tp={tp_size}"
             raise ValueError(
-                f"tensor_parallel='auto': {key} ({style}) has size {size} in dim "
+                f"{label}: {key} ({style}) has size {size} in dim "
                 f"{dim % param.ndim}, which does not divide by {by}; choose a tp size that "
                 "divides it"
             )
@@ -203,8 +316,9 @@ class TensorParallel:
         if not self.agree(build_key, f"[tp {self.rank}] tensor-parallel build handshake"):
             raise RuntimeError(
                 f"[tp {self.rank}] the ranks on the mesh's tensor-parallel dimension built "
-                "different pipelines (model, layer ranges, schedule, microbatches or inputs "
-                "differ); every rank must wrap the same model with the same arguments"
+                "different pipelines (model, layer ranges, schedule, microbatches, inputs or "
+                "tensor-parallel rules differ); every rank must wrap the same model with the "
+                "same arguments"
             )
         for module in modules:
             self._sync_from_first(module)
@@ -314,10 +428,13 @@ class LayerSharding:
         pp_dim: str = "pp",
         tp_dim: str = "tp",
         timeout: float = _C.DEFAULT_TIMEOUT_MS / 1000,
+        rules: str | dict[str, str] = "auto",
     ) -> None:
         """``mesh``: the ``DeviceMesh`` the pipeline will be built on (its dims named as
         ``PipelineConfig``'s ``dp_dim``, ``pp_dim`` and ``tp_dim``); ``timeout``: seconds a
-        broadcast of the profiled layers' values may take."""
+        broadcast of the profiled layers' values may take; ``rules``: the pipeline's
+        ``tensor_parallel`` (``"auto"`` or a dict of HF rules), so that the profiled layers are
+        sharded as the pipeline's will be."""
         import torch.distributed as dist
 
         from pippy_xla.runtime.data_parallel import mesh_groups
@@ -328,6 +445,7 @@ class LayerSharding:
         self._mesh = groups.tp_mesh
         self._group_name = groups.tp_group.group_name
         self._timeout_ms = int(timeout * 1000)
+        self._rules = rules
         self.size: int = groups.tp_size
         """The tensor-parallel degree."""
         self.rank: int = groups.tp_rank
@@ -340,6 +458,6 @@ class LayerSharding:
         """Shards ``model``'s decoder layers ``layer_names`` in place over the ``tp`` ranks, as
         the pipeline's build does (their values tp rank 0's; layers on ``meta`` stay there); a
         collective over the ``tp`` ranks."""
-        plan = layer_tp_plan(model, layer_names, self.size)
+        plan = layer_tp_plan(model, layer_names, self.size, self._rules)
         copy_from_first(model, self._group_name, self._timeout_ms)
         shard_layers(model, self._mesh, plan, layer_names)
