@@ -61,13 +61,14 @@ def _is_proj(name: str) -> bool:
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
 # tensor_parallel's value per rule set, and which parameters it shards over tp. HF's semantics:
-# a dict's keys are relative to the model passed (model.tp_plan's), merged over its own plan;
-# "replicate" keeps a module whole.
+# a dict's keys are relative to the model passed (model.tp_plan's) or to its base model
+# (config.base_model_tp_plan's), merged over its own plan; "replicate" keeps a module whole.
 RULES = {
     "auto": ("auto", _is_proj),
-    # The MLP stays whole on every tp rank; attention sharded by the model's own rules.
+    # The MLP stays whole on every tp rank; attention sharded by the model's own rules. Keys
+    # relative to the base model, as config.base_model_tp_plan writes them.
     "mlp_whole": (
-        {f"model.layers.*.mlp.{m}": "replicate" for m in _MLP},
+        {f"layers.*.mlp.{m}": "replicate" for m in _MLP},
         lambda n: _is_proj(n) and ".mlp." not in n,
     ),
     # A model without a plan: its MLP sharded (a rowwise bias stays whole).
@@ -462,9 +463,9 @@ def _refusals(rank, world, tmp, docs_block):
         },
         "in order": {"transport": "in_order"},
         "compile checkpoint": {"compile": True, "checkpoint_layers": [1]},
-        # Dicts of rules (HF's semantics: keys relative to the model passed).
+        # Dicts of rules (HF's semantics: keys relative to the model passed or its base model).
         "rules style": {"tensor_parallel": {"model.layers.*.mlp.up_proj": "colwize"}},
-        "rules key": {"tensor_parallel": {"layers.*.mlp.up_proj": "colwise"}},
+        "rules key": {"tensor_parallel": {"layers.*.mlp.upper_proj": "colwise"}},
         "rules outside layers": {"tensor_parallel": {"lm_head": "colwise"}},
         "rules empty": {"tensor_parallel": {}},
         "rules parent": {"tensor_parallel": {"model.layers.*.mlp": "replicate"}},
@@ -527,8 +528,8 @@ def test_docs_block_checkpoints_across_layouts_and_refusals(tmp_path):
         "an HF tensor-parallel style" in e["rules style"]
     )
     assert (
-        "key 'layers.*.mlp.up_proj' names no module or parameter of LlamaForCausalLM (did you "
-        "mean 'model.layers.*.mlp.up_proj'?)" in e["rules key"]
+        "key 'layers.*.mlp.upper_proj' names no module or parameter of LlamaForCausalLM or of "
+        "its base model" in e["rules key"]
     )
     assert "rule 'lm_head': 'colwise' is outside the decoder layers" in e["rules outside layers"]
     assert "has no rule that shards its decoder layers" in e["rules empty"]

@@ -170,7 +170,8 @@ def merge_tp_rules(
 ) -> dict[str, str]:
     """The model's own plan with ``rules`` merged over it, with HF's semantics
     (``DistributedConfig(tp_plan=rules)``, ``_resolve_parallel_plans``): keys name modules or
-    parameters relative to the model passed, as ``model.tp_plan``'s do, with ``*`` for a layer
+    parameters relative to the model passed, as ``model.tp_plan``'s do, or to its base model, as
+    ``config.base_model_tp_plan``'s do (:func:`_relative_to_model`), with ``*`` for a layer
     index; a key of the model's plan is overridden, a new key adds a rule, ``"replicate"`` keeps
     a module whole (HF's way to drop a rule), and an empty dict applies no rule. Raises
     ``ValueError`` (one line, naming the rule) for a style HF does not know, a key that names
@@ -188,6 +189,7 @@ def merge_tp_rules(
         for n, _ in [*model.named_modules(), *model.named_parameters()]
     }
     prefixes = tuple(f"{n}." for n in layer_names)
+    rules = _relative_to_model(model, rules, names | set(own))
     for key, style in rules.items():
         if not isinstance(style, str) or style not in ALL_PARALLEL_STYLES:
             raise ValueError(
@@ -196,10 +198,10 @@ def merge_tp_rules(
             )
         if key not in names and key not in own:
             raise ValueError(
-                f"tensor_parallel={{...}}: key {key!r} names no module or parameter of {name}"
-                f"{_did_you_mean(model, key, names)}; keys are relative to the model passed, "
-                f"with * for the layer index, like model.tp_plan's (e.g. "
-                f"'{layer_names[0].rpartition('.')[0]}.*...')"
+                f"tensor_parallel={{...}}: key {key!r} names no module or parameter of {name} "
+                "or of its base model; keys are relative to the model passed (like "
+                "model.tp_plan's) or to its base model (like config.base_model_tp_plan's), with "
+                f"* for the layer index (e.g. '{layer_names[0].rpartition('.')[0]}.*...')"
             )
         outside = not any(k.startswith(prefixes) for k in _expand(model, {key: style}))
         if outside and style not in (own.get(key), _REPLICATE):
@@ -227,13 +229,18 @@ def _check_replicate_covers(rules: dict[str, str], merged: dict[str, str]) -> No
             )
 
 
-def _did_you_mean(model: nn.Module, key: str, names: set[str]) -> str:
-    """A hint for a key written relative to the base model (``config.base_model_tp_plan``'s
-    way) instead of the model passed."""
+def _relative_to_model(model: nn.Module, rules: dict[str, str], names: set[str]) -> dict:
+    """``rules`` with keys written relative to the base model (``config.base_model_tp_plan``'s
+    way: ``layers.*.mlp.up_proj``) prefixed with its name in the model passed
+    (``model.layers.*.mlp.up_proj``, ``model.tp_plan``'s way); keys that name something as
+    written stay as they are."""
     prefix = getattr(model, "base_model_prefix", "")
-    return (
-        f" (did you mean {prefix + '.' + key!r}?)" if prefix and f"{prefix}.{key}" in names else ""
-    )
+    if not prefix or not hasattr(model, prefix):
+        return dict(rules)
+    return {
+        (f"{prefix}.{k}" if k not in names and f"{prefix}.{k}" in names else k): v
+        for k, v in rules.items()
+    }
 
 
 def _sharded_dim(style: str, param: torch.Tensor) -> tuple[int, int] | None:
