@@ -1,21 +1,26 @@
-"""Generation throughput: ``PipelineModel.generate`` on 2 CPU ranks against HF's own pipeline
-(``DistributedConfig(pp_size=2)``: ``from_pretrained`` splits the layers over the ranks, every
-rank runs ``generate`` and the last rank broadcasts the logits) on the same ranks, and HF's
-``generate`` on the unsplit model in one process (its default dynamic cache and its static
-cache); greedy, the same random Llama, prompts and lengths; the pipeline with the batch in 1 and
-2 groups of rows (``groups``). One thread per process (a rank or the single process).
+"""Generation throughput: ``PipelineModel.generate`` on ``--ranks`` CPU ranks (2 or 4) against
+HF's own pipeline (``DistributedConfig(pp_size=ranks)``: ``from_pretrained`` splits the layers over
+the ranks, every rank runs ``generate`` and the last rank broadcasts the logits) on the same ranks,
+and HF's ``generate`` on the unsplit model in one process (its default dynamic cache and its
+static cache); greedy, the same random Llama, prompts and lengths; the pipeline with the batch in
+1 group of rows and in as many groups as stages (``groups``). One thread per process (a rank or
+the single process).
 
-Tokens per second are new tokens (batch x ``--new``) over the wall time of one call, the median
-of ``--repeats`` calls after a warm-up call; for a pipeline the slowest rank's time. For
-``pipe.generate`` also each rank's decode busy share: the time its decode-schedule runs spent in
-forwards over their span, in the last call (from the engine's action timings). Every
+Each method is timed twice per repeat: a call for ``--new`` tokens (the whole generation) and one
+for a single token (the prefill of the prompts and the first token). Reported: whole-call new
+tokens per second (batch x ``--new`` over the call's time), prefill prompt tokens per second
+(batch x ``--prompt`` over the one-token call's time) and decode tokens per second (batch x
+(``--new`` - 1) over the difference of the two), medians of ``--repeats`` after a warm-up; for a
+pipeline the slowest rank's time. For ``pipe.generate`` also each rank's decode busy share (the
+time its decode-schedule runs spent in forwards over their span, in the last call, from the
+engine's action timings) and each rank's KV cache bytes against the one-process cache's. Every
 call's tokens are checked equal to HF's one-process tokens before any time is reported. The
 pipeline decodes pipelined across ranks (``[Note: generation data flow]`` in
-``pippy_xla/runtime/_generate.py``): with one group the stages take turns, with two (as many as
-stages) each rank works on one group while the other works on the other. A last row runs the
-pipeline with ``compile=True`` (one group): compiled prefill and decode graphs (``[Note: compiled
+``pippy_xla/runtime/_generate.py``): with one group the stages take turns, with one group per
+stage every rank works on a group while the others work on theirs. A last row runs the pipeline
+with ``compile=True`` (one group): compiled prefill and decode graphs (``[Note: compiled
 generation]``), compiled by the warm-up call.
-Run: ``python benchmarks/generate.py``.
+Run: ``python benchmarks/generate.py [--ranks 4]``.
 """
 
 from __future__ import annotations
@@ -38,14 +43,20 @@ def _model(args):
     return model, prompts
 
 
-def _timed(fn, repeats: int):
-    fn()  # warm-up
-    times, out = [], None
-    for _ in range(repeats):
+def _timed(generate, args):
+    """``generate(max_new_tokens)`` timed for ``--new`` tokens and for one, ``--repeats`` times
+    each after a warm-up of each: (whole-call times, one-token times, the whole call's tokens)."""
+    generate(args.new)  # warm-up
+    generate(1)
+    full, first, out = [], [], None
+    for _ in range(args.repeats):
         start = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - start)
-    return times, out
+        out = generate(args.new)
+        full.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        generate(1)
+        first.append(time.perf_counter() - start)
+    return full, first, out.tolist()
 
 
 def _one_process(args) -> dict:
@@ -55,29 +66,42 @@ def _one_process(args) -> dict:
     model, prompts = _model(args)
     out, mask = {}, torch.ones_like(prompts)
     for cache in ("dynamic", "static"):
-        opts = {"max_new_tokens": args.new, "do_sample": False, "cache_implementation": cache}
-        times, tokens = _timed(
-            lambda o=opts: model.generate(prompts, attention_mask=mask, **o), args.repeats
-        )
-        out[cache] = (times, tokens)
-    return out
+        opts = {"do_sample": False, "cache_implementation": cache}
+
+        def generate(new, o=opts):
+            return model.generate(prompts, attention_mask=mask, max_new_tokens=new, **o)
+
+        out[cache] = _timed(generate, args)
+    # The one-process cache, for the ranks' share: 2 (keys, values) x layers x batch x kv heads x
+    # positions x head dim x 4 bytes, as HF's static cache allocates it for the generation.
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    positions = args.prompt + args.new
+    kv = 2 * config.num_hidden_layers * args.batch * config.num_key_value_heads * head_dim
+    return out, kv * positions * 4
 
 
 def _pipeline(rank, world, args, groups: int, compile: bool = False):
     import torch
 
     import pippy_xla as px
+    from pippy_xla.runtime._generate import cache_bytes
 
     torch.set_num_threads(1)
     model, prompts = _model(args)
     layer_cls = type(model.model.layers[0])
     pipe = px.PipelineModel(model, layer_cls=layer_cls, num_microbatches=1, compile=compile)
-    opts = {"max_new_tokens": args.new, "do_sample": False}
     mask = torch.ones_like(prompts)
-    times, tokens = _timed(
-        lambda: pipe.generate(prompts, attention_mask=mask, groups=groups, **opts), args.repeats
-    )
-    return times, tokens.tolist(), _decode_busy(pipe)
+
+    def generate(new):
+        return pipe.generate(
+            prompts, attention_mask=mask, groups=groups, max_new_tokens=new, do_sample=False
+        )
+
+    full, first, tokens = _timed(generate, args)
+    generate(args.new)  # the caches of the whole generation, for their size
+    extra = {"busy": _decode_busy(pipe), "cache_bytes": cache_bytes(pipe._generator.caches)}
+    return full, first, tokens, extra
 
 
 def _decode_busy(pipe) -> float:
@@ -102,60 +126,80 @@ def _hf_pipeline(rank, world, args, path: str):
     _, prompts = _model(args)
     config = DistributedConfig(pp_size=world)
     model = LlamaForCausalLM.from_pretrained(path, distributed_config=config).eval()
-    opts = {"max_new_tokens": args.new, "do_sample": False}
     mask = torch.ones_like(prompts)
-    times, tokens = _timed(
-        lambda: model.generate(prompts, attention_mask=mask, **opts), args.repeats
-    )
-    return times, tokens.tolist()
+
+    def generate(new):
+        return model.generate(prompts, attention_mask=mask, max_new_tokens=new, do_sample=False)
+
+    return _timed(generate, args)
 
 
-def _slowest(ranks, want, what: str) -> list[float]:
-    """The slowest rank's time of each call, once every rank's tokens are ``want``."""
-    assert all(r[1] == want for r in ranks), f"{what}: tokens differ from HF's"
-    return [max(ts) for ts in zip(*(r[0] for r in ranks), strict=True)]
+def _rates(args, full: list[float], first: list[float]) -> dict:
+    """Whole-call, prefill and decode rates of paired timings (see the module's docstring)."""
+    decode = [f - p for f, p in zip(full, first, strict=True)]
+    return {
+        "new_tokens_per_s": summarize([args.batch * args.new / t for t in full]),
+        "prefill_tokens_per_s": summarize([args.batch * args.prompt / t for t in first]),
+        "decode_tokens_per_s": summarize([args.batch * (args.new - 1) / t for t in decode]),
+    }
+
+
+def _slowest(ranks, want, what: str) -> tuple[list[float], list[float]]:
+    """The slowest rank's time of each call (whole, one token), once every rank's tokens are
+    ``want``."""
+    assert all(r[2] == want for r in ranks), f"{what}: tokens differ from HF's"
+
+    def worst(i):
+        return [max(ts) for ts in zip(*(r[i] for r in ranks), strict=True)]
+
+    return worst(0), worst(1)
+
+
+def _print(results: dict, extra: dict) -> None:
+    for name, r in results.items():
+        cols = (
+            f"{r[k]['median']:8.1f} {k.split('_')[0]}"
+            for k in ("new_tokens_per_s", "prefill_tokens_per_s", "decode_tokens_per_s")
+        )
+        print(f"{name:39s} tokens/s: " + "  ".join(cols))
+    for name, e in extra.items():
+        print(f"{name:39s} decode busy share {e['busy']}  cache bytes per rank {e['cache_bytes']}")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--ranks", type=int, default=2, choices=(2, 4))
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", default="generate", help="results/<out>.json")
+    p.add_argument("--out", default=None, help="results/<out>.json (default generate_<ranks>)")
     args = p.parse_args()
-    new_tokens = args.batch * args.new
-    single = _one_process(args)
-    results = {
-        "hf_one_process_dynamic": summarize([new_tokens / t for t in single["dynamic"][0]]),
-        "hf_one_process_static": summarize([new_tokens / t for t in single["static"][0]]),
-    }
-    want = single["dynamic"][1].tolist()
-    busy = {}
+    single, one_cache = _one_process(args)
+    results = {f"hf_one_process_{c}": _rates(args, *single[c][:2]) for c in ("dynamic", "static")}
+    want = single["dynamic"][2]
     with tempfile.TemporaryDirectory() as path:
         model, _ = _model(args)
         model.save_pretrained(path)
-        ranks = run_ranks(2, _hf_pipeline, args, path, timeout=900)
-    slowest = _slowest(ranks, want, "HF's pipeline")
-    results["hf_pipeline_2_ranks"] = summarize([new_tokens / t for t in slowest])
-    runs = [(1, False), (2, False), (1, True)]  # compiled: the warm-up call compiles
+        ranks = run_ranks(args.ranks, _hf_pipeline, args, path, timeout=900)
+    results[f"hf_pipeline_{args.ranks}_ranks"] = _rates(args, *_slowest(ranks, want, "HF's"))
+    extra = {}
+    runs = [(g, False) for g in sorted({1, args.ranks})] + [(1, True)]  # warm-up compiles
     for groups, compiled in runs:
-        ranks = run_ranks(2, _pipeline, args, groups, compiled, timeout=1800)
-        name = f"pippy_xla_2_ranks_{groups}_groups" + ("_compiled" if compiled else "")
-        slowest = _slowest(ranks, want, name)
-        results[name] = summarize([new_tokens / t for t in slowest])
-        busy[name] = [round(r[2], 3) for r in ranks]
-    for name, r in results.items():
-        print(
-            f"{name:37s} {r['median']:8.1f} new tokens/s (min {r['min']:.1f}, max {r['max']:.1f})"
-        )
-    for name, shares in busy.items():
-        print(f"{name:37s} decode busy share per rank {shares}")
-    payload = {"args": vars(args), "unit": "new tokens/s", "results": results}
-    payload["decode_busy_share"] = busy
-    path = save(args.out, payload)
+        name = f"pippy_xla_{args.ranks}_ranks_{groups}_groups" + ("_compiled" if compiled else "")
+        ranks = run_ranks(args.ranks, _pipeline, args, groups, compiled, timeout=1800)
+        results[name] = _rates(args, *_slowest(ranks, want, name))
+        extra[name] = {
+            "busy": [round(r[3]["busy"], 3) for r in ranks],
+            "cache_bytes": [r[3]["cache_bytes"] for r in ranks],
+        }
+    _print(results, extra)
+    payload = {"args": vars(args), "results": results, "pipeline": extra}
+    payload["one_process_cache_bytes"] = one_cache
+    print(f"one process's cache bytes {one_cache}")
+    path = save(args.out or f"generate_{args.ranks}", payload)
     print(f"wrote {path}")
 
 

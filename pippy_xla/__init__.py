@@ -7,6 +7,7 @@ from pippy_xla.errors import BatchMismatchError, PipelineError
 from pippy_xla.pipeline import EvalOutput, PipelineModel, balanced_ranges
 from pippy_xla.plan import Plan, PlanInfeasibleError, plan
 from pippy_xla.runtime import ops  # noqa: F401  (registers the ops' fake kernels and autograd)
+from pippy_xla.runtime.tensor_parallel import LayerSharding
 from pippy_xla.split import (
     Fingerprint,
     StageGraph,
@@ -34,6 +35,7 @@ __all__ = [
     "BatchMismatchError",
     "EvalOutput",
     "Fingerprint",
+    "LayerSharding",
     "PipelineConfig",
     "PipelineError",
     "PipelineModel",

@@ -119,13 +119,17 @@ class PipelineConfig:
     """The mesh's data-parallel dimension."""
     tp_dim: str = "tp"
     """The mesh's tensor-parallel dimension (a 3-D mesh ``(dp, pp, tp)``)."""
-    tensor_parallel: str | None = None
+    tensor_parallel: str | dict[str, str] | None = None
     """With a mesh that has a ``tp_dim``: ``"auto"`` applies the model's own HF tensor-parallel
     plan (``model.tp_plan``: ``config.base_model_tp_plan`` and the model class's own) to each
     stage's decoder layers over the mesh's tensor-parallel dimension, through transformers' and
     torch's DTensor machinery (see [Note: pipeline x tensor parallel] in
-    ``runtime/tensor_parallel.py``). ``None``: no tensor parallelism (a mesh's ``tp_dim``, if
-    any, must then have size 1)."""
+    ``runtime/tensor_parallel.py``). A dict of rules ``{key: style}`` is merged over that plan as
+    HF merges ``DistributedConfig(tp_plan={...})``: keys name modules relative to the model
+    passed, like ``model.tp_plan``'s, with ``*`` for the layer index (``"model.layers.*.mlp.
+    up_proj"``); a key of the model's plan is overridden, a new one added (a model without a
+    plan takes the dict alone), ``"replicate"`` keeps a module whole, ``{}`` applies no rule.
+    ``None``: no tensor parallelism (a mesh's ``tp_dim``, if any, must then have size 1)."""
 
     def __post_init__(self) -> None:
         m = self.num_microbatches
@@ -170,20 +174,27 @@ class PipelineConfig:
         dims = (self.dp_dim, self.pp_dim, self.tp_dim)
         if len(set(dims)) != len(dims):
             raise ValueError(f"dp_dim, pp_dim and tp_dim must differ, got {dims}")
-        if isinstance(self.tensor_parallel, dict):
-            raise NotImplementedError(
-                "tensor_parallel as a dict of rules is not supported yet (issue 48); pass "
-                "tensor_parallel='auto' (the model's own HF plan) or None"
-            )
-        if self.tensor_parallel not in (None, "auto"):
-            raise ValueError(
-                f"tensor_parallel must be None or 'auto', got {self.tensor_parallel!r}"
-            )
+        self._check_tensor_parallel()
 
     @property
     def schedule_name(self) -> str:
         """The schedule's name (a :class:`pippy_xla.Schedule`'s own)."""
         return self.schedule if isinstance(self.schedule, str) else self.schedule.name
+
+    def _check_tensor_parallel(self) -> None:
+        rules = self.tensor_parallel
+        if isinstance(rules, dict):
+            bad = [k for k in rules if not isinstance(k, str)]
+            if bad:
+                raise TypeError(
+                    f"tensor_parallel's keys must be module names (str), got {bad[0]!r}"
+                )
+            self.tensor_parallel = dict(rules)  # the caller's dict may change later
+        elif rules not in (None, "auto"):
+            raise ValueError(
+                "tensor_parallel must be None, 'auto' or a dict of HF rules {key: style}, "
+                f"got {rules!r}"
+            )
 
     def _check_own_schedule(self) -> None:
         s = self.schedule

@@ -77,7 +77,8 @@ class PipelineModel:
             reduced over the replicas with FSDP2 (see [Note: pipeline x data parallel] in
             runtime/data_parallel.py). Exclusive with ``group``. Or a 3-D ``DeviceMesh``
             ``("dp", "pp", "tp")`` with ``tensor_parallel="auto"``: each stage's decoder layers
-            are sharded over the ``tp`` dimension by the model's own HF plan (see [Note:
+            are sharded over the ``tp`` dimension by the model's own HF plan, or with
+            ``tensor_parallel={key: style}`` by HF rules merged over it (see [Note:
             pipeline x tensor parallel] in runtime/tensor_parallel.py; replicas over ``dp``
             as above, FSDP2 over the tp-sharded stages).
     """

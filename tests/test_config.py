@@ -28,7 +28,8 @@ from pippy_xla.testing import run_ranks
         ({"num_microbatches": 2, "loss_fn": 3}, "loss_fn must be callable"),
         ({"num_microbatches": 2, "data_parallel": "ddp"}, "data_parallel must be one of"),
         ({"num_microbatches": 2, "pp_dim": "x", "dp_dim": "x"}, "pp_dim and tp_dim must differ"),
-        ({"num_microbatches": 2, "tensor_parallel": "yes"}, "tensor_parallel must be None or"),
+        ({"num_microbatches": 2, "tensor_parallel": "yes"}, "tensor_parallel must be None, 'auto'"),
+        ({"num_microbatches": 2, "tensor_parallel": {3: "colwise"}}, "keys must be module names"),
     ],
 )
 def test_config_rejects_bad_values(options, message):
@@ -36,9 +37,11 @@ def test_config_rejects_bad_values(options, message):
         PipelineConfig(**options)
 
 
-def test_config_refuses_tensor_parallel_rules_not_covered_yet():
-    with pytest.raises(NotImplementedError, match="tensor_parallel as a dict"):
-        PipelineConfig(num_microbatches=2, tensor_parallel={"layers.*.mlp.up_proj": "colwise"})
+def test_config_keeps_its_own_copy_of_tensor_parallel_rules():
+    rules = {"model.layers.*.mlp.up_proj": "replicate"}
+    config = PipelineConfig(num_microbatches=2, tensor_parallel=rules)
+    rules["model.layers.*.mlp.down_proj"] = "replicate"
+    assert config.tensor_parallel == {"model.layers.*.mlp.up_proj": "replicate"}
 
 
 def test_config_defaults_come_from_the_schedule_table():

@@ -114,3 +114,55 @@ def _check_materialized(out) -> None:
 
 def test_meta_model_materializes_on_the_gpu():
     _check_materialized(run_ranks(2, _meta_on_gpu, **NCCL))
+
+
+def _generate_on_gpu(rank, world):
+    """Greedy ``generate`` over NCCL (the decode ring's token transfers, the window broadcasts)
+    against HF's ``generate`` of the unsplit model on the same GPU, in one group and in two."""
+    from test_generate import _prompts
+
+    torch.manual_seed(0)
+    model, layer_cls = MODELS["llama"]()
+    model.eval()
+    ref = copy.deepcopy(model).cuda()
+    pipe = px.PipelineModel(model, layer_cls=layer_cls, num_microbatches=2)
+    ids, mask = (t.cuda() for t in _prompts(batch=4))
+    opts = {"max_new_tokens": 8, "do_sample": False}
+    want = ref.generate(ids, attention_mask=mask, **opts).cpu()
+    got = {g: pipe.generate(ids, attention_mask=mask, groups=g, **opts).cpu() for g in (1, 2)}
+    return {g: torch.equal(t, want) for g, t in got.items()}
+
+
+def test_nccl_generate_equals_hf():
+    assert run_ranks(2, _generate_on_gpu, **NCCL) == [{1: True, 2: True}] * 2
+
+
+def _tensor_parallel_on_gpu(rank, world):
+    """pp=2 x tp=2 on four ranks sharing the GPU over NCCL (tp collectives from DTensor beside the
+    pipeline's transfers matched in order) against one process on the GPU: loss and every
+    gradient (gathered over tp) of one step. Tensor parallel refuses CUDA until this passes on a
+    GPU (`refuse_under_tp`); the test lifts the refusal for itself."""
+    from models import reference_step
+    from test_pipeline import check_grads
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pippy_xla.runtime import _build
+
+    _build.refuse_under_tp = lambda config, place: None
+    mesh = init_device_mesh("cuda", (1, 2, 2), mesh_dim_names=("dp", "pp", "tp"))
+    torch.manual_seed(0)
+    model, layer_cls = MODELS["llama"](layers=2)
+    ref = copy.deepcopy(model).cuda()
+    pipe = px.PipelineModel(
+        model, layer_cls=layer_cls, num_microbatches=2, mesh=mesh, tensor_parallel="auto"
+    )
+    batch = make_batch(seed=0, batch=4)
+    loss = pipe.run_train(**batch)
+    ref_loss, _ = reference_step(ref, {k: v.cuda() for k, v in batch.items()}, 2)
+    torch.testing.assert_close(loss.float(), ref_loss.detach().float(), **TOL)
+    check_grads(pipe.named_parameters(), ref, f"rank {rank}", TOL)
+    return True
+
+
+def test_nccl_pipeline_by_tensor_parallel():
+    assert run_ranks(4, _tensor_parallel_on_gpu, **NCCL) == [True] * 4

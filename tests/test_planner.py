@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from models import MODELS, make_batch
+from models import MODELS, make_batch, tiny
 
 import pippy_xla as px
 from pippy_xla.plan.planner import (
@@ -539,6 +539,39 @@ def test_plan_applied_on_two_ranks():
     assert sorted(out[0] + out[1]) == plan.checkpoint_layers
 
 
+def _train_router_losses_with_plan(rank, world, plan_json):
+    """One step of Mixtral with router losses under ``plan`` (ZB-H1, a split backward): loss and
+    every gradient equal one process's (``reference_step``: router losses per microbatch)."""
+    from models import reference_step
+    from test_pipeline import check_grads
+
+    torch.manual_seed(0)
+    model, layer_cls = MODELS["mixtral_router_loss"]()
+    ref = copy.deepcopy(model)
+    plan = px.Plan.from_json(plan_json)
+    pipe = px.PipelineModel(model, layer_cls=layer_cls, plan=plan, timeout=60)
+    batch = make_batch(seed=0)
+    loss = pipe.run_train(**batch)
+    ref_loss, _ = reference_step(ref, batch, plan.num_microbatches)
+    torch.testing.assert_close(loss, ref_loss.detach(), **LOSS_TOL)
+    check_grads(pipe.named_parameters(), ref, f"rank {rank}")
+    return pipe.layers_of_stage(rank)
+
+
+def test_a_model_with_router_losses_is_planned_for_a_split_backward():
+    """The profiler's split backward (ZB-H1's B and W per layer) of a model whose loss adds terms
+    that read inside the layers (Mixtral's router losses, from router logits that hooks record):
+    it used to run the epilogue's W through the layers' graphs and fail; the plan now trains like
+    one process."""
+    torch.manual_seed(0)
+    model, layer_cls = MODELS["mixtral_router_loss"]()
+    kw = dict(layer_cls=layer_cls, num_stages=2, num_microbatches=4, batch_size=8, seq_len=16)
+    plan = px.plan(model, memory_limit="1GiB", schedule="zbh1", repeats=1, **kw)
+    assert plan.stages[-1].weight_time > 0 and plan.stages[-1].weight_bytes > 0, plan.table()
+    out = run_ranks(2, _train_router_losses_with_plan, plan.to_json())
+    assert [list(range(a, b)) for a, b in plan.layer_ranges] == out
+
+
 def test_plan_validation():
     torch.manual_seed(0)
     model, layer_cls = MODELS["llama"](layers=4)
@@ -645,9 +678,8 @@ def _activation_heavy_llama(layers: int = 4):
 
 
 def _measured_peaks(rank, world, plan_jsons, seq):
-    """Each plan on its ranks, on a meta-built model: the most live CPU tensor bytes (the
-    counting allocator, installed before the model is built) during a training step after a
-    warm-up step with an AdamW step (so gradients and optimizer state exist)."""
+    """Each plan on its ranks: :func:`_measured_peak` (the counting allocator installed before
+    the model is built)."""
     import gc
 
     from pippy_xla import _C
@@ -655,23 +687,30 @@ def _measured_peaks(rank, world, plan_jsons, seq):
     _C.memory_tracker_install()
     peaks = []
     for plan_json in plan_jsons:
-        plan = px.Plan.from_json(plan_json)
-        with torch.device("meta"):
-            model, layer_cls = _activation_heavy_llama(plan.layer_ranges[-1][1])
-        pipe = px.PipelineModel(model, layer_cls=layer_cls, plan=plan, timeout=60)
-        del model
-        opt = torch.optim.AdamW(pipe.parameters())
-        g = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, 2048, (8, seq), generator=g)
-        batch = {"input_ids": ids, "labels": ids}
-        pipe.run_train(**batch)
-        opt.step()
-        _C.memory_reset_peak()
-        pipe.run_train(**batch)
-        peaks.append(_C.memory_stats().peak_bytes)
-        del pipe, opt
+        peaks.append(_measured_peak(px.Plan.from_json(plan_json), seq))
         gc.collect()  # the next plan's peak must not count this one's tensors
     return peaks
+
+
+def _measured_peak(plan, seq, **options) -> int:
+    """The most live CPU tensor bytes (the counting allocator, installed by the caller) during a
+    training step of ``plan`` on a meta-built model, after a warm-up step with an AdamW step (so
+    gradients and optimizer state exist); ``options`` go to the pipeline (a mesh)."""
+    from pippy_xla import _C
+
+    with torch.device("meta"):
+        model, layer_cls = _activation_heavy_llama(plan.layer_ranges[-1][1])
+    pipe = px.PipelineModel(model, layer_cls=layer_cls, plan=plan, timeout=60, **options)
+    del model
+    opt = torch.optim.AdamW(pipe.parameters())
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 2048, (8, seq), generator=g)
+    batch = {"input_ids": ids, "labels": ids}
+    pipe.run_train(**batch)
+    opt.step()
+    _C.memory_reset_peak()
+    pipe.run_train(**batch)
+    return _C.memory_stats().peak_bytes
 
 
 def test_predicted_peak_memory_matches_the_measured_peak():
@@ -864,6 +903,25 @@ def test_a_model_with_image_inputs_is_refused_by_the_profiler():
         )
 
 
+def test_a_profile_leaves_no_tensor_alive():
+    """After profiling, the process holds what it held before: a plan made on a rank that then
+    trains (the first rank, or the first stage's tp ranks) must not add the profile's tensors to
+    that rank's peak. Layer 0's input once stayed alive (with the embedding behind its graph)
+    through a cycle gc cannot see."""
+    import gc
+
+    from pippy_xla import _C
+
+    _C.memory_tracker_install()
+    with torch.device("meta"):
+        meta, layer_cls = MODELS["llama"](layers=2)
+    gc.collect()
+    before = _C.memory_stats().live_bytes
+    profile_model(meta, layer_cls, microbatch_size=2, seq_len=16, repeats=1, cache=False)
+    gc.collect()
+    assert _C.memory_stats().live_bytes == before
+
+
 def test_a_meta_model_can_be_planned():
     torch.manual_seed(0)
     real, layer_cls = MODELS["llama"](layers=4)
@@ -879,3 +937,185 @@ def test_a_meta_model_can_be_planned():
         num_microbatches=2,
     )
     assert [st.memory_bytes for st in plan.stages] == [st.memory_bytes for st in same.stages]
+
+
+# ----------------------------------------------------------------------------- tensor parallel
+
+
+TP_SCHEDULES = ("1f1b", "zbh1")  # ZB-H1: B and W apart, what B keeps for W, under tp
+
+
+def _plan_under_tp(rank, world, seq):
+    """pp=2 x tp=2, on a meta-built model: the tp ranks of the first stage profile together and,
+    per schedule, the first rank plans under a limit a third of the way from the smallest
+    feasible one to the unconstrained peak (forcing another layout than the unconstrained one);
+    every rank gets the plans. Returns them and, on the profiling ranks, layer 0's profiled
+    static bytes."""
+    import torch.distributed as dist
+    from test_tensor_parallel import _mesh
+
+    sharding = px.LayerSharding(_mesh(1, 2, 2), timeout=60)
+    assert sharding.profiles == (rank < 2) and (sharding.size, sharding.first_rank) == (2, 0)
+    with torch.device("meta"):
+        model, layer_cls = _activation_heavy_llama()
+    kw = dict(layer_cls=layer_cls, num_stages=2, num_microbatches=4, batch_size=8, seq_len=seq)
+    prof = None
+    if sharding.profiles:
+        prof = profile_model(
+            model, layer_cls, microbatch_size=2, seq_len=seq, repeats=1, tensor_parallel=sharding
+        )
+    plans = []
+    for schedule in TP_SCHEDULES:
+        kw["schedule"] = schedule
+        shared = [None, None]
+        if prof is not None:
+            low, high = limit_range(model, profile=prof, **kw)
+            free = px.plan(model, memory_limit=2**62, profile=prof, **kw)  # this rank's alone
+            shared = [low + (high - low) // 3, (free.layer_ranges, free.checkpoint_layers)]
+        dist.broadcast_object_list(shared, src=0)
+        # The profiling ranks' profile is the plan's (profiled once); the first rank's plan wins.
+        plan = px.plan(model, memory_limit=shared[0], profile=prof, tensor_parallel=sharding, **kw)
+        assert (plan.layer_ranges, plan.checkpoint_layers) != shared[1], plan.table()
+        plans.append(plan.to_json())
+    # Nothing fits: the first rank's error, raised on every rank (none left waiting).
+    with pytest.raises(PlanInfeasibleError, match="smallest memory limit that fits") as e:
+        px.plan(model, memory_limit="1MiB", profile=prof, tensor_parallel=sharding, **kw)
+    assert e.value.min_memory_limit[0] > 2**20
+    return plans, prof.layers[0].static_bytes if prof is not None else None
+
+
+def _layer_bytes_under_tp(model, pipe) -> tuple[int, int]:
+    """What this rank holds of layer 0's parameters (the pipeline's local shards), and what it
+    should: half of each sharded projection and the whole (replicated) norms."""
+    from pippy_xla.runtime.data_parallel import local_tensor
+
+    held = sum(
+        local_tensor(p).numel() * p.element_size()
+        for name, p in pipe.named_parameters()
+        if name.startswith("model.layers.0.")
+    )
+    layer = model.model.layers[0]
+    want = sum(
+        p.numel() * p.element_size() // (2 if name.endswith("_proj.weight") else 1)
+        for name, p in layer.named_parameters()
+    )
+    return held, want
+
+
+def _run_plan_under_tp(rank, world, plan_jsons, seq):
+    """The plans on pp=2 x tp=2: each one's measured peak on a meta-built pipeline (as
+    :func:`_measured_peaks`), then the first one's two AdamW steps on a real pipeline against one
+    process (loss and every gradient); and (pp=0 ranks) layer 0's bytes held and expected."""
+    import gc
+
+    from test_pipeline import check_grads
+    from test_tensor_parallel import GRAD_TOL as TP_GRAD_TOL
+    from test_tensor_parallel import _mesh
+
+    from pippy_xla import _C
+
+    _C.memory_tracker_install()
+    plans = [px.Plan.from_json(p) for p in plan_jsons]
+    tp = {"mesh": _mesh(1, 2, 2), "tensor_parallel": "auto"}
+    peaks = []
+    for plan in plans:
+        peaks.append(_measured_peak(plan, seq, **tp))
+        gc.collect()
+    torch.manual_seed(0)
+    model, layer_cls = _activation_heavy_llama()
+    ref = copy.deepcopy(model)
+    pipe = px.PipelineModel(model, layer_cls=layer_cls, plan=plans[0], timeout=60, **tp)
+    held = _layer_bytes_under_tp(ref, pipe) if rank < 2 else None
+    opt = torch.optim.AdamW(pipe.parameters())
+    ref_opt = torch.optim.AdamW(ref.parameters())
+    for step in range(2):
+        batch = make_batch(seed=step)
+        loss = pipe.run_train(**batch)
+        ref_loss = ref(**batch, use_cache=False).loss
+        ref_loss.backward()
+        where = f"rank {rank} step {step}"
+        torch.testing.assert_close(loss, ref_loss.detach(), **LOSS_TOL, msg=where)
+        check_grads(pipe.named_parameters(), ref, where, TP_GRAD_TOL)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    return peaks, held
+
+
+def test_a_plan_under_tensor_parallelism_predicts_its_peak_and_trains_like_one_process():
+    """pp=2 x tp=2 on 4 ranks: the first rank's plans are every rank's; a decoder layer's
+    profiled static bytes are 4x (parameters, gradients, AdamW) what a rank holds of it, half of
+    each projection and the whole norms; under 1F1B and ZB-H1 each rank's measured peak is under
+    the limit and within 10% of the prediction (as without tp); training with the 1F1B plan
+    equals one process. Planned and run in separate ranks, as a job would (plan once, train
+    many times)."""
+    seq = 128
+    planned = run_ranks(4, _plan_under_tp, seq)
+    plans = [px.Plan.from_json(p) for p in planned[0][0]]
+    assert all([px.Plan.from_json(p) for p in other] == plans for other, _ in planned)
+    assert [p.schedule for p in plans] == list(TP_SCHEDULES)
+    out = run_ranks(4, _run_plan_under_tp, [p.to_json() for p in plans], seq, timeout=300)
+    for i, plan in enumerate(plans):
+        print(plan.table())
+        assert plan.tp_size == 2 and "per tp rank of 2" in plan.table()
+        for rank, (peaks, _) in enumerate(out):
+            st = plan.stages[rank // 2]  # ranks 0, 1: pp=0; 2, 3: pp=1
+            where = f"{plan.schedule} rank {rank} {plan.layer_ranges} {plan.checkpoint_layers}"
+            print(f"{where}: predicted {st.memory_bytes} measured {peaks[i]}")
+            assert st.memory_bytes <= st.memory_limit, where
+            assert peaks[i] <= st.memory_limit, (where, peaks[i])
+            assert abs(peaks[i] - st.memory_bytes) <= 0.10 * st.memory_bytes, (where, peaks[i])
+    for rank in (0, 1):  # pp=0: profiled layer 0, holds its shards
+        got, want = out[rank][1]
+        assert got == want and planned[rank][1] == 4 * got, (rank, got, want, planned[rank][1])
+
+
+_TP_FAMILIES = {
+    "qwen3": lambda: tiny("qwen3", layers=2),  # per-head q/k norms: replicated over tp
+    "mixtral": lambda: MODELS["mixtral"](),  # experts sharded, router replicated
+}
+
+
+def _profiled_and_held_under_tp(rank, world):
+    """tp=2 (one stage): per family, layer 0's profiled static bytes of a meta-built model and of
+    a real one, what the pipeline's rank holds of layer 0's parameters, and what it should (half
+    of each sharded projection, the rest whole)."""
+    from test_tensor_parallel import _is_proj, _mesh
+
+    from pippy_xla.runtime.data_parallel import local_tensor
+
+    mesh = _mesh(1, 1, 2)
+    sharding = px.LayerSharding(mesh, timeout=60)
+    out = {}
+    for family, build in _TP_FAMILIES.items():
+        torch.manual_seed(0)
+        model, layer_cls = build()
+        with torch.device("meta"):
+            meta, _ = build()
+        kw = dict(microbatch_size=2, seq_len=16, repeats=1, tensor_parallel=sharding)
+        static = [profile_model(m, layer_cls, **kw).layers[0].static_bytes for m in (meta, model)]
+        want = sum(
+            p.numel() * p.element_size() // (2 if _is_proj(name) else 1)
+            for name, p in model.named_parameters()
+            if name.startswith("model.layers.0.")
+        )
+        pipe = px.PipelineModel(
+            model, layer_cls=layer_cls, num_microbatches=2, mesh=mesh, tensor_parallel="auto"
+        )
+        held = sum(
+            local_tensor(p).numel() * p.element_size()
+            for name, p in pipe.named_parameters()
+            if name.startswith("model.layers.0.")
+        )
+        out[family] = (*static, held, want)
+    return out
+
+
+def test_a_layer_profiled_under_tp_costs_a_ranks_share():
+    """Qwen3 and Mixtral at tp=2: a decoder layer's profiled static bytes, meta-built or real,
+    are 4x (parameters, gradients, AdamW) what a rank of the pipeline holds of it: half of each
+    sharded projection (experts included), the rest (norms, router) whole."""
+    out = run_ranks(2, _profiled_and_held_under_tp)
+    for rank, per_family in enumerate(out):
+        for family, (meta, real, held, want) in per_family.items():
+            assert meta == real == 4 * held and held == want, (rank, family, meta, real, held, want)

@@ -1,22 +1,23 @@
-"""Pipeline x tensor parallel on a 3-D DeviceMesh (4 gloo ranks: pp=2 x tp=2, and dp=2 x tp=2)
-against a one-process reference: loss, every gradient (DTensors gathered) and the clipped norm
-over three AdamW steps; the docs page's block, checkpoints across layouts, and what a
-tensor-parallel pipeline refuses at build.
+"""Pipeline x tensor parallel on a 3-D DeviceMesh (4 gloo ranks: pp=2 x tp=2, and dp=2 x tp=2;
+8 ranks: dp=2 x pp=2 x tp=2) against a one-process reference: loss, every gradient (DTensors
+gathered) and the clipped norm over three AdamW steps; rules given as a dict; the docs page's
+block, checkpoints across layouts, and what a tensor-parallel pipeline refuses at build.
 
-dp=2 x pp=2 x tp=2 needs 8 ranks, too many for CI's 2 cores; by hand:
-``run_ranks(8, _tp_trains_like_one_process, [("qwen3_tied", "1f1b", (2, 2, 2), "shard"),
-("mixtral_router_loss", "interleaved", (2, 2, 2), "replicate")])`` (passed, ~40 s here)."""
+More 8-rank cases by hand: ``run_ranks(8, _tp_trains_like_one_process,
+[("mixtral_router_loss", "interleaved", (2, 2, 2), "replicate")])`` (passed, ~40 s here)."""
 
 from __future__ import annotations
 
 import copy
 import re
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 from models import MODELS, VOCAB, full, make_batch, reference_step, tiny
 from test_pipeline import ADAM, LOSS_TOL, PARAM_TOL, check_grads
+from tolerances import assert_close_compiled
 
 import pippy_xla as px
 from pippy_xla.runtime.data_parallel import local_tensor
@@ -30,6 +31,8 @@ FAMILIES = {
     "qwen3_tied": lambda: tiny("qwen3", layers=2, tie_word_embeddings=True),
     # Experts under HF's packed_colwise / rowwise / moe_tp_experts, router losses on.
     "mixtral_router_loss": MODELS["mixtral_router_loss"],
+    # No HF plan of its own: sharded by a dict of rules only.
+    "opt": lambda: MODELS["opt"](layers=2),
 }
 
 # A rowwise projection's output is the all-reduce of the tp ranks' partial products, a colwise
@@ -55,16 +58,40 @@ def _is_proj(name: str) -> bool:
     return ".layers." in name and name.endswith(("_proj.weight", "_proj"))
 
 
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+# tensor_parallel's value per rule set, and which parameters it shards over tp. HF's semantics:
+# a dict's keys are relative to the model passed (model.tp_plan's) or to its base model
+# (config.base_model_tp_plan's), merged over its own plan; "replicate" keeps a module whole.
+RULES = {
+    "auto": ("auto", _is_proj),
+    # The MLP stays whole on every tp rank; attention sharded by the model's own rules. Keys
+    # relative to the base model, as config.base_model_tp_plan writes them.
+    "mlp_whole": (
+        {f"layers.*.mlp.{m}": "replicate" for m in _MLP},
+        lambda n: _is_proj(n) and ".mlp." not in n,
+    ),
+    # A model without a plan: its MLP sharded (a rowwise bias stays whole).
+    "opt_mlp": (
+        {"model.decoder.layers.*.fc1": "colwise", "model.decoder.layers.*.fc2": "rowwise"},
+        lambda n: ".layers." in n and n.endswith(("fc1.weight", "fc1.bias", "fc2.weight")),
+    ),
+}
+
+
 def _tp_trains_like_one_process(rank, world, cases, steps=3, mbs=2):
     """Per case (family, schedule, mesh shape, data_parallel[, options]) and step: the loss, every
     gradient and the clipped global norm equal the reference's; after AdamW the parameters
     still match. Each tp rank and replica starts from another seed: the pipeline must copy tp
-    rank 0's values, then the first replica's (the reference's)."""
+    rank 0's values, then the first replica's (the reference's). ``options["rules"]`` names
+    the case's :data:`RULES` (default ``"auto"``)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     checked = []
     for family, schedule, shape, data_parallel, *options in cases:
+        options = dict(options[0]) if options else {}
+        rules, sharded = RULES[options.pop("rules", "auto")]
         dp, pp, tp = shape
         mesh = _mesh(*shape)
         tp_rank, dp_rank = mesh["tp"].get_local_rank(), mesh["dp"].get_local_rank()
@@ -76,23 +103,24 @@ def _tp_trains_like_one_process(rank, world, cases, steps=3, mbs=2):
             num_microbatches=mbs,
             schedule=schedule,
             mesh=mesh,
-            tensor_parallel="auto",
+            tensor_parallel=rules,
             data_parallel=data_parallel,
             timeout=60,
-            **(options[0] if options else {}),
+            **options,
         )
         assert (pipe.tp_rank, pipe.tp_size, pipe.num_ranks, pipe.dp_size) == (tp_rank, tp, pp, dp)
         # The pipeline of (dp=d, tp=j) is (pp=0, tp=j) -> (pp=1, tp=j) -> ... in replica d.
         pp_ranks = [dist.get_global_rank(pipe.group, r) for r in range(pp)]
         assert pp_ranks == [d * pp * tp + s * tp + tp_rank for d in [dp_rank] for s in range(pp)]
         params = dict(pipe.named_parameters())
-        # Every projection of the local layers (attention, MLP, experts) is sharded over tp:
-        # each tp rank holds 1/tp of it; norms, routers, embedding and head stay whole (but
-        # for the replicas' shards of data_parallel="shard").
+        # Every projection the rules shard (with "auto": attention, MLP, experts) is sharded over
+        # tp: each tp rank holds 1/tp of it; norms, routers, embedding and head stay whole (but
+        # for the replicas' shards of data_parallel="shard"; a rowwise bias is a replicated
+        # DTensor).
         for name, p in params.items():
-            is_proj = _is_proj(name)
-            parts = (tp if is_proj else 1) * (dp if data_parallel == "shard" else 1)
-            assert isinstance(p, DTensor) == (is_proj or dp > 1), name
+            is_sharded = sharded(name)
+            parts = (tp if is_sharded else 1) * (dp if data_parallel == "shard" else 1)
+            assert isinstance(p, DTensor) or not (is_sharded or dp > 1), name
             assert local_tensor(p).numel() * parts == p.numel(), name
         where0 = f"{family} {schedule} {shape} {data_parallel} rank={rank}"
         opt = torch.optim.AdamW(pipe.parameters(), **ADAM)
@@ -134,7 +162,7 @@ def _tp_trains_like_one_process(rank, world, cases, steps=3, mbs=2):
             with torch.no_grad():
                 ref_out = ref(**make_batch(seed=9, batch=4), use_cache=False)
             torch.testing.assert_close(out.loss, ref_out.loss, **LOSS_TOL, msg=f"{where0} eval")
-        held = sum(local_tensor(p).numel() for n, p in params.items() if _is_proj(n))
+        held = sum(local_tensor(p).numel() for n, p in params.items() if sharded(n))
         checked.append((family, shape, losses, sorted(params), held))
     return checked
 
@@ -159,21 +187,162 @@ def _tp_trains_like_one_process(rank, world, cases, steps=3, mbs=2):
     ids=["1f1b-zbh1", "interleaved-zbv-dp"],
 )
 def test_tp2_matches_one_process(cases):
-    out = run_ranks(4, _tp_trains_like_one_process, cases, timeout=240)
-    for i, (family, *_) in enumerate(cases):
+    _check_layouts(cases, run_ranks(4, _tp_trains_like_one_process, cases, timeout=240))
+
+
+def _check_layouts(cases, out) -> None:
+    """Every rank saw the same losses; the tp ranks of a stage hold the same names and the
+    stages together the model; each rank holds its share of what the rules shard."""
+    for i, (family, _, shape, mode, *options) in enumerate(cases):
+        dp, pp, tp = shape
         model, _ = _build(family, seed=0)
         names = {n for n, _ in model.named_parameters()}
         runs = [checked[i] for checked in out]
         assert all(r[2] == runs[0][2] for r in runs), runs  # the same losses on every rank
-        # The tp ranks of a stage hold the same names; the stages together hold the model.
-        assert runs[0][3] == runs[1][3] and runs[2][3] == runs[3][3]
-        assert names <= set(runs[0][3]) | set(runs[2][3]), names - set(runs[0][3] + runs[2][3])
-        # Memory: each rank holds 1/(dp x pp x tp) of the layers' projections ("shard"), or
+        # Rank (d, s, j) of the mesh is d * pp * tp + s * tp + j.
+        for stage in range(dp * pp):
+            held = [runs[stage * tp + j][3] for j in range(tp)]
+            assert all(h == held[0] for h in held), (stage, held)
+        together = {n for s in range(pp) for n in runs[s * tp][3]}
+        assert names <= together, names - together
+        # Memory: each rank holds 1/(dp x pp x tp) of what the rules shard ("shard"), or
         # 1/(pp x tp) (replicas hold it whole).
-        _, _, shape, mode, *_ = cases[i]
-        parts = shape[1] * shape[2] * (shape[0] if mode == "shard" else 1)
-        total = sum(p.numel() for n, p in model.named_parameters() if _is_proj(n))
-        assert all(r[4] * parts == total for r in runs), ([r[4] for r in runs], total, parts)
+        sharded = RULES[options[0].get("rules", "auto") if options else "auto"][1]
+        parts = pp * tp * (dp if mode == "shard" else 1)
+        total = sum(p.numel() for n, p in model.named_parameters() if sharded(n))
+        assert total and all(r[4] * parts == total for r in runs), ([r[4] for r in runs], total)
+
+
+@pytest.mark.parametrize(
+    "cases",
+    [
+        (
+            ("llama", "1f1b", (1, 2, 2), "replicate", {"rules": "mlp_whole"}),
+            ("opt", "1f1b", (1, 2, 2), "replicate", {"rules": "opt_mlp"}),
+        )
+    ],
+    ids=["mlp_whole-opt"],
+)
+def test_tp_rules_dict_matches_one_process(cases):
+    """A dict of HF rules: the MLP left whole (merged over Llama's own plan), and a model
+    without a plan (OPT) sharded by the dict alone."""
+    _check_layouts(cases, run_ranks(4, _tp_trains_like_one_process, cases, timeout=240))
+
+
+def _auto_and_its_dict(rank, world, steps=2):
+    """``tensor_parallel=dict(model.tp_plan)`` (the model's own rules, written out) trains
+    bit-identically to ``"auto"``: the same loss and the same gradient bits each step."""
+    pipes = {}
+    for rules in ("auto", "dict"):
+        model, layer_cls = _build("llama", seed=0)
+        pipe = px.PipelineModel(
+            model,
+            layer_cls=layer_cls,
+            num_microbatches=2,
+            mesh=_mesh(1, 2, 2),
+            tensor_parallel="auto" if rules == "auto" else dict(model.tp_plan),
+            timeout=60,
+        )
+        pipes[rules] = (pipe, torch.optim.AdamW(pipe.parameters(), **ADAM))
+    losses = []
+    for step in range(steps):
+        batch = make_batch(seed=step, batch=4)
+        out = {rules: pipe.run_train(**batch) for rules, (pipe, _) in pipes.items()}
+        assert torch.equal(out["auto"], out["dict"]), (step, out)
+        grads = {r: dict(p.named_parameters()) for r, (p, _) in pipes.items()}
+        assert list(grads["auto"]) == list(grads["dict"])
+        for name, p in grads["auto"].items():
+            q = grads["dict"][name]
+            assert type(p) is type(q), name
+            assert torch.equal(local_tensor(p.grad), local_tensor(q.grad)), (step, name)
+        for _, opt in pipes.values():
+            opt.step()
+            opt.zero_grad()
+        losses.append(float(out["auto"]))
+    return losses
+
+
+def test_tp_rules_equal_to_the_model_plan_are_bit_identical_to_auto():
+    out = run_ranks(4, _auto_and_its_dict, timeout=240)
+    assert all(o == out[0] for o in out), out
+
+
+def test_dp2_pp2_tp2_shard_matches_one_process():
+    """The issue's 3-D layout on 8 gloo ranks: dp=2 x pp=2 x tp=2, ``data_parallel="shard"``
+    (FSDP2 over the tp shards), Qwen3 (partial-gradient norms, a tie between the first and the
+    last stage) at its tiniest (2 layers, hidden 64, 4 heads, 2 key/value heads, 16 tokens),
+    2 microbatches per replica under ``1f1b``, three AdamW steps."""
+    cases = (("qwen3_tied", "1f1b", (2, 2, 2), "shard"),)
+    _check_layouts(cases, run_ranks(8, _tp_trains_like_one_process, cases, timeout=300))
+
+
+def _compiled_like_eager(rank, world, cases, steps=3):
+    """Per case (schedule, mesh shape, data_parallel): inductor-compiled stages on the mesh train
+    like the same pipeline eager (loss, every gradient and parameter within
+    ``tests/tolerances.py``'s bounds over three AdamW steps, then ``run_eval``'s loss), and
+    compile once: no graph after the first step, no recompile."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    graphs = []
+    for schedule, shape, data_parallel in cases:
+        torch._dynamo.reset()
+        pipes, told = [], []
+        for compiled in (True, False):
+            model, layer_cls = _build("llama", seed=0)
+            pipe = px.PipelineModel(
+                model,
+                layer_cls=layer_cls,
+                num_microbatches=2,
+                schedule=schedule,
+                mesh=_mesh(*shape),
+                tensor_parallel="auto" if shape[2] > 1 else None,
+                data_parallel=data_parallel,
+                compile=compiled,
+                timeout=120,
+            )
+            pipes.append((pipe, torch.optim.AdamW(pipe.parameters(), **ADAM)))
+        (pipe, opt), (eager, eager_opt) = pipes
+        seen = []
+        for step in range(steps):
+            where = f"{schedule} {shape} {data_parallel} step {step}"
+            batch = make_batch(seed=step, batch=4)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                loss, eager_loss = pipe.run_train(**batch), eager.run_train(**batch)
+            told += [str(w.message) for w in caught if "keeps one backward" in str(w.message)]
+            assert_close_compiled(loss, eager_loss, "loss", where)
+            named = dict(eager.named_parameters())
+            for name, p in pipe.named_parameters():
+                assert_close_compiled(
+                    full(p.grad), full(named[name].grad), "grad", f"{where} {name}"
+                )
+            for o in (opt, eager_opt):
+                o.step()
+                o.zero_grad()
+            for name, p in pipe.named_parameters():
+                assert_close_compiled(full(p), full(named[name]), "param", f"{where} {name}")
+            seen.append(int(counters["stats"]["unique_graphs"]))
+        assert seen[0] >= 1 and seen[1:] == [seen[0]] * (steps - 1), seen
+        assert pipe.recompiles == []
+        batch = make_batch(seed=9, batch=4)  # eval compiles graphs of its own (grad mode off)
+        out, eager_out = pipe.run_eval(**batch), eager.run_eval(**batch)
+        assert_close_compiled(out.loss, eager_out.loss, "loss", f"{schedule} {shape} eval")
+        graphs.append((seen, told))
+    return graphs
+
+
+@pytest.mark.compiled
+def test_compiled_stages_on_a_mesh_match_eager():
+    """pp=2 x tp=2 under ``zbh1`` (a split backward: the DTensor layers' DeviceMesh keeps the
+    stage's backward in one node, W runs nothing, with a warning) and dp=2 x tp=2 sharded
+    (FSDP2's hooks around the compiled stage)."""
+    cases = [("zbh1", (1, 2, 2), "replicate"), ("1f1b", (2, 1, 2), "shard")]
+    out = run_ranks(4, _compiled_like_eager, cases, timeout=600)
+    for rank in out:
+        (_, split_told), (_, plain_told) = rank
+        assert split_told and all("a graph input is a DeviceMesh" in m for m in split_told)
+        assert plain_told == []
 
 
 def _docs_block() -> str:
@@ -293,6 +462,19 @@ def _refusals(rank, world, tmp, docs_block):
             )
         },
         "in order": {"transport": "in_order"},
+        "compile checkpoint": {"compile": True, "checkpoint_layers": [1]},
+        # Dicts of rules (HF's semantics: keys relative to the model passed or its base model).
+        "rules style": {"tensor_parallel": {"model.layers.*.mlp.up_proj": "colwize"}},
+        "rules key": {"tensor_parallel": {"layers.*.mlp.upper_proj": "colwise"}},
+        "rules outside layers": {"tensor_parallel": {"lm_head": "colwise"}},
+        "rules empty": {"tensor_parallel": {}},
+        "rules parent": {"tensor_parallel": {"model.layers.*.mlp": "replicate"}},
+        "rules divide": {
+            "model": odd,
+            "layer_cls": type(odd.model.layers[0]),
+            "mesh": _mesh(1, 1, 4),
+            "tensor_parallel": {f"model.layers.*.mlp.{m}": "replicate" for m in _MLP[:2]},
+        },
     }.items():
         with pytest.raises((ValueError, NotImplementedError)) as e:
             wrap(**kw)
@@ -335,9 +517,27 @@ def test_docs_block_checkpoints_across_layouts_and_refusals(tmp_path):
     assert "does not divide by tp=4" in e["intermediate"]
     assert "NotImplementedError" in e["gathered styles"]
     assert "['colwise_gather_output', 'rowwise_split_input']" in e["gathered styles"]
-    assert "NotImplementedError: plan=... with tensor parallelism" in e["plan"]
+    # A plan made without tp (its costs a whole layer's) for a tp=2 pipeline.
+    assert "ValueError: the plan was made for tensor-parallel degree tp=1" in e["plan"]
+    assert "this pipeline has tp=2" in e["plan"]
     assert "transport='in_order' is not supported yet" in e["in order"]
+    assert "tensors_saved_with_vc_check to be Tensors" in e["compile checkpoint"]
     assert "tensor-parallel step handshake" in e["batch"]
+    assert (
+        "ValueError: tensor_parallel={...}: rule 'model.layers.*.mlp.up_proj': 'colwize' is not "
+        "an HF tensor-parallel style" in e["rules style"]
+    )
+    assert (
+        "key 'layers.*.mlp.upper_proj' names no module or parameter of LlamaForCausalLM or of "
+        "its base model" in e["rules key"]
+    )
+    assert "rule 'lm_head': 'colwise' is outside the decoder layers" in e["rules outside layers"]
+    assert "has no rule that shards its decoder layers" in e["rules empty"]
+    assert "rule 'model.layers.*.mlp': 'replicate' does not cover" in e["rules parent"]
+    assert (
+        "layers.0.mlp.down_proj.weight (rowwise) has size 130 in dim 1, which does not divide "
+        "by tp=4" in e["rules divide"]
+    )
 
 
 def _one_dies_in_a_tp_collective(rank, world):

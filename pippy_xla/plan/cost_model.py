@@ -64,6 +64,9 @@ class ModelProfile:
     microbatch_size: int
     seq_len: int
     dtype: str
+    tp_size: int = 1
+    """The tensor-parallel degree the decoder layers were profiled at: their costs are a tp
+    rank's (see [Note: planning under tensor parallelism] in :mod:`pippy_xla.plan.profiler`)."""
 
     def problem(
         self,
@@ -167,6 +170,9 @@ class PlanInfeasibleError(ValueError):
     def __init__(self, message: str, min_memory_limit: list[int]) -> None:
         super().__init__(message)
         self.min_memory_limit = min_memory_limit
+
+    def __reduce__(self):  # pickled whole (a plan's error is broadcast to every rank)
+        return type(self), (str(self), self.min_memory_limit)
 
 
 def inflight_counts(schedule: str, num_stages: int, num_microbatches: int) -> list[int]:

@@ -37,7 +37,7 @@ from pippy_xla.plan.cost_model import (
     inflight_counts,
     solve,
 )
-from pippy_xla.plan.profiler import profile_model
+from pippy_xla.plan.profiler import Sharding, profile_model
 from pippy_xla.split.partition import LayerCls
 from pippy_xla.units import format_bytes, parse_bytes
 
@@ -116,6 +116,10 @@ class Plan:
     time_unit: str = "s"
     chunks: int = 1
     """Stages per rank (interleaved: 2 or more)."""
+    tp_size: int = 1
+    """The tensor-parallel degree it was made for: its costs are a tp rank's, and a pipeline
+    with another ``tp`` refuses it (see [Note: planning under tensor parallelism] in
+    :mod:`pippy_xla.plan.profiler`)."""
     meta: dict = field(default_factory=dict)
     """Free-form provenance (model name, dtype, ...)."""
 
@@ -152,6 +156,7 @@ class Plan:
             + f", {self.num_microbatches} microbatches: bottleneck rank "
             f"{self.bottleneck_time * scale:.3f} {unit}/microbatch, simulated step "
             f"{self.step_time * scale:.3f} {unit}; checkpointed layers {self.checkpoint_layers}"
+            + (f"; per tp rank of {self.tp_size}" if self.tp_size > 1 else "")
         )
         return "\n".join(rows)
 
@@ -286,6 +291,7 @@ def plan(
     profile: ModelProfile | None = None,
     repeats: int = 5,
     input_names: Sequence[str] = ("input_ids", "attention_mask"),
+    tensor_parallel: Sharding | None = None,
 ) -> Plan:
     """Chooses layers and checkpointed layers per stage for ``model`` under ``memory_limit``.
 
@@ -295,53 +301,82 @@ def plan(
             stack: see :class:`~pippy_xla.PipelineModel`).
         num_stages: pipeline stages: ranks x ``chunks``.
         num_microbatches: microbatches per step.
-        batch_size: global batch size (divisible by ``num_microbatches``).
-        seq_len: sequence length.
+        batch_size, seq_len: the global batch's shape (``batch_size`` divides by microbatches).
         memory_limit: bytes per rank (``int``, ``"20MiB"``, or one per rank).
         schedule: any of :data:`pippy_xla.plan.cost_model.PLANNED_SCHEDULES` (``"1f1b"``,
             ``"gpipe"``, ``"interleaved"``, ``"zbh1"``); it sets what each rank holds when.
-        chunks: stages per rank (default: the schedule's, 2 for ``"interleaved"``). With
-            several stages per rank the layers split into equal ranges, as the pipeline runs
-            them, and the plan chooses the checkpointed layers.
+        chunks: stages per rank (default: the schedule's, 2 for ``"interleaved"``); several
+            split the layers into equal ranges, and the plan chooses the checkpointed layers.
         allow_checkpoint: False plans layer ranges only.
         profile: a precomputed :func:`profile_model` result (default: profile now).
         repeats: timing runs for the profiler.
-        input_names: the batch inputs the model is profiled with (the pipeline's
-            ``PipelineConfig.input_names``).
+        input_names: the batch inputs to profile with (``PipelineConfig.input_names``).
+        tensor_parallel: ``pippy_xla.LayerSharding(mesh)`` on a ``(dp, pp, tp)`` mesh: stages
+            over ``pp`` with a tp rank's costs; a collective over the mesh, the first rank's plan
+            every rank's ([Note: planning under tensor parallelism] in ``plan/profiler.py``).
 
     Raises:
         PlanInfeasibleError: nothing fits; the message names the smallest limit that would.
     """
     chunks, ranks = _layout(schedule, num_stages, chunks)
-    profile = _profile_for(
-        model, layer_cls, profile, batch_size, num_microbatches, seq_len, repeats, input_names
-    )
-    result = _plan_from_profile(
-        profile,
-        schedule=schedule,
-        num_stages=num_stages,
-        num_microbatches=num_microbatches,
-        chunks=chunks,
-        limits=_limits(memory_limit, ranks),
-        allow_checkpoint=allow_checkpoint,
-        shape=(batch_size, seq_len),
-        model_name=type(model).__name__,
-    )
-    logger.info("plan:\n%s", result.table())
-    return result
+
+    def make() -> Plan:
+        shape = (batch_size, num_microbatches, seq_len)
+        prof = _profile_for(model, layer_cls, profile, shape, repeats, input_names, tensor_parallel)
+        return _plan_from_profile(
+            prof,
+            schedule=schedule,
+            num_stages=num_stages,
+            num_microbatches=num_microbatches,
+            chunks=chunks,
+            limits=_limits(memory_limit, ranks),
+            allow_checkpoint=allow_checkpoint,
+            shape=(batch_size, seq_len),
+            model_name=type(model).__name__,
+        )
+
+    return make() if tensor_parallel is None else _agreed_plan(tensor_parallel, make)
+
+
+def _agreed_plan(sharding: Sharding, make: Callable[[], Plan]) -> Plan:
+    """``make()``'s plan on ``sharding.first_rank``, made on the profiling ranks (its tp
+    group) and broadcast to every rank of the job; its error is raised on every rank."""
+    import pickle
+
+    import torch.distributed as dist
+
+    shared: list = [None]
+    error: Exception | None = None
+    try:
+        result = make() if sharding.profiles else None
+        shared = [("plan", result.to_json() if result is not None else None)]
+    except Exception as e:  # raised on every rank, not left to the ones that wait
+        error = e
+        try:
+            shared = [("error", pickle.loads(pickle.dumps(e)))]
+        except Exception:  # not picklable: its type and message
+            shared = [("error", RuntimeError(f"{type(e).__name__}: {e}"))]
+    dist.broadcast_object_list(shared, src=sharding.first_rank)
+    kind, value = shared[0]
+    if kind == "plan":
+        return Plan.from_json(value)
+    if error is not None:
+        raise error
+    raise value
 
 
 def _profile_for(
     model: nn.Module,
     layer_cls: LayerCls,
     profile: ModelProfile | None,
-    batch_size: int,
-    num_microbatches: int,
-    seq_len: int,
+    shape: tuple[int, int, int],
     repeats: int,
     input_names: Sequence[str],
+    sharding: Sharding | None,
 ) -> ModelProfile:
-    """``profile``, or the model profiled at the plan's microbatch shape."""
+    """``profile``, or the model profiled at the plan's microbatch shape (``shape``: batch size,
+    microbatches, sequence length)."""
+    batch_size, num_microbatches, seq_len = shape
     if batch_size % num_microbatches:
         raise ValueError(
             f"batch_size {batch_size} is not divisible by num_microbatches {num_microbatches}"
@@ -355,6 +390,7 @@ def _profile_for(
         seq_len=seq_len,
         repeats=repeats,
         input_names=input_names,
+        tensor_parallel=sharding,
     )
 
 
@@ -371,12 +407,12 @@ def _plan_from_profile(
     model_name: str,
 ) -> Plan:
     """The solved plan for ``profile`` (the arguments as :func:`plan` checked them; ``shape``:
-    batch size and sequence length)."""
+    batch size and sequence length), logged."""
     ranges = _fixed_ranges(profile, schedule, num_stages, chunks)
     problem = profile.problem(
         schedule, num_stages, num_microbatches, limits, allow_checkpoint, chunks, ranges
     )
-    return _make_plan(
+    result = _make_plan(
         problem,
         solve(problem).stages,
         schedule,
@@ -384,8 +420,11 @@ def _plan_from_profile(
         chunks,
         batch_size=shape[0],
         seq_len=shape[1],
+        tp_size=profile.tp_size,
         meta={"model": model_name, "dtype": profile.dtype},
     )
+    logger.info("plan:\n%s", result.table())
+    return result
 
 
 def _fixed_ranges(
@@ -439,4 +478,4 @@ def evaluate(
     ck = set(checkpoint_layers)
     per_stage = [[k for k in range(a, b) if k in ck] for a, b in layer_ranges]
     stages = evaluate_stages(problem, layer_ranges, per_stage)
-    return _make_plan(problem, stages, schedule, num_microbatches, chunks)
+    return _make_plan(problem, stages, schedule, num_microbatches, chunks, tp_size=profile.tp_size)

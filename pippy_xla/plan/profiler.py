@@ -13,6 +13,7 @@ import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.utils.checkpoint
@@ -20,7 +21,7 @@ from torch import nn
 
 from pippy_xla._native import _C
 from pippy_xla.plan.cost_model import LayerCost, ModelProfile, StageExtra
-from pippy_xla.split.hf import input_rows, text_vocab_size
+from pippy_xla.split.hf import input_rows, patch_loss_function, text_vocab_size
 from pippy_xla.split.partition import (
     LayerCls,
     UnsupportedModelError,
@@ -29,12 +30,51 @@ from pippy_xla.split.partition import (
     layer_classes,
 )
 
-__all__ = ["ADAMW_STATES", "SavedBytes", "profile_model"]
+__all__ = ["ADAMW_STATES", "Sharding", "SavedBytes", "profile_model"]
 
 logger = logging.getLogger(__name__)
 
 ADAMW_STATES = 2
 """Optimizer-state tensors per parameter (AdamW: ``exp_avg`` and ``exp_avg_sq``)."""
+
+
+class Sharding(Protocol):
+    """[Note: planning under tensor parallelism]
+
+    A tensor-parallel pipeline shards each stage's decoder layers over the mesh's ``tp`` ranks
+    (see [Note: pipeline x tensor parallel] in ``runtime/tensor_parallel.py``), so a layer's
+    costs are a tp rank's: its time includes the layer's collectives, its static bytes are the
+    rank's shard (parameters, gradients and optimizer state: ``1/tp`` of each sharded projection
+    plus the whole replicated norms), its saved and transient bytes those of the sharded layer.
+    The profiler measures exactly that: given a sharding (``pippy_xla.LayerSharding(mesh)``, the
+    runtime's, which applies the same HF rules as the build), it shards a copy of the model's
+    decoder layers (or the stand-in's, see [Note: profiling a meta model]) and runs the model on
+    the ``tp`` ranks of the first pipeline position of the first replica together, the only
+    ranks that profile (their layers' collectives pair up). The embedding and the head stay
+    whole, as in the pipeline. Saved tensors and parameters are then DTensors: bytes are counted
+    on their local tensors.
+
+    :func:`pippy_xla.plan.planner.plan` solves for the pipeline dimension with those per-rank
+    costs; every tp rank of a stage holds the same shard sizes, so one rank's plan serves them
+    all. The first profiling rank plans and broadcasts its plan (or its error) to every rank of
+    the job: the ranks of a mesh all build the same partition (``Plan.tp_size`` records the
+    degree, and a pipeline with another one refuses the plan). A ``profile=`` passed to
+    ``plan`` serves the first rank only; give it to every profiling rank or to none (a profiling
+    rank without one profiles, which needs its tp peers to profile too).
+
+    This protocol is what the plan wing needs of a sharding (it imports nothing from the
+    runtime)."""
+
+    size: int
+    """The tensor-parallel degree."""
+    profiles: bool
+    """Whether this rank profiles."""
+    first_rank: int
+    """The job rank whose plan every rank takes (a profiling rank)."""
+
+    def shard(self, model: nn.Module, layer_names: Sequence[str]) -> None:
+        """Shards ``model``'s decoder layers ``layer_names`` in place (a collective over the
+        profiling ranks)."""
 
 
 class SavedBytes:
@@ -62,7 +102,7 @@ class SavedBytes:
             return t
         if key not in self.owner:
             self.owner[key] = self.region
-            self.sizes[key] = t.untyped_storage().nbytes()
+            self.sizes[key] = _local(t).untyped_storage().nbytes()
         self._holders[key] = self._holders.get(key, 0) + 1
         weakref.finalize(t, self._release, key, self._epoch)
         return t
@@ -102,8 +142,14 @@ class SavedBytes:
 
 
 def _storage_key(t: torch.Tensor) -> tuple:
+    t = _local(t)
     s = t.untyped_storage()
     return (t.device.type, s.data_ptr(), s.nbytes())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s local tensor if it is a DTensor (a tensor-parallel shard), else ``t``."""
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -149,7 +195,10 @@ def _layer_kind(layer: nn.Module) -> tuple:
 
 
 def _stand_in(
-    model: nn.Module, layer_cls: tuple[type[nn.Module], ...], device: torch.device
+    model: nn.Module,
+    layer_cls: tuple[type[nn.Module], ...],
+    device: torch.device,
+    sharding: Sharding | None = None,
 ) -> tuple[nn.Module, dict[int, int]]:
     """[Note: profiling a meta model]
 
@@ -165,7 +214,10 @@ def _stand_in(
     model allocates its own and leaves it behind, so a sharing layer's backward working set
     would count that gradient. The kind's last layer runs its backward first (the real way), so
     each layer reports its kind's last layer's backward working set: the second value returned
-    maps each layer to that layer (by index)."""
+    maps each layer to that layer (by index).
+
+    With a ``sharding`` the layers are sharded after the materialization, before the sharing (so
+    that every layer of a kind holds its representative's shards)."""
     from pippy_xla.split.materialize import materialize_tensors
 
     stand_in = copy.deepcopy(model)
@@ -182,6 +234,8 @@ def _stand_in(
         *(n for n, _ in stand_in.named_buffers(remove_duplicate=False)),
     ]
     materialize_tensors(stand_in, [n for n in tensors if not n.startswith(skip)], device)
+    if sharding is not None:
+        sharding.shard(stand_in, layer_names)
     for k, layer in enumerate(layers):
         rep = layers[sharing[k]]
         if rep is layer:
@@ -392,7 +446,10 @@ def _split_b(
     """One forward and the B of every segment from the top down; ``(segment, WeightWork)`` of
     each, the epilogue's (segment ``num``) first."""
     num = cuts.num
-    loss = _loss(model(**batch, use_cache=False))
+    with _loss_function_part(model) as parts:
+        result = model(**batch, use_cache=False)
+    loss = parts[-1] if len(parts) == 1 else _loss(result)
+    del result, parts
     grad, epi_work, rec, extra = _b_step(mem, loss, torch.ones_like(loss), cuts.leaves[num])
     out.epi_recorded = max(out.epi_recorded, rec)
     out.epi_b_transient = max(out.epi_b_transient, extra)
@@ -430,6 +487,29 @@ def _split_w(works: list, mem: _WorkingSets, out: _SplitCosts, *, timed: bool) -
                 out.w_time[k].append(seconds)
 
 
+@contextlib.contextmanager
+def _loss_function_part(model: nn.Module):
+    """Collects what ``model.loss_function`` returns inside the block (see [Note: terms added to
+    the loss] in ``split/hf.py``). A split backward is cut at the layers' hidden states; terms
+    a model adds to its loss function's loss read values inside the layers past those cuts (an
+    MoE's router losses read each layer's router logits, recorded by hooks), so the epilogue's
+    B would run through the layers' graphs and free what their own B and W need. The split
+    costs are measured on the loss function's part alone: the pipeline computes the added
+    terms beside it too, and their backward (into the routers) is small next to a layer's."""
+    parts: list[torch.Tensor] = []
+    fn = getattr(model, "loss_function", None)
+    if fn is None:
+        yield parts
+        return
+
+    def record(*args, **kwargs):  # the model may add in place (``loss += ...``): a copy
+        parts.append(fn(*args, **kwargs))
+        return parts[-1].clone()
+
+    with patch_loss_function(model, record):
+        yield parts
+
+
 def _loss(out) -> torch.Tensor:
     """The loss of an HF model's output (an object with ``.loss``, or fx's dict of it)."""
     return out.loss if hasattr(out, "loss") else out["loss"]
@@ -439,7 +519,13 @@ _CACHE: dict[str, ModelProfile] = {}
 
 
 def _cache_key(
-    model: nn.Module, layer_cls, mb: int, seq: int, dtype, repeats: int, inputs: Sequence[str]
+    model: nn.Module,
+    layer_cls,
+    shape: tuple[int, int],
+    dtype,
+    repeats: int,
+    inputs: Sequence[str],
+    tp_size: int,
 ) -> str:
     cfg = getattr(model, "config", None)
     desc = (
@@ -452,11 +538,11 @@ def _cache_key(
             type(model).__qualname__,
             class_names(layer_cls),
             desc,
-            mb,
-            seq,
+            *shape,
             str(dtype),
             repeats,
             list(inputs),
+            tp_size,
         ]
     )
 
@@ -473,54 +559,74 @@ def profile_model(
     cache: bool = True,
     device: torch.device | str | None = None,
     input_names: Sequence[str] = ("input_ids", "attention_mask"),
+    tensor_parallel: Sharding | None = None,
 ) -> ModelProfile:
-    """Profiles ``model`` on random batches of shape ``[microbatch_size, seq_len]`` for the
-    inputs ``input_names`` (the pipeline's ``PipelineConfig.input_names``; see
-    :func:`profile_batch`), in one process (no distributed needed).
+    """Profiles ``model`` on random ``[microbatch_size, seq_len]`` batches of ``input_names``
+    (``PipelineConfig.input_names``; see :func:`profile_batch`), in one process.
 
     Saved-for-backward bytes are counted with ``saved_tensors_hooks`` (deduplicated by storage,
     parameters excluded) over a whole forward with the loss, attributed to the region that first
     saved them: the prologue (before the first layer), each layer, the epilogue (after the last
-    layer, loss included), or "shared" (tensors passed to layers as keyword inputs: rotary
-    tables, masks). A checkpointed layer saves its positional inputs (measured on layer 0 under
+    layer, loss included), or "shared" (tensors passed to layers as keyword inputs: rotary tables,
+    masks). A checkpointed layer saves its positional inputs (measured on layer 0 under
     ``checkpoint(..., use_reentrant=False)``, and equal to the hidden-state input for every layer).
-    Times come from timestamps at layer boundaries during forward and backward (tensor hooks on
-    each layer's input and output) over ``repeats`` runs after a warm-up. Layers of one kind
-    (:func:`_layer_kind`: class, parameter shapes, attention kind) pool their samples and get
-    their median, so sliding-window and full-attention layers, or layers of different widths, are
-    timed apart while identical layers cost the same. Recomputation time is measured too: the same
-    runs with every layer checkpointed, timing each layer's forward when it runs again in backward.
-    For split-backward schedules (ZB-H1) a split backward of each layer and of the epilogue is
-    run as the engine runs it (:func:`_split_backward_costs`), plain and checkpointed: W's time,
-    the bytes kept from B to W, and the gradients B records for W and its working set.
-    Static bytes are parameter bytes times ``2 + optimizer_states`` (parameters, gradients, AdamW
-    state). Transient bytes are each region's largest working set during forward and backward (the
-    peak of live tensor bytes on top of what the region starts with and leaves behind: see
-    :class:`_WorkingSets`); on CPU this installs the counting allocator for the rest of the process.
-    Results are cached in memory per (model config, shape, dtype, inputs).
+    Times come from timestamps at layer boundaries during forward and backward (tensor hooks on each
+    layer's input and output) over ``repeats`` runs after a warm-up. Layers of one kind
+    (:func:`_layer_kind`: class, parameter shapes, attention kind) pool their samples (median).
+    Recomputation time is measured too: the same runs with every layer checkpointed, timing each
+    layer's forward when it runs again in backward. For split-backward schedules (ZB-H1) a split
+    backward of each layer and of the epilogue is run as the engine runs it
+    (:func:`_split_backward_costs`), plain and checkpointed: W's time, the bytes kept from B to W,
+    and the gradients B records for W and its working set. Static bytes are parameter bytes times
+    ``2 + optimizer_states`` (parameters, gradients, AdamW state). Transient bytes are each region's
+    largest working set during forward and backward (the peak of live tensor bytes on top of what
+    the region starts with and leaves behind: see :class:`_WorkingSets`); on CPU this installs the
+    counting allocator for the rest of the process.
+    Results are cached in memory per (model config, shape, dtype, inputs, tp degree).
 
     A model built on ``meta`` is profiled through a stand-in (see [Note: profiling a meta
     model]) on ``device`` (default: the CPU), so a model that fits on no single device can be
-    planned; a real model is profiled where it is (``device`` is ignored).
+    planned; a real model is profiled where it is (``device`` is ignored). With
+    ``tensor_parallel`` (``pippy_xla.LayerSharding(mesh)``) the layers are sharded over ``tp`` on
+    a copy, a collective ([Note: planning under tensor parallelism]).
     """
     _refuse_non_token_inputs(model, input_names)
     dtype = next(model.parameters()).dtype
     layer_cls = layer_classes(model, layer_cls)
-    key = _cache_key(model, layer_cls, microbatch_size, seq_len, dtype, repeats, input_names)
+    shape = (microbatch_size, seq_len)
+    tp_size = tensor_parallel.size if tensor_parallel is not None else 1
+    key = _cache_key(model, layer_cls, shape, dtype, repeats, input_names, tp_size)
     if cache and key in _CACHE:
         return _CACHE[key]
-    shared_backward: dict[int, int] = {}
-    if any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()]):
-        model, shared_backward = _stand_in(model, layer_cls, torch.device(device or "cpu"))
-    layers = [model.get_submodule(n) for n in find_layers(model, layer_cls)]
+    model, layers, shared_backward = _profiled_model(model, layer_cls, device, tensor_parallel)
     vocab_size = _config_vocab_size(model) if vocab_size is None else vocab_size
-    device = next(model.parameters()).device
-    batch = profile_batch(input_names, microbatch_size, seq_len, vocab_size, device)
+    batch = profile_batch(input_names, *shape, vocab_size, next(model.parameters()).device)
     measured = _measure(model, layer_cls, layers, batch, repeats)
     prof = _model_profile(measured, layers, batch, shared_backward, optimizer_states, dtype)
+    prof.tp_size = tp_size
     if cache:
         _CACHE[key] = prof
     return prof
+
+
+def _profiled_model(
+    model: nn.Module,
+    layer_cls: tuple[type[nn.Module], ...],
+    device: torch.device | str | None,
+    sharding: Sharding | None,
+) -> tuple[nn.Module, list[nn.Module], dict[int, int]]:
+    """The model to run: ``model`` itself, or its stand-in if it is on ``meta``; with a
+    ``sharding``, a copy with its decoder layers sharded. Its decoder layers, and
+    :func:`_stand_in`'s layer map."""
+    shared_backward: dict[int, int] = {}
+    if any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()]):
+        model, shared_backward = _stand_in(
+            model, layer_cls, torch.device(device or "cpu"), sharding
+        )
+    elif sharding is not None:
+        model = copy.deepcopy(model)
+        sharding.shard(model, find_layers(model, layer_cls))
+    return model, [model.get_submodule(n) for n in find_layers(model, layer_cls)], shared_backward
 
 
 def _refuse_non_token_inputs(model: nn.Module, input_names: Sequence[str]) -> None:
@@ -726,6 +832,11 @@ def _measure(
             h.remove()
         model.train(was_training)
         model.zero_grad(set_to_none=True)
+        # Layer 0's input holds (through its autograd node) a hook that holds ``hooks``: a cycle
+        # gc cannot see, which kept that input's graph (the embedding, a microbatch's hidden
+        # states) alive after profiling, counted in a later pipeline's peak on that rank.
+        hooks.args = None
+        hooks.kw.clear()
     return _Measured(runs, recompute, saved, ckpt_saved, used, split, split_ckpt, work, hooks)
 
 
@@ -885,7 +996,8 @@ class _StaticBytes:
 
 
 def _nbytes(params: Sequence[torch.Tensor]) -> int:
-    return sum(p.numel() * p.element_size() for p in params)
+    """Bytes held by this rank (a DTensor's local shard)."""
+    return sum(_local(p).numel() * p.element_size() for p in params)
 
 
 def _layer_costs(

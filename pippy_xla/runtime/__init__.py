@@ -8,7 +8,7 @@ from pippy_xla.runtime._build import BuiltPipeline, build
 from pippy_xla.runtime._step import EvalOutput, StepRunner
 from pippy_xla.runtime.data_parallel import DATA_PARALLEL_MODES
 from pippy_xla.runtime.failures import AbortChannel, FailureState
-from pippy_xla.runtime.tensor_parallel import TP_STYLES
+from pippy_xla.runtime.tensor_parallel import TP_STYLES, LayerSharding
 
 __all__ = [
     "DATA_PARALLEL_MODES",
@@ -16,6 +16,7 @@ __all__ = [
     "BuiltPipeline",
     "EvalOutput",
     "FailureState",
+    "LayerSharding",
     "StepRunner",
     "TP_STYLES",
     "build",

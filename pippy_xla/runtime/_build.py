@@ -177,15 +177,16 @@ def build(
     ranks (and the replicas, with a mesh). A configuration that does not fit the model or the
     process groups is a ``ValueError`` before any stage is materialized."""
     place = resolve_placement(config, group, mesh)
-    if place.tp_size > 1:
-        refuse_under_tp(config, place)
+    check_plan_tp(config, place)
     loss_fn = config.loss_fn if config.loss_fn is not None else default_loss(model)
     num_items_fn = config.num_items_fn or default_num_items(model)
     layer_names = find_layers(model, layer_classes(model, layer_cls))
-    tp_plan = layer_tp_plan(model, layer_names, place.tp_size) if place.tp_size > 1 else None
+    tp_plan = None
+    if place.tp_size > 1:
+        tp_plan = layer_tp_plan(model, layer_names, place.tp_size, config.tensor_parallel)
     layer_ranges, stages, train_schedule = _partition(model, layer_cls, config, place)
     local_stages = [stages[s] for s in train_schedule.stages_of(place.rank)]
-    build_key = check_ranks_agree(stages, config, place)
+    build_key = check_ranks_agree(stages, config, place, tp_plan)
     attach_transport(config, place)
     place.in_order = in_order_groups(config, place, train_schedule.stage_rank)
     tied = tied_names(model)  # before materializing replaces meta parameters
@@ -370,12 +371,6 @@ def resolve_placement(
             f"{config.tp_dim!r})); got no mesh"
         )
     if mesh is not None:
-        if config.compile:
-            raise ValueError(
-                "compile=True with a mesh (data or tensor parallel) is not supported yet: compiled "
-                "stages around FSDP2's hooks and DTensor layers are untested (issue 48); compile "
-                "a pipeline without mesh=..."
-            )
         groups = mesh_groups(mesh, config.pp_dim, config.dp_dim, group, config.tp_dim)
         group = groups.pp_group
         _check_tensor_parallel(config, groups)
@@ -407,6 +402,21 @@ def _check_tensor_parallel(config: PipelineConfig, groups: MeshGroups) -> None:
         )
 
 
+def check_plan_tp(config: PipelineConfig, place: Placement) -> None:
+    """What a tensor-parallel pipeline does not cover yet is refused, and a plan must have been
+    made for the pipeline's tp degree (its costs are a tp rank's: see [Note: planning under
+    tensor parallelism] in ``plan/profiler.py``)."""
+    if place.tp_size > 1:
+        refuse_under_tp(config, place)
+    made_for = config.plan.tp_size if config.plan is not None else place.tp_size
+    if made_for != place.tp_size:
+        raise ValueError(
+            f"the plan was made for tensor-parallel degree tp={made_for} but this pipeline has "
+            f"tp={place.tp_size}; plan with tensor_parallel=pippy_xla.LayerSharding(mesh) on "
+            "the pipeline's mesh (or without it for tp=1)"
+        )
+
+
 def refuse_under_tp(config: PipelineConfig, place: Placement) -> None:
     """Raises ``NotImplementedError`` for what a tensor-parallel pipeline does not cover yet."""
     if place.device.type != "cpu" or config.transport == "in_order":
@@ -416,10 +426,13 @@ def refuse_under_tp(config: PipelineConfig, place: Placement) -> None:
             "transfers matched in order (NCCL) are untested; use gloo on the CPU with "
             "transport='auto', 'shm' or 'process_group'"
         )
-    if config.plan is not None:
+    planned = config.plan.checkpoint_layers if config.plan is not None else []
+    if config.compile and (config.checkpoint_layers or planned):
         raise NotImplementedError(
-            "plan=... with tensor parallelism is not supported yet (issue 48): the planner does "
-            "not cost tensor-parallel layers (their time, memory and collectives per tp degree)"
+            "compile=True with checkpoint_layers under tensor parallelism is not supported yet "
+            "(issue 48): a checkpointed layer saves its DTensor parameters for the recompute, and "
+            "AOTAutograd (torch 2.13) accepts plain tensors only there ('expected all "
+            "tensors_saved_with_vc_check to be Tensors'); drop checkpoint_layers or compile=True"
         )
 
 
@@ -644,11 +657,15 @@ def in_order_groups(
 
 
 def check_ranks_agree(
-    stages: Sequence[StageGraph], config: PipelineConfig, place: Placement
+    stages: Sequence[StageGraph],
+    config: PipelineConfig,
+    place: Placement,
+    tp_plan: dict[str, str] | None = None,
 ) -> int:
     """Build-time handshake: every rank of the group must have built the same stage graphs with
-    the same schedule, microbatch count and inputs. Returns the 64-bit digest of them (a mesh's
-    replicas compare it too); raises ``RuntimeError`` saying what differs."""
+    the same schedule, microbatch count, inputs and tensor-parallel rules. Returns the 64-bit
+    digest of them (a mesh's replicas compare it too); raises ``RuntimeError`` saying what
+    differs."""
     digest = hashlib.sha256()
     for st in stages:
         digest.update(st.code.encode())
@@ -660,6 +677,7 @@ def check_ranks_agree(
         config.num_microbatches,
         list(config.input_names),
         config.transport,
+        digest64(repr(tp_plan).encode()) if tp_plan else None,
     )
     key = digest64(repr(mine).encode())
     rank = place.rank
@@ -672,8 +690,8 @@ def check_ranks_agree(
     for r, theirs in enumerate(everyone):
         if theirs != mine:
             raise RuntimeError(
-                f"[rank {rank}] rank {r} built a different pipeline: (graph digest, "
-                f"schedule, microbatches, inputs, transport) = {theirs} here {mine}; every rank "
+                f"[rank {rank}] rank {r} built a different pipeline: (graph digest, schedule, "
+                f"microbatches, inputs, transport, tp rules) = {theirs} here {mine}; every rank "
                 "must wrap the same model with the same arguments"
             )
     return key

@@ -41,9 +41,22 @@ no extra hop.
   DTensors (``"shard"`` makes 2-D shards), and the global norm counts a tensor replicated over
   ``tp`` on tp rank 0 only (:meth:`TensorParallel.counts_in_norm`, by the DTensor's ``tp``
   placement).
-- Refused at build, with one line naming the module and the numbers: a model without a plan, a
-  plan with no rule in the decoder layers, a style not covered yet, and a rule whose sharded
-  dimension (or the attention heads and key/value heads) does not divide by ``tp``.
+- Rules: ``tensor_parallel="auto"`` takes the model's plan as it is; a dict is merged over it
+  the way HF merges ``DistributedConfig(tp_plan={...})`` (:func:`merge_tp_rules`: keys like
+  ``model.tp_plan``'s, an equal key overrides, a new key adds, ``"replicate"`` keeps a module
+  whole, ``{}`` applies nothing), so a model without a plan can be sharded by hand too. What a
+  rule cannot see is the model's code: a ``colwise`` projection must feed a module that reshapes
+  by ``-1`` heads (HF's Llama-style attention, any MLP), not by ``config.num_attention_heads``.
+- Plans: the planner profiles decoder layers sharded by the same functions
+  (:func:`layer_tp_plan`, :func:`shard_layers`, through :class:`LayerSharding`), so a plan's
+  layer costs are a tp rank's, collectives included; a plan made for another tp degree is refused
+  (see [Note: planning under tensor parallelism] in ``plan/profiler.py``).
+- Refused at build, on every rank alike, with one line naming the module and the numbers: a
+  model without a plan (``"auto"``), a plan with no rule that shards the decoder layers, a style
+  HF does not know, a dict key that names nothing in the model, changes a rule outside the
+  decoder layers or replicates a module whose children keep sharding rules, a style not covered
+  yet, and a rule whose sharded dimension (or the attention heads and key/value heads) does not
+  divide by ``tp``.
 """
 
 from __future__ import annotations
@@ -59,8 +72,11 @@ from pippy_xla.split.partition import UnsupportedModelError
 
 __all__ = [
     "TP_STYLES",
+    "LayerSharding",
     "TensorParallel",
     "layer_tp_plan",
+    "merge_tp_rules",
+    "shard_layers",
 ]
 
 _COLWISE = ("colwise",)
@@ -68,6 +84,7 @@ _ROWWISE = ("rowwise",)
 _PACKED_COLWISE = ("packed_colwise",)
 _PARTIAL_GRAD = "replicated_with_grad_allreduce"
 _MOE = ("moe_tp_experts",)
+_REPLICATE = "replicate"
 TP_STYLES = (*_COLWISE, *_ROWWISE, *_PACKED_COLWISE, *_MOE, _PARTIAL_GRAD)
 """The HF tensor-parallel styles a pipeline applies (those its tests cover); a plan with another
 style inside the decoder layers is refused at build."""
@@ -85,36 +102,145 @@ def _text_config(model: nn.Module):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def layer_tp_plan(model: nn.Module, layer_names: Sequence[str], tp_size: int) -> dict[str, str]:
-    """The model's own HF tensor-parallel plan expanded over its decoder layers ``layer_names``
-    (every layer of the model, so that every rank checks the same): concrete module and
-    parameter names -> HF style. Raises ``UnsupportedModelError`` for a model without a plan,
-    ``NotImplementedError`` for a style not covered yet and ``ValueError`` for a rule that does
-    not divide by ``tp_size``; each in one line naming the module and the numbers."""
+def layer_tp_plan(
+    model: nn.Module,
+    layer_names: Sequence[str],
+    tp_size: int,
+    rules: str | dict[str, str] = "auto",
+) -> dict[str, str]:
+    """The tensor-parallel plan over the decoder layers ``layer_names`` (every layer of the model,
+    so that every rank checks the same): concrete module and parameter names -> HF style.
+    ``rules``: ``"auto"`` (the model's own HF plan, ``model.tp_plan``) or a dict merged over it
+    as HF merges ``DistributedConfig(tp_plan={...})`` (:func:`merge_tp_rules`). Raises
+    ``UnsupportedModelError`` for a model without a plan (``"auto"``) or without a rule that
+    shards its layers, ``ValueError`` for a bad rule or a size that does not divide by
+    ``tp_size``, ``NotImplementedError`` for a style not covered yet; each in one line naming
+    the module and the numbers."""
     name = type(model).__name__
-    plan = getattr(model, "tp_plan", None)
-    if not plan or not hasattr(model, "_expand_parallel_plan"):
-        raise UnsupportedModelError(
-            f"tensor_parallel='auto': {name} has no HF tensor-parallel plan "
-            "(config.base_model_tp_plan is empty); use a mesh without a 'tp' dim (or of size 1)"
-        )
+    label = _label(rules)
+    if rules == "auto":
+        plan = dict(getattr(model, "tp_plan", None) or {})
+        if not plan:
+            layers = layer_names[0].rpartition(".")[0]
+            raise UnsupportedModelError(
+                f"{label}: {name} has no HF tensor-parallel plan (config.base_model_tp_plan is "
+                f"empty); pass HF rules, tensor_parallel={{'{layers}.*.<module>': 'colwise', "
+                "...}, or use a mesh without a 'tp' dim (or of size 1)"
+            )
+    else:
+        plan = merge_tp_rules(model, rules, layer_names)
     prefixes = tuple(f"{n}." for n in layer_names)
-    expanded = model._expand_parallel_plan(dict(plan))
-    inside = {k: v for k, v in expanded.items() if k.startswith(prefixes)}
+    inside = {
+        k: v
+        for k, v in _expand(model, plan).items()
+        if k.startswith(prefixes) and v != _REPLICATE  # HF's "replicate" does nothing
+    }
     if not inside:
         raise UnsupportedModelError(
-            f"tensor_parallel='auto': {name}'s tp plan {dict(plan)} has no rule inside its "
-            f"decoder layers ({layer_names[0]}, ...); nothing to shard over tp={tp_size}"
+            f"{label}: {name}'s tp plan {plan} has no rule that shards its decoder layers "
+            f"({layer_names[0]}, ...); nothing to shard over tp={tp_size}"
         )
     odd = sorted({v for v in inside.values() if v not in TP_STYLES})
     if odd:
         where = next(k for k, v in inside.items() if v == odd[0])
         raise NotImplementedError(
-            f"tensor_parallel='auto': {name}'s tp plan uses style(s) {odd} (e.g. {where}), which "
-            f"the pipeline does not apply yet (issue 48); covered: {list(TP_STYLES)}"
+            f"{label}: {name}'s tp plan uses style(s) {odd} (e.g. {where}), which the pipeline "
+            f"does not apply yet (issue 48); covered: {list(TP_STYLES)} and {_REPLICATE!r}"
         )
-    _check_divides(model, inside, tp_size)
+    _check_divides(model, inside, tp_size, label)
     return inside
+
+
+def _label(rules: str | dict[str, str]) -> str:
+    """How errors name the ``tensor_parallel`` argument."""
+    return f"tensor_parallel={rules!r}" if isinstance(rules, str) else "tensor_parallel={...}"
+
+
+def _expand(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """HF's ``_expand_parallel_plan``: ``plan``'s keys with ``*`` replaced by the layer indices,
+    one entry per module and per parameter (HF's method reads only ``named_modules``, so it
+    serves a module that is not a ``PreTrainedModel`` too)."""
+    from transformers.distributed.mixin import DistributedMixin
+
+    return DistributedMixin._expand_parallel_plan(model, plan)
+
+
+def merge_tp_rules(
+    model: nn.Module, rules: dict[str, str], layer_names: Sequence[str]
+) -> dict[str, str]:
+    """The model's own plan with ``rules`` merged over it, with HF's semantics
+    (``DistributedConfig(tp_plan=rules)``, ``_resolve_parallel_plans``): keys name modules or
+    parameters relative to the model passed, as ``model.tp_plan``'s do, or to its base model, as
+    ``config.base_model_tp_plan``'s do (:func:`_relative_to_model`), with ``*`` for a layer
+    index; a key of the model's plan is overridden, a new key adds a rule, ``"replicate"`` keeps
+    a module whole (HF's way to drop a rule), and an empty dict applies no rule. Raises
+    ``ValueError`` (one line, naming the rule) for a style HF does not know, a key that names
+    nothing in the model, and a rule outside the decoder layers that changes the model's own
+    (those modules stay whole: see [Note: pipeline x tensor parallel])."""
+    from transformers.distributed.parallel_utils import (
+        ALL_PARALLEL_STYLES,
+        replace_layer_number_by_wildcard,
+    )
+
+    name = type(model).__name__
+    own = dict(getattr(model, "tp_plan", None) or {})
+    names = {
+        replace_layer_number_by_wildcard(n)
+        for n, _ in [*model.named_modules(), *model.named_parameters()]
+    }
+    prefixes = tuple(f"{n}." for n in layer_names)
+    rules = _relative_to_model(model, rules, names | set(own))
+    for key, style in rules.items():
+        if not isinstance(style, str) or style not in ALL_PARALLEL_STYLES:
+            raise ValueError(
+                f"tensor_parallel={{...}}: rule {key!r}: {style!r} is not an HF tensor-parallel "
+                f"style; HF's: {list(ALL_PARALLEL_STYLES)} ('replicate' keeps a module whole)"
+            )
+        if key not in names and key not in own:
+            raise ValueError(
+                f"tensor_parallel={{...}}: key {key!r} names no module or parameter of {name} "
+                "or of its base model; keys are relative to the model passed (like "
+                "model.tp_plan's) or to its base model (like config.base_model_tp_plan's), with "
+                f"* for the layer index (e.g. '{layer_names[0].rpartition('.')[0]}.*...')"
+            )
+        outside = not any(k.startswith(prefixes) for k in _expand(model, {key: style}))
+        if outside and style not in (own.get(key), _REPLICATE):
+            raise ValueError(
+                f"tensor_parallel={{...}}: rule {key!r}: {style!r} is outside the decoder layers "
+                f"({layer_names[0]}, ...); the pipeline applies rules inside them only "
+                "(embeddings, norms and head stay whole on every tp rank): drop the rule"
+            )
+    merged = own | rules if rules else {}
+    _check_replicate_covers(rules, merged)
+    return merged
+
+
+def _check_replicate_covers(rules: dict[str, str], merged: dict[str, str]) -> None:
+    """A ``"replicate"`` rule of ``rules`` whose module's children keep sharding rules: HF's rules
+    name modules one by one, so it would keep nothing whole; refused (``ValueError``) rather
+    than run differently from what it says."""
+    for key, style in rules.items():
+        inner = [k for k, v in merged.items() if k.startswith(f"{key}.") and v != _REPLICATE]
+        if style == _REPLICATE and inner:
+            raise ValueError(
+                f"tensor_parallel={{...}}: rule {key!r}: 'replicate' does not cover the rules of "
+                f"its children ({inner[0]!r}: {merged[inner[0]]!r}, ...): HF's rules name modules "
+                "one by one; set 'replicate' on each of them"
+            )
+
+
+def _relative_to_model(model: nn.Module, rules: dict[str, str], names: set[str]) -> dict:
+    """``rules`` with keys written relative to the base model (``config.base_model_tp_plan``'s
+    way: ``layers.*.mlp.up_proj``) prefixed with its name in the model passed
+    (``model.layers.*.mlp.up_proj``, ``model.tp_plan``'s way); keys that name something as
+    written stay as they are."""
+    prefix = getattr(model, "base_model_prefix", "")
+    if not prefix or not hasattr(model, prefix):
+        return dict(rules)
+    return {
+        (f"{prefix}.{k}" if k not in names and f"{prefix}.{k}" in names else k): v
+        for k, v in rules.items()
+    }
 
 
 def _sharded_dim(style: str, param: torch.Tensor) -> tuple[int, int] | None:
@@ -130,7 +256,7 @@ def _sharded_dim(style: str, param: torch.Tensor) -> tuple[int, int] | None:
     return None
 
 
-def _check_divides(model: nn.Module, plan: dict[str, str], tp_size: int) -> None:
+def _check_divides(model: nn.Module, plan: dict[str, str], tp_size: int, label: str) -> None:
     """Every sharded dimension, and the attention heads when a projection is sharded, divide by
     ``tp_size``."""
     config = _text_config(model)
@@ -139,7 +265,7 @@ def _check_divides(model: nn.Module, plan: dict[str, str], tp_size: int) -> None
             heads = getattr(config, field, None)
             if isinstance(heads, int) and heads % tp_size:
                 raise ValueError(
-                    f"tensor_parallel='auto': {type(config).__name__}.{field}={heads} does not "
+                    f"{label}: {type(config).__name__}.{field}={heads} does not "
                     f"divide by tp={tp_size}; choose a tp size that divides it"
                 )
     modules = dict(model.named_modules())
@@ -149,7 +275,7 @@ def _check_divides(model: nn.Module, plan: dict[str, str], tp_size: int) -> None
         if module is not None:
             if style in (*_COLWISE, *_ROWWISE) and not isinstance(module, nn.Linear):
                 raise NotImplementedError(
-                    f"tensor_parallel='auto': {key} is a {type(module).__name__} under style "
+                    f"{label}: {key} is a {type(module).__name__} under style "
                     f"{style!r}; the pipeline applies {style!r} to nn.Linear only yet (issue 48)"
                 )
             continue
@@ -162,7 +288,7 @@ def _check_divides(model: nn.Module, plan: dict[str, str], tp_size: int) -> None
         if size % (tp_size * factor):
             by = f"tp={tp_size}" if factor == 1 else f"{factor} x tp={tp_size}"
             raise ValueError(
-                f"tensor_parallel='auto': {key} ({style}) has size {size} in dim "
+                f"{label}: {key} ({style}) has size {size} in dim "
                 f"{dim % param.ndim}, which does not divide by {by}; choose a tp size that "
                 "divides it"
             )
@@ -187,8 +313,6 @@ class TensorParallel:
         ``plan``: :func:`layer_tp_plan`'s; ``modules``: the local stage modules (their values are
         copied from tp rank 0 before sharding); ``build_key``: the digest of this rank's
         pipeline, which the tp ranks must agree on before any tensor is exchanged."""
-        from transformers.distributed.tensor_parallel import apply_tensor_parallelism
-
         self.mesh = groups.tp_mesh
         self._dim = self.mesh.mesh_dim_names[0]
         self.rank: int = groups.tp_rank
@@ -199,28 +323,21 @@ class TensorParallel:
         if not self.agree(build_key, f"[tp {self.rank}] tensor-parallel build handshake"):
             raise RuntimeError(
                 f"[tp {self.rank}] the ranks on the mesh's tensor-parallel dimension built "
-                "different pipelines (model, layer ranges, schedule, microbatches or inputs "
-                "differ); every rank must wrap the same model with the same arguments"
+                "different pipelines (model, layer ranges, schedule, microbatches, inputs or "
+                "tensor-parallel rules differ); every rank must wrap the same model with the "
+                "same arguments"
             )
         for module in modules:
             self._sync_from_first(module)
-        prefixes = tuple(f"{n}." for n in local_layer_names)
-        mine = {k: v for k, v in plan.items() if k.startswith(prefixes)}
-        named = dict(model.named_modules())
-        self._partial_modules: list[nn.Module] = [
-            named[k] for k, v in mine.items() if v == _PARTIAL_GRAD and k in named
-        ]
+        self._partial_modules: list[nn.Module] = shard_layers(
+            model, self.mesh, plan, local_layer_names
+        )
         """Modules whose (replicated) parameters get partial gradients over ``tp``, summed
         after a step's last backward; their parameters are looked up at each step (data
         parallelism replaces them with its own after this)."""
-        apply_tensor_parallelism(
-            model, self.mesh, {k: v for k, v in mine.items() if v != _PARTIAL_GRAD}
-        )
 
     def _sync_from_first(self, module: nn.Module) -> None:
-        with torch.no_grad():
-            for name, t in [*module.named_parameters(), *module.named_buffers()]:
-                t.copy_(self.from_first(t.detach(), f"tensor-parallel start: broadcast of {name}"))
+        copy_from_first(module, self._group_name, self._timeout_ms)
 
     def from_first(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
         """Tp rank 0's ``tensor`` (a broadcast over the tp ranks)."""
@@ -273,3 +390,81 @@ class TensorParallel:
             if self._dim in names and not p.placements[names.index(self._dim)].is_replicate():
                 return True
         return self.rank == 0
+
+
+def shard_layers(
+    model: nn.Module, tp_mesh, plan: dict[str, str], layer_names: Sequence[str]
+) -> list[nn.Module]:
+    """Applies the rules of ``plan`` (:func:`layer_tp_plan`'s) that fall inside the decoder
+    layers ``layer_names`` to ``model`` over the 1-D ``tp_mesh``, by HF's
+    ``apply_tensor_parallelism``. The ``replicated_with_grad_allreduce`` rules are not installed
+    (see [Note: pipeline x tensor parallel]): returns their modules, whose gradients the caller
+    sums."""
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    prefixes = tuple(f"{n}." for n in layer_names)
+    mine = {k: v for k, v in plan.items() if k.startswith(prefixes)}
+    named = dict(model.named_modules())
+    partial = [named[k] for k, v in mine.items() if v == _PARTIAL_GRAD and k in named]
+    apply_tensor_parallelism(model, tp_mesh, {k: v for k, v in mine.items() if v != _PARTIAL_GRAD})
+    return partial
+
+
+def copy_from_first(module: nn.Module, group_name: str, timeout_ms: int) -> None:
+    """Copies tp rank 0's values into ``module``'s parameters and buffers (those not on
+    ``meta``), a broadcast over the tp group ``group_name``."""
+    with torch.no_grad():
+        for name, t in [*module.named_parameters(), *module.named_buffers()]:
+            if t.device.type == "meta":
+                continue
+            what = f"tensor-parallel start: broadcast of {name}"
+            t.copy_(_C.broadcast_copy(t.detach(), 0, group_name, timeout_ms, what))
+
+
+class LayerSharding:
+    """The planner's view of a ``(dp, pp, tp)`` mesh: the profiler measures decoder layers
+    sharded as a tensor-parallel pipeline shards them, on the ``tp`` ranks of the first pipeline
+    position of the first replica, and the first rank's plan is every rank's. See [Note:
+    planning under tensor parallelism] in :mod:`pippy_xla.plan.profiler`."""
+
+    def __init__(
+        self,
+        mesh,
+        *,
+        dp_dim: str = "dp",
+        pp_dim: str = "pp",
+        tp_dim: str = "tp",
+        timeout: float = _C.DEFAULT_TIMEOUT_MS / 1000,
+        rules: str | dict[str, str] = "auto",
+    ) -> None:
+        """``mesh``: the ``DeviceMesh`` the pipeline will be built on (its dims named as
+        ``PipelineConfig``'s ``dp_dim``, ``pp_dim`` and ``tp_dim``); ``timeout``: seconds a
+        broadcast of the profiled layers' values may take; ``rules``: the pipeline's
+        ``tensor_parallel`` (``"auto"`` or a dict of HF rules), so that the profiled layers are
+        sharded as the pipeline's will be."""
+        import torch.distributed as dist
+
+        from pippy_xla.runtime.data_parallel import mesh_groups
+
+        groups = mesh_groups(mesh, pp_dim, dp_dim, None, tp_dim)
+        if groups.tp_mesh is None:
+            raise ValueError(f"LayerSharding needs a mesh with a {tp_dim!r} dim; got {mesh}")
+        self._mesh = groups.tp_mesh
+        self._group_name = groups.tp_group.group_name
+        self._timeout_ms = int(timeout * 1000)
+        self._rules = rules
+        self.size: int = groups.tp_size
+        """The tensor-parallel degree."""
+        self.rank: int = groups.tp_rank
+        self.profiles: bool = groups.dp_rank == 0 and dist.get_rank(groups.pp_group) == 0
+        """Whether this rank profiles (the tp ranks of the first stage of the first replica)."""
+        self.first_rank: int = int(mesh.mesh.flatten()[0])
+        """The job rank whose plan every rank takes."""
+
+    def shard(self, model: nn.Module, layer_names: Sequence[str]) -> None:
+        """Shards ``model``'s decoder layers ``layer_names`` in place over the ``tp`` ranks, as
+        the pipeline's build does (their values tp rank 0's; layers on ``meta`` stay there); a
+        collective over the ``tp`` ranks."""
+        plan = layer_tp_plan(model, layer_names, self.size, self._rules)
+        copy_from_first(model, self._group_name, self._timeout_ms)
+        shard_layers(model, self._mesh, plan, layer_names)

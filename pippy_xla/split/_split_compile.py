@@ -19,9 +19,9 @@ one whose backward runs ``weight`` (its edges lead to the parameters). A full ba
 the engine's split backward (``csrc/runtime/split_backward.cpp``) runs the first in B and leaves the
 second to W, and between them a microbatch holds only what ``weight`` reads. Dynamo still owns
 guards and recompiles, so the recompile watch counts graphs as before. A graph this cannot split
-(one that mutates an input or returns an alias of one, has dynamic shapes, or that AOTAutograd's
-export cannot trace) is compiled the plain way, with one backward node and an empty W, and a
-warning that says why.
+(one that mutates an input or returns an alias of one, has dynamic shapes or another non-tensor
+input such as a tensor-parallel stage's DeviceMesh, or that AOTAutograd's export cannot trace) is
+compiled the plain way, with one backward node and an empty W, and a warning that says why.
 """
 
 from __future__ import annotations
@@ -129,14 +129,25 @@ def _ancestors(roots: Sequence[fx.Node], stop: set[fx.Node] = frozenset()) -> se
     return seen
 
 
+def _not_a_tensor(arg: Any) -> str:
+    """Why a graph with ``arg`` among its inputs is compiled the plain way."""
+    if isinstance(arg, int | torch.SymInt):
+        return "dynamic shapes (a graph input is a symbolic size)"
+    return (
+        f"a graph input is a {type(arg).__name__}, not a tensor (a tensor-parallel stage's "
+        "DTensor layers pass their DeviceMesh), and this backend splits graphs of tensors only"
+    )
+
+
 class _SplitStage:
     """The compiled callable dynamo runs for one graph: forward, input and weight graphs."""
 
     def __init__(self, gm, example_inputs, params: list[bool], options) -> None:
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-        if not all(isinstance(a, torch.Tensor) for a in example_inputs):
-            raise _Unsupported("dynamic shapes (a graph input is a symbolic size)")
+        odd = [a for a in example_inputs if not isinstance(a, torch.Tensor)]
+        if odd:
+            raise _Unsupported(_not_a_tensor(odd[0]))
         joint, self.differentiable = _trace_joint(gm, example_inputs)
         self.num_outputs = len(self.differentiable)
         self.param_index = [i for i, p in enumerate(params) if p]
