@@ -981,6 +981,13 @@ def _plan_under_tp(rank, world, seq):
     with pytest.raises(PlanInfeasibleError, match="smallest memory limit that fits") as e:
         px.plan(model, memory_limit="1MiB", profile=prof, tensor_parallel=sharding, **kw)
     assert e.value.min_memory_limit[0] > 2**20
+    # profile= on the first rank only: a ValueError on every rank, no rank waiting for tp peers
+    # that do not profile.
+    one = prof if rank == 0 else None
+    with pytest.raises(
+        ValueError, match=r"given on tp ranks \[0\] of the first stage but not on \[1\]"
+    ):
+        px.plan(model, memory_limit="1GiB", profile=one, tensor_parallel=sharding, **kw)
     return plans, prof.layers[0].static_bytes if prof is not None else None
 
 

@@ -321,6 +321,8 @@ def plan(
     chunks, ranks = _layout(schedule, num_stages, chunks)
 
     def make() -> Plan:
+        if tensor_parallel is not None:
+            _check_profile_everywhere(tensor_parallel, profile)
         shape = (batch_size, num_microbatches, seq_len)
         prof = _profile_for(model, layer_cls, profile, shape, repeats, input_names, tensor_parallel)
         return _plan_from_profile(
@@ -336,6 +338,18 @@ def plan(
         )
 
     return make() if tensor_parallel is None else _agreed_plan(tensor_parallel, make)
+
+
+def _check_profile_everywhere(sharding: Sharding, profile: ModelProfile | None) -> None:
+    """A ``profile`` given to some profiling ranks only is a ``ValueError`` on all of them (see
+    [Note: planning under tensor parallelism])."""
+    given = sharding.gather(profile is not None)
+    if any(given) and not all(given):
+        raise ValueError(
+            f"plan(..., tensor_parallel=...): profile= was given on tp ranks "
+            f"{[r for r, g in enumerate(given) if g]} of the first stage but not on "
+            f"{[r for r, g in enumerate(given) if not g]}; pass it on every rank or on none"
+        )
 
 
 def _agreed_plan(sharding: Sharding, make: Callable[[], Plan]) -> Plan:

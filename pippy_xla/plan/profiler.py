@@ -59,8 +59,10 @@ class Sharding(Protocol):
     all. The first profiling rank plans and broadcasts its plan (or its error) to every rank of
     the job: the ranks of a mesh all build the same partition (``Plan.tp_size`` records the
     degree, and a pipeline with another one refuses the plan). A ``profile=`` passed to
-    ``plan`` serves the first rank only; give it to every profiling rank or to none (a profiling
-    rank without one profiles, which needs its tp peers to profile too).
+    ``plan`` serves the first rank only; it must go to every profiling rank or to none (a
+    profiling rank without one profiles, which needs its tp peers to profile too): the profiling
+    ranks check that first (:meth:`Sharding.gather`), and a mismatch is a ``ValueError`` on every
+    rank instead of a rank waiting for peers that do not profile.
 
     This protocol is what the plan wing needs of a sharding (it imports nothing from the
     runtime)."""
@@ -75,6 +77,9 @@ class Sharding(Protocol):
     def shard(self, model: nn.Module, layer_names: Sequence[str]) -> None:
         """Shards ``model``'s decoder layers ``layer_names`` in place (a collective over the
         profiling ranks)."""
+
+    def gather(self, value: object) -> list:
+        """``value`` of every profiling rank, in tp-rank order (a collective over them)."""
 
 
 class SavedBytes:

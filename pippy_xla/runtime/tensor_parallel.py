@@ -450,6 +450,7 @@ class LayerSharding:
         if groups.tp_mesh is None:
             raise ValueError(f"LayerSharding needs a mesh with a {tp_dim!r} dim; got {mesh}")
         self._mesh = groups.tp_mesh
+        self._group = groups.tp_group
         self._group_name = groups.tp_group.group_name
         self._timeout_ms = int(timeout * 1000)
         self._rules = rules
@@ -468,3 +469,11 @@ class LayerSharding:
         plan = layer_tp_plan(model, layer_names, self.size, self._rules)
         copy_from_first(model, self._group_name, self._timeout_ms)
         shard_layers(model, self._mesh, plan, layer_names)
+
+    def gather(self, value: object) -> list:
+        """``value`` of every ``tp`` rank of this rank's stage, in tp-rank order."""
+        import torch.distributed as dist
+
+        out: list = [None] * self.size
+        dist.all_gather_object(out, value, group=self._group)
+        return out
