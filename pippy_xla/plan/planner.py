@@ -321,8 +321,6 @@ def plan(
     chunks, ranks = _layout(schedule, num_stages, chunks)
 
     def make() -> Plan:
-        if tensor_parallel is not None:
-            _check_profile_everywhere(tensor_parallel, profile)
         shape = (batch_size, num_microbatches, seq_len)
         prof = _profile_for(model, layer_cls, profile, shape, repeats, input_names, tensor_parallel)
         return _plan_from_profile(
@@ -391,6 +389,8 @@ def _profile_for(
     """``profile``, or the model profiled at the plan's microbatch shape (``shape``: batch size,
     microbatches, sequence length)."""
     batch_size, num_microbatches, seq_len = shape
+    if sharding is not None:
+        _check_profile_everywhere(sharding, profile)
     if batch_size % num_microbatches:
         raise ValueError(
             f"batch_size {batch_size} is not divisible by num_microbatches {num_microbatches}"
