@@ -126,9 +126,10 @@ class PipelineConfig:
     torch's DTensor machinery (see [Note: pipeline x tensor parallel] in
     ``runtime/tensor_parallel.py``). A dict of rules ``{key: style}`` is merged over that plan as
     HF merges ``DistributedConfig(tp_plan={...})``: keys name modules relative to the model
-    passed, like ``model.tp_plan``'s, with ``*`` for the layer index (``"model.layers.*.mlp.
-    up_proj"``); a key of the model's plan is overridden, a new one added (a model without a
-    plan takes the dict alone), ``"replicate"`` keeps a module whole, ``{}`` applies no rule.
+    passed, like ``model.tp_plan``'s, or to its base model, like ``config.base_model_tp_plan``'s,
+    with ``*`` for the layer index (``"model.layers.*.mlp.up_proj"``, ``"layers.*.mlp.up_proj"``);
+    a key of the model's plan is overridden, a new one added (a model without a plan takes the
+    dict alone), ``"replicate"`` keeps a module whole, ``{}`` applies no rule.
     ``None``: no tensor parallelism (a mesh's ``tp_dim``, if any, must then have size 1)."""
 
     def __post_init__(self) -> None:
