@@ -4,7 +4,7 @@ the ranks, every rank runs ``generate`` and the last rank broadcasts the logits)
 and HF's ``generate`` on the unsplit model in one process (its default dynamic cache and its
 static cache); greedy, the same random Llama, prompts and lengths; the pipeline with the batch in
 1 group of rows and in as many groups as stages (``groups``). One thread per process (a rank or
-the single process).
+the single process). ``--groups`` names the group counts run eagerly (default 1 and ``--ranks``).
 
 Each method is timed twice per repeat: a call for ``--new`` tokens (the whole generation) and one
 for a single token (the prefill of the prompts and the first token). Reported: whole-call new
@@ -175,6 +175,9 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--groups", type=int, nargs="+", default=None, help="group counts (default: 1 and --ranks)"
+    )
     p.add_argument("--out", default=None, help="results/<out>.json (default generate_<ranks>)")
     args = p.parse_args()
     single, one_cache = _one_process(args)
@@ -186,7 +189,8 @@ def main() -> None:
         ranks = run_ranks(args.ranks, _hf_pipeline, args, path, timeout=900)
     results[f"hf_pipeline_{args.ranks}_ranks"] = _rates(args, *_slowest(ranks, want, "HF's"))
     extra = {}
-    runs = [(g, False) for g in sorted({1, args.ranks})] + [(1, True)]  # warm-up compiles
+    groups = sorted(set(args.groups or (1, args.ranks)))
+    runs = [(g, False) for g in groups] + [(1, True)]  # the warm-up call compiles
     for groups, compiled in runs:
         name = f"pippy_xla_{args.ranks}_ranks_{groups}_groups" + ("_compiled" if compiled else "")
         ranks = run_ranks(args.ranks, _pipeline, args, groups, compiled, timeout=1800)

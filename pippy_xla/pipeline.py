@@ -365,7 +365,7 @@ class PipelineModel:
         attention_mask: torch.Tensor | None = None,
         generation_config: Any = None,
         *,
-        groups: int = 1,
+        groups: int | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
         """What HF's ``model.generate(input_ids, attention_mask=..., generation_config, **kwargs)``
@@ -378,9 +378,11 @@ class PipelineModel:
         in ``runtime/_generate.py``). ``groups``: the batch's rows split into that many groups,
         each a microbatch with its own caches: the prefill is pipelined by groups, and decoding
         by groups across the ranks (a group's next token starts on the first stage as soon as
-        the last stage sent its token ids), so with as many groups as stages every stage works
-        at every step; a group whose rows all finished leaves the schedule. One group (the
-        default) decodes as HF does in one process, the stages taking turns. Training and
+        the last stage sent its token ids), so with as many groups as ranks (the default) every
+        rank works at every step; a group whose rows all finished leaves the schedule. With
+        ``groups=1`` the stages take turns on the whole batch, as HF's pipeline does, and
+        seeded sampling draws HF's one-process tokens (with several groups it is reproducible,
+        each group drawing its rows in turn). Training and
         evaluation steps may come before and after. On a mesh every rank passes the whole batch
         (a multiple of ``dp`` prompts), each replica generates for its share of the rows (the
         tp ranks of a stage for the same rows) and every rank returns the whole batch, padded

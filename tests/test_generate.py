@@ -56,16 +56,18 @@ def _equal_hf(family: str) -> list[str]:
 
     opts = {"max_new_tokens": NEW, "do_sample": False, **_OPTIONS.get(family, {})}
     greedy = ref.generate(ids, attention_mask=mask, **opts)
-    got = pipe.generate(ids, attention_mask=mask, **opts)
+    got = pipe.generate(ids, attention_mask=mask, groups=1, **opts)
     assert torch.equal(got, greedy), f"{family} greedy\n{got}\n{greedy}"
-    # Two groups of rows (2 and 1), each with its caches: a pipelined prefill.
-    got = pipe.generate(ids, attention_mask=mask, groups=2, **opts)
+    # By default a group of rows per rank (here 2 and 1 or 1, 1 and 1), each with its caches:
+    # a pipelined prefill.
+    got = pipe.generate(ids, attention_mask=mask, **opts)
     assert torch.equal(got, greedy), f"{family} greedy\n{got}\n{greedy}"
     if family == "llama":  # see [Note: per-stage generation graphs]: this rank's layers only
         cfg, (start, stop) = ref.config, pipe.layer_ranges[pipe.rank]
         per_layer = 2 * ids.shape[0] * cfg.num_key_value_heads * (greedy.shape[1] - 1) * 16 * 4
         assert cache_bytes(pipe._generator.caches) == (stop - start) * per_layer
-        assert all(len(c) == 2 for c in pipe._generator.caches.values())  # a cache per group
+        groups = min(pipe.num_ranks, ids.shape[0])
+        assert all(len(c) == groups for c in pipe._generator.caches.values())  # one per group
     done.append("greedy")
     # Row 0's second new token ends row 0 after two steps, other rows later or never.
     eos = int(greedy[0, ids.shape[1] + 1])
@@ -362,7 +364,8 @@ def _compiled_between(rank, world) -> list[str]:
         got = pipe.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
         assert torch.equal(got, want), f"{new} new tokens\n{got}\n{want}"
         graphs = pipe._generator.compiled_graphs()
-        assert graphs == {"prefill": 1, "decode": 1}, f"after {new} new tokens: {graphs}"
+        # A group per rank: 2 rows and 1, a graph of each kind for each group size.
+        assert graphs == {"prefill": 2, "decode": 2}, f"after {new} new tokens: {graphs}"
     pipe.run_train(**make_batch(seed=0))
     pipe.run_eval(**make_batch(seed=0))
     assert pipe.recompiles == []
@@ -403,7 +406,8 @@ def _compiled_sliding(rank, world) -> list[dict[str, int]]:
 
 def test_compiled_generate_with_sliding_windows_compiles_a_bounded_number_of_graphs():
     for first, second in run_ranks(2, _compiled_sliding, timeout=300):
-        assert first == second and first["decode"] <= 3, (first, second)
+        # At most 3 decode graphs per group size (a group per rank: 2 rows and 1).
+        assert first == second and first["decode"] <= 3 * 2, (first, second)
 
 
 def _compiled_generate(rank, world) -> dict[str, int]:
@@ -422,9 +426,10 @@ def _compiled_generate(rank, world) -> dict[str, int]:
     ref = copy.deepcopy(model)
     pipe = px.PipelineModel(model, layer_cls=layer_cls, num_microbatches=2, compile=True)
     ids, mask = _prompts()
+    one = {"groups": 1, "do_sample": False}  # one group of 3 rows: a graph of each kind
     for new in (4, 12):
         want = ref.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
-        got = pipe.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+        got = pipe.generate(ids, attention_mask=mask, max_new_tokens=new, **one)
         assert torch.equal(got, want), f"{new} new tokens\n{got}\n{want}"
     return pipe._generator.compiled_graphs()
 

@@ -4,7 +4,8 @@
 
 Every rank calls ``generate`` with the same prompts. After one handshake (the prompts, the mask
 and the call's generation options, compared as a step's batch is), the batch is split into
-``groups`` groups of rows (``generate(..., groups=G)``, at most one per row), each with its own
+``groups`` groups of rows (``generate(..., groups=G)``, by default one per rank of the pipeline,
+at most one per row), each with its own
 cache on every stage (see [Note: per-stage generation graphs] in ``split/generation.py``), and
 the C++ engine runs two kinds of forward-only schedules over them, a group per microbatch; hidden
 states cross the stage boundaries on the same engine and transports as in training, and each
@@ -89,7 +90,8 @@ the cache's length, inputs cloned to contiguous strides):
   number that changes at every token. The decode graph is therefore compiled with dynamo's
   default ``dynamic=None``, whose automatic dynamic shapes make that int symbolic when it first
   changes: a static graph for the first token, a symbolic one for the others, and one more once
-  the window is full; a bounded number of graphs (Mistral: 3) however many tokens follow. With
+  the window is full; a bounded number of graphs (Mistral: 3 per group size) however many
+  tokens follow. With
   ``dynamic=False`` dynamo compiled a graph per token until its recompile limit (8) and then ran
   the stage eagerly.
 - Generations of different lengths share graphs: the cache's length is ``COMPILED_CACHE_MIN``
@@ -292,11 +294,13 @@ class Generator:
         attention_mask: torch.Tensor | None,
         generation_config: Any,
         kwargs: dict[str, Any],
-        groups: int = 1,
+        groups: int | None = None,
     ) -> torch.Tensor:
         """HF's ``model.generate(input_ids, attention_mask=..., generation_config, **kwargs)``
-        for the whole pipeline, on every rank, the batch in ``groups`` groups of rows (see
-        [Note: generation data flow])."""
+        for the whole pipeline, on every rank, the batch in ``groups`` groups of rows (``None``:
+        one per rank of the pipeline; see [Note: generation data flow])."""
+        if groups is None:
+            groups = self.place.num_ranks
         if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
             raise ValueError(f"groups must be a positive int, got {groups!r}")
         self.failures.check_usable()
