@@ -112,11 +112,15 @@ class PipelineConfig:
     W a graph of its own; ``mode`` and ``options`` configure its inductor ([Note: compiled W])."""
     data_parallel: str = "replicate"
     """With a mesh: ``"replicate"`` (every replica holds its stage whole) or ``"shard"`` (FSDP2's
-    ``fully_shard``: parameters, gradients and optimizer state sharded over the replicas)."""
+    ``fully_shard``: parameters, gradients and optimizer state sharded over the replicas; with
+    two data-parallel dims, FSDP2's HSDP: sharded over the second, replicated over the
+    first)."""
     pp_dim: str = "pp"
     """The mesh's pipeline dimension."""
-    dp_dim: str = "dp"
-    """The mesh's data-parallel dimension."""
+    dp_dim: str | tuple[str, str] = "dp"
+    """The mesh's data-parallel dimension, or two of them ``(replicate, shard)`` for hybrid
+    sharding (HSDP), e.g. ``("dp_replicate", "dp_shard")`` as torchtitan names them, in the
+    mesh's order: the replicas are every rank of both (see [Note: pipeline x data parallel])."""
     tp_dim: str = "tp"
     """The mesh's tensor-parallel dimension (a 3-D mesh ``(dp, pp, tp)``)."""
     tensor_parallel: str | dict[str, str] | None = None
@@ -172,7 +176,8 @@ class PipelineConfig:
             raise ValueError(
                 f"data_parallel must be one of {DATA_PARALLEL_MODES}, got {self.data_parallel!r}"
             )
-        dims = (self.dp_dim, self.pp_dim, self.tp_dim)
+        self._check_dp_dim()
+        dims = (*self.dp_dims, self.pp_dim, self.tp_dim)
         if len(set(dims)) != len(dims):
             raise ValueError(f"dp_dim, pp_dim and tp_dim must differ, got {dims}")
         self._check_tensor_parallel()
@@ -181,6 +186,25 @@ class PipelineConfig:
     def schedule_name(self) -> str:
         """The schedule's name (a :class:`pippy_xla.Schedule`'s own)."""
         return self.schedule if isinstance(self.schedule, str) else self.schedule.name
+
+    @property
+    def dp_dims(self) -> tuple[str, ...]:
+        """The mesh's data-parallel dims: ``(dp_dim,)``, or ``(replicate, shard)`` for HSDP."""
+        return (self.dp_dim,) if isinstance(self.dp_dim, str) else self.dp_dim
+
+    def _check_dp_dim(self) -> None:
+        dims = self.dp_dim
+        if not isinstance(dims, str):
+            dims = tuple(dims) if isinstance(dims, list | tuple) else (dims,)
+            if len(dims) == 1:
+                dims = dims[0]
+        names = (dims,) if isinstance(dims, str) else dims
+        if len(names) > 2 or not all(isinstance(n, str) for n in names):
+            raise ValueError(
+                "dp_dim must be a mesh dim's name, or two names (replicate, shard) for hybrid "
+                f"sharding such as ('dp_replicate', 'dp_shard'); got {self.dp_dim!r}"
+            )
+        self.dp_dim = dims
 
     def _check_tensor_parallel(self) -> None:
         rules = self.tensor_parallel

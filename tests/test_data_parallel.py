@@ -142,6 +142,17 @@ def _bad_inputs(rank, world):
         "same dims": {"pp_dim": "dp"},
         "group not the pp dim": {"group": _mesh(2, 2).get_group("dp")},
         "mode": {"data_parallel": "ddp"},
+        # HSDP: the replicate dim after the shard dim, a missing shard dim, three dp dims, and
+        # an HSDP mesh with the default dp_dim.
+        "hsdp order": {
+            "mesh": init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("ds", "dr", "pp")),
+            "dp_dim": ("dr", "ds"),
+        },
+        "hsdp missing": {"mesh": _mesh(2, 2), "dp_dim": ("dp", "dp_shard")},
+        "hsdp three": {"dp_dim": ("a", "b", "c")},
+        "hsdp default": {
+            "mesh": init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dr", "ds", "pp"))
+        },
     }.items():
         with pytest.raises((ValueError, TypeError)) as e:
             wrap(**kw)
@@ -162,6 +173,10 @@ def test_bad_mesh_arguments_and_batches_say_what_is_wrong():
     assert "must differ" in errors["same dims"]
     assert "not the mesh's pipeline dimension 'pp'" in errors["group not the pp dim"]
     assert "'replicate', 'shard'" in errors["mode"]
+    assert "have 'ds' before 'dr'; build the mesh with 'dr' before 'ds'" in errors["hsdp order"]
+    assert "('dp_shard' missing)" in errors["hsdp missing"]
+    assert "two names (replicate, shard)" in errors["hsdp three"]
+    assert "('dp' missing)" in errors["hsdp default"] and "HSDP" in errors["hsdp default"]
     assert "data-parallel size 2 x num_microbatches=2 = 4" in errors["batch"]
 
 

@@ -1,14 +1,18 @@
 """Pipeline x tensor parallel on a 3-D DeviceMesh (4 gloo ranks: pp=2 x tp=2, and dp=2 x tp=2;
-8 ranks: dp=2 x pp=2 x tp=2) against a one-process reference: loss, every gradient (DTensors
+8 ranks: dp=2 x pp=2 x tp=2, and HSDP meshes (dp_replicate, dp_shard, pp, tp)) against a
+one-process reference: loss, every gradient (DTensors
 gathered) and the clipped norm over three AdamW steps; rules given as a dict; the docs page's
 block, checkpoints across layouts, and what a tensor-parallel pipeline refuses at build.
 
 More 8-rank cases by hand: ``run_ranks(8, _tp_trains_like_one_process,
-[("mixtral_router_loss", "interleaved", (2, 2, 2), "replicate")])`` (passed, ~40 s here)."""
+[("mixtral_router_loss", "interleaved", (2, 2, 2), "replicate")])`` (passed, ~40 s here);
+HSDP over tp shards, ``[("qwen3_tied", "1f1b", (2, 2, 1, 2), "shard")]``, and plain replicate
+on an HSDP mesh, ``[("llama", "1f1b", (2, 2, 2, 1), "replicate")]`` (passed, 14 and 8 s)."""
 
 from __future__ import annotations
 
 import copy
+import math
 import re
 import warnings
 from pathlib import Path
@@ -42,10 +46,45 @@ FAMILIES = {
 GRAD_TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 
-def _mesh(dp: int, pp: int, tp: int):
+# The data-parallel dims of a mesh shape (dp, pp, tp), or (dp_replicate, dp_shard, pp, tp): HSDP.
+DP_DIMS = {3: "dp", 4: ("dp_replicate", "dp_shard")}
+
+
+def _mesh(*shape: int):
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh("cpu", (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+    dp = DP_DIMS[len(shape)]
+    names = ((dp,) if isinstance(dp, str) else dp) + ("pp", "tp")
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+def _dp_rank(mesh) -> int:
+    """This rank's replica: its coordinate on the data-parallel dims, flattened."""
+    if "dp" in mesh.mesh_dim_names:
+        return mesh["dp"].get_local_rank()
+    return (
+        mesh["dp_replicate"].get_local_rank() * mesh["dp_shard"].size()
+        + mesh["dp_shard"].get_local_rank()
+    )
+
+
+def _check_hsdp_shards(mesh, params, where: str) -> None:
+    """On an HSDP mesh: every parameter is sharded over ``dp_shard`` and replicated over
+    ``dp_replicate``, and the replicas there hold equal shards."""
+    import torch.distributed as dist
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    for name, p in params.items():
+        names = p.device_mesh.mesh_dim_names
+        over, within = (p.placements[names.index(d)] for d in ("dp_replicate", "dp_shard"))
+        # Over tp shards, FSDP2 shards dim 0 again, strided: (Replicate, _StridedShard, Shard).
+        sharded = within.is_shard() or isinstance(within, _StridedShard)
+        assert over.is_replicate() and sharded, (where, name, p.placements)
+    mine = torch.cat([local_tensor(p).detach().flatten() for p in params.values()])
+    group = mesh["dp_replicate"].get_group()
+    theirs = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(theirs, mine, group=group)
+    assert all(torch.equal(t, mine) for t in theirs), f"{where}: replicas' shards differ"
 
 
 def _build(family: str, seed: int):
@@ -84,7 +123,8 @@ def _tp_trains_like_one_process(rank, world, cases, steps=3, mbs=2):
     gradient and the clipped global norm equal the reference's; after AdamW the parameters
     still match. Each tp rank and replica starts from another seed: the pipeline must copy tp
     rank 0's values, then the first replica's (the reference's). ``options["rules"]`` names
-    the case's :data:`RULES` (default ``"auto"``)."""
+    the case's :data:`RULES` (default ``"auto"``). A shape of 4 is ``(dp_replicate, dp_shard,
+    pp, tp)``: HSDP, ``"shard"`` sharding over ``dp_shard`` only."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -92,9 +132,10 @@ def _tp_trains_like_one_process(rank, world, cases, steps=3, mbs=2):
     for family, schedule, shape, data_parallel, *options in cases:
         options = dict(options[0]) if options else {}
         rules, sharded = RULES[options.pop("rules", "auto")]
-        dp, pp, tp = shape
+        *dps, pp, tp = shape
+        dp, shards = math.prod(dps), (dps[-1] if data_parallel == "shard" else 1)
         mesh = _mesh(*shape)
-        tp_rank, dp_rank = mesh["tp"].get_local_rank(), mesh["dp"].get_local_rank()
+        tp_rank, dp_rank = mesh["tp"].get_local_rank(), _dp_rank(mesh)
         ref, layer_cls = _build(family, seed=0)
         model, _ = _build(family, seed=tp_rank + 10 * dp_rank)
         pipe = px.PipelineModel(
@@ -105,6 +146,7 @@ def _tp_trains_like_one_process(rank, world, cases, steps=3, mbs=2):
             mesh=mesh,
             tensor_parallel=rules,
             data_parallel=data_parallel,
+            dp_dim=DP_DIMS[len(shape)],
             timeout=60,
             **options,
         )
@@ -119,15 +161,15 @@ def _tp_trains_like_one_process(rank, world, cases, steps=3, mbs=2):
         # DTensor).
         for name, p in params.items():
             is_sharded = sharded(name)
-            parts = (tp if is_sharded else 1) * (dp if data_parallel == "shard" else 1)
+            parts = (tp if is_sharded else 1) * shards
             assert isinstance(p, DTensor) or not (is_sharded or dp > 1), name
             assert local_tensor(p).numel() * parts == p.numel(), name
         where0 = f"{family} {schedule} {shape} {data_parallel} rank={rank}"
         opt = torch.optim.AdamW(pipe.parameters(), **ADAM)
         ref_opt = torch.optim.AdamW(ref.parameters(), **ADAM)
-        losses = []
+        losses, rows = [], max(4, mbs * dp)
         for step in range(steps):
-            batch = make_batch(seed=step, batch=4)
+            batch = make_batch(seed=step, batch=rows)
             loss = pipe.run_train(**batch)
             # Router losses per microbatch: mbs per replica.
             ref_loss, _ = reference_step(ref, batch, mbs * dp)
@@ -158,10 +200,12 @@ def _tp_trains_like_one_process(rank, world, cases, steps=3, mbs=2):
                 tuned = pipe.tune_schedule()
                 assert pipe.engine.schedule.table() == tuned.table()
         if not getattr(ref.config, "output_router_logits", False):  # one term per batch
-            out = pipe.run_eval(**make_batch(seed=9, batch=4))
+            out = pipe.run_eval(**make_batch(seed=9, batch=rows))
             with torch.no_grad():
-                ref_out = ref(**make_batch(seed=9, batch=4), use_cache=False)
+                ref_out = ref(**make_batch(seed=9, batch=rows), use_cache=False)
             torch.testing.assert_close(out.loss, ref_out.loss, **LOSS_TOL, msg=f"{where0} eval")
+        if len(dps) > 1 and data_parallel == "shard":
+            _check_hsdp_shards(mesh, params, where0)
         held = sum(local_tensor(p).numel() for n, p in params.items() if sharded(n))
         checked.append((family, shape, losses, sorted(params), held))
     return checked
@@ -194,7 +238,8 @@ def _check_layouts(cases, out) -> None:
     """Every rank saw the same losses; the tp ranks of a stage hold the same names and the
     stages together the model; each rank holds its share of what the rules shard."""
     for i, (family, _, shape, mode, *options) in enumerate(cases):
-        dp, pp, tp = shape
+        *dps, pp, tp = shape
+        dp = math.prod(dps)
         model, _ = _build(family, seed=0)
         names = {n for n, _ in model.named_parameters()}
         runs = [checked[i] for checked in out]
@@ -205,10 +250,10 @@ def _check_layouts(cases, out) -> None:
             assert all(h == held[0] for h in held), (stage, held)
         together = {n for s in range(pp) for n in runs[s * tp][3]}
         assert names <= together, names - together
-        # Memory: each rank holds 1/(dp x pp x tp) of what the rules shard ("shard"), or
-        # 1/(pp x tp) (replicas hold it whole).
+        # Memory: each rank holds 1/(dp x pp x tp) of what the rules shard ("shard"; under HSDP
+        # 1/(dp_shard x pp x tp)), or 1/(pp x tp) (replicas hold it whole).
         sharded = RULES[options[0].get("rules", "auto") if options else "auto"][1]
-        parts = pp * tp * (dp if mode == "shard" else 1)
+        parts = pp * tp * (dps[-1] if mode == "shard" else 1)
         total = sum(p.numel() for n, p in model.named_parameters() if sharded(n))
         assert total and all(r[4] * parts == total for r in runs), ([r[4] for r in runs], total)
 
@@ -267,12 +312,17 @@ def test_tp_rules_equal_to_the_model_plan_are_bit_identical_to_auto():
     assert all(o == out[0] for o in out), out
 
 
-def test_dp2_pp2_tp2_shard_matches_one_process():
+def test_dp2_pp2_tp2_shard_and_hsdp_match_one_process():
     """The issue's 3-D layout on 8 gloo ranks: dp=2 x pp=2 x tp=2, ``data_parallel="shard"``
     (FSDP2 over the tp shards), Qwen3 (partial-gradient norms, a tie between the first and the
     last stage) at its tiniest (2 layers, hidden 64, 4 heads, 2 key/value heads, 16 tokens),
-    2 microbatches per replica under ``1f1b``, three AdamW steps."""
-    cases = (("qwen3_tied", "1f1b", (2, 2, 2), "shard"),)
+    2 microbatches per replica under ``1f1b``, three AdamW steps. Then HSDP on a mesh
+    ``(dp_replicate, dp_shard, pp, tp)`` of 2 x 2 x 2 x 1: Llama, 4 replicas of a 2-stage
+    pipeline, sharded over ``dp_shard`` only (HSDP over tp shards: the module's docstring)."""
+    cases = (
+        ("qwen3_tied", "1f1b", (2, 2, 2), "shard"),
+        ("llama", "1f1b", (2, 2, 2, 1), "shard"),
+    )
     _check_layouts(cases, run_ranks(8, _tp_trains_like_one_process, cases, timeout=300))
 
 

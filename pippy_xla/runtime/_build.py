@@ -363,11 +363,11 @@ def resolve_placement(
             "PipelineModel needs torch.distributed: call dist.init_process_group('gloo') "
             "first (torchrun sets the rendezvous)"
         )
-    groups = None
+    groups, dp = None, ", ".join(map(repr, config.dp_dims))
     if mesh is None and config.tensor_parallel is not None:
         raise ValueError(
             f"tensor_parallel={config.tensor_parallel!r} needs mesh=init_device_mesh(device_type, "
-            f"(dp, pp, tp), mesh_dim_names=({config.dp_dim!r}, {config.pp_dim!r}, "
+            f"(dp, pp, tp), mesh_dim_names=({dp}, {config.pp_dim!r}, "
             f"{config.tp_dim!r})); got no mesh"
         )
     if mesh is not None:
@@ -395,10 +395,11 @@ def _check_tensor_parallel(config: PipelineConfig, groups: MeshGroups) -> None:
             "the model's own HF plan"
         )
     if config.tensor_parallel is not None and groups.tp_mesh is None:
+        dp = ", ".join(map(repr, config.dp_dims))
         raise ValueError(
             f"tensor_parallel={config.tensor_parallel!r} but the mesh's dims "
-            f"{groups.mesh.mesh_dim_names} have no {config.tp_dim!r}; build a 3-D mesh "
-            f"({config.dp_dim!r}, {config.pp_dim!r}, {config.tp_dim!r})"
+            f"{groups.mesh.mesh_dim_names} have no {config.tp_dim!r}; build a mesh "
+            f"({dp}, {config.pp_dim!r}, {config.tp_dim!r})"
         )
 
 

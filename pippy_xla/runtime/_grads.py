@@ -10,7 +10,8 @@ so ``PipelineModel.clip_grad_norm_`` computes it from every rank's share
 
 - each rank takes the norms of its local gradients, each tensor once: a tied weight held by
   several ranks (its gradient already summed on every owner) only on its first owner; on a mesh,
-  the local shard of a sharded (``fully_shard``) gradient, or the whole of a replicated one;
+  the local shard of a sharded (``fully_shard``) gradient, or the whole of a replicated one; on
+  an HSDP mesh, whose shards repeat on every replica of the replicate dim, on its first only;
 - the shares are combined over the pipeline's group (and, for sharded gradients, over the
   replicas): ``(sum_r sum_i |g_i|_p^p)^(1/p)`` for a finite ``p``, the largest for ``inf``, by
   all-reduces on C++-owned buffers (``_C.all_reduce_sum_copy``; a maximum as the sum of a

@@ -312,6 +312,8 @@ class StepRunner:
             _, counted = local_gradients(mine, self.ties, place.rank)
 
         sharded = self.dp is not None and self.dp.sharded
+        if sharded and place.mesh.dp_replicate_rank != 0:  # HSDP: a shard counts on one replica
+            counted = []
 
         def norm(abortable: _C.Abortable | None = None) -> torch.Tensor:
             def pipeline_sum(t: torch.Tensor, what: str) -> torch.Tensor:

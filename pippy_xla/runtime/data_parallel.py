@@ -27,7 +27,7 @@ pipeline over its ``pp`` group; the ranks that run the same stage in different r
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,7 @@ __all__ = [
     "DataParallel",
     "MeshGroups",
     "assign",
+    "dims_of",
     "local_tensor",
     "mesh_groups",
 ]
@@ -47,16 +48,33 @@ __all__ = [
 DATA_PARALLEL_MODES = ("replicate", "shard")
 
 
-class MeshGroups:
-    """The process groups and coordinates a rank has on a ``(dp, pp)`` or ``(dp, pp, tp)`` mesh."""
+def dims_of(dp_dim: str | Sequence[str]) -> tuple[str, ...]:
+    """``dp_dim`` as a tuple of mesh dims: one, or ``(replicate, shard)`` for HSDP."""
+    return (dp_dim,) if isinstance(dp_dim, str) else tuple(dp_dim)
 
-    def __init__(self, mesh, pp_dim: str, dp_dim: str, tp_dim: str | None = None) -> None:
+
+class MeshGroups:
+    """The process groups and coordinates a rank has on a ``(dp, pp)`` or ``(dp, pp, tp)`` mesh,
+    where ``dp`` may be two dims ``(replicate, shard)`` (HSDP)."""
+
+    def __init__(
+        self, mesh, pp_dim: str, dp_dim: str | Sequence[str], tp_dim: str | None = None
+    ) -> None:
         self.mesh = mesh
         self.pp_group: dist.ProcessGroup = mesh.get_group(pp_dim)
-        self.dp_mesh = mesh[dp_dim]
-        self.dp_group: dist.ProcessGroup = mesh.get_group(dp_dim)
+        dp_dims = dims_of(dp_dim)
+        self.fsdp_mesh = mesh[dp_dims]
+        """The data-parallel submesh FSDP2 shards over: 1-D, or 2-D ``(replicate, shard)``."""
+        self.dp_mesh = self.fsdp_mesh if len(dp_dims) == 1 else self.fsdp_mesh._flatten()
+        """The replicas: the data-parallel dims flattened into one (see [Note: pipeline x data
+        parallel])."""
+        self.dp_group: dist.ProcessGroup = self.dp_mesh.get_group()
         self.dp_rank: int = self.dp_mesh.get_local_rank()
         self.dp_size: int = self.dp_mesh.size()
+        self.dp_replicate_rank: int = self.fsdp_mesh.get_local_rank(0) if len(dp_dims) > 1 else 0
+        """This rank's coordinate on the replicate dim of an HSDP mesh (else 0)."""
+        self.dp_shard_size: int = self.fsdp_mesh.size(len(dp_dims) - 1)
+        """Replicas a ``"shard"`` stage's tensors are split over: the (last) data-parallel dim."""
         self.tp_mesh = mesh[tp_dim] if tp_dim is not None else None
         """The tensor-parallel dimension's 1-D mesh (``None`` on a 2-D mesh): the ranks that run
         this rank's stages together, each with its shard of their decoder layers."""
@@ -70,43 +88,34 @@ class MeshGroups:
 def mesh_groups(
     mesh,
     pp_dim: str,
-    dp_dim: str,
+    dp_dim: str | Sequence[str],
     group: dist.ProcessGroup | None,
     tp_dim: str | None = None,
 ) -> MeshGroups:
-    """Checks ``mesh`` (a 2-D ``DeviceMesh`` with dims ``dp_dim`` and ``pp_dim``, or a 3-D one
-    with ``tp_dim`` too) and ``group`` (``None``, or the mesh's pipeline group) and returns this
-    rank's groups."""
+    """Checks ``mesh`` (a ``DeviceMesh`` with dims ``dp_dim`` (one, or two for HSDP) and
+    ``pp_dim``, and ``tp_dim`` if it has one) and ``group`` (``None``, or the mesh's pipeline
+    group) and returns this rank's groups."""
     from torch.distributed.device_mesh import DeviceMesh
 
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
             f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}"
         )
-    names = mesh.mesh_dim_names
-    how = (
-        f"build it with init_device_mesh(device_type, (dp, pp), mesh_dim_names=({dp_dim!r}, "
-        f"{pp_dim!r})) (or (dp, pp, tp) with {tp_dim or 'tp'!r} last for tensor parallelism), "
-        "or name its dims with dp_dim=..., pp_dim=... and tp_dim=..."
-    )
-    if not names or pp_dim not in names or dp_dim not in names:
-        raise ValueError(
-            f"the mesh's dims are {names}, but the pipeline needs a pipeline dim {pp_dim!r} and "
-            f"a data-parallel dim {dp_dim!r}; {how}"
-        )
+    names, dp_dims = mesh.mesh_dim_names, dims_of(dp_dim)
+    _check_dims(names, dp_dims, pp_dim, tp_dim)
     has_tp = tp_dim is not None and tp_dim in names
-    if mesh.ndim != 2 + has_tp:
+    if mesh.ndim != len(dp_dims) + 1 + has_tp:
         raise ValueError(
-            f"the mesh has {mesh.ndim} dims {names}; PipelineModel supports 2-D (data x "
-            f"pipeline) meshes and 3-D (data x pipeline x tensor) meshes with dims "
-            f"({dp_dim!r}, {pp_dim!r}, {tp_dim or 'tp'!r})"
+            f"the mesh has {mesh.ndim} dims {names}; PipelineModel supports meshes with dims "
+            f"({_dims_text(dp_dims)}, {pp_dim!r}) and ({_dims_text(dp_dims)}, {pp_dim!r}, "
+            f"{tp_dim or 'tp'!r}) (data x pipeline [x tensor])"
         )
     if mesh.size() != dist.get_world_size():
         raise ValueError(
             f"the mesh spans {mesh.size()} ranks but the job has {dist.get_world_size()}; "
             "PipelineModel needs a mesh over every rank of the job"
         )
-    groups = MeshGroups(mesh, pp_dim, dp_dim, tp_dim if has_tp else None)
+    groups = MeshGroups(mesh, pp_dim, dp_dims, tp_dim if has_tp else None)
     if group is not None and group is not groups.pp_group:
         raise ValueError(
             f"group= is not the mesh's pipeline dimension {pp_dim!r} (its ranks are "
@@ -115,6 +124,38 @@ def mesh_groups(
             "pipeline group is taken from it"
         )
     return groups
+
+
+def _dims_text(dims: Sequence[str]) -> str:
+    return ", ".join(repr(d) for d in dims)
+
+
+def _check_dims(names, dp_dims: tuple[str, ...], pp_dim: str, tp_dim: str | None) -> None:
+    """The mesh names the pipeline's dims, and an HSDP mesh its two data-parallel dims in order
+    (replicate before shard, as FSDP2 reads a 2-D mesh)."""
+    dp, tp = _dims_text(dp_dims), tp_dim or "tp"
+    hsdp = len(dp_dims) > 1
+    how = (
+        f"build it with init_device_mesh(device_type, ({'replicate, shard' if hsdp else 'dp'}, "
+        f"pp), mesh_dim_names=({dp}, {pp_dim!r})) (with {tp!r} last for tensor parallelism), or "
+        "name its dims with dp_dim=..., pp_dim=... and tp_dim=..."
+    )
+    if not hsdp:
+        how += "; for HSDP pass dp_dim=(replicate, shard), e.g. ('dp_replicate', 'dp_shard')"
+    missing = [d for d in (*dp_dims, pp_dim) if not names or d not in names]
+    if missing:
+        raise ValueError(
+            f"the mesh's dims are {names}, but the pipeline needs a pipeline dim {pp_dim!r} and "
+            f"data-parallel dim{'s' if hsdp else ''} {dp} ({', '.join(map(repr, missing))} "
+            f"missing); {how}"
+        )
+    if hsdp and names.index(dp_dims[0]) > names.index(dp_dims[1]):
+        raise ValueError(
+            f"dp_dim={dp_dims} names the replicate dim first and the shard dim second, but the "
+            f"mesh's dims {names} have {dp_dims[1]!r} before {dp_dims[0]!r}; build the mesh with "
+            f"{dp_dims[0]!r} before {dp_dims[1]!r} (or pass dp_dim={dp_dims[::-1]!r} to shard "
+            f"over {dp_dims[0]!r})"
+        )
 
 
 class DataParallel:
@@ -152,7 +193,8 @@ class DataParallel:
         for module in modules.values():
             self._sync_from_first_replica(module)
         for module in modules.values():
-            self._api(module, mesh=groups.dp_mesh)
+            # HSDP: the 2-D (replicate, shard) mesh; plain replicate over every replica.
+            self._api(module, mesh=groups.fsdp_mesh if mode == "shard" else groups.dp_mesh)
             # The losses are already divided by the global token count: sum, never average.
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)

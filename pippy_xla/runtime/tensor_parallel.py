@@ -431,7 +431,7 @@ class LayerSharding:
         self,
         mesh,
         *,
-        dp_dim: str = "dp",
+        dp_dim: str | tuple[str, str] = "dp",
         pp_dim: str = "pp",
         tp_dim: str = "tp",
         timeout: float = _C.DEFAULT_TIMEOUT_MS / 1000,
