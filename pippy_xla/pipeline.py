@@ -80,7 +80,10 @@ class PipelineModel:
             are sharded over the ``tp`` dimension by the model's own HF plan, or with
             ``tensor_parallel={key: style}`` by HF rules merged over it (see [Note:
             pipeline x tensor parallel] in runtime/tensor_parallel.py; replicas over ``dp``
-            as above, FSDP2 over the tp-sharded stages).
+            as above, FSDP2 over the tp-sharded stages). With ``dp_dim=("dp_replicate",
+            "dp_shard")`` the mesh's data-parallel dimension is two dims (HSDP:
+            ``data_parallel="shard"`` shards over ``dp_shard`` and replicates over
+            ``dp_replicate``).
     """
 
     def __init__(

@@ -2,10 +2,10 @@
 
 [Note: pipeline x data parallel]
 
-A 2-D mesh ``(dp, pp)`` holds ``dp`` replicas of one pipeline. Each replica is an ordinary
-pipeline over its ``pp`` group; the ranks that run the same stage in different replicas form a
-``dp`` group. Every rank is given the *global* batch; replica ``i`` trains on the ``i``-th of
-``dp`` equal contiguous slices of it, split into microbatches as usual.
+A 2-D mesh ``(dp, pp)`` holds ``dp`` replicas of one pipeline (HSDP's two dp dims: below).
+Each replica is an ordinary pipeline over its ``pp`` group; the ranks that run the same stage in
+different replicas form a ``dp`` group. Every rank is given the *global* batch; replica ``i``
+trains on the ``i``-th of ``dp`` equal contiguous slices of it, split into microbatches as usual.
 
 - Gradients: each stage module is wrapped with torch's own data-parallel machinery over the ``dp``
   dimension: ``fully_shard`` (FSDP2: parameters, gradients and optimizer state sharded over the
@@ -23,6 +23,20 @@ pipeline over its ``pp`` group; the ranks that run the same stage in different r
 - Start: the replicas' values are made equal (copied from the first replica) before wrapping, as
   DDP does, so a model initialized differently per rank (a seed per rank, ``meta`` init) still
   trains as one model.
+- HSDP: the data-parallel dimension may be two mesh dims, ``dp_dim=(replicate, shard)`` (named
+  ``("dp_replicate", "dp_shard")`` as torchtitan does, in the mesh's order), on a mesh
+  ``(dp_replicate, dp_shard, pp)`` or ``(dp_replicate, dp_shard, pp, tp)``. The replicas are
+  every rank of both: everything above that speaks of "the replicas" (the batch's rows, the
+  loss's sum, the start's copy, the build handshake, generation's rows, checkpoints, failures)
+  uses the two dims flattened into one group (``DeviceMesh._flatten``, :attr:`MeshGroups.dp_mesh`),
+  and a replica's index is ``replicate_index * dp_shard + shard_index``. Only FSDP2 sees the 2-D
+  submesh (:attr:`MeshGroups.fsdp_mesh`): ``"shard"`` is FSDP2's HSDP (``fully_shard`` over the
+  2-D mesh: parameters, gradients and optimizer state sharded over ``dp_shard``, replicated over
+  ``dp_replicate``; a reduce-scatter within ``dp_shard`` then an all-reduce across
+  ``dp_replicate``); ``"replicate"`` replicates over every replica (the flattened 1-D mesh), as a
+  single ``dp`` dim of the same size would. The global gradient norm counts a shard on the first
+  ``dp_replicate`` replica only (the others hold the same shard; see [Note: global gradient
+  clipping] in ``_grads.py``).
 """
 
 from __future__ import annotations
