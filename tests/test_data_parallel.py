@@ -191,9 +191,11 @@ def _assert_params_equal_models(model, ref, where: str) -> None:
 
 
 def _checkpoint_across_meshes(rank, world, tmp):
-    """2 (dp) x 2 (pp) trains two steps and saves (DCP, and HF's layout); 1 x 4 and 4 x 1 load
-    it and take a third step, equal to three steps of the reference (parameters and optimizer
-    state restored)."""
+    """2 (dp) x 2 (pp) trains two steps and saves (DCP, and HF's layout); 1 x 4, 4 x 1 and HSDP
+    2 (dp_replicate) x 2 (dp_shard) x 1 load it and take a third step, equal to three steps of
+    the reference (parameters and optimizer state restored)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     ref, layer_cls = _build("llama", seed=0)
     ref_opt = torch.optim.AdamW(ref.parameters(), **ADAM)
 
@@ -202,11 +204,19 @@ def _checkpoint_across_meshes(rank, world, tmp):
         ref_opt.step()
         ref_opt.zero_grad()
 
-    def pipeline(dp, pp):
+    def pipeline(dp, pp, hsdp=False):
         model, _ = _build("llama", seed=1)  # overwritten by the load
-        mesh = _mesh(dp, pp) if dp > 1 else None
+        mesh, dims = (_mesh(dp, pp) if dp > 1 else None), "dp"
+        if hsdp:
+            dims = ("dp_replicate", "dp_shard")
+            mesh = init_device_mesh("cpu", (2, dp // 2, pp), mesh_dim_names=(*dims, "pp"))
         return px.PipelineModel(
-            model, layer_cls=layer_cls, num_microbatches=2, mesh=mesh, data_parallel="shard"
+            model,
+            layer_cls=layer_cls,
+            num_microbatches=2,
+            mesh=mesh,
+            data_parallel="shard",
+            dp_dim=dims,
         )
 
     saver = pipeline(2, 2)
@@ -223,8 +233,8 @@ def _checkpoint_across_meshes(rank, world, tmp):
     _assert_params_equal_models(exported, ref, f"save_pretrained rank={rank}")
     ref_step(2)
     checked = []
-    for dp, pp in ((1, 4), (4, 1)):
-        pipe = pipeline(dp, pp)
+    for dp, pp, hsdp in ((1, 4, False), (4, 1, False), (4, 1, True)):
+        pipe = pipeline(dp, pp, hsdp)
         opt = torch.optim.AdamW(pipe.parameters(), **ADAM)
         assert pipe.load(tmp, opt) == 2
         pipe.run_train(**make_batch(seed=2, batch=8))
@@ -236,5 +246,5 @@ def _checkpoint_across_meshes(rank, world, tmp):
 def test_checkpoint_saved_on_a_mesh_loads_on_other_meshes(tmp_path):
     out = run_ranks(4, _checkpoint_across_meshes, str(tmp_path / "ckpt"), timeout=420)
     for rank_checks in out:
-        assert [(dp, pp) for dp, pp, n in rank_checks] == [(1, 4), (4, 1)]
+        assert [(dp, pp) for dp, pp, n in rank_checks] == [(1, 4), (4, 1), (4, 1)]
         assert all(n > 0 for _, _, n in rank_checks)
