@@ -54,7 +54,6 @@ __all__ = [
     "DataParallel",
     "MeshGroups",
     "assign",
-    "dims_of",
     "local_tensor",
     "mesh_groups",
 ]
@@ -62,7 +61,7 @@ __all__ = [
 DATA_PARALLEL_MODES = ("replicate", "shard")
 
 
-def dims_of(dp_dim: str | Sequence[str]) -> tuple[str, ...]:
+def _dims_of(dp_dim: str | Sequence[str]) -> tuple[str, ...]:
     """``dp_dim`` as a tuple of mesh dims: one, or ``(replicate, shard)`` for HSDP."""
     return (dp_dim,) if isinstance(dp_dim, str) else tuple(dp_dim)
 
@@ -76,7 +75,7 @@ class MeshGroups:
     ) -> None:
         self.mesh = mesh
         self.pp_group: dist.ProcessGroup = mesh.get_group(pp_dim)
-        dp_dims = dims_of(dp_dim)
+        dp_dims = _dims_of(dp_dim)
         self.fsdp_mesh = mesh[dp_dims]
         """The data-parallel submesh FSDP2 shards over: 1-D, or 2-D ``(replicate, shard)``."""
         self.dp_mesh = self.fsdp_mesh if len(dp_dims) == 1 else self.fsdp_mesh._flatten()
@@ -87,8 +86,6 @@ class MeshGroups:
         self.dp_size: int = self.dp_mesh.size()
         self.dp_replicate_rank: int = self.fsdp_mesh.get_local_rank(0) if len(dp_dims) > 1 else 0
         """This rank's coordinate on the replicate dim of an HSDP mesh (else 0)."""
-        self.dp_shard_size: int = self.fsdp_mesh.size(len(dp_dims) - 1)
-        """Replicas a ``"shard"`` stage's tensors are split over: the (last) data-parallel dim."""
         self.tp_mesh = mesh[tp_dim] if tp_dim is not None else None
         """The tensor-parallel dimension's 1-D mesh (``None`` on a 2-D mesh): the ranks that run
         this rank's stages together, each with its shard of their decoder layers."""
@@ -115,7 +112,7 @@ def mesh_groups(
         raise TypeError(
             f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}"
         )
-    names, dp_dims = mesh.mesh_dim_names, dims_of(dp_dim)
+    names, dp_dims = mesh.mesh_dim_names, _dims_of(dp_dim)
     _check_dims(names, dp_dims, pp_dim, tp_dim)
     has_tp = tp_dim is not None and tp_dim in names
     if mesh.ndim != len(dp_dims) + 1 + has_tp:
