@@ -33,6 +33,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import faulthandler
+import gc
 import multiprocessing as mp
 import os
 import queue
@@ -134,6 +135,11 @@ def _worker(rank, world_size, port, fn, args, results, pg_timeout, backend, fork
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    # What the rank holds before ``fn`` runs (the imported modules, over a million objects once
+    # torch and transformers are in) is frozen out of the garbage collector, which a full
+    # collection would walk each time: a rank function that collects after each of its cases
+    # (the planner's measured peaks, 40 pipelines per rank) spent 43% of its time there.
+    gc.freeze()
     try:
         dist.init_process_group(
             backend,
