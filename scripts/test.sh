@@ -16,10 +16,10 @@ mkdir -p build
 nice -n 10 env MAX_JOBS=1 bash scripts/ctest.sh --build-only >build/ctest-build.log 2>&1 &
 cxx=$!
 trap 'kill "$cxx" 2>/dev/null || true' EXIT
-# Two workers (PYTEST_WORKERS): one worker kept ~1.05 of CI's 2 cores busy (its process tree's
-# CPU seconds over the run's wall time, measured per test), since a multi-rank test's ranks wait
-# for each other and a single-process test uses one core. Each worker has its own ranks'
-# forkserver; "worksteal" evens out the tests of a minute or more.
+# Two workers (PYTEST_WORKERS): a single-process test uses one core and a multi-rank test's ranks
+# wait for each other, so one worker leaves some of CI's 2 cores idle (step 1 took 740 s with two
+# workers, the C++ tests building beside it, against 821 s with one, on one tree). Each worker has
+# its own ranks' forkserver; "worksteal" evens out the tests of a minute or more.
 workers=(-n "${PYTEST_WORKERS:-2}" --dist worksteal)
 python -m pytest -q "${workers[@]}" tests "$@"
 ATEN_CPU_CAPABILITY=avx2 python -m pytest -q "${workers[@]}" -m compiled tests "$@"
