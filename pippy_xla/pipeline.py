@@ -18,9 +18,10 @@ lives, ``meta`` included), keeps only its own stage, and hands that stage to the
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -118,7 +119,6 @@ class PipelineModel:
         """The model's config (written by :meth:`save_pretrained`), if it has one."""
         self.generation_config = getattr(model, "generation_config", None)
         """The model's generation config (written by :meth:`save_pretrained`), if it has one."""
-        self._renamer = checkpoint_key_renamer(model)
         logger.info(
             "[rank %d] stages %s, layers %s, %d parameters",
             self.rank,
@@ -278,6 +278,13 @@ class PipelineModel:
         """The model's name of the HF checkpoint key ``key`` (HF's renamings of older layouts
         applied, as ``from_pretrained`` applies them)."""
         return key if self._renamer is None else self._renamer(key)
+
+    @functools.cached_property
+    def _renamer(self) -> Callable[[str], str] | None:
+        """HF's key renamings for this model, looked up when a checkpoint is first read: HF
+        builds its conversion table at the first lookup in a process (40-70 ms of regular
+        expressions, which every rank of a job that never reads a checkpoint would pay)."""
+        return checkpoint_key_renamer(self._generator.model)
 
     def non_persistent_names(self) -> set[str]:
         """Buffers of the model that state dicts leave out (such as rotary ``inv_freq``)."""
