@@ -390,13 +390,13 @@ class PipelineModel:
         by groups across the ranks (a group's next token starts on the first stage as soon as
         the last stage sent its token ids), so with as many groups as ranks (the default) every
         rank works at every step; a group whose rows all finished leaves the schedule. With
-        ``groups=1`` the stages take turns on the whole batch, as HF's pipeline does, and
-        seeded sampling draws HF's one-process tokens (with several groups it is reproducible,
-        each group drawing its rows in turn). Training and
-        evaluation steps may come before and after. On a mesh every rank passes the whole batch
-        (a multiple of ``dp`` prompts), each replica generates for its share of the rows (the
-        tp ranks of a stage for the same rows) and every rank returns the whole batch, padded
-        with ``pad_token_id`` as HF pads (see [Note: generation on a mesh])."""
+        ``groups=1`` the stages take turns on the whole batch, as HF's pipeline does. Seeded
+        sampling draws HF's one-process tokens while no group has left the schedule (always,
+        with one group), and is reproducible in any case. Training and evaluation steps may
+        come before and after. On a mesh every rank passes the whole batch (a multiple of
+        ``dp`` prompts), each replica generates for its share of the rows (the tp ranks of a
+        stage for the same rows) and every rank returns the whole batch, padded with
+        ``pad_token_id`` as HF pads (see [Note: generation on a mesh])."""
         return self._generator.generate(
             input_ids, attention_mask, generation_config, kwargs, groups
         )
