@@ -146,8 +146,8 @@ def _peer_exits(rank, world):
     # A collective whose peer does not come can be ended from another thread (the pipeline's
     # watcher does so on a peer's abort record), and an Abortable aborted once stays aborted.
     abortable = _C.Abortable()
+    start = time.monotonic()  # before the timer starts: the abort comes 0.3 s after it at least
     threading.Timer(0.3, abortable.abort).start()
-    start = time.monotonic()
     with pytest.raises(RuntimeError, match="the wait was aborted") as err:
         _C.all_gather_int64([1], group, "cpu", TIMEOUT_MS, "gather", abortable=abortable)
     aborted = time.monotonic() - start, str(err.value), abortable.aborted
