@@ -19,7 +19,12 @@ pipeline decodes pipelined across ranks (``[Note: generation data flow]`` in
 ``pippy_xla/runtime/_generate.py``): with one group the stages take turns, with one group per
 stage every rank works on a group while the others work on theirs. A last row runs the pipeline
 with ``compile=True`` (one group): compiled prefill and decode graphs (``[Note: compiled
-generation]``), compiled by the warm-up call.
+generation]``), compiled by the warm-up call (``--no-compiled`` leaves it out). ``--prefill-chunk
+K`` passes HF's ``prefill_chunk_size=K`` (HF's chunked prefill) to HF's one process and to
+the pipeline, whose prefill is then pipelined by groups and chunks, but not to HF's pipeline:
+its chunked prefill returned other tokens than HF's one process does (seen with transformers
+5.23), and chunks cannot shorten a pipeline whose stages take turns; HF's pipeline is then
+checked against an unchunked one-process run (``hf_one_process_dynamic_unchunked``).
 Run: ``python benchmarks/generate.py [--ranks 4]``.
 """
 
@@ -30,6 +35,11 @@ import tempfile
 import time
 
 from _common import llama_config, run_ranks, save, summarize
+
+
+def _options(args, chunked: bool = True) -> dict:
+    """A method's generation options besides the lengths: greedy, and ``--prefill-chunk``."""
+    return {"do_sample": False, "prefill_chunk_size": args.prefill_chunk if chunked else None}
 
 
 def _model(args):
@@ -65,8 +75,11 @@ def _one_process(args) -> dict:
     torch.set_num_threads(1)
     model, prompts = _model(args)
     out, mask = {}, torch.ones_like(prompts)
-    for cache in ("dynamic", "static"):
-        opts = {"do_sample": False, "cache_implementation": cache}
+    runs = {"dynamic": _options(args), "static": _options(args)}
+    runs["static"]["cache_implementation"] = "static"
+    if args.prefill_chunk:  # HF's pipeline's reference (see the module's docstring)
+        runs["dynamic_unchunked"] = _options(args, chunked=False)
+    for cache, opts in runs.items():
 
         def generate(new, o=opts):
             return model.generate(prompts, attention_mask=mask, max_new_tokens=new, **o)
@@ -95,7 +108,7 @@ def _pipeline(rank, world, args, groups: int, compile: bool = False):
 
     def generate(new):
         return pipe.generate(
-            prompts, attention_mask=mask, groups=groups, max_new_tokens=new, do_sample=False
+            prompts, attention_mask=mask, groups=groups, max_new_tokens=new, **_options(args)
         )
 
     full, first, tokens = _timed(generate, args)
@@ -129,7 +142,9 @@ def _hf_pipeline(rank, world, args, path: str):
     mask = torch.ones_like(prompts)
 
     def generate(new):
-        return model.generate(prompts, attention_mask=mask, max_new_tokens=new, do_sample=False)
+        return model.generate(
+            prompts, attention_mask=mask, max_new_tokens=new, **_options(args, chunked=False)
+        )
 
     return _timed(generate, args)
 
@@ -178,19 +193,22 @@ def main() -> None:
     p.add_argument(
         "--groups", type=int, nargs="+", default=None, help="group counts (default: 1 and --ranks)"
     )
+    p.add_argument("--prefill-chunk", type=int, default=None, help="HF's prefill_chunk_size")
+    p.add_argument("--no-compiled", action="store_true", help="leave out the compiled run")
     p.add_argument("--out", default=None, help="results/<out>.json (default generate_<ranks>)")
     args = p.parse_args()
     single, one_cache = _one_process(args)
-    results = {f"hf_one_process_{c}": _rates(args, *single[c][:2]) for c in ("dynamic", "static")}
+    results = {f"hf_one_process_{c}": _rates(args, *single[c][:2]) for c in single}
     want = single["dynamic"][2]
+    hf_want = single.get("dynamic_unchunked", single["dynamic"])[2]
     with tempfile.TemporaryDirectory() as path:
         model, _ = _model(args)
         model.save_pretrained(path)
         ranks = run_ranks(args.ranks, _hf_pipeline, args, path, timeout=900)
-    results[f"hf_pipeline_{args.ranks}_ranks"] = _rates(args, *_slowest(ranks, want, "HF's"))
+    results[f"hf_pipeline_{args.ranks}_ranks"] = _rates(args, *_slowest(ranks, hf_want, "HF's"))
     extra = {}
     groups = sorted(set(args.groups or (1, args.ranks)))
-    runs = [(g, False) for g in groups] + [(1, True)]  # the warm-up call compiles
+    runs = [(g, False) for g in groups] + [(1, True)] * (not args.no_compiled)
     for groups, compiled in runs:
         name = f"pippy_xla_{args.ranks}_ranks_{groups}_groups" + ("_compiled" if compiled else "")
         ranks = run_ranks(args.ranks, _pipeline, args, groups, compiled, timeout=1800)

@@ -386,7 +386,8 @@ class PipelineModel:
         ``repetition_penalty``...); left-padded prompts. Each stage keeps the key/value cache of
         its own layers, and only the sampled tokens travel back (see [Note: generation data flow]
         in ``runtime/_generate.py``). ``groups``: the batch's rows split into that many groups,
-        each a microbatch with its own caches: the prefill is pipelined by groups, and decoding
+        each a microbatch with its own caches: the prefill is pipelined by groups (and by
+        prompt chunks, with HF's ``prefill_chunk_size``), and decoding
         by groups across the ranks (a group's next token starts on the first stage as soon as
         the last stage sent its token ids), so with as many groups as ranks (the default) every
         rank works at every step; a group whose rows all finished leaves the schedule. With

@@ -68,6 +68,15 @@ def _equal_hf(family: str) -> list[str]:
         assert cache_bytes(pipe._generator.caches) == (stop - start) * per_layer
         groups = min(pipe.num_ranks, ids.shape[0])
         assert all(len(c) == groups for c in pipe._generator.caches.values())  # one per group
+    # HF's chunked prefill (``prefill_chunk_size``): each group's prompt in chunks of 4 and 2
+    # tokens, each chunk a microbatch of the prefill schedule (pipelined by groups and chunks),
+    # HF's own chunked tokens.
+    chunked = {**opts, "prefill_chunk_size": 4}
+    want = ref.generate(ids, attention_mask=mask, **chunked)
+    got = pipe.generate(ids, attention_mask=mask, **chunked)
+    assert torch.equal(got, want), f"{family} chunked prefill\n{got}\n{want}"
+    groups = min(pipe.num_ranks, ids.shape[0])
+    assert ("prefill", 2 * groups) in pipe._generator.engines, list(pipe._generator.engines)
     done.append("greedy")
     # Row 0's second new token ends row 0 after two steps, other rows later or never.
     eos = int(greedy[0, ids.shape[1] + 1])
@@ -286,6 +295,8 @@ def _error(case: str, rank: int) -> str:
         pipe.generate(ids + rank, attention_mask=mask, max_new_tokens=2)
     if case == "other_options":
         pipe.generate(ids, attention_mask=mask, max_new_tokens=2, groups=1 + rank)
+    if case == "bad_chunk":
+        pipe.generate(ids, attention_mask=mask, max_new_tokens=2, prefill_chunk_size=0)
     raise AssertionError(f"{case}: no error")
 
 
@@ -319,7 +330,7 @@ def _errors(rank, world):
     """Each error on every rank, and the pipeline still generates afterwards; then a failure
     inside the decode schedule."""
     out = {}
-    for case in ("no_head", "too_long", "other_prompts", "other_options"):
+    for case in ("no_head", "too_long", "other_prompts", "other_options", "bad_chunk"):
         try:
             _error(case, rank)
         except (ValueError, px.BatchMismatchError) as e:
@@ -338,6 +349,10 @@ def test_generate_errors_on_every_rank():
         assert o["no_head"][0] == "UnsupportedModelError", o["no_head"]
         assert "no generation head" in o["no_head"][1]
         assert o["too_long"][0] == "ValueError" and "max_length" in o["too_long"][1]
+        assert o["bad_chunk"] == (
+            "ValueError",
+            "prefill_chunk_size must be a positive int or None, got 0",
+        )
         for case in ("other_prompts", "other_options"):
             assert o[case][0] == "BatchMismatchError", o[case]
             assert "other values" in o[case][1], o[case]
@@ -365,6 +380,18 @@ def _compiled_between(rank, world) -> list[str]:
         assert torch.equal(got, want), f"{new} new tokens\n{got}\n{want}"
         graphs = pipe._generator.compiled_graphs()
         assert graphs == {"prefill": 1, "decode": 1}, f"after {new} new tokens: {graphs}"
+    # HF's chunked prefill: chunks of 4 and 2 tokens compile the prefill graph at most twice
+    # more (the lengths made dynamic at the first chunk, where the ids' and the mask's were still
+    # equal, then apart at the second), and a second chunked call nothing.
+    chunked = {"max_new_tokens": 4, "do_sample": False, "prefill_chunk_size": 4}
+    graphs = []
+    for _ in range(2):
+        want = ref.generate(ids, attention_mask=mask, **chunked)
+        got = pipe.generate(ids, attention_mask=mask, **chunked)
+        assert torch.equal(got, want), f"chunked prefill\n{got}\n{want}"
+        graphs.append(pipe._generator.compiled_graphs())
+    assert graphs[0] == graphs[1] and graphs[0]["prefill"] <= 3, graphs
+    assert graphs[0]["decode"] == 1, graphs
     pipe.run_train(**make_batch(seed=0))
     pipe.run_eval(**make_batch(seed=0))
     assert pipe.recompiles == []

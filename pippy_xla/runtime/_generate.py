@@ -12,9 +12,13 @@ states cross the stage boundaries on the same engine and transports as in traini
 cache is updated in place by its stage's own layers.
 
 - The prefill: one run of a forward schedule with the whole prompts, pipelined by groups like a
-  training forward. The last stage keeps the last position's logits of each group and samples
-  each group's first token; the first tokens and a stop flag per group are broadcast from the
-  last rank.
+  training forward; with HF's ``prefill_chunk_size`` each group's prompt goes in chunks as HF's
+  chunked prefill sends them (the mask up to the chunk's end, the chunk's positions), each chunk
+  a microbatch, chunk-major so that each group's chunks reach a stage in order: ``groups x
+  chunks`` microbatches fill the pipeline where ``groups`` alone leave ``stages - 1`` of
+  ``groups + stages - 1`` slots idle. The last stage keeps the last position's logits of each
+  group (of its last chunk) and samples each group's first token; the first tokens and a stop
+  flag per group are broadcast from the last rank.
 - Decoding, in windows of up to ``DECODE_WINDOW`` tokens: one run of a decode schedule per
   window ([Note: decode schedules] in ``csrc/schedule/schedule.h``), a ring of the stages in
   which the last stage's forward of group ``g``'s token ``t`` samples the group's next token ids
@@ -345,7 +349,7 @@ class Generator:
             samplers = [_Sampler(settings, part) for part in ids.split(rows)]
         state = _Groups(rows, mask, positions)
         inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
-        ids = self._prefill(inputs, state, caches, samplers)
+        ids = self._prefill(inputs, state, caches, samplers, settings.config.prefill_chunk_size)
         while ids.shape[1] < settings.max_length:
             live = state.live(settings.has_eos)
             if not live:
@@ -460,32 +464,45 @@ class Generator:
         state: _Groups,
         caches: dict[int, list[Any]],
         samplers: list[_Sampler] | None,
+        chunk: int | None,
     ) -> torch.Tensor:
-        """The prompts through a forward schedule, a microbatch per group; the sequences with
-        their first new token, on every rank."""
+        """The prompts through a forward schedule, a microbatch per group and prompt chunk (HF's
+        ``prefill_chunk_size``; the whole prompt without one); the sequences with their first
+        new token, on every rank."""
         rows = state.rows
+        length = inputs["input_ids"].shape[1]
+        ends = list(range(chunk, length, chunk)) + [length] if chunk else [length]
+        starts = [0, *ends[:-1]]
+        n = len(rows)
         stage_rank = self.runner.train_engine.schedule.stage_rank
         num_ranks = self.place.num_ranks
         engine = self._engine(
-            ("prefill", len(rows)), lambda: _C.forward_schedule(stage_rank, num_ranks, len(rows))
+            ("prefill", n * len(ends)),
+            lambda: _C.forward_schedule(stage_rank, num_ranks, n * len(ends)),
         )
         logits: dict[int, torch.Tensor] = {}
         parts = {k: v.split(rows) for k, v in inputs.items()}
         stages, last = self.stages, len(self.stages) - 1
 
         def forward(stage: int, mb: int, received: list[torch.Tensor]):
-            st = stages[stage]
+            c, g = divmod(mb, n)  # chunk-major: each group's chunks reach a stage in order
+            s, e = starts[c], ends[c]
+            batch = {
+                "input_ids": parts["input_ids"][g][:, s:e],
+                "attention_mask": parts["attention_mask"][g][:, :e],  # as HF's chunked prefill
+                "position_ids": parts["position_ids"][g][:, s:e],
+            }
             run = self._module("prefill", stage)
-            out = run(*(parts[n][mb] for n in st.batch_inputs), *received, caches[stage][mb])
+            out = run(*(batch[k] for k in stages[stage].batch_inputs), *received, caches[stage][g])
             if stage != last:
                 return out
-            logits[mb] = out[0][:, -1]
+            if c == len(ends) - 1:
+                logits[g] = out[0][:, -1]
             return []
 
-        length = inputs["input_ids"].shape[1]
-        signature = self._signature("generate", rows, length)
+        signature = self._signature("generate", rows, length, ends)
         self.failures.run_step(engine, signature, forward, None)
-        self._recompiled("prefill", (rows, length, self.mask_length))
+        self._recompiled("prefill", (rows, length, tuple(ends), self.mask_length))
         out = torch.zeros(sum(rows) + len(rows), dtype=torch.long, device=self.place.device)
         if samplers is not None:
             drawn = [samplers[g].next(logits[g]) for g in range(len(rows))]

@@ -301,6 +301,9 @@ def prepare_generation(
     for name, value in _UNSUPPORTED.items():
         if getattr(config, name) != value:
             raise ValueError(f"generate with {name}={getattr(config, name)} is not supported yet")
+    chunk = config.prefill_chunk_size  # HF's chunked prefill, pipelined by chunks too
+    if chunk is not None and (type(chunk) is not int or chunk < 1):
+        raise ValueError(f"prefill_chunk_size must be a positive int or None, got {chunk!r}")
     device = input_ids.device
     model._prepare_special_tokens(config, True, device=device, batch_size=input_ids.shape[0])
     length = input_ids.shape[1]
