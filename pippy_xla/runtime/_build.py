@@ -420,12 +420,12 @@ def check_plan_tp(config: PipelineConfig, place: Placement) -> None:
 
 def refuse_under_tp(config: PipelineConfig, place: Placement) -> None:
     """Raises ``NotImplementedError`` for what a tensor-parallel pipeline does not cover yet."""
-    if place.device.type != "cpu" or config.transport == "in_order":
+    if place.device.type != "cpu":
         raise NotImplementedError(
-            f"tensor parallelism on {place.device} with transport={config.transport!r} is not "
-            "supported yet (issue 48): the layers' tp collectives beside the pipeline's "
-            "transfers matched in order (NCCL) are untested; use gloo on the CPU with "
-            "transport='auto', 'shm' or 'process_group'"
+            f"tensor parallelism on {place.device} is not supported yet (issue 48): the layers' "
+            "NCCL collectives beside the pipeline's NCCL transfers have not run on a GPU yet "
+            "(transport='in_order', their CPU stand-in over gloo, is tested); use the CPU "
+            "with gloo"
         )
     planned = config.plan.checkpoint_layers if config.plan is not None else []
     if config.compile and (config.checkpoint_layers or planned):

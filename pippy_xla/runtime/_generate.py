@@ -105,8 +105,10 @@ the cache's length, inputs cloned to contiguous strides):
   tokens: 2 decode graphs). A longer cache attends over more (masked) positions.
 - The prefill graph takes the prompts' length, so a second length recompiles it once with that
   length dynamic, and one more graph for a group of one row, which dynamo specializes (a size of
-  1); so does the decode graph for a second group size. HF leaves its prefill eager; compiling
-  it here costs a compile per stage at the first call.
+  1); so does the decode graph for a second group size. The chunks of HF's
+  ``prefill_chunk_size`` compile it at most twice more: the first chunk's ids and mask, of one
+  length, make both lengths dynamic and equal; a later chunk's, of two, sets them apart. HF
+  leaves its prefill eager; compiling it here costs a compile per stage at the first call.
 - A graph compiled again for a run of the same group sizes and lengths as an earlier one (a
   recompile that these rules should have prevented) is logged and recorded in
   ``pipe.recompiles`` with dynamo's guard failures, as a training step's.
