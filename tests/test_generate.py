@@ -554,7 +554,8 @@ def _on_tp_mesh(rank, world) -> dict:
     """With tensor parallelism, the tp ranks of a stage generating the same rows together (their
     layers' collectives): HF's greedy tokens on pp=2 x tp=2 (each tp rank's cache holding its
     key/value heads only) and on dp=2 x tp=2 sharded; seeded sampling equal to HF's with tp
-    ranks seeded differently (the last stage's tp ranks draw alike); a tp rank given other
+    ranks seeded differently (the last stage's tp ranks draw alike) and HF's chunked prefill on
+    pp=2 x tp=2; a tp rank given other
     prompts is refused on every rank."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -575,7 +576,12 @@ def _on_tp_mesh(rank, world) -> dict:
             torch.manual_seed(7 + 100 * mesh["tp"].get_local_rank())
             got = pipe.generate(ids, attention_mask=mask, **sample)
             assert torch.equal(got, want), f"{shape} sampling\n{got}\n{want}"
-            out[shape] = "eos, sampling"
+            # HF's chunked prefill, the tp ranks of a stage taking the chunks together.
+            chunked = {**opts, "prefill_chunk_size": 4}
+            want = ref.generate(ids, attention_mask=mask, **chunked)
+            got = pipe.generate(ids, attention_mask=mask, **chunked)
+            assert torch.equal(got, want), f"{shape} chunked prefill\n{got}\n{want}"
+            out[shape] = "eos, sampling, chunked"
     # This replica's 2 rows, this tp rank's half of the key/value heads, the cache's length.
     cfg, (start, end) = ref.config, pipe.layer_ranges[pipe.rank]
     head = cfg.hidden_size // cfg.num_attention_heads
@@ -591,6 +597,6 @@ def _on_tp_mesh(rank, world) -> dict:
 def test_generate_with_tensor_parallel():
     out = run_ranks(4, _on_tp_mesh, timeout=300)
     for o in out:
-        assert o[(1, 2, 2)] == "eos, sampling" and o[(2, 1, 2)] == "eos", o
+        assert o[(1, 2, 2)] == "eos, sampling, chunked" and o[(2, 1, 2)] == "eos", o
         assert o["cache"][0] == o["cache"][1], o
         assert "tensor-parallel" in o["other_prompts"], o
