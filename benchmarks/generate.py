@@ -18,13 +18,14 @@ call's tokens are checked equal to HF's one-process tokens before any time is re
 pipeline decodes pipelined across ranks (``[Note: generation data flow]`` in
 ``pippy_xla/runtime/_generate.py``): with one group the stages take turns, with one group per
 stage every rank works on a group while the others work on theirs. A last row runs the pipeline
-with ``compile=True`` (one group): compiled prefill and decode graphs (``[Note: compiled
-generation]``), compiled by the warm-up call (``--no-compiled`` leaves it out). ``--prefill-chunk
-K`` passes HF's ``prefill_chunk_size=K`` (HF's chunked prefill) to HF's one process and to
-the pipeline, whose prefill is then pipelined by groups and chunks, but not to HF's pipeline:
-its chunked prefill returned other tokens than HF's one process does (seen with transformers
-5.23), and chunks cannot shorten a pipeline whose stages take turns; HF's pipeline is then
-checked against an unchunked one-process run (``hf_one_process_dynamic_unchunked``).
+with ``compile=True`` (one group; ``--compiled-groups G``: G): compiled prefill and decode
+graphs (``[Note: compiled generation]``), compiled by the warm-up call (``--no-compiled`` leaves
+it out). ``--prefill-chunk K`` passes HF's ``prefill_chunk_size=K`` (HF's chunked prefill) to
+HF's one process and to the pipeline, whose prefill is then pipelined by groups and chunks, but
+not to HF's pipeline: its chunked prefill returned other tokens than HF's one process does (seen
+with transformers 5.23), and chunks cannot shorten a pipeline whose stages take turns; HF's
+pipeline is then checked against an unchunked one-process run
+(``hf_one_process_dynamic_unchunked``).
 Run: ``python benchmarks/generate.py [--ranks 4]``.
 """
 
@@ -195,6 +196,7 @@ def main() -> None:
     )
     p.add_argument("--prefill-chunk", type=int, default=None, help="HF's prefill_chunk_size")
     p.add_argument("--no-compiled", action="store_true", help="leave out the compiled run")
+    p.add_argument("--compiled-groups", type=int, default=1, help="the compiled run's groups")
     p.add_argument("--out", default=None, help="results/<out>.json (default generate_<ranks>)")
     args = p.parse_args()
     single, one_cache = _one_process(args)
@@ -208,7 +210,7 @@ def main() -> None:
     results[f"hf_pipeline_{args.ranks}_ranks"] = _rates(args, *_slowest(ranks, hf_want, "HF's"))
     extra = {}
     groups = sorted(set(args.groups or (1, args.ranks)))
-    runs = [(g, False) for g in groups] + [(1, True)] * (not args.no_compiled)
+    runs = [(g, False) for g in groups] + [(args.compiled_groups, True)] * (not args.no_compiled)
     for groups, compiled in runs:
         name = f"pippy_xla_{args.ranks}_ranks_{groups}_groups" + ("_compiled" if compiled else "")
         ranks = run_ranks(args.ranks, _pipeline, args, groups, compiled, timeout=1800)
