@@ -27,7 +27,7 @@ from pippy_xla.runtime._batch import digest64
 from pippy_xla.runtime._recompile import RecompileWatch
 from pippy_xla.runtime._state import params_named
 from pippy_xla.runtime._ties import Tie, combine_among, local_ties, tied_names, untie_local_copies
-from pippy_xla.runtime.data_parallel import DataParallel, MeshGroups, mesh_groups
+from pippy_xla.runtime.data_parallel import DataParallel, MeshGroups, dims_text, mesh_groups
 from pippy_xla.runtime.failures import AbortChannel
 from pippy_xla.runtime.ops import group_name_of
 from pippy_xla.runtime.tensor_parallel import TensorParallel, layer_tp_plan
@@ -363,7 +363,7 @@ def resolve_placement(
             "PipelineModel needs torch.distributed: call dist.init_process_group('gloo') "
             "first (torchrun sets the rendezvous)"
         )
-    groups, dp = None, ", ".join(map(repr, config.dp_dims))
+    groups, dp = None, dims_text(config.dp_dims)
     if mesh is None and config.tensor_parallel is not None:
         raise ValueError(
             f"tensor_parallel={config.tensor_parallel!r} needs mesh=init_device_mesh(device_type, "
@@ -395,7 +395,7 @@ def _check_tensor_parallel(config: PipelineConfig, groups: MeshGroups) -> None:
             "the model's own HF plan"
         )
     if config.tensor_parallel is not None and groups.tp_mesh is None:
-        dp = ", ".join(map(repr, config.dp_dims))
+        dp = dims_text(config.dp_dims)
         raise ValueError(
             f"tensor_parallel={config.tensor_parallel!r} but the mesh's dims "
             f"{groups.mesh.mesh_dim_names} have no {config.tp_dim!r}; build a mesh "

@@ -54,6 +54,7 @@ __all__ = [
     "DataParallel",
     "MeshGroups",
     "assign",
+    "dims_text",
     "local_tensor",
     "mesh_groups",
 ]
@@ -118,7 +119,7 @@ def mesh_groups(
     if mesh.ndim != len(dp_dims) + 1 + has_tp:
         raise ValueError(
             f"the mesh has {mesh.ndim} dims {names}; PipelineModel supports meshes with dims "
-            f"({_dims_text(dp_dims)}, {pp_dim!r}) and ({_dims_text(dp_dims)}, {pp_dim!r}, "
+            f"({dims_text(dp_dims)}, {pp_dim!r}) and ({dims_text(dp_dims)}, {pp_dim!r}, "
             f"{tp_dim or 'tp'!r}) (data x pipeline [x tensor])"
         )
     if mesh.size() != dist.get_world_size():
@@ -137,14 +138,15 @@ def mesh_groups(
     return groups
 
 
-def _dims_text(dims: Sequence[str]) -> str:
+def dims_text(dims: Sequence[str]) -> str:
+    """Mesh dims as a message writes them: ``'dp_replicate', 'dp_shard'``."""
     return ", ".join(repr(d) for d in dims)
 
 
 def _check_dims(names, dp_dims: tuple[str, ...], pp_dim: str, tp_dim: str | None) -> None:
     """The mesh names the pipeline's dims, and an HSDP mesh its two data-parallel dims in order
     (replicate before shard, as FSDP2 reads a 2-D mesh)."""
-    dp, tp = _dims_text(dp_dims), tp_dim or "tp"
+    dp, tp = dims_text(dp_dims), tp_dim or "tp"
     hsdp = len(dp_dims) > 1
     how = (
         f"build it with init_device_mesh(device_type, ({'replicate, shard' if hsdp else 'dp'}, "
