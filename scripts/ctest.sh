@@ -22,6 +22,7 @@ if ! grep -q "^PIPPY_XLA_HAVE_GTEST:INTERNAL=\(1\|TRUE\|ON\)$" "$build/CMakeCach
   echo "C++ tests skipped: GoogleTest is not installed (Debian: apt-get install libgtest-dev)"
   exit 0
 fi
-cmake --build "$build" -j "${MAX_JOBS:-2}"
+# The tests' target only (see CMakeLists.txt): `cmake --build build/cmake` builds the whole core.
+cmake --build "$build" --target pippy_xla_core_tests -j "${MAX_JOBS:-2}"
 [ "$build_only" = 1 ] && exit 0
 ctest --test-dir "$build" --output-on-failure -j "${MAX_JOBS:-2}" "$@"
