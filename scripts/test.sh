@@ -2,10 +2,10 @@
 # The test suite, as CI runs it (after scripts/setup.sh):
 #  0. ruff's lint and format check over the repository (seconds);
 #  1. the whole Python suite on this CPU's native kernels, in two pytest-xdist workers (see below);
-#  2. beside step 1, the tests that compare compiled stages with eager ones (marker `compiled`)
-#     once more under another ATEN_CPU_CAPABILITY than this CPU's own (avx2 on an AVX-512 CPU,
-#     default, no vector code, on any other), so that inductor emits another CPU's code and sums in
-#     another order: a tolerance that only this CPU meets fails here, not on a user's machine;
+#  2. the tests that compare compiled stages with eager ones (marker `compiled`) once more under
+#     another ATEN_CPU_CAPABILITY than this CPU's own (avx2 on an AVX-512 CPU, default, no vector
+#     code, on any other), so that inductor emits another CPU's code and sums in another order: a
+#     tolerance that only this CPU meets fails here, not on a user's machine;
 #  3. the C++ unit tests (scripts/ctest.sh; skipped, with the reason, without GoogleTest).
 # Extra arguments are pytest options for both pytest runs (e.g. -x, --durations=20), not paths.
 set -euo pipefail
@@ -16,24 +16,17 @@ ruff check --quiet . && ruff format --check --quiet .
 mkdir -p build
 nice -n 10 env MAX_JOBS=1 bash scripts/ctest.sh --build-only >build/ctest-build.log 2>&1 &
 cxx=$!
-# Step 2 runs beside step 1 in one pytest process, its output shown after step 1's: run after it,
-# its 7 tests on two workers took 140-160 s for 113-133 s of work, the last ones alone on a core;
-# beside it they fill the cores that step 1's slow tests leave to each other.
-isa=$(python -c "import torch; print({'AVX512': 'avx2'}.get(torch.backends.cpu.get_cpu_capability(), 'default'))")
-ATEN_CPU_CAPABILITY=$isa python -m pytest -q -m compiled tests "$@" >build/compiled-pass.log 2>&1 &
-compiled=$!
-trap 'kill "$cxx" "$compiled" 2>/dev/null || true' EXIT
+trap 'kill "$cxx" 2>/dev/null || true' EXIT
 # Two workers (PYTEST_WORKERS): a single-process test uses one core and a multi-rank test's ranks
 # wait for each other, so one worker leaves some of CI's 2 cores idle (step 1 took 740 s with two
 # workers, the C++ tests building beside it, against 821 s with one, on one tree). Each worker has
 # its own ranks' forkserver; "worksteal" evens out the tests of a minute or more.
 workers=(-n "${PYTEST_WORKERS:-2}" --dist worksteal)
 python -m pytest -q "${workers[@]}" tests "$@"
-echo "compiled-comparison tests again, ATEN_CPU_CAPABILITY=$isa:"
-status=0
-wait "$compiled" || status=$?
-cat build/compiled-pass.log
-[ "$status" = 0 ] || exit "$status"
+# Step 2 after step 1, not beside it: beside it (a third pytest process on the 2 cores) the two
+# took 777 s against 709 s one after the other, each test slower by more than the cores' share.
+isa=$(python -c "import torch; print({'AVX512': 'avx2'}.get(torch.backends.cpu.get_cpu_capability(), 'default'))")
+ATEN_CPU_CAPABILITY=$isa python -m pytest -q "${workers[@]}" -m compiled tests "$@"
 if ! wait "$cxx"; then
   cat build/ctest-build.log
   exit 1
