@@ -25,7 +25,10 @@ HF's one process and to the pipeline, whose prefill is then pipelined by groups 
 not to HF's pipeline: its chunked prefill returned other tokens than HF's one process does (seen
 with transformers 5.23), and chunks cannot shorten a pipeline whose stages take turns; HF's
 pipeline is then checked against an unchunked one-process run
-(``hf_one_process_dynamic_unchunked``).
+(``hf_one_process_dynamic_unchunked``). ``--rounds R`` runs HF's pipeline and every pipeline run
+``R`` times, alternated (HF's pipeline, then each run, per round), prints each run's whole-call
+rate over HF's pipeline's of the same round, and reports each run's round of median rate: on a
+shared VM whose speed drifts between minutes, ratios within a round are what compare.
 Run: ``python benchmarks/generate.py [--ranks 4]``.
 """
 
@@ -182,6 +185,15 @@ def _print(results: dict, extra: dict) -> None:
         print(f"{name:39s} decode busy share {e['busy']}  cache bytes per rank {e['cache_bytes']}")
 
 
+def _print_rounds(rounds: dict[str, list[dict]], hf_name: str) -> None:
+    """Each pipeline run's whole-call rate over HF's pipeline's of the same round."""
+    hf = [r["new_tokens_per_s"]["median"] for r in rounds[hf_name]]
+    for name, rs in rounds.items():
+        rates = [r["new_tokens_per_s"]["median"] for r in rs]
+        ratios = " ".join(f"{x / h:.2f}x" for x, h in zip(rates, hf, strict=True))
+        print(f"{name:39s} rounds: " + " ".join(f"{x:.1f}" for x in rates) + f"  ({ratios})")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--ranks", type=int, default=2, choices=(2, 4))
@@ -197,30 +209,43 @@ def main() -> None:
     p.add_argument("--prefill-chunk", type=int, default=None, help="HF's prefill_chunk_size")
     p.add_argument("--no-compiled", action="store_true", help="leave out the compiled run")
     p.add_argument("--compiled-groups", type=int, default=1, help="the compiled run's groups")
+    p.add_argument(
+        "--rounds", type=int, default=1, help="HF's pipeline and the pipeline runs, alternated"
+    )
     p.add_argument("--out", default=None, help="results/<out>.json (default generate_<ranks>)")
     args = p.parse_args()
     single, one_cache = _one_process(args)
     results = {f"hf_one_process_{c}": _rates(args, *single[c][:2]) for c in single}
     want = single["dynamic"][2]
     hf_want = single.get("dynamic_unchunked", single["dynamic"])[2]
+    groups = sorted(set(args.groups or (1, args.ranks)))
+    runs = [(g, False) for g in groups] + [(args.compiled_groups, True)] * (not args.no_compiled)
+    rounds: dict[str, list[dict]] = {}
+    extra = {}
+    hf_name = f"hf_pipeline_{args.ranks}_ranks"
     with tempfile.TemporaryDirectory() as path:
         model, _ = _model(args)
         model.save_pretrained(path)
-        ranks = run_ranks(args.ranks, _hf_pipeline, args, path, timeout=900)
-    results[f"hf_pipeline_{args.ranks}_ranks"] = _rates(args, *_slowest(ranks, hf_want, "HF's"))
-    extra = {}
-    groups = sorted(set(args.groups or (1, args.ranks)))
-    runs = [(g, False) for g in groups] + [(args.compiled_groups, True)] * (not args.no_compiled)
-    for groups, compiled in runs:
-        name = f"pippy_xla_{args.ranks}_ranks_{groups}_groups" + ("_compiled" if compiled else "")
-        ranks = run_ranks(args.ranks, _pipeline, args, groups, compiled, timeout=1800)
-        results[name] = _rates(args, *_slowest(ranks, want, name))
-        extra[name] = {
-            "busy": [round(r[3]["busy"], 3) for r in ranks],
-            "cache_bytes": [r[3]["cache_bytes"] for r in ranks],
-        }
+        for _ in range(args.rounds):  # HF's pipeline, then each pipeline run, in every round
+            ranks = run_ranks(args.ranks, _hf_pipeline, args, path, timeout=900)
+            rounds.setdefault(hf_name, []).append(_rates(args, *_slowest(ranks, hf_want, "HF's")))
+            for g, compiled in runs:
+                name = f"pippy_xla_{args.ranks}_ranks_{g}_groups" + ("_compiled" * compiled)
+                ranks = run_ranks(args.ranks, _pipeline, args, g, compiled, timeout=1800)
+                rounds.setdefault(name, []).append(_rates(args, *_slowest(ranks, want, name)))
+                extra[name] = {
+                    "busy": [round(r[3]["busy"], 3) for r in ranks],
+                    "cache_bytes": [r[3]["cache_bytes"] for r in ranks],
+                }
+    # Each run's round of median whole-call rate (the rounds themselves are saved beside).
+    for name, rs in rounds.items():
+        results[name] = sorted(rs, key=lambda r: r["new_tokens_per_s"]["median"])[len(rs) // 2]
+    if args.rounds > 1:
+        _print_rounds(rounds, hf_name)
     _print(results, extra)
     payload = {"args": vars(args), "results": results, "pipeline": extra}
+    if args.rounds > 1:
+        payload["rounds"] = rounds
     payload["one_process_cache_bytes"] = one_cache
     print(f"one process's cache bytes {one_cache}")
     path = save(args.out or f"generate_{args.ranks}", payload)
