@@ -21,7 +21,7 @@ import pytest
 import torch
 from models import MODELS, VOCAB, full, make_batch, reference_step, tiny
 from test_pipeline import ADAM, LOSS_TOL, PARAM_TOL, check_grads
-from tolerances import assert_close_compiled
+from tolerances import assert_close_compiled, under_another_cpu
 
 import pippy_xla as px
 from pippy_xla.runtime.data_parallel import local_tensor
@@ -398,11 +398,13 @@ def test_compiled_stages_on_a_mesh_match_eager():
         ("zbh1", (1, 2, 2), "replicate", "inductor"),
         ("1f1b", (2, 1, 2), "shard", "aot_eager"),
     ]
+    if under_another_cpu():  # 17 s of 66 alone, for nothing that depends on the CPU
+        cases = cases[:1]
     out = run_ranks(4, _compiled_like_eager, cases, timeout=600)
     for rank in out:
-        (_, split_told), (_, plain_told) = rank
+        (_, split_told), *plain = rank
         assert split_told and all("a graph input is a DeviceMesh" in m for m in split_told)
-        assert plain_told == []
+        assert [told for _, told in plain] == [[]] * (len(cases) - 1)
 
 
 def _docs_block() -> str:

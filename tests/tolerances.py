@@ -61,3 +61,11 @@ def assert_close_compiled(
         f"{msg}: max |compiled - eager| = {diff:.3g} is {ratio:.3g} of the largest |eager| "
         f"({scale:.3g}), above the {kind} bound {REL[kind]:g} ([Note: compiled tolerance])"
     )
+
+
+def under_another_cpu() -> bool:
+    """Whether this run emits another CPU's code (``ATEN_CPU_CAPABILITY`` set: scripts/test.sh's
+    second pass over the compiled-comparison tests). Only inductor's code depends on it, so a
+    case compiled by another backend (``aot_eager``: dynamo and AOTAutograd alone) checks there
+    nothing that the first pass did not, and is left out of it."""
+    return "ATEN_CPU_CAPABILITY" in os.environ
