@@ -62,11 +62,11 @@ def _equal_hf(family: str) -> list[str]:
     # a pipelined prefill.
     got = pipe.generate(ids, attention_mask=mask, **opts)
     assert torch.equal(got, greedy), f"{family} greedy\n{got}\n{greedy}"
+    groups = min(pipe.num_ranks, ids.shape[0])
     if family == "llama":  # see [Note: per-stage generation graphs]: this rank's layers only
         cfg, (start, stop) = ref.config, pipe.layer_ranges[pipe.rank]
         per_layer = 2 * ids.shape[0] * cfg.num_key_value_heads * (greedy.shape[1] - 1) * 16 * 4
         assert cache_bytes(pipe._generator.caches) == (stop - start) * per_layer
-        groups = min(pipe.num_ranks, ids.shape[0])
         assert all(len(c) == groups for c in pipe._generator.caches.values())  # one per group
     # HF's chunked prefill (``prefill_chunk_size``): each group's prompt in chunks of 4 and 2
     # tokens, each chunk a microbatch of the prefill schedule (pipelined by groups and chunks),
@@ -75,7 +75,6 @@ def _equal_hf(family: str) -> list[str]:
     want = ref.generate(ids, attention_mask=mask, **chunked)
     got = pipe.generate(ids, attention_mask=mask, **chunked)
     assert torch.equal(got, want), f"{family} chunked prefill\n{got}\n{want}"
-    groups = min(pipe.num_ranks, ids.shape[0])
     assert ("prefill", 2 * groups) in pipe._generator.engines, list(pipe._generator.engines)
     done.append("greedy")
     # Row 0's second new token ends row 0 after two steps, other rows later or never.
