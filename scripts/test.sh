@@ -20,9 +20,10 @@ trap 'kill "$cxx" 2>/dev/null || true' EXIT
 # Two workers (PYTEST_WORKERS): a single-process test uses one core and a multi-rank test's ranks
 # wait for each other, so one worker leaves some of CI's 2 cores idle (step 1 took 740 s with two
 # workers, the C++ tests building beside it, against 821 s with one, on one tree). Each worker has
-# its own ranks' forkserver. Tests go to the workers two at a time as they finish ("load",
-# --maxschedchunk 2), longest first ([Note: longest tests first] in tests/conftest.py).
-workers=(-n "${PYTEST_WORKERS:-2}" --dist load --maxschedchunk 2)
+# its own ranks' forkserver; "worksteal" evens out the tests of a minute or more.
+# Tried and dropped: the tests ordered longest first and handed out two at a time ("load"):
+# pass 1 took 478 s against 512, pass 2 154 s against 129 (its heaviest tests then ran together).
+workers=(-n "${PYTEST_WORKERS:-2}" --dist worksteal)
 python -m pytest -q "${workers[@]}" tests "$@"
 # Step 2 after step 1, not beside it: beside it (a third pytest process on the 2 cores) the two
 # took 777 s against 709 s one after the other, each test slower by more than the cores' share.

@@ -27,20 +27,3 @@ def pytest_collection_finish(session):
 
     modules = {getattr(item, "module", None) for item in session.items}
     preload("models", "inductor_warm", *sorted(m.__name__ for m in modules if m is not None))
-
-
-# [Note: longest tests first] scripts/test.sh hands tests to its two workers one by one as they
-# finish (xdist's "load"), in collection order; the suite's tests are ordered longest first by
-# their measured seconds (tests/durations.json, written by scripts/record_durations.py; a test not
-# in it keeps its place after them), so the last test to start is a short one and the workers
-# end together. In collection order, a run of the seven compiled tests under another capability
-# split them by file, 86 s against 131 s of tests.
-_DURATIONS = os.path.join(os.path.dirname(__file__), "durations.json")
-
-
-def pytest_collection_modifyitems(items):
-    import json
-
-    with open(_DURATIONS) as f:
-        seconds = json.load(f)
-    items.sort(key=lambda item: -seconds.get(item.nodeid, 0.0))
