@@ -22,7 +22,8 @@ trap 'kill "$cxx" 2>/dev/null || true' EXIT
 # workers, the C++ tests building beside it, against 821 s with one, on one tree). Each worker has
 # its own ranks' forkserver; "worksteal" evens out the tests of a minute or more.
 # Tried and dropped: the tests ordered longest first and handed out two at a time ("load"):
-# pass 1 took 478 s against 512, pass 2 154 s against 129 (its heaviest tests then ran together).
+# pass 1 478 s against 512 and 526 s, pass 2 154 s against 129 and 154 s; fresh clones of one
+# tree differ by that much between runs, so no gain shows, and the order needs a data file.
 workers=(-n "${PYTEST_WORKERS:-2}" --dist worksteal)
 python -m pytest -q "${workers[@]}" tests "$@"
 # Step 2 after step 1, not beside it: beside it (a third pytest process on the 2 cores) the two
