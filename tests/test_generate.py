@@ -169,13 +169,21 @@ def _group_per_stage(world: int) -> bool:
     return True
 
 
+FOUR_RANK_FAMILIES = ("llama", "gpt2", "qwen3", "mixtral", "mistral")
+"""Llama, GPT-2, Qwen3, Mixtral and Mistral on four ranks, a layer per stage: rotary, a tied
+head with learned positions, q/k norms, experts, and a sliding window (Mistral's 8 tokens, fewer
+than a prompt and its new tokens, 12)."""
+
+
 def _four(rank, world):
-    return _families(rank, world, ("llama",)), _meta_built(rank, world), _group_per_stage(world)
+    families = _families(rank, world, FOUR_RANK_FAMILIES)
+    return families, _meta_built(rank, world), _group_per_stage(world)
 
 
 def test_generate_equal_hf_four_ranks():
     out = run_ranks(4, _four, timeout=300)
-    assert out == [({"llama": ["greedy", "eos", "sampling"]}, True, True)] * 4
+    want = {f: ["greedy", "eos", "sampling"] for f in FOUR_RANK_FAMILIES}
+    assert out == [(want, True, True)] * 4
 
 
 def _stages_per_rank(rank, world) -> dict[str, list[int]]:
