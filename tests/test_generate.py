@@ -119,6 +119,11 @@ def _families(rank, world, families):
     return {f: _equal_hf(f) for f in families}
 
 
+def _all_equal(families) -> dict[str, list[str]]:
+    """What ``_families`` returns when every check of every family passed."""
+    return {f: ["greedy", "eos", "sampling"] for f in families}
+
+
 FAMILIES = (
     *("llama", "gpt2", "qwen3", "mixtral", "mistral", "qwen2", "gemma3_text", "falcon_alibi"),
     "qwen3_5_text",
@@ -133,8 +138,7 @@ _OPTIONS = {"falcon_alibi": {"cache_implementation": "dynamic"}}
 
 def test_generate_equal_hf_two_ranks():
     out = run_ranks(2, _families, FAMILIES, timeout=600)
-    want = {f: ["greedy", "eos", "sampling"] for f in FAMILIES}
-    assert out == [want, want]
+    assert out == [_all_equal(FAMILIES)] * 2
 
 
 def _meta_built(rank, world) -> bool:
@@ -182,8 +186,7 @@ def _four(rank, world):
 
 def test_generate_equal_hf_four_ranks():
     out = run_ranks(4, _four, timeout=300)
-    want = {f: ["greedy", "eos", "sampling"] for f in FOUR_RANK_FAMILIES}
-    assert out == [(want, True, True)] * 4
+    assert out == [(_all_equal(FOUR_RANK_FAMILIES), True, True)] * 4
 
 
 def _stages_per_rank(rank, world) -> dict[str, list[int]]:
