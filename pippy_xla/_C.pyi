@@ -408,6 +408,9 @@ class Engine(_pybind11_object):
         """Wakes the running step's transfer waits so that :meth:`run` fails now."""
     def failure(self) -> Failure | None:
         """Where the failed step failed; ``None`` while no step has failed."""
+    def inject_fault(self, op: str, stage: int, mb: int) -> None:
+        """Fault injection, for tests: the next step that runs action ``(op, stage, mb)`` on this
+        rank fails right after it, its transfers left in flight."""
     @property
     def rank(self) -> int:
         """This rank in the pipeline's group."""

@@ -108,7 +108,9 @@ class PipelineModel:
         self.layer_ranges: list[tuple[int, int]] = built.layer_ranges
         """Every stage's half-open decoder-layer range."""
         self._state = StageState(built.stages, built.local_stages, built.aliases, built.place.rank)
-        self._failures = FailureState(built.abort, built.abort.rank)
+        self._failures = FailureState(
+            built.abort, built.abort.rank, mesh if built.place.mesh is not None else None
+        )
         self._runner = StepRunner(built, self.pipeline_config, self._failures)
         self._report = Report(self._runner)
         self._generator = Generator(model, layer_cls, self._runner)

@@ -172,13 +172,13 @@ def test_a_wait_on_a_peer_that_exited_or_was_aborted_fails_instead_of_timing_out
 
 
 def _both_transports(rank, world):
-    """One model, two pipelines: the world group over shared memory (``"shm"``: the default's
-    choice here, insisted on), and a second group of the same ranks with the process group's own
-    send and receive."""
+    """One model, two pipelines over the world group: one over shared memory (``"shm"``: the
+    default's choice here, insisted on), one with the process group's own send and receive (each
+    pipeline runs on a group of its own: [Note: a pipeline's own groups])."""
     model, layer_cls = llama(layers=4)
     batch = make_batch(1, batch=8, seq=16)
     out = {}
-    for transport, group in (("shm", None), ("process_group", dist.new_group([0, 1]))):
+    for transport in ("shm", "process_group"):
         pipe = px.PipelineModel(
             copy.deepcopy(model),
             layer_cls=layer_cls,
@@ -186,13 +186,10 @@ def _both_transports(rank, world):
             schedule="zbv",
             transport=transport,
             transport_spin_us=0 if transport == "shm" else None,  # waits sleep at once
-            group=group,
         )
         out[transport] = float(pipe.run_train(**batch))
         out[transport + " peers"] = pipe.shm_peers
         out[transport + " spin"] = _C.shm_spin_us(pipe._place.group_name)
-    with pytest.raises(ValueError, match="already moves its transfers through shared memory"):
-        px.PipelineModel(model, layer_cls=layer_cls, num_microbatches=4, transport="process_group")
     return out
 
 

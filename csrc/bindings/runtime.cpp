@@ -155,6 +155,14 @@ void bind_engine(py::module_& m) {
       .def("abort", &Engine::abort, py::call_guard<py::gil_scoped_release>(),
            "Wakes the running step's transfer waits so that run() fails now (thread-safe).")
       .def("failure", &Engine::failure, py::return_value_policy::copy)
+      .def(
+          "inject_fault",
+          [](Engine& e, const std::string& op, int32_t stage, int32_t mb) {
+            e.inject_fault(Action{parse_op(op), stage, mb});
+          },
+          py::arg("op"), py::arg("stage"), py::arg("mb"),
+          "Fault injection, for tests: the next step that runs action (op, stage, mb) on this "
+          "rank fails right after it, its transfers left in flight.")
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("schedule", &Engine::schedule)
       .def("timings", &Engine::timings, py::return_value_policy::copy)

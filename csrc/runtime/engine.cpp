@@ -219,7 +219,7 @@ void Engine::finish_step(StepState& st) {
 void Engine::run(int64_t signature, const StageFn& forward, const GradsReadyFn& grads_ready) {
   TORCH_CHECK(!broken_ && !live_.aborted(), "[rank ", rank_,
               "] the pipeline engine failed in an earlier step and its peers were left mid-step; "
-              "restart the job");
+              "build a new pipeline to go on");
   resolve_routes();
   // Between steps the engine holds no group: one destroyed after a step must be free to go (see
   // [Note: releasing the group at exit] in pippy_xla/runtime/_exit.py).
@@ -240,6 +240,10 @@ void Engine::run(int64_t signature, const StageFn& forward, const GradsReadyFn& 
       if (st.posted[st.pos]) continue;  // a receive posted early (see post_ahead)
       if (a.op == Op::RECV_F || a.op == Op::RECV_B) st.posted[st.pos] = true;
       run_action(st, a, forward);
+      if (fault_ && *fault_ == a) {
+        fault_.reset();
+        TORCH_CHECK(false, where(a, "a fault injected after this action"));
+      }
       release_known_sends(st);
       if (auto it = last_grad_.find(st.pos); grads_ready && it != last_grad_.end())
         ready.push_back(it->second);

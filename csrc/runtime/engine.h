@@ -109,6 +109,11 @@ class Engine {
   void abort();
   // Where the failed step failed; nullopt while no step has failed.
   const std::optional<Failure>& failure() const { return failure_; }
+  // Fault injection, for tests: the next step that runs action `at` on this rank fails right
+  // after it (a plain error, as if the stage's code had raised there), so a send or a receive it
+  // posted stays in flight, as when a real failure interrupts a step. See [Note: a pipeline's
+  // own groups] in pippy_xla/runtime/_build.py.
+  void inject_fault(Action at) { fault_ = at; }
 
   const Schedule& schedule() const { return schedule_; }
   int64_t rank() const { return rank_; }
@@ -200,6 +205,7 @@ class Engine {
   int64_t compute_start_ns_ = 0;  // set by F / B once their inputs are there
   bool broken_ = false;
   std::optional<Failure> failure_;
+  std::optional<Action> fault_;  // see inject_fault
   Abortable live_;  // the running step's transfers (abort() runs on another thread)
   // The running step's groups: options_.group_name's, header_'s and, in order, the up and down
   // groups (resolve_routes; released when the step ends).

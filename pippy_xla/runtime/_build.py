@@ -3,13 +3,15 @@ into this rank's :class:`BuiltPipeline` (its stages, ready to run), one decision
 
 Order: the placement (:func:`resolve_placement`: process groups, ranks, device) -> the stage
 layout (:func:`resolve_layout`) -> the schedule -> tracing and partitioning -> the handshake that
-every rank built the same pipeline (:func:`check_ranks_agree`) -> the transport
-(:func:`attach_transport`) -> materializing the local stages -> tied weights across ranks -> data
-parallelism (with a mesh) -> engines and compiled stages.
+every rank built the same pipeline (:func:`check_ranks_agree`) -> the pipeline's own group
+(:func:`own_group`) -> the transport (:func:`attach_transport`) -> materializing the local
+stages -> tied weights across ranks -> data parallelism (with a mesh) -> engines and compiled
+stages.
 """
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import inspect
 import logging
@@ -28,7 +30,7 @@ from pippy_xla.runtime._recompile import RecompileWatch
 from pippy_xla.runtime._state import params_named
 from pippy_xla.runtime._ties import Tie, combine_among, local_ties, tied_names, untie_local_copies
 from pippy_xla.runtime.data_parallel import DataParallel, MeshGroups, dims_text, mesh_groups
-from pippy_xla.runtime.failures import AbortChannel
+from pippy_xla.runtime.failures import AbortChannel, check_mesh_usable
 from pippy_xla.runtime.ops import group_name_of
 from pippy_xla.runtime.tensor_parallel import TensorParallel, layer_tp_plan
 from pippy_xla.split._split_compile import split_backward_backend
@@ -54,6 +56,7 @@ __all__ = [
     "Placement",
     "build",
     "check_ranks_agree",
+    "own_group",
     "default_loss",
     "resolve_device",
     "resolve_placement",
@@ -187,6 +190,7 @@ def build(
     layer_ranges, stages, train_schedule = _partition(model, layer_cls, config, place)
     local_stages = [stages[s] for s in train_schedule.stages_of(place.rank)]
     build_key = check_ranks_agree(stages, config, place, tp_plan)
+    own_group(place)
     attach_transport(config, place)
     place.in_order = in_order_groups(config, place, train_schedule.stage_rank)
     tied = tied_names(model)  # before materializing replaces meta parameters
@@ -371,6 +375,7 @@ def resolve_placement(
             f"{config.tp_dim!r})); got no mesh"
         )
     if mesh is not None:
+        check_mesh_usable(mesh)
         groups = mesh_groups(mesh, config.pp_dim, config.dp_dim, group, config.tp_dim)
         group = groups.pp_group
         _check_tensor_parallel(config, groups)
@@ -575,6 +580,49 @@ def default_num_items(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor
     )
 
 
+"""[Note: a pipeline's own groups]
+
+A step that fails part-way leaves transfers in flight: messages sent and never received (in
+shared-memory slots, or gloo sends waiting for their receive), receives posted and never matched,
+a collective that one rank entered and its peer never did. A transfer is matched by its group,
+peer and tag, and two pipelines of the same shape use the same tags, so a pipeline built later
+over the same group would take the failed step's messages for its own data (silently wrong), or
+the failed step's receives would take its messages (a hang). So every pipeline moves its traffic
+over a process group of its own, made at build over the same ranks with the same backend
+(:func:`own_group`: ``dist.new_group(..., use_local_synchronization=True)``, 1-4 ms on 2-4 CPU
+ranks): every transfer, boundary header, step handshake, small collective, tied-weight sum and
+checkpoint collective of the pipeline runs on it, its shared-memory channels are attached to it,
+and with transfers matched in order its up, down and header groups are made from it. The group
+the user passed carries only the build's handshake and the making of that group, both complete
+when the build returns. A failed pipeline's group, with whatever its step left in flight, is
+never used again: a pipeline built afterwards over the same processes starts on a group of its
+own, whatever the transport (the group is the pipeline's epoch). A failed pipeline itself keeps
+refusing steps (:meth:`~pippy_xla.runtime.failures.FailureState.check_usable`).
+
+A mesh's data- and tensor-parallel groups (FSDP's collectives, the tensor-parallel layers') are
+the user's ``DeviceMesh``'s and cannot be replaced that way, nor by a new mesh of the same layout
+and dim names: torch's DTensor caches its sharding decisions by mesh equality, and a pipeline
+built on such a new mesh went on to gather its gradients over the old mesh's groups (measured,
+torch 2.13). So a pipeline on a mesh whose step failed marks the mesh's layout, and a pipeline
+built on a mesh equal to it is refused at once (every rank of the mesh raised that failure, so
+every rank refuses) with what to do: a mesh with other dim names, or a new job
+(:func:`~pippy_xla.runtime.failures.check_mesh_usable`).
+"""
+
+
+def own_group(place: Placement) -> None:
+    """Moves ``place`` onto a process group of the pipeline's own over the same ranks (a
+    collective over them). See [Note: a pipeline's own groups]."""
+    group = place.group or dist.group.WORLD
+    own = dist.new_group(
+        dist.get_process_group_ranks(group),
+        backend=dist.get_backend(group),
+        timeout=datetime.timedelta(milliseconds=place.timeout_ms),
+        use_local_synchronization=True,
+    )
+    place.group, place.group_name = own, group_name_of(own)
+
+
 def attach_transport(config: PipelineConfig, place: Placement) -> int:
     """Moves the pipeline's CPU transfers between ranks of this host onto shared memory unless
     ``config.transport`` is ``"process_group"`` (a collective over the pipeline's group; see
@@ -590,12 +638,6 @@ def attach_transport(config: PipelineConfig, place: Placement) -> int:
     if config.transport == "in_order":
         return 0
     if config.transport == "process_group":
-        if _C.shm_peers(place.group_name):
-            raise ValueError(
-                "transport='process_group', but this process group already moves its transfers "
-                "through shared memory (a pipeline with transport='auto' attached it); pass a "
-                "group of its own (dist.new_group) to keep gloo's send and receive"
-            )
         return 0
     if place.device.type != "cpu":
         if config.transport == "shm":

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from pippy_xla._native import _C
 from pippy_xla.errors import PipelineError
 
-__all__ = ["AbortChannel", "FailureState"]
+__all__ = ["AbortChannel", "FailureState", "check_mesh_usable"]
 
 """[Note: failing fast]
 
@@ -481,38 +481,77 @@ class AbortChannel:
         )
 
 
+_MESHES_LEFT_MID_STEP: dict[tuple, str] = {}
+"""The layouts (:func:`_mesh_key`) of the meshes a failed step of a pipeline left mid-step -> the
+failure (see [Note: a pipeline's own groups] in ``_build.py``)."""
+
+
+def _mesh_key(mesh) -> tuple:
+    """What makes two ``DeviceMesh`` objects equal: their ranks, shape, device type and dim names.
+    torch's DTensor caches its sharding decisions by mesh equality, so a mesh equal to one that a
+    failed step left goes on reaching that mesh's process groups (measured under torch 2.13: a
+    gradient of a pipeline built on a new, equal mesh carried the old mesh, and gathering it
+    waited on the old group)."""
+    return (
+        tuple(mesh.mesh.flatten().tolist()),
+        tuple(mesh.mesh.shape),
+        mesh.device_type,
+        mesh.mesh_dim_names,
+    )
+
+
+def check_mesh_usable(mesh) -> None:
+    """Raises ``RuntimeError`` if a pipeline's failed step left a mesh equal to ``mesh``
+    mid-step."""
+    failure = _MESHES_LEFT_MID_STEP.get(_mesh_key(mesh))
+    if failure is not None:
+        raise RuntimeError(
+            f"[rank {dist.get_rank()}] a pipeline on a DeviceMesh of this layout and dim names "
+            f"failed mid-step ({failure}); torch's DTensor caches give every such mesh the process "
+            "groups that step left mid-collective, so build the mesh with other dim names "
+            "(passed as dp_dim, pp_dim and tp_dim) or resume in a new job from the last checkpoint"
+        )
+
+
 class FailureState:
     """Failure handling of one pipeline: turns an exception on this rank into the
     :class:`PipelineError` every rank raises (posting this rank's failure first; see [Note:
-    failing fast]) and, once a step failed, refuses further steps (the peers were left mid-step).
-    """
+    failing fast]) and, once a step failed, refuses further steps (the peers were left mid-step)
+    and marks the pipeline's mesh, if it has one (see [Note: a pipeline's own groups] in
+    ``_build.py``)."""
 
-    def __init__(self, abort: AbortChannel, rank: int) -> None:
+    def __init__(self, abort: AbortChannel, rank: int, mesh=None) -> None:
         self.abort = abort
         """This pipeline's abort record in the job's store."""
         self.rank = rank
+        self.mesh = mesh
+        """The pipeline's ``DeviceMesh``, if it has one."""
         self.failed: PipelineError | None = None
         """The error that made the pipeline unusable, if any."""
 
     def check_usable(self) -> None:
         """Raises if an earlier step failed."""
         if self.failed is not None:
+            fresh = "on a mesh with other dim names " if self.mesh is not None else ""
             raise PipelineError(
                 rank=self.rank,
                 failed_rank=self.failed.failed_rank,
                 action="step",
                 cause=(
                     f"the pipeline failed in an earlier step and its peers were left mid-step "
-                    f"({self.failed}); restart the job"
+                    f"({self.failed}); build a new PipelineModel {fresh}to go on (see "
+                    "docs/runtime.md, recovering after a failure)"
                 ),
             )
 
     def error(self, exc: BaseException, action: str, engine=None) -> BaseException:
         """The error to raise for ``exc`` raised while running ``action`` (in ``engine``'s step,
-        if given); the pipeline is then unusable. Non-``Exception`` errors
+        if given); the pipeline is then unusable, and so is its mesh. Non-``Exception`` errors
         (``KeyboardInterrupt``) keep their type."""
         err = self.abort.error(exc, action, engine.failure() if engine is not None else None)
         self.failed = err
+        if self.mesh is not None:
+            _MESHES_LEFT_MID_STEP[_mesh_key(self.mesh)] = str(err)
         if not isinstance(exc, Exception):
             return exc
         logger.error("%s", err)
