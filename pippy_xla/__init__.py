@@ -1,5 +1,6 @@
 """pippy_xla: pipeline-parallel training for PyTorch, with a C++ engine."""
 
+from pippy_xla import integrations  # noqa: F401  (registers the PEFT wrapper with the front)
 from pippy_xla._native import _C
 from pippy_xla._version import __version__  # noqa: F401
 from pippy_xla.config import PipelineConfig

@@ -20,7 +20,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -40,6 +40,11 @@ __all__ = [
     "load_pretrained",
     "save",
     "save_pretrained",
+    "collective",
+    "register_wrapper",
+    "save_hf_layout",
+    "whole_state",
+    "wrapper_of",
 ]
 
 logger = logging.getLogger(__name__)
@@ -76,6 +81,47 @@ class Checkpointable(Protocol):
     def all_state_names(self) -> set[str]: ...
     def non_persistent_names(self) -> set[str]: ...
     def checkpoint_name(self, key: str) -> str: ...
+    def in_pretrained(self, name: str) -> bool: ...
+
+
+class ModelWrapper(Protocol):
+    """A wrapper around the model whose tensor names are not its pretrained checkpoints' and
+    whose ``save_pretrained`` format is its own (PEFT's ``PeftModel``:
+    :mod:`pippy_xla.integrations.peft`, which registers itself with :func:`register_wrapper`)."""
+
+    def base_name(self, name: str) -> str | None:
+        """The pretrained checkpoint's key of the pipeline's tensor ``name``; ``None`` for a
+        tensor no pretrained checkpoint holds."""
+
+    def model_name(self, key: str, names: set[str]) -> str:
+        """The pipeline's name of the pretrained checkpoint's ``key`` (``names``: all of them)."""
+
+    def save(self, pipe, path: str | os.PathLike, max_shard_size, merge_adapters: bool) -> None:
+        """``pipe.save_pretrained(path, ...)`` in the wrapper's format."""
+
+    def load_adapter(self, pipe, path: str | os.PathLike, adapter_name: str) -> None:
+        """Loads the adapter saved at ``path`` into this rank's stages."""
+
+    def fresh_adapters(self, model: nn.Module) -> set[str]:
+        """The names of the model's adapter tensors on ``meta``, before the build (an error if
+        they cannot be initialized after it)."""
+
+    def init_fresh(self, pipe, fresh: set[str]) -> None:
+        """Initializes this rank's tensors of ``fresh`` as the wrapper's library would."""
+
+
+_WRAPPERS: list[Callable[[nn.Module], ModelWrapper | None]] = []
+
+
+def register_wrapper(factory: Callable[[nn.Module], ModelWrapper | None]) -> None:
+    """Adds ``factory(model)``, a :class:`ModelWrapper` of the models it knows (else ``None``),
+    to those :func:`wrapper_of` asks."""
+    _WRAPPERS.append(factory)
+
+
+def wrapper_of(model: nn.Module) -> ModelWrapper | None:
+    """The registered wrapper of ``model``, if any knows it."""
+    return next((w for f in _WRAPPERS if (w := f(model)) is not None), None)
 
 
 SAFE_WEIGHTS = "model.safetensors"
@@ -88,7 +134,7 @@ _REFUSALS = (KeyError, ValueError, OSError)
 """What a checkpoint refused on every rank alike raises (see :func:`_collective`)."""
 
 
-def _collective(pipe: Checkpointable, action: str, fn, *args, refusals: tuple = ()):
+def collective(pipe: Checkpointable, action: str, fn, *args, refusals: tuple = ()):
     """``fn(*args)``, a collective over the checkpoint's ranks, run as a watched collective
     (see [Note: watched collectives]): a peer's failure or death is a ``PipelineError`` naming it
     within seconds, not a wait for the process group's timeout, and a failure here is posted for
@@ -158,7 +204,7 @@ def load_pretrained(pipe: Checkpointable, path: str | os.PathLike) -> None:
         ValueError: a tensor has another shape than the model's, or a file is damaged
             (truncated); names the key or the file.
     """
-    _collective(pipe, "load_pretrained", _load_pretrained, pipe, path, refusals=_REFUSALS)
+    collective(pipe, "load_pretrained", _load_pretrained, pipe, path, refusals=_REFUSALS)
 
 
 def _load_pretrained(pipe: Checkpointable, path: str | os.PathLike) -> None:
@@ -216,6 +262,8 @@ def _pretrained_entries(
         )
     by_file: dict[Path, list[tuple[str, str, torch.Tensor]]] = {}
     for name, target in pipe.state_dict(keep_vars=True).items():
+        if not pipe.in_pretrained(name):
+            continue  # an adapter's tensor: no pretrained checkpoint holds it
         alias = next((k for k in pipe.aliases(name) if k in files), None)
         if alias is None:
             raise KeyError(
@@ -261,20 +309,35 @@ def save_pretrained(
     A failure on one rank is a ``PipelineError`` on every rank (see [Note: watched
     collectives]).
     """
-    _collective(pipe, "save_pretrained", _save_pretrained, pipe, path, max_shard_size)
+    collective(pipe, "save_pretrained", save_hf_layout, pipe, path, max_shard_size)
 
 
-def _save_pretrained(
-    pipe: Checkpointable, path: str | os.PathLike, max_shard_size: int | str | None
-) -> None:
-    from safetensors.torch import save_file
+def whole_state(pipe: Checkpointable) -> dict[str, torch.Tensor]:
+    """The local state dict with every sharded tensor (a DTensor on a mesh) gathered whole; a
+    collective over the mesh's groups."""
     from torch.distributed.tensor import DTensor
+
+    return {
+        k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in pipe.state_dict().items()
+    }
+
+
+def save_hf_layout(
+    pipe: Checkpointable,
+    path: str | os.PathLike,
+    max_shard_size: int | str | None,
+    local: dict[str, torch.Tensor] | None = None,
+    rename=None,
+) -> None:
+    """Writes ``local`` (by default :func:`whole_state`), keyed by the pipeline's names, in HF's
+    safetensors layout under ``rename(name)`` (default: the name itself); see
+    :func:`save_pretrained`. Collective; run inside :func:`_collective`."""
+    from safetensors.torch import save_file
 
     path = Path(path)
     max_bytes = None if max_shard_size is None else parse_bytes(max_shard_size)
-    local = {
-        k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in pipe.state_dict().items()
-    }
+    local = whole_state(pipe) if local is None else local
+    rename = rename or (lambda name: name)
     if pipe.dp_rank != 0 or pipe.tp_rank != 0:
         # Until the first replica's tp rank 0 pipeline has written (it holds every tensor whole).
         dist.barrier(group=pipe.checkpoint_group)
@@ -287,8 +350,8 @@ def _save_pretrained(
         if name != group[0] and any(n in local for n in group[: group.index(name)]):
             continue  # written under an earlier local name of the same tie
         holders = [r for r, names in enumerate(everyone) if any(n in names for n in group)]
-        if holders[0] == pipe.rank and group[0] not in mine:
-            mine[group[0]] = t.detach().contiguous()
+        if holders[0] == pipe.rank and rename(group[0]) not in mine:
+            mine[rename(group[0])] = t.detach().contiguous()
     shards = _shards(mine, max_bytes)
     counts: list = [None] * pipe.num_ranks
     dist.all_gather_object(counts, len(shards), group=pipe.group)
@@ -401,7 +464,7 @@ def save(
     shards). Atomic: see [Note: atomic checkpoints]. A failure on one rank, or its death, is a
     ``PipelineError`` naming it on every rank within seconds (see [Note: watched collectives]);
     the previous checkpoint stays the latest."""
-    return _collective(pipe, "checkpoint save", _save, pipe, directory, optimizer, step, scheduler)
+    return collective(pipe, "checkpoint save", _save, pipe, directory, optimizer, step, scheduler)
 
 
 def _save(
@@ -527,7 +590,7 @@ def load(
     nothing and returns ``None``. Every rank must see the same checkpoint: ranks that disagree
     (a folder that is not shared between the machines) raise on every rank. A peer's failure or
     death is a ``PipelineError`` naming it (see [Note: watched collectives])."""
-    return _collective(
+    return collective(
         pipe,
         "checkpoint load",
         _load,

@@ -99,6 +99,8 @@ class PipelineModel:
     ) -> None:
         self.pipeline_config = PipelineConfig.from_options(config, options)
         """How this pipeline was configured."""
+        self._wrapper = checkpoint.wrapper_of(model)  # PEFT's PeftModel, say
+        fresh = self._wrapper.fresh_adapters(model) if self._wrapper is not None else set()
         built = build(model, layer_cls, self.pipeline_config, group=group, mesh=mesh)
         self._place = built.place
         self.stages: list[StageGraph] = built.stages
@@ -117,6 +119,8 @@ class PipelineModel:
         # See [Note: releasing the group at exit]: these hold the process groups.
         release_at_exit(self._place, "group", "mesh")
         release_at_exit(self._runner, "dp")
+        if fresh:
+            self._wrapper.init_fresh(self, fresh)
         self.config = getattr(model, "config", None)
         """The model's config (written by :meth:`save_pretrained`), if it has one."""
         self.generation_config = getattr(model, "generation_config", None)
@@ -278,8 +282,17 @@ class PipelineModel:
 
     def checkpoint_name(self, key: str) -> str:
         """The model's name of the HF checkpoint key ``key`` (HF's renamings of older layouts
-        applied, as ``from_pretrained`` applies them)."""
-        return key if self._renamer is None else self._renamer(key)
+        applied, as ``from_pretrained`` applies them; a PEFT model's base checkpoint keys named
+        as the ``PeftModel`` names them)."""
+        key = key if self._renamer is None else self._renamer(key)
+        if self._wrapper is not None:
+            key = self._wrapper.model_name(key, self.all_state_names())
+        return key
+
+    def in_pretrained(self, name: str) -> bool:
+        """Whether a pretrained checkpoint of the model holds the tensor ``name`` (not one a
+        PEFT adapter added)."""
+        return self._wrapper is None or self._wrapper.base_name(name) is not None
 
     @functools.cached_property
     def _renamer(self) -> Callable[[str], str] | None:
@@ -309,11 +322,34 @@ class PipelineModel:
         checkpoint.load_pretrained(self, path)
 
     def save_pretrained(
-        self, path: str | os.PathLike, max_shard_size: int | str | None = None
+        self,
+        path: str | os.PathLike,
+        max_shard_size: int | str | None = None,
+        *,
+        merge_adapters: bool = False,
     ) -> None:
         """Writes the model as a HF safetensors checkpoint, one shard (or more) per rank and one
-        index; a collective. See :func:`pippy_xla.checkpoint.save_pretrained`."""
-        checkpoint.save_pretrained(self, path, max_shard_size)
+        index; a collective. See :func:`pippy_xla.checkpoint.save_pretrained`. A pipeline of a
+        PEFT ``PeftModel`` writes what ``PeftModel.save_pretrained`` writes (the adapters only),
+        or with ``merge_adapters=True`` the base model with the adapters merged, in HF's layout
+        (see [Note: PEFT models in the pipeline] in ``integrations/peft.py``)."""
+        if self._wrapper is not None:
+            self._wrapper.save(self, path, max_shard_size, merge_adapters)
+        elif merge_adapters:
+            raise ValueError("merge_adapters=True needs a pipeline of a PEFT model; this has none")
+        else:
+            checkpoint.save_pretrained(self, path, max_shard_size)
+
+    def load_adapter(self, path: str | os.PathLike, adapter_name: str = "default") -> None:
+        """Loads a PEFT adapter that ``save_pretrained`` (or PEFT in one process) wrote into the
+        local stages' tensors of the model's adapter ``adapter_name``; a collective. See [Note:
+        PEFT models in the pipeline] in ``integrations/peft.py``."""
+        if self._wrapper is None:
+            raise ValueError(
+                "load_adapter needs a pipeline of a PEFT model (PipelineModel(get_peft_model("
+                "model, config), ...)); this one has none"
+            )
+        self._wrapper.load_adapter(self, path, adapter_name)
 
     def save(
         self,

@@ -1,0 +1,187 @@
+"""PEFT adapters in and out of the pipeline (see [Note: PEFT models in the pipeline] in
+pippy_xla/integrations/peft.py): training equal to PEFT in one process, the adapter written as
+PEFT writes it and loaded by PEFT, the merged export loaded by HF, a meta-built base, errors."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from models import llama, make_batch
+from test_pipeline import ADAM, GRAD_TOL, LOSS_TOL, PARAM_TOL
+
+import pippy_xla as px
+from pippy_xla.testing import run_ranks
+
+peft = pytest.importorskip("peft")
+
+# Each adapter method with the schedule (and checkpointed layers) it is trained under.
+METHODS = {
+    "lora": ("zbh1", {}),  # zero-bubble: adapters' weight gradients in W
+    "dora": ("1f1b", {"checkpoint_layers": [1, 2]}),
+    "loha": ("interleaved", {}),
+    "ia3": ("1f1b", {}),
+}
+
+
+def _config(method: str):
+    from peft import IA3Config, LoHaConfig, LoraConfig
+
+    if method == "lora":
+        return LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    if method == "dora":
+        return LoraConfig(
+            r=4, target_modules=["q_proj", "down_proj"], use_dora=True, init_lora_weights=False
+        )
+    if method == "loha":
+        return LoHaConfig(r=4, target_modules=["q_proj", "o_proj"], init_weights=False)
+    return IA3Config(
+        target_modules=["k_proj", "down_proj"],
+        feedforward_modules=["down_proj"],
+        init_ia3_weights=False,
+    )
+
+
+def _logits(model, batch):
+    with torch.no_grad():
+        return model(**batch, use_cache=False).logits
+
+
+def _train_save_load(rank, world, method, directory):
+    """Two AdamW steps of the pipeline against PEFT in one process; then the adapter and the
+    merged model written by the pipeline, read back in one process (on rank 0)."""
+    from peft import PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    schedule, options = METHODS[method]
+    torch.manual_seed(0)
+    model, layer_cls = llama()
+    if rank == 0:
+        model.save_pretrained(f"{directory}/base")
+    peft_model = get_peft_model(model, _config(method))
+    ref = copy.deepcopy(peft_model)
+    pipe = px.PipelineModel(
+        peft_model,
+        layer_cls=layer_cls,
+        num_microbatches=4,
+        schedule=schedule,
+        timeout=60,
+        **options,
+    )
+    trainable = [p for p in pipe.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, **ADAM)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], **ADAM)
+    for step in range(2):
+        batch = make_batch(seed=step)
+        loss = pipe.run_train(**batch)
+        ref_loss = ref(**batch, use_cache=False).loss
+        ref_loss.backward()
+        where = f"{method} step {step} rank {rank}"
+        torch.testing.assert_close(loss, ref_loss.detach(), **LOSS_TOL, msg=where)
+        for name, p in pipe.named_parameters():
+            if not p.requires_grad:
+                assert p.grad is None, f"{where}: frozen {name} got a gradient"
+                continue
+            torch.testing.assert_close(p.grad, ref.get_parameter(name).grad, **GRAD_TOL, msg=name)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p, ref.get_parameter(name), **PARAM_TOL, msg=name)
+    # Frozen weights keep no optimizer state; every local adapter tensor trains.
+    assert len(opt.state) == len(trainable) > 0
+    pipe.save_pretrained(f"{directory}/adapter")
+    pipe.save_pretrained(f"{directory}/merged", merge_adapters=True)
+    if rank != 0:
+        return None
+    from safetensors.torch import load_file
+
+    ref.save_pretrained(f"{directory}/peft")  # what PEFT itself writes in one process
+    ours, theirs = (
+        load_file(f"{directory}/{d}/adapter_model.safetensors") for d in ("adapter", "peft")
+    )
+    assert ours.keys() == theirs.keys() and ours
+    for key in ours:
+        torch.testing.assert_close(ours[key], theirs[key], **PARAM_TOL, msg=key)
+    config = json.loads((directory / "adapter" / "adapter_config.json").read_text())
+    assert config["peft_type"] == ref.peft_config["default"].peft_type.value
+    batch = make_batch(seed=7)
+    want = _logits(ref, batch)
+    base = AutoModelForCausalLM.from_pretrained(f"{directory}/base")
+    loaded = _logits(PeftModel.from_pretrained(base, f"{directory}/adapter"), batch)
+    torch.testing.assert_close(loaded, want, **LOSS_TOL)
+    merged_model = AutoModelForCausalLM.from_pretrained(f"{directory}/merged")
+    assert not any("lora" in n or "base_layer" in n for n in merged_model.state_dict())
+    torch.testing.assert_close(_logits(merged_model, batch), want, rtol=1e-5, atol=1e-5)
+    return sorted(ours)
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_peft_pipeline_trains_saves_and_merges_as_peft_does(method, tmp_path):
+    out = run_ranks(2, _train_save_load, method, tmp_path, timeout=200)
+    assert out[0]  # rank 0 compared the adapter files
+
+
+def _meta_base(rank, world, directory):
+    """A base built on meta: a new adapter starts as PEFT starts one (LoRA's B zero: the
+    pipeline's outputs are the base's), and a saved adapter loaded after the base gives PEFT's
+    outputs in one process; PeftModel.from_pretrained on meta is refused in one line."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model, _ = llama()
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    saved = get_peft_model(copy.deepcopy(model), config)
+    if rank == 0:
+        model.save_pretrained(f"{directory}/base")
+        saved.save_pretrained(f"{directory}/adapter")
+    torch.distributed.barrier()
+    hf_config = AutoConfig.from_pretrained(f"{directory}/base")
+
+    def meta_base():
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(hf_config)
+
+    batch = make_batch(seed=3)
+    out = {}
+    fresh = px.PipelineModel(
+        get_peft_model(meta_base(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"])),
+        num_microbatches=2,
+    )
+    fresh.load_pretrained(f"{directory}/base")
+    zero_b = [float(t.abs().max()) for n, t in fresh.state_dict().items() if "lora_B" in n]
+    assert zero_b and max(zero_b) == 0.0
+    torch.testing.assert_close(fresh.run_eval(**batch).loss, model(**batch).loss, **LOSS_TOL)
+
+    pipe = px.PipelineModel(get_peft_model(meta_base(), copy.deepcopy(config)), num_microbatches=2)
+    pipe.load_pretrained(f"{directory}/base")
+    pipe.load_adapter(f"{directory}/adapter")
+    want = saved(**batch, use_cache=False).loss
+    torch.testing.assert_close(pipe.run_eval(**batch).loss, want.detach(), **LOSS_TOL)
+
+    with pytest.raises(ValueError, match="PeftModel.from_pretrained on a meta-built base") as e:
+        px.PipelineModel(
+            PeftModel.from_pretrained(meta_base(), f"{directory}/adapter"), num_microbatches=2
+        )
+    out["from_pretrained"] = str(e.value)
+    other = LoraConfig(r=8, target_modules=["q_proj", "v_proj"])
+    mismatched = px.PipelineModel(get_peft_model(meta_base(), other), num_microbatches=2)
+    with pytest.raises(ValueError, match="was saved with") as e:
+        mismatched.load_adapter(f"{directory}/adapter")
+    out["mismatch"] = str(e.value)
+    plain = px.PipelineModel(llama()[0], num_microbatches=2)
+    with pytest.raises(ValueError, match="needs a pipeline of a PEFT model"):
+        plain.load_adapter(f"{directory}/adapter")
+    with pytest.raises(ValueError, match="merge_adapters=True needs a pipeline of a PEFT model"):
+        plain.save_pretrained(f"{directory}/plain", merge_adapters=True)
+    return out
+
+
+def test_peft_pipeline_of_a_meta_base_loads_the_base_then_the_adapter(tmp_path):
+    out = run_ranks(2, _meta_base, tmp_path, timeout=200)
+    for o in out:
+        assert all("\n" not in text for text in o.values()), o
