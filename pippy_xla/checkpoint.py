@@ -102,6 +102,12 @@ class ModelWrapper(Protocol):
     def load_adapter(self, pipe, path: str | os.PathLike, adapter_name: str) -> None:
         """Loads the adapter saved at ``path`` into this rank's stages."""
 
+    def check_options(self, config: Any) -> None:
+        """Raises for options of the pipeline's ``config`` the wrapper does not support."""
+
+    def inner_model(self) -> nn.Module:
+        """The model the wrapper runs (its layers the pipeline's): what generation traces."""
+
     def fresh_adapters(self, model: nn.Module) -> set[str]:
         """The names of the model's adapter tensors on ``meta``, before the build (an error if
         they cannot be initialized after it)."""

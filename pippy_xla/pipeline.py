@@ -100,7 +100,10 @@ class PipelineModel:
         self.pipeline_config = PipelineConfig.from_options(config, options)
         """How this pipeline was configured."""
         self._wrapper = checkpoint.wrapper_of(model)  # PEFT's PeftModel, say
-        fresh = self._wrapper.fresh_adapters(model) if self._wrapper is not None else set()
+        fresh = set()
+        if self._wrapper is not None:
+            self._wrapper.check_options(self.pipeline_config)
+            fresh = self._wrapper.fresh_adapters(model)
         built = build(model, layer_cls, self.pipeline_config, group=group, mesh=mesh)
         self._place = built.place
         self.stages: list[StageGraph] = built.stages
@@ -115,7 +118,8 @@ class PipelineModel:
         )
         self._runner = StepRunner(built, self.pipeline_config, self._failures)
         self._report = Report(self._runner)
-        self._generator = Generator(model, layer_cls, self._runner)
+        inner = self._wrapper.inner_model() if self._wrapper is not None else model
+        self._generator = Generator(inner, layer_cls, self._runner)
         # See [Note: releasing the group at exit]: these hold the process groups.
         release_at_exit(self._place, "group", "mesh")
         release_at_exit(self._runner, "dp")

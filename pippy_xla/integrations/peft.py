@@ -71,6 +71,31 @@ class PeftAdapters:
                 "methods that adapt modules (LoRA, DoRA, IA3, LoHa, LoKr, ...)"
             )
 
+    def inner_model(self) -> nn.Module:
+        """The HF model inside the ``PeftModel``, PEFT's tuner layers in it: what
+        ``PeftModelForCausalLM.generate`` runs, and what the pipeline's ``generate`` traces."""
+        return self.model.get_base_model()
+
+    def check_options(self, config) -> None:
+        """Refuses what the pipeline does not do with PEFT yet, in one line: tensor parallelism
+        (HF's plan shards the modules PEFT wraps, whose tuner layers are not ``nn.Linear``)."""
+        if config.tensor_parallel is None:
+            return
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        from pippy_xla.runtime.tensor_parallel import expand_plan
+
+        inner = self.inner_model()
+        plan = expand_plan(inner, dict(getattr(inner, "tp_plan", None) or {}))
+        wrapped = [n for n, m in inner.named_modules() if isinstance(m, BaseTunerLayer)]
+        sharded = [(n, plan[n]) for n in wrapped if n in plan]
+        where = f"{sharded[0][0]} (HF's plan: {sharded[0][1]!r})" if sharded else wrapped[0]
+        raise NotImplementedError(
+            f"tensor_parallel={config.tensor_parallel!r} with PEFT adapters is not supported yet: "
+            f"PEFT wraps {where}, and the pipeline shards HF's own layers only; use a mesh "
+            "without a 'tp' dim (data and pipeline parallel train PEFT models)"
+        )
+
     # ------------------------------------------------------------------------------ meta
 
     def fresh_adapters(self, model: nn.Module) -> set[str]:
@@ -188,14 +213,25 @@ class PeftAdapters:
             checkpoint.collective(pipe, "save_pretrained", self._save_adapters, pipe, path)
 
     def _adapter_state(self, pipe) -> dict[str, torch.Tensor]:
-        """This rank's adapter tensors (whole), under the pipeline's names."""
-        trainable = {n for n, p in pipe.named_parameters() if p.requires_grad}
+        """This rank's tensors that PEFT saves (whole), under the pipeline's names: PEFT's own
+        ``get_peft_model_state_dict`` picks them from the local state dict (adapter tensors,
+        trainable biases, the base embedding where the adapter resized it, ...), and its picks
+        are the local tensors themselves, found by identity."""
+        from peft.utils import get_peft_model_state_dict
+
         whole = checkpoint.whole_state(pipe)
-        return {
-            n: t.detach().cpu()
-            for n, t in whole.items()
-            if any(n in trainable for n in pipe.aliases(n)) or self.base_name(n) is None
-        }
+        by_id = {id(t): n for n, t in whole.items()}
+        # PEFT reads the keys of every module it saves whole (modules_to_save) from the state
+        # dict: the other stages' are stand-ins on meta, never picked from here.
+        everything = {n: torch.empty(0, device="meta") for n in pipe.all_state_names()}
+        everything.update(whole)
+        picked: set[str] = set()
+        for adapter in sorted(self.adapter_names):
+            chosen = get_peft_model_state_dict(
+                self.model, state_dict=everything, adapter_name=adapter
+            )
+            picked |= {by_id[id(t)] for t in chosen.values() if id(t) in by_id}
+        return {n: whole[n].detach().cpu() for n in sorted(picked)}
 
     def _save_adapters(self, pipe, path: str | os.PathLike) -> None:
         mine = self._adapter_state(pipe)

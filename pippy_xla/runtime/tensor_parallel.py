@@ -74,6 +74,7 @@ __all__ = [
     "TP_STYLES",
     "LayerSharding",
     "TensorParallel",
+    "expand_plan",
     "layer_tp_plan",
     "merge_tp_rules",
     "shard_layers",
@@ -132,7 +133,7 @@ def layer_tp_plan(
     prefixes = tuple(f"{n}." for n in layer_names)
     inside = {
         k: v
-        for k, v in _expand(model, plan).items()
+        for k, v in expand_plan(model, plan).items()
         if k.startswith(prefixes) and v != _REPLICATE  # HF's "replicate" does nothing
     }
     if not inside:
@@ -156,7 +157,7 @@ def _label(rules: str | dict[str, str]) -> str:
     return f"tensor_parallel={rules!r}" if isinstance(rules, str) else "tensor_parallel={...}"
 
 
-def _expand(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+def expand_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     """HF's ``_expand_parallel_plan``: ``plan``'s keys with ``*`` replaced by the layer indices,
     one entry per module and per parameter (HF's method reads only ``named_modules``, so it
     serves a module that is not a ``PreTrainedModel`` too)."""
@@ -203,7 +204,7 @@ def merge_tp_rules(
                 "model.tp_plan's) or to its base model (like config.base_model_tp_plan's), with "
                 f"* for the layer index (e.g. '{layer_names[0].rpartition('.')[0]}.*...')"
             )
-        outside = not any(k.startswith(prefixes) for k in _expand(model, {key: style}))
+        outside = not any(k.startswith(prefixes) for k in expand_plan(model, {key: style}))
         if outside and style not in (own.get(key), _REPLICATE):
             raise ValueError(
                 f"tensor_parallel={{...}}: rule {key!r}: {style!r} is outside the decoder layers "
