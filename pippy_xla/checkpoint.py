@@ -82,6 +82,7 @@ class Checkpointable(Protocol):
     def non_persistent_names(self) -> set[str]: ...
     def checkpoint_name(self, key: str) -> str: ...
     def in_pretrained(self, name: str) -> bool: ...
+    def checkpoint_state(self) -> dict[str, torch.Tensor]: ...
 
 
 class ModelWrapper(Protocol):
@@ -491,7 +492,7 @@ def _save(
         directory.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)
     dist.barrier(group=group)
-    state: dict = {"model": pipe.state_dict(), _rng_key(pipe): torch.get_rng_state()}
+    state: dict = {"model": pipe.checkpoint_state(), _rng_key(pipe): torch.get_rng_state()}
     if optimizer is not None:
         state["optim"] = _optimizer_state(_view(pipe), optimizer)
     dcp.save(state, checkpoint_id=partial, process_group=group)
@@ -633,7 +634,7 @@ def _load(
     path = _resolve(directory)
     scheduler_state = _scheduler_state(path, scheduler)
     keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    state: dict = {"model": pipe.state_dict()}
+    state: dict = {"model": pipe.checkpoint_state()}
     view = None
     if optimizer is not None:
         view = _view(pipe)

@@ -293,6 +293,20 @@ class PipelineModel:
             key = self._wrapper.model_name(key, self.all_state_names())
         return key
 
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        """What :meth:`save` and :meth:`load` keep of the model: the local state dict, or for a
+        PEFT model only what trains and what the adapters add (the frozen base comes from
+        :meth:`load_pretrained`, and is not rewritten at every save)."""
+        state = self.state_dict()
+        if self._wrapper is None:
+            return state
+        trainable = {n for n, p in self.named_parameters() if p.requires_grad}
+        return {
+            n: t
+            for n, t in state.items()
+            if self._wrapper.base_name(n) is None or any(a in trainable for a in self.aliases(n))
+        }
+
     def in_pretrained(self, name: str) -> bool:
         """Whether a pretrained checkpoint of the model holds the tensor ``name`` (not one a
         PEFT adapter added)."""

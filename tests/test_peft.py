@@ -287,3 +287,52 @@ def test_peft_on_a_data_parallel_mesh_trains_and_tensor_parallel_is_refused():
     for message in run_ranks(4, _mesh, timeout=200):
         assert "with PEFT adapters is not supported yet" in message and "\n" not in message
         assert "self_attn.q_proj (HF's plan: 'colwise')" in message, message
+
+
+def _dcp_resume(rank, world, directory, schedule):
+    """``save`` keeps the adapters and their optimizer state only; a new pipeline of the same
+    base (on ``schedule``: another stage layout, to reshard) loads them and its next step equals
+    the uninterrupted run's."""
+    import torch.distributed.checkpoint as dcp
+    from peft import LoraConfig, get_peft_model
+
+    def new(schedule):
+        torch.manual_seed(0)
+        model, layer_cls = llama()
+        config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        torch.manual_seed(1)  # the adapters' initialization differs from the run saved
+        pipe = px.PipelineModel(
+            get_peft_model(model, config),
+            layer_cls=layer_cls,
+            num_microbatches=4,
+            schedule=schedule,
+        )
+        opt = torch.optim.AdamW([p for p in pipe.parameters() if p.requires_grad], **ADAM)
+        return pipe, opt
+
+    def step(pipe, opt, seed):
+        loss = pipe.run_train(**make_batch(seed=seed))
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    pipe, opt = new("1f1b")
+    step(pipe, opt, 0)
+    step(pipe, opt, 1)
+    path = pipe.save(f"{directory}/ckpt", opt, step=1)
+    want = step(pipe, opt, 2)
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    models = [k for k in saved if k.startswith("model.")]
+    assert models and all("lora_" in k for k in models), models
+    assert any(k.startswith("optim.state.") and "lora_A" in k for k in saved)
+    again, opt2 = new(schedule)
+    assert again.load(f"{directory}/ckpt", opt2) == 1
+    got = step(again, opt2, 2)
+    assert torch.equal(got, want), (got, want)
+    return len(models)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_peft_checkpoints_keep_the_adapters_and_resume_exactly(tmp_path, schedule):
+    out = run_ranks(2, _dcp_resume, str(tmp_path), schedule, timeout=200)
+    assert all(n > 0 for n in out)
