@@ -356,3 +356,83 @@ def test_finetune_lora_example_learns_saves_and_peft_reloads(tmp_path):
     )
     assert abs(pipe_loss - peft_loss) < 1e-4, out
     assert "greedy continuation" in out
+
+
+def _named_adapters(rank, world, directory):
+    """Two named adapters: saved as PEFT saves them (the second in its own subdirectory, the
+    same tensors), and each loads back by name."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    model, layer_cls = llama()
+    peft_model = get_peft_model(
+        model, LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False)
+    )
+    peft_model.add_adapter(
+        "other", LoraConfig(r=2, target_modules=["v_proj"], init_lora_weights=False)
+    )
+    ref = copy.deepcopy(peft_model)
+    pipe = px.PipelineModel(peft_model, layer_cls=layer_cls, num_microbatches=2)
+    pipe.save_pretrained(f"{directory}/ours")
+    if rank == 0:
+        ref.save_pretrained(f"{directory}/peft")
+        for sub in ("", "other/"):
+            ours = load_file(f"{directory}/ours/{sub}adapter_model.safetensors")
+            theirs = load_file(f"{directory}/peft/{sub}adapter_model.safetensors")
+            assert ours.keys() == theirs.keys() and ours, sub
+            assert all(torch.equal(ours[k], theirs[k]) for k in ours), sub
+    torch.distributed.barrier()
+    before = {n: t.clone() for n, t in pipe.state_dict().items() if ".other." in n}
+    with torch.no_grad():
+        for n, t in pipe.state_dict(keep_vars=True).items():
+            if ".other." in n:
+                t.zero_()
+    pipe.load_adapter(f"{directory}/ours/other", adapter_name="other")
+    after = pipe.state_dict()
+    assert before and all(torch.equal(after[n], t) for n, t in before.items())
+    with pytest.raises(KeyError, match="has no adapter 'third'"):
+        pipe.load_adapter(f"{directory}/ours/other", adapter_name="third")
+    return len(before)
+
+
+def test_named_adapters_save_and_load_as_peft_does(tmp_path):
+    assert all(n > 0 for n in run_ranks(2, _named_adapters, str(tmp_path), timeout=200))
+
+
+def _router_loss_and_compiled(rank, world, case):
+    """LoRA on a mixture of experts whose loss adds the routers' load-balancing loss (the PEFT
+    wrapper passes labels to the model that owns the loss), and on compiled stages (AOTAutograd,
+    ZB-H1): the loss and every trainable gradient equal PEFT's in one process."""
+    from models import mixtral, reference_step
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    if case == "router loss":
+        model, layer_cls = mixtral(router_loss=True)
+        targets, options = ["q_proj", "gate"], {}
+    else:
+        model, layer_cls = llama()
+        targets = ["q_proj", "v_proj"]
+        options = {"compile": True, "compile_options": {"backend": "aot_eager"}, "schedule": "zbh1"}
+    config = LoraConfig(r=4, target_modules=targets, init_lora_weights=False)
+    peft_model = get_peft_model(model, config)
+    ref = copy.deepcopy(peft_model)
+    pipe = px.PipelineModel(
+        peft_model, layer_cls=layer_cls, num_microbatches=2, timeout=600, **options
+    )
+    batch = make_batch(seed=0)
+    loss = pipe.run_train(**batch)
+    ref_loss, added = reference_step(ref, batch, 2)
+    torch.testing.assert_close(loss, ref_loss, **LOSS_TOL)
+    named = [(n, p) for n, p in pipe.named_parameters() if p.requires_grad]
+    for name, p in named:
+        torch.testing.assert_close(p.grad, ref.get_parameter(name).grad, **GRAD_TOL, msg=name)
+    return added, len(named)
+
+
+@pytest.mark.parametrize("case", ["router loss", "compiled"])
+def test_lora_with_a_router_loss_and_on_compiled_stages_equals_peft(case):
+    for added, trained in run_ranks(2, _router_loss_and_compiled, case, timeout=600):
+        assert trained > 0
+        assert (added > 0) == (case == "router loss"), added  # the router loss was added

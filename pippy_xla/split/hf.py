@@ -334,9 +334,27 @@ class LossMarker(nn.Module):
         raise RuntimeError("LossMarker only marks the loss function in a trace")
 
 
+def loss_owner(model: nn.Module) -> nn.Module:
+    """The module whose ``loss_function`` the model's forward calls: ``model``, or the first
+    module inside it whose class defines HF's ``loss_function`` property (the HF model inside a
+    wrapper, such as PEFT's ``PeftModel``, which only forwards the attribute)."""
+    if isinstance(getattr(type(model), "loss_function", None), property):
+        return model
+    return next(
+        (
+            m
+            for m in model.modules()
+            if isinstance(getattr(type(m), "loss_function", None), property)
+        ),
+        model,
+    )
+
+
 @contextlib.contextmanager
 def patch_loss_function(model: nn.Module, marker: LossMarker) -> Iterator[None]:
-    """``model.loss_function`` calls ``marker`` inside the block (HF's property setter)."""
+    """``model.loss_function`` (that of :func:`loss_owner`) calls ``marker`` inside the block
+    (HF's property setter)."""
+    model = loss_owner(model)
     had = "_loss_function" in vars(model)
     saved = vars(model).get("_loss_function")
     # A plain function: assigning the module itself would register it under the model.

@@ -109,8 +109,12 @@ def traced_root(
 
 def _traces_loss(model: nn.Module, input_names: Sequence[str]) -> bool:
     """Whether to trace ``model`` with labels (see [Note: terms added to the loss])."""
+    if "labels" in input_names or not hasattr(model, "loss_function"):
+        return False
     params = inspect.signature(model.forward).parameters
-    return "labels" in params and "labels" not in input_names and hasattr(model, "loss_function")
+    passes = "labels" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    # A wrapper (PEFT's PeftModel) passes its keyword arguments to the model that owns the loss.
+    return passes and "labels" in inspect.signature(hf.loss_owner(model).forward).parameters
 
 
 def _root_forward(input_names: Sequence[str]) -> Any:
