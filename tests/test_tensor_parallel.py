@@ -635,6 +635,14 @@ def _one_dies_in_a_tp_collective(rank, world):
     steps.append(0)
     with pytest.raises(PipelineError) as e:
         pipe.run_train(**make_batch(seed=1, batch=4))
+    # Rank 0 hosts the job's store: it stays until every survivor has raised, or a survivor
+    # still watching the liveness counters (1.5 s) would lose the store and name itself (seen).
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = _get_default_store()
+    store.set(f"test/raised/{rank}", "1")
+    if rank == 0:
+        store.wait([f"test/raised/{r}" for r in (1, 2)])
     return str(e.value)
 
 
