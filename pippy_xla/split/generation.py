@@ -147,7 +147,8 @@ def _thread_cache(gm: fx.GraphModule, layer_cls: tuple[type[nn.Module], ...]) ->
         if node.op == "call_module":
             mod = gm.get_submodule(node.target)
             if isinstance(mod, hf.MaskLeaf):
-                node.kwargs = {**node.kwargs, CACHE_ARG: cache}
+                name = _cache_param(inspect.signature(mod.fn)) or CACHE_ARG
+                node.kwargs = {**node.kwargs, name: cache}
             elif isinstance(mod, layer_cls):
                 node.args, node.kwargs = _with_cache(mod, node.args, node.kwargs, cache)
         elif node.op == "call_function" and node.target is hf.call_recording:
@@ -184,8 +185,11 @@ def _with_cache(
 
 
 def _cache_param(sig: inspect.Signature) -> str | None:
-    """The parameter through which a layer takes the cache: ``past_key_values``, or the first
-    one annotated as a ``Cache`` (GPT-NeoX's and Falcon's ``layer_past``)."""
+    """The parameter through which a layer or a mask factory takes the cache:
+    ``past_key_values``, or the first one annotated as a ``Cache`` (GPT-NeoX's and Falcon's
+    ``layer_past``; transformers 5.24's ``cache``, the layers' and the mask factories' new name,
+    where the old one stays a deprecated alias of the factories: passing the cache under it
+    beside the traced ``cache=None`` left the masks without the cache)."""
     if CACHE_ARG in sig.parameters:
         return CACHE_ARG
     for p in sig.parameters.values():
