@@ -138,7 +138,7 @@ META = "pippy_xla.json"
 SCHEDULER = "scheduler.pt"
 
 _REFUSALS = (KeyError, ValueError, OSError)
-"""What a checkpoint refused on every rank alike raises (see :func:`_collective`)."""
+"""What a checkpoint refused on every rank alike raises (see :func:`collective`)."""
 
 
 def collective(pipe: Checkpointable, action: str, fn, *args, refusals: tuple = ()):
@@ -338,7 +338,7 @@ def save_hf_layout(
 ) -> None:
     """Writes ``local`` (by default :func:`whole_state`), keyed by the pipeline's names, in HF's
     safetensors layout under ``rename(name)`` (default: the name itself); see
-    :func:`save_pretrained`. Collective; run inside :func:`_collective`."""
+    :func:`save_pretrained`. Collective; run inside :func:`collective`."""
     from safetensors.torch import save_file
 
     path = Path(path)

@@ -123,6 +123,7 @@ class PipelineModel:
         # See [Note: releasing the group at exit]: these hold the process groups.
         release_at_exit(self._place, "group", "mesh")
         release_at_exit(self._runner, "dp")
+        release_at_exit(self._failures, "mesh")
         if fresh:
             self._wrapper.init_fresh(self, fresh)
         self.config = getattr(model, "config", None)

@@ -44,6 +44,21 @@ def _config(method: str):
     )
 
 
+def _same_adapter_files(ours: str, ref, theirs: str, **tol) -> None:
+    """``ref`` (the ``PeftModel`` in one process) saved by PEFT to ``theirs`` writes the adapter
+    file(s) the pipeline wrote to ``ours``: the same keys (not none), values within ``tol``
+    (default: equal), for every adapter (the others in subdirectories)."""
+    from safetensors.torch import load_file
+
+    ref.save_pretrained(theirs)
+    for name in ref.peft_config:
+        sub = "" if name == "default" else f"{name}/"
+        mine, peft_own = (load_file(f"{d}/{sub}adapter_model.safetensors") for d in (ours, theirs))
+        assert mine.keys() == peft_own.keys() and mine, (name, sorted(mine), sorted(peft_own))
+        for key in mine:
+            torch.testing.assert_close(mine[key], peft_own[key], **(tol or {"rtol": 0, "atol": 0}))
+
+
 def _logits(model, batch):
     with torch.no_grad():
         return model(**batch, use_cache=False).logits
@@ -97,15 +112,7 @@ def _train_save_load(rank, world, method, directory):
     pipe.save_pretrained(f"{directory}/merged", merge_adapters=True)
     if rank != 0:
         return None
-    from safetensors.torch import load_file
-
-    ref.save_pretrained(f"{directory}/peft")  # what PEFT itself writes in one process
-    ours, theirs = (
-        load_file(f"{directory}/{d}/adapter_model.safetensors") for d in ("adapter", "peft")
-    )
-    assert ours.keys() == theirs.keys() and ours
-    for key in ours:
-        torch.testing.assert_close(ours[key], theirs[key], **PARAM_TOL, msg=key)
+    _same_adapter_files(f"{directory}/adapter", ref, f"{directory}/peft", **PARAM_TOL)
     config = json.loads((directory / "adapter" / "adapter_config.json").read_text())
     assert config["peft_type"] == ref.peft_config["default"].peft_type.value
     batch = make_batch(seed=7)
@@ -116,7 +123,7 @@ def _train_save_load(rank, world, method, directory):
     merged_model = AutoModelForCausalLM.from_pretrained(f"{directory}/merged")
     assert not any("lora" in n or "base_layer" in n for n in merged_model.state_dict())
     torch.testing.assert_close(_logits(merged_model, batch), want, rtol=1e-5, atol=1e-5)
-    return sorted(ours)
+    return sorted(merged_model.state_dict())
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
@@ -219,15 +226,7 @@ def _around_the_layers(rank, world, directory):
         where = f"{directory}/{len(out)}"
         pipe.save_pretrained(f"{where}/ours")
         if rank == 0:
-            from safetensors.torch import load_file
-
-            ref.save_pretrained(f"{where}/peft")
-            ours, theirs = (
-                load_file(f"{where}/{d}/adapter_model.safetensors") for d in ("ours", "peft")
-            )
-            assert ours.keys() == theirs.keys() and ours, (sorted(ours), sorted(theirs))
-            for key in ours:
-                torch.testing.assert_close(ours[key], theirs[key], msg=key)
+            _same_adapter_files(f"{where}/ours", ref, f"{where}/peft")
         ids = batch["input_ids"][:2, :6]
         got = pipe.generate(ids, max_new_tokens=5, do_sample=False)
         want = ref.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=5)
@@ -362,7 +361,6 @@ def _named_adapters(rank, world, directory):
     """Two named adapters: saved as PEFT saves them (the second in its own subdirectory, the
     same tensors), and each loads back by name."""
     from peft import LoraConfig, get_peft_model
-    from safetensors.torch import load_file
 
     torch.manual_seed(0)
     model, layer_cls = llama()
@@ -376,12 +374,7 @@ def _named_adapters(rank, world, directory):
     pipe = px.PipelineModel(peft_model, layer_cls=layer_cls, num_microbatches=2)
     pipe.save_pretrained(f"{directory}/ours")
     if rank == 0:
-        ref.save_pretrained(f"{directory}/peft")
-        for sub in ("", "other/"):
-            ours = load_file(f"{directory}/ours/{sub}adapter_model.safetensors")
-            theirs = load_file(f"{directory}/peft/{sub}adapter_model.safetensors")
-            assert ours.keys() == theirs.keys() and ours, sub
-            assert all(torch.equal(ours[k], theirs[k]) for k in ours), sub
+        _same_adapter_files(f"{directory}/ours", ref, f"{directory}/peft")
     torch.distributed.barrier()
     before = {n: t.clone() for n, t in pipe.state_dict().items() if ".other." in n}
     with torch.no_grad():

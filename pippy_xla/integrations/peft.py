@@ -10,12 +10,12 @@ the ``PeftModel`` as any model: PEFT's layers run inside the decoder layers, and
 get no gradient (the optimizer of ``pipe.parameters()`` keeps no state for them). What differs
 is the checkpoints, and they go through PEFT:
 
-- ``save_pretrained(path)``: every rank's adapter tensors (those under an adapter's name, and
-  any other trainable one, such as biases with ``bias="all"``) are gathered on the pipeline's
-  first rank, which calls the ``PeftModel``'s own ``save_pretrained(path, state_dict=...)``:
-  PEFT picks and renames them (``get_peft_model_state_dict``) and writes
+- ``save_pretrained(path)``: PEFT's own ``get_peft_model_state_dict`` picks each rank's tensors
+  to save (adapter tensors, trainable biases with ``bias="all"``, the base embedding where PEFT
+  saves it); they are gathered on the pipeline's first rank, which calls the ``PeftModel``'s own
+  ``save_pretrained(path, state_dict=...)``: PEFT renames them and writes
   ``adapter_config.json`` and ``adapter_model.safetensors`` (a subdirectory per other named
-  adapter), as one process does. Nothing of the frozen base is gathered or written.
+  adapter), as one process does. Nothing else of the frozen base is gathered or written.
 - ``save_pretrained(path, merge_adapters=True)``: each rank merges a copy of each of its tuner
   layers (PEFT's ``merge``: LoRA, DoRA, IA3, LoHa, ... each by its own rule) and writes the
   base model's tensors under the base model's names in HF's layout, as ``merge_and_unload()``
@@ -23,9 +23,12 @@ is the checkpoints, and they go through PEFT:
 - ``load_pretrained(base_path)``: a base checkpoint's key names the tensor whose name loses the
   ``PeftModel``'s prefix and the ``.base_layer`` / ``.original_module`` parts; adapter tensors
   are in no base checkpoint and keep their values.
-- ``load_adapter(path)``: PEFT reads the adapter file (``load_peft_weights``) and renames its keys
-  to the model's (``set_peft_model_state_dict``'s rules, run on this rank's tensors only): each
-  rank copies in the tensors of its own stages.
+- ``load_adapter(path)``: PEFT reads the adapter file (``load_peft_weights``) and loads it into
+  the ``PeftModel`` (``set_peft_model_state_dict``): each rank's own stages take their values,
+  the other stages' tensors are on ``meta`` (a copy does nothing) or unused on this rank.
+- A base built on ``meta``: new adapters are initialized by PEFT after the build
+  (:meth:`PeftAdapters.init_fresh`); an adapter ``PeftModel.from_pretrained`` meant to load is
+  refused (:meth:`PeftAdapters.fresh_adapters`).
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ class PeftAdapters:
         self.model = model
         self.adapter_names = set(model.peft_config)
         self.prefix = "base_model.model."
+        self._by_base: dict[str, str] | None = None  # see model_name
         bad = [n for n, c in model.peft_config.items() if getattr(c, "is_prompt_learning", False)]
         if bad:
             kind = type(model.peft_config[bad[0]]).__name__
@@ -187,20 +191,11 @@ class PeftAdapters:
 
     def model_name(self, key: str, names: set[str]) -> str:
         """The pipeline's name of the base checkpoint's key ``key`` (``names``: every name of the
-        pipeline's tensors)."""
-        table = self._names_by_base(frozenset(names))
-        return table.get(key, key)
-
-    def _names_by_base(self, names: frozenset[str]) -> dict[str, str]:
-        cached = getattr(self, "_by_base", None)
-        if cached is None or cached[0] is not names:
-            table = {}
-            for n in names:
-                base = self.base_name(n)
-                if base is not None:
-                    table[base] = n
-            self._by_base = cached = (names, table)
-        return cached[1]
+        pipeline's tensors, the same at every call: the table is made once)."""
+        if self._by_base is None:
+            bases = ((self.base_name(n), n) for n in sorted(names))
+            self._by_base = {base: n for base, n in bases if base is not None}
+        return self._by_base.get(key, key)
 
     # ------------------------------------------------------------------------------ saving
 
@@ -311,7 +306,7 @@ class PeftAdapters:
                 "that adapter's config (PeftModel.from_pretrained(base, path))"
             )
         weights = load_peft_weights(str(path), device="cpu")
-        with torch.no_grad():  # the other stages' tensors are on meta: copying into them is a no-op
+        with torch.no_grad():  # other stages' tensors: on meta (a copy does nothing) or unused here
             result = set_peft_model_state_dict(self.model, weights, adapter_name=adapter_name)
         local = set(pipe.state_dict(keep_vars=True))
         missing = sorted(
