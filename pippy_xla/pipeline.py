@@ -100,6 +100,8 @@ class PipelineModel:
         self.pipeline_config = PipelineConfig.from_options(config, options)
         """How this pipeline was configured."""
         self._wrapper = checkpoint.wrapper_of(model)  # PEFT's PeftModel, say
+        # The whole model's, the same on every rank: a rank's own stages may train nothing.
+        self._trains = any(p.requires_grad for p in model.parameters())
         fresh = set()
         if self._wrapper is not None:
             self._wrapper.check_options(self.pipeline_config)
@@ -417,6 +419,13 @@ class PipelineModel:
         """
         if not torch.is_grad_enabled():
             raise RuntimeError("run_train was called under torch.no_grad(); use run_eval instead")
+        if not self._trains:
+            raise ValueError(
+                "run_train: nothing of the model trains (every parameter had requires_grad=False "
+                "when the pipeline was built; a PEFT model in inference mode: get_peft_model, or "
+                "PeftModel.from_pretrained(..., is_trainable=True)); use run_eval or generate, or "
+                "set requires_grad before building"
+            )
         return self._runner.train(batch)
 
     @torch.no_grad()

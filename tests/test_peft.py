@@ -180,6 +180,12 @@ def _meta_base(rank, world, directory):
     with pytest.raises(ValueError, match="was saved with") as e:
         mismatched.load_adapter(f"{directory}/adapter")
     out["mismatch"] = str(e.value)
+    frozen = PeftModel.from_pretrained(llama()[0], f"{directory}/adapter")  # inference mode
+    nothing = px.PipelineModel(frozen, num_microbatches=2)
+    with pytest.raises(ValueError, match="nothing of the model trains") as e:
+        nothing.run_train(**batch)
+    out["nothing to train"] = str(e.value)
+    nothing.run_eval(**batch)  # evaluation and generation stay
     plain = px.PipelineModel(llama()[0], num_microbatches=2)
     with pytest.raises(ValueError, match="needs a pipeline of a PEFT model"):
         plain.load_adapter(f"{directory}/adapter")
