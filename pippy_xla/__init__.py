@@ -1,10 +1,10 @@
 """pippy_xla: pipeline-parallel training for PyTorch, with a C++ engine."""
 
-from pippy_xla import integrations  # noqa: F401  (registers the PEFT wrapper with the front)
 from pippy_xla._native import _C
 from pippy_xla._version import __version__  # noqa: F401
 from pippy_xla.config import PipelineConfig
 from pippy_xla.errors import BatchMismatchError, PipelineError
+from pippy_xla.integrations import PipelineTrainer
 from pippy_xla.pipeline import EvalOutput, PipelineModel, balanced_ranges
 from pippy_xla.plan import Plan, PlanInfeasibleError, plan
 from pippy_xla.runtime import ops  # noqa: F401  (registers the ops' fake kernels and autograd)
@@ -40,6 +40,7 @@ __all__ = [
     "PipelineConfig",
     "PipelineError",
     "PipelineModel",
+    "PipelineTrainer",
     "Plan",
     "PlanInfeasibleError",
     "Schedule",

@@ -1,0 +1,251 @@
+"""HF's ``Trainer`` on the pipeline: :class:`PipelineTrainer`.
+
+[Note: the Trainer's loop on a pipeline] ``PipelineTrainer`` is ``transformers.Trainer`` with the
+steps of its loop that touch the model replaced, and nothing else: HF's loop, logging, callbacks,
+learning-rate schedules, accumulation windows and seeds stay HF's.
+
+- The pipeline is built in ``__init__`` from the HF model (which may be on ``meta``); the Trainer
+  keeps the HF model as ``self.model`` (it reads its config, forward signature and parameter names)
+  and runs its loop on a handle whose parameters are this rank's stages (``_wrap_model``), so
+  accelerate prepares the optimizer only (no DDP) and moves nothing (``_move_model_to_device``).
+- ``training_step`` runs ``pipe.run_train`` on the batch; the loss's divisor is HF's
+  ``num_items_in_batch``, the label tokens of the whole accumulation window (the pipeline's
+  ``num_items_fn`` is set to it for the step), so a window's summed step losses, the logged loss
+  and the gradients are HF's.
+- Clipping and the logged ``grad_norm`` go through ``pipe.clip_grad_norm_`` (the whole model's
+  norm, a collective).
+- The optimizer is HF's (``TrainingArguments.optim``, its weight-decay groups by HF's rule on the
+  model's names) over this rank's parameters that require grad.
+- Every rank of a pipeline is given the same batches: accelerate's data loaders are prepared as
+  for one process (no ``BatchSamplerShard``), with the same seeded sampler, so the ranks see what
+  one process with the same seed sees.
+- ``evaluate`` runs ``pipe.run_eval`` per batch (the loss; every rank sees every batch, so the
+  gathered mean is one process's); ``save_model`` writes ``pipe.save_pretrained`` (HF's format,
+  PEFT's for a PEFT model) from every rank together.
+- What the pipeline cannot honour is refused at construction, in one line: DeepSpeed, FSDP,
+  ``gradient_checkpointing`` (pass ``checkpoint_layers`` in the ``PipelineConfig``),
+  ``torch_compile`` (``compile=True`` there), a batch size not divisible by the microbatches,
+  fp16, ``compute_loss_func``, ``model_init``; and, not built yet, checkpoints during training
+  (``save_strategy``), resuming, ``compute_metrics`` and a mesh.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["PipelineTrainer", "pipeline_trainer_class"]
+
+
+class _Stages(nn.Module):
+    """What the Trainer's loop holds as its model: this rank's stages of the pipeline."""
+
+    def __init__(self, pipe) -> None:
+        super().__init__()
+        object.__setattr__(self, "pipe", pipe)  # not a submodule: its parameters are listed below
+
+    def parameters(self, recurse: bool = True):
+        return self.pipe.parameters()
+
+    def named_parameters(self, *args: Any, **kwargs: Any):
+        return self.pipe.named_parameters()
+
+    def train(self, mode: bool = True) -> _Stages:
+        self.pipe.train(mode)
+        return self
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.pipe.parameters():
+            p.grad = None
+
+
+def _check_args(args, config, kwargs: dict) -> None:
+    """One line for each option the pipeline cannot honour (see the note above)."""
+    problems = []
+    if getattr(args, "deepspeed", None):
+        problems.append("deepspeed (the pipeline partitions the model itself)")
+    if getattr(args, "fsdp", None):
+        problems.append("fsdp (use mesh= with data_parallel='shard' in the PipelineConfig)")
+    if getattr(args, "gradient_checkpointing", False):
+        problems.append(
+            "gradient_checkpointing=True (pass checkpoint_layers in the PipelineConfig)"
+        )
+    if getattr(args, "torch_compile", False):
+        problems.append("torch_compile=True (pass compile=True in the PipelineConfig)")
+    if getattr(args, "fp16", False):
+        problems.append("fp16=True (use bf16=True)")
+    if str(getattr(args, "save_strategy", "no")) not in ("no", "SaveStrategy.NO"):
+        problems.append(
+            f"save_strategy={args.save_strategy!r} (checkpoints during training are not built "
+            "yet: save_strategy='no', then trainer.save_model(dir))"
+        )
+    if getattr(args, "resume_from_checkpoint", None):
+        problems.append("resume_from_checkpoint (not built yet)")
+    if kwargs.get("compute_metrics") is not None:
+        problems.append("compute_metrics= (evaluation gives the loss only, for now)")
+    for name in ("compute_loss_func", "model_init"):
+        if kwargs.get(name) is not None:
+            problems.append(f"{name}= (the pipeline computes the model's own loss, or loss_fn=)")
+    if args.per_device_train_batch_size % config.num_microbatches:
+        problems.append(
+            f"per_device_train_batch_size={args.per_device_train_batch_size}, not divisible by "
+            f"num_microbatches={config.num_microbatches}"
+        )
+    if problems:
+        raise ValueError("PipelineTrainer cannot run " + "; ".join(problems))
+
+
+def PipelineTrainer(*args: Any, **kwargs: Any):  # noqa: N802  (a class, made on first use)
+    """``transformers.Trainer`` whose steps run on a :class:`~pippy_xla.PipelineModel` built from
+    ``model``: ``PipelineTrainer(model=hf_model, args=TrainingArguments(...), train_dataset=...,
+    layer_cls=..., pipeline=px.PipelineConfig(num_microbatches=...), **trainer_kwargs)``; then
+    ``train()`` as usual, under torchrun. See [Note: the Trainer's loop on a pipeline]."""
+    return pipeline_trainer_class()(*args, **kwargs)
+
+
+_CLASS: type | None = None
+
+
+def pipeline_trainer_class() -> type:
+    """The subclass of ``transformers.Trainer``, made on first use: importing the Trainer costs
+    2.4 s (measured), which only its users pay."""
+    global _CLASS
+    if _CLASS is None:
+        from transformers import Trainer
+
+        methods = {
+            "__init__": _init,
+            "_prepare_loaders_unsharded": _prepare_loaders_unsharded,
+            "_move_model_to_device": _move_model_to_device,
+            "_wrap_model": _wrap_model,
+            "create_optimizer": _create_optimizer,
+            "training_step": _training_step,
+            "prediction_step": _prediction_step,
+            "save_model": _save_model,
+            "_clip_grad_norm": _clip_grad_norm,
+            "_get_grad_norm": _get_grad_norm,
+        }
+        _CLASS = type("PipelineTrainer", (Trainer,), {"__module__": __name__, **methods})
+    return _CLASS
+
+
+def _init(self, model=None, args=None, *, layer_cls=None, pipeline=None, **kwargs) -> None:
+    from transformers import Trainer
+
+    from pippy_xla.config import PipelineConfig
+    from pippy_xla.pipeline import PipelineModel
+
+    if pipeline is None:
+        raise ValueError("PipelineTrainer needs pipeline=px.PipelineConfig(...)")
+    if args is None:
+        raise ValueError("PipelineTrainer needs args=TrainingArguments(...)")
+    config = PipelineConfig.from_options(pipeline, {})
+    _check_args(args, config, kwargs)
+    args.average_tokens_across_devices = False  # the ranks hold one batch, not shards of it
+    self.pipe = PipelineModel(model, layer_cls=layer_cls, config=config)
+    self._stages = _Stages(self.pipe)
+    Trainer.__init__(self, model=model, args=args, **kwargs)
+    self._prepare_loaders_unsharded()
+
+
+def _prepare_loaders_unsharded(self) -> None:
+    """Every rank of the pipeline gets the whole batch: the data loaders are prepared as for one
+    process (accelerate's sharding, ``BatchSamplerShard``, left out)."""
+    from accelerate.data_loader import prepare_data_loader
+
+    acc = self.accelerator
+
+    def one_process(loader, device_placement=None):
+        prepared = prepare_data_loader(
+            loader,
+            acc.device,
+            num_processes=1,
+            process_index=0,
+            put_on_device=True,
+            dispatch_batches=False,
+            rng_types=[],
+            use_seedable_sampler=acc.use_seedable_sampler,
+            data_seed=self.args.data_seed,
+            even_batches=acc.even_batches,
+            non_blocking=acc.non_blocking,
+            split_batches=acc.split_batches,
+        )
+        acc._dataloaders.append(prepared)
+        return prepared
+
+    acc.prepare_data_loader = one_process
+
+
+def _move_model_to_device(self, model, device) -> None:
+    return None  # each rank's stages live where the pipeline put them
+
+
+def _wrap_model(self, model, training=True, dataloader=None) -> nn.Module:
+    return self._stages
+
+
+def _create_optimizer(self, model=None):
+    """HF's optimizer and weight-decay rule over this rank's parameters that require grad."""
+    if self.optimizer is None:
+        decay = set(self.get_decay_parameter_names(self.model))
+        named = [(n, p) for n, p in self.pipe.named_parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
+            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+        ]
+        cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, self.model)
+        self.optimizer = cls([g for g in groups if g["params"]], **kwargs)
+    return self.optimizer
+
+
+def _batch(self, inputs: dict) -> dict:
+    inputs = self._prepare_inputs(inputs)
+    names = (*self.pipe.pipeline_config.input_names, "labels")
+    return {k: v for k, v in inputs.items() if k in names}
+
+
+def _training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
+    """``pipe.run_train`` over the batch, its loss divided by HF's count for the window."""
+    self.pipe.train()
+    batch = _batch(self, inputs)
+    runner = self.pipe._runner
+    own = runner.num_items_fn
+    if num_items_in_batch is not None:
+        count = torch.as_tensor(num_items_in_batch).detach().cpu()
+        runner.num_items_fn = lambda labels: count
+    else:  # HF divides the loss by the window's steps: so do loss and gradients here
+        steps = self.current_gradient_accumulation_steps
+        runner.num_items_fn = lambda labels: own(labels) * steps
+    try:
+        with self.compute_loss_context_manager():
+            loss = self.pipe.run_train(**batch)
+    finally:
+        runner.num_items_fn = own
+    return loss.detach().to(self.args.device)
+
+
+def _prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+    out = self.pipe.run_eval(**_batch(self, inputs))
+    loss = None if out.loss is None else out.loss.detach().to(self.args.device)
+    return loss, None, None
+
+
+def _save_model(self, output_dir=None, _internal_call=False) -> None:
+    """Every stage's tensors in HF's format (PEFT's for a PEFT model), written by every rank
+    together; the tokenizer or processor by the first."""
+    output_dir = output_dir or self.args.output_dir
+    self.pipe.save_pretrained(output_dir)
+    if self.args.should_save and self.processing_class is not None:
+        self.processing_class.save_pretrained(output_dir)
+
+
+def _clip_grad_norm(self, model):
+    return self.pipe.clip_grad_norm_(self.args.max_grad_norm)
+
+
+def _get_grad_norm(self, model, grad_norm=None):
+    if grad_norm is None:
+        grad_norm = self.pipe.clip_grad_norm_(float("inf"))
+    return grad_norm

@@ -1,0 +1,127 @@
+"""``px.PipelineTrainer`` (HF's ``Trainer`` on the pipeline) against ``transformers.Trainer`` in one
+process with the same arguments: every step's logged loss, grad norm and learning rate, the eval
+loss and the saved weights. See [Note: the Trainer's loop on a pipeline] in
+pippy_xla/integrations/trainer.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import llama, make_batch
+
+import pippy_xla as px
+from pippy_xla.testing import run_ranks
+
+LOGGED = ("loss", "grad_norm", "learning_rate")
+
+
+class _Rows(torch.utils.data.Dataset):
+    """Rows of padded token batches (labels -100 on the padding)."""
+
+    def __init__(self, batches: int, seed: int) -> None:
+        self.rows = [
+            {k: v[r] for k, v in b.items()}
+            for b in (make_batch(seed=seed + i) for i in range(batches))
+            for r in range(8)
+        ]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.rows[i]
+
+
+def _args(out: str, **overrides):
+    """Padding in every batch, accumulation 2, cosine schedule with warm-up, clipping."""
+    from transformers import TrainingArguments
+
+    options = dict(
+        output_dir=out,
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=8,
+        gradient_accumulation_steps=2,
+        max_steps=4,
+        learning_rate=1e-3,
+        lr_scheduler_type="cosine",
+        warmup_steps=1,
+        max_grad_norm=0.5,
+        weight_decay=0.01,
+        adam_epsilon=1e-6,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    return TrainingArguments(**{**options, **overrides})
+
+
+def _logs(trainer) -> list[dict]:
+    return [{k: h[k] for k in LOGGED} for h in trainer.state.log_history if "loss" in h]
+
+
+def _pipeline_run(rank, world, directory):
+    torch.manual_seed(0)
+    model, layer_cls = llama()
+    trainer = px.PipelineTrainer(
+        model=model,
+        args=_args(f"{directory}/run"),
+        train_dataset=_Rows(4, seed=100),
+        eval_dataset=_Rows(1, seed=200),
+        layer_cls=layer_cls,
+        pipeline=px.PipelineConfig(num_microbatches=2),
+    )
+    trainer.train()
+    metrics = trainer.evaluate()
+    trainer.save_model(f"{directory}/model")
+    refused = {}
+    for name, overrides, extra in (
+        ("batch", {"per_device_train_batch_size": 3}, {}),
+        ("checkpointing", {"gradient_checkpointing": True}, {}),
+        ("saves", {"save_strategy": "steps"}, {}),
+        ("loss", {}, {"compute_loss_func": lambda *a, **k: 0}),
+    ):
+        with pytest.raises(ValueError, match="PipelineTrainer cannot run") as e:
+            px.PipelineTrainer(
+                model=llama()[0],
+                args=_args(f"{directory}/refused", **overrides),
+                train_dataset=_Rows(1, seed=0),
+                pipeline=px.PipelineConfig(num_microbatches=2),
+                **extra,
+            )
+        refused[name] = str(e.value)
+    return _logs(trainer), metrics["eval_loss"], refused
+
+
+def test_pipeline_trainer_logs_evaluates_and_saves_as_the_trainer_in_one_process(tmp_path):
+    from transformers import AutoModelForCausalLM, Trainer
+
+    torch.manual_seed(0)
+    model, _ = llama()
+    reference = Trainer(
+        model=model,
+        args=_args(str(tmp_path / "reference")),
+        train_dataset=_Rows(4, seed=100),
+        eval_dataset=_Rows(1, seed=200),
+    )
+    reference.train()
+    want_eval = reference.evaluate()["eval_loss"]
+    want = _logs(reference)
+    out = run_ranks(2, _pipeline_run, str(tmp_path), timeout=300)
+    assert len(want) == 4
+    for logs, eval_loss, refused in out:
+        assert len(logs) == len(want)
+        for step, (got, ref) in enumerate(zip(logs, want, strict=True)):
+            for key in LOGGED:
+                assert got[key] == pytest.approx(ref[key], rel=2e-6, abs=1e-7), (step, key)
+        assert eval_loss == pytest.approx(want_eval, rel=2e-6)
+        assert "not divisible by num_microbatches=2" in refused["batch"]
+        assert "checkpoint_layers" in refused["checkpointing"]
+        assert "save_strategy" in refused["saves"] and "compute_loss_func" in refused["loss"]
+        assert all("\n" not in text for text in refused.values())
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    trained = dict(reference.model.named_parameters())
+    for name, p in saved.named_parameters():
+        torch.testing.assert_close(p, trained[name], rtol=1e-5, atol=2e-5, msg=name)
