@@ -80,7 +80,7 @@ def _pipeline_run(rank, world, directory):
     for name, overrides, extra in (
         ("batch", {"per_device_train_batch_size": 3}, {}),
         ("checkpointing", {"gradient_checkpointing": True}, {}),
-        ("saves", {"save_strategy": "steps"}, {}),
+        ("saves", {"save_only_model": True}, {}),
         ("loss", {}, {"compute_loss_func": lambda *a, **k: 0}),
     ):
         with pytest.raises(ValueError, match="PipelineTrainer cannot run") as e:
@@ -119,9 +119,42 @@ def test_pipeline_trainer_logs_evaluates_and_saves_as_the_trainer_in_one_process
         assert eval_loss == pytest.approx(want_eval, rel=2e-6)
         assert "not divisible by num_microbatches=2" in refused["batch"]
         assert "checkpoint_layers" in refused["checkpointing"]
-        assert "save_strategy" in refused["saves"] and "compute_loss_func" in refused["loss"]
+        assert "save_only_model" in refused["saves"] and "compute_loss_func" in refused["loss"]
         assert all("\n" not in text for text in refused.values())
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
     trained = dict(reference.model.named_parameters())
     for name, p in saved.named_parameters():
         torch.testing.assert_close(p, trained[name], rtol=1e-5, atol=2e-5, msg=name)
+
+
+def _resumed(rank, world, directory):
+    """Four steps saving every two, then a new trainer resumed from the checkpoint of step 2:
+    its steps 3 and 4 log what the uninterrupted run logged, bit for bit, and it ends with the
+    same weights."""
+
+    def trainer(out):
+        torch.manual_seed(0)
+        model, layer_cls = llama()
+        return px.PipelineTrainer(
+            model=model,
+            args=_args(out, save_strategy="steps", save_steps=2),
+            train_dataset=_Rows(4, seed=100),
+            layer_cls=layer_cls,
+            pipeline=px.PipelineConfig(num_microbatches=2),
+        )
+
+    whole = trainer(f"{directory}/whole")
+    whole.train()
+    again = trainer(f"{directory}/again")
+    again.train(resume_from_checkpoint=f"{directory}/whole/checkpoint-2")
+    ends = [dict(t.pipe.named_parameters()) for t in (whole, again)]
+    assert ends[0].keys() == ends[1].keys()
+    for name, p in ends[0].items():
+        assert torch.equal(p, ends[1][name]), name
+    return _logs(whole), _logs(again)
+
+
+def test_pipeline_trainer_resumes_from_its_checkpoint_exactly(tmp_path):
+    for whole, again in run_ranks(2, _resumed, str(tmp_path), timeout=300):
+        # The resumed history: steps 1-2 from the checkpoint's trainer state, 3-4 run again.
+        assert len(whole) == 4 and again == whole, (whole, again)

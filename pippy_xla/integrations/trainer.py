@@ -22,11 +22,16 @@ learning-rate schedules, accumulation windows and seeds stay HF's.
 - ``evaluate`` runs ``pipe.run_eval`` per batch (the loss; every rank sees every batch, so the
   gathered mean is one process's); ``save_model`` writes ``pipe.save_pretrained`` (HF's format,
   PEFT's for a PEFT model) from every rank together.
+- Checkpoints (``save_strategy``): HF's checkpoint directory, with the model and optimizer state
+  in a pipeline checkpoint of its own (``pipeline/``: ``pipe.save``, every rank's part) instead
+  of ``optimizer.pt``; HF's scheduler, RNG (per rank) and trainer-state files as HF writes them.
+  ``train(resume_from_checkpoint=...)`` reads them back (``pipe.load``) at the point where HF
+  loads the optimizer.
 - What the pipeline cannot honour is refused at construction, in one line: DeepSpeed, FSDP,
   ``gradient_checkpointing`` (pass ``checkpoint_layers`` in the ``PipelineConfig``),
   ``torch_compile`` (``compile=True`` there), a batch size not divisible by the microbatches,
-  fp16, ``compute_loss_func``, ``model_init``; and, not built yet, checkpoints during training
-  (``save_strategy``), resuming, ``compute_metrics`` and a mesh.
+  fp16, ``compute_loss_func``, ``model_init``, ``save_only_model``; and, not built yet,
+  ``compute_metrics`` and a mesh.
 """
 
 from __future__ import annotations
@@ -76,13 +81,8 @@ def _check_args(args, config, kwargs: dict) -> None:
         problems.append("torch_compile=True (pass compile=True in the PipelineConfig)")
     if getattr(args, "fp16", False):
         problems.append("fp16=True (use bf16=True)")
-    if str(getattr(args, "save_strategy", "no")) not in ("no", "SaveStrategy.NO"):
-        problems.append(
-            f"save_strategy={args.save_strategy!r} (checkpoints during training are not built "
-            "yet: save_strategy='no', then trainer.save_model(dir))"
-        )
-    if getattr(args, "resume_from_checkpoint", None):
-        problems.append("resume_from_checkpoint (not built yet)")
+    if getattr(args, "save_only_model", False):
+        problems.append("save_only_model=True (a checkpoint keeps the optimizer's state)")
     if kwargs.get("compute_metrics") is not None:
         problems.append("compute_metrics= (evaluation gives the loss only, for now)")
     for name in ("compute_loss_func", "model_init"):
@@ -126,6 +126,9 @@ def pipeline_trainer_class() -> type:
             "save_model": _save_model,
             "_clip_grad_norm": _clip_grad_norm,
             "_get_grad_norm": _get_grad_norm,
+            "_save_optimizer_and_scheduler": _save_optimizer_and_scheduler,
+            "_load_from_checkpoint": _load_from_checkpoint,
+            "_load_optimizer_and_scheduler": _load_optimizer_and_scheduler,
         }
         _CLASS = type("PipelineTrainer", (Trainer,), {"__module__": __name__, **methods})
     return _CLASS
@@ -249,3 +252,48 @@ def _get_grad_norm(self, model, grad_norm=None):
     if grad_norm is None:
         grad_norm = self.pipe.clip_grad_norm_(float("inf"))
     return grad_norm
+
+
+PIPELINE_DIR = "pipeline"
+"""The subdirectory of a Trainer checkpoint that holds the pipeline's DCP checkpoint (the model's
+trained tensors and the optimizer's state, every rank's)."""
+
+
+def _torch_optimizer(self):
+    return getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper, unwrapped
+
+
+def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+    """The model's and the optimizer's state through the pipeline's checkpoint (every rank
+    writes its part: DCP), the learning-rate scheduler's as HF writes it."""
+    import os
+
+    from transformers.trainer import SCHEDULER_NAME
+
+    self.pipe.save(os.path.join(output_dir, PIPELINE_DIR), _torch_optimizer(self))
+    if self.args.should_save:
+        torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+
+def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+    """Nothing yet: the model's tensors load with the optimizer's, once it exists
+    (:func:`_load_optimizer_and_scheduler`)."""
+    import os
+
+    if not os.path.isdir(os.path.join(resume_from_checkpoint, PIPELINE_DIR)):
+        raise FileNotFoundError(
+            f"{resume_from_checkpoint} holds no {PIPELINE_DIR}/ checkpoint: resume a "
+            "PipelineTrainer from a checkpoint a PipelineTrainer saved"
+        )
+
+
+def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+    import os
+
+    from transformers.trainer import SCHEDULER_NAME
+
+    if checkpoint is None:
+        return
+    self.pipe.load(os.path.join(checkpoint, PIPELINE_DIR), _torch_optimizer(self))
+    state = torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True)
+    self.lr_scheduler.load_state_dict(state)
