@@ -4,7 +4,7 @@ from pippy_xla._native import _C
 from pippy_xla._version import __version__  # noqa: F401
 from pippy_xla.config import PipelineConfig
 from pippy_xla.errors import BatchMismatchError, PipelineError
-from pippy_xla.integrations import PipelineTrainer
+from pippy_xla.integrations import PipelineTrainer, pipelined
 from pippy_xla.pipeline import EvalOutput, PipelineModel, balanced_ranges
 from pippy_xla.plan import Plan, PlanInfeasibleError, plan
 from pippy_xla.runtime import ops  # noqa: F401  (registers the ops' fake kernels and autograd)
@@ -54,6 +54,7 @@ __all__ = [
     "make_schedule",
     "materialize",
     "partition",
+    "pipelined",
     "plan",
     "schedule_info",
 ]

@@ -79,7 +79,7 @@ def _pipeline_run(rank, world, directory):
     refused = {}
     for name, overrides, extra in (
         ("batch", {"per_device_train_batch_size": 3}, {}),
-        ("checkpointing", {"gradient_checkpointing": True}, {}),
+        ("compile", {"torch_compile": True}, {}),
         ("saves", {"save_only_model": True}, {}),
         ("loss", {}, {"compute_loss_func": lambda *a, **k: 0}),
     ):
@@ -118,7 +118,7 @@ def test_pipeline_trainer_logs_evaluates_and_saves_as_the_trainer_in_one_process
                 assert got[key] == pytest.approx(ref[key], rel=2e-6, abs=1e-7), (step, key)
         assert eval_loss == pytest.approx(want_eval, rel=2e-6)
         assert "not divisible by num_microbatches=2" in refused["batch"]
-        assert "checkpoint_layers" in refused["checkpointing"]
+        assert "compile=True in the PipelineConfig" in refused["compile"]
         assert "save_only_model" in refused["saves"] and "compute_loss_func" in refused["loss"]
         assert all("\n" not in text for text in refused.values())
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "model")

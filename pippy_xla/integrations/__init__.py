@@ -6,8 +6,8 @@ Imports the front; nothing below imports it: the front finds a model's wrapper t
 
 from pippy_xla import checkpoint
 from pippy_xla.integrations.peft import PeftAdapters, is_peft_model
-from pippy_xla.integrations.trainer import PipelineTrainer
+from pippy_xla.integrations.trainer import PipelineTrainer, pipelined
 
 checkpoint.register_wrapper(lambda model: PeftAdapters(model) if is_peft_model(model) else None)
 
-__all__ = ["PeftAdapters", "PipelineTrainer", "is_peft_model"]
+__all__ = ["PeftAdapters", "PipelineTrainer", "is_peft_model", "pipelined"]

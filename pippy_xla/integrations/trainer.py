@@ -27,8 +27,9 @@ learning-rate schedules, accumulation windows and seeds stay HF's.
   of ``optimizer.pt``; HF's scheduler, RNG (per rank) and trainer-state files as HF writes them.
   ``train(resume_from_checkpoint=...)`` reads them back (``pipe.load``) at the point where HF
   loads the optimizer.
+- ``gradient_checkpointing=True`` (TRL's ``SFTConfig`` default) checkpoints every decoder layer in
+  the pipeline (``checkpoint_layers``), unless the ``PipelineConfig`` names its own.
 - What the pipeline cannot honour is refused at construction, in one line: DeepSpeed, FSDP,
-  ``gradient_checkpointing`` (pass ``checkpoint_layers`` in the ``PipelineConfig``),
   ``torch_compile`` (``compile=True`` there), a batch size not divisible by the microbatches,
   fp16, ``compute_loss_func``, ``model_init``, ``save_only_model``; and, not built yet,
   ``compute_metrics`` and a mesh.
@@ -41,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["PipelineTrainer", "pipeline_trainer_class"]
+__all__ = ["PipelineTrainer", "pipelined"]
 
 
 class _Stages(nn.Module):
@@ -66,27 +67,23 @@ class _Stages(nn.Module):
             p.grad = None
 
 
-def _check_args(args, config, kwargs: dict) -> None:
+def _check_args(trainer, config) -> None:
     """One line for each option the pipeline cannot honour (see the note above)."""
-    problems = []
+    args, problems = trainer.args, []
     if getattr(args, "deepspeed", None):
         problems.append("deepspeed (the pipeline partitions the model itself)")
     if getattr(args, "fsdp", None):
         problems.append("fsdp (use mesh= with data_parallel='shard' in the PipelineConfig)")
-    if getattr(args, "gradient_checkpointing", False):
-        problems.append(
-            "gradient_checkpointing=True (pass checkpoint_layers in the PipelineConfig)"
-        )
     if getattr(args, "torch_compile", False):
         problems.append("torch_compile=True (pass compile=True in the PipelineConfig)")
     if getattr(args, "fp16", False):
         problems.append("fp16=True (use bf16=True)")
     if getattr(args, "save_only_model", False):
         problems.append("save_only_model=True (a checkpoint keeps the optimizer's state)")
-    if kwargs.get("compute_metrics") is not None:
+    if trainer.compute_metrics is not None:
         problems.append("compute_metrics= (evaluation gives the loss only, for now)")
     for name in ("compute_loss_func", "model_init"):
-        if kwargs.get(name) is not None:
+        if getattr(trainer, name, None) is not None:
             problems.append(f"{name}= (the pipeline computes the model's own loss, or loss_fn=)")
     if args.per_device_train_batch_size % config.num_microbatches:
         problems.append(
@@ -94,7 +91,7 @@ def _check_args(args, config, kwargs: dict) -> None:
             f"num_microbatches={config.num_microbatches}"
         )
     if problems:
-        raise ValueError("PipelineTrainer cannot run " + "; ".join(problems))
+        raise ValueError(f"{type(trainer).__name__} cannot run " + "; ".join(problems))
 
 
 def PipelineTrainer(*args: Any, **kwargs: Any):  # noqa: N802  (a class, made on first use)
@@ -102,19 +99,22 @@ def PipelineTrainer(*args: Any, **kwargs: Any):  # noqa: N802  (a class, made on
     ``model``: ``PipelineTrainer(model=hf_model, args=TrainingArguments(...), train_dataset=...,
     layer_cls=..., pipeline=px.PipelineConfig(num_microbatches=...), **trainer_kwargs)``; then
     ``train()`` as usual, under torchrun. See [Note: the Trainer's loop on a pipeline]."""
-    return pipeline_trainer_class()(*args, **kwargs)
+    from transformers import Trainer
+
+    return pipelined(Trainer)(*args, **kwargs)
 
 
-_CLASS: type | None = None
+_CLASSES: dict[type, type] = {}
 
 
-def pipeline_trainer_class() -> type:
-    """The subclass of ``transformers.Trainer``, made on first use: importing the Trainer costs
-    2.4 s (measured), which only its users pay."""
-    global _CLASS
-    if _CLASS is None:
-        from transformers import Trainer
-
+def pipelined(trainer_cls: type) -> type:
+    """``trainer_cls`` (``transformers.Trainer`` or a subclass of it, such as TRL's
+    ``SFTTrainer``) with its steps on a pipeline: its constructor takes ``trainer_cls``'s arguments
+    and ``layer_cls=`` and ``pipeline=`` (a :class:`~pippy_xla.PipelineConfig`). The pipeline is
+    built from the model ``trainer_cls.__init__`` ends with (PEFT-wrapped by ``SFTTrainer``'s
+    ``peft_config=``, say). Made once per class; importing the Trainer costs 2.4 s (measured),
+    which only its users pay."""
+    if trainer_cls not in _CLASSES:
         methods = {
             "__init__": _init,
             "_prepare_loaders_unsharded": _prepare_loaders_unsharded,
@@ -130,27 +130,43 @@ def pipeline_trainer_class() -> type:
             "_load_from_checkpoint": _load_from_checkpoint,
             "_load_optimizer_and_scheduler": _load_optimizer_and_scheduler,
         }
-        _CLASS = type("PipelineTrainer", (Trainer,), {"__module__": __name__, **methods})
-    return _CLASS
+        base = trainer_cls.__name__
+        name = "PipelineTrainer" if base == "Trainer" else f"Pipelined{base}"
+        namespace = {"__module__": __name__, "_pipelined": trainer_cls, **methods}
+        _CLASSES[trainer_cls] = type(name, (trainer_cls,), namespace)
+    return _CLASSES[trainer_cls]
 
 
-def _init(self, model=None, args=None, *, layer_cls=None, pipeline=None, **kwargs) -> None:
-    from transformers import Trainer
-
+def _init(self, *args, layer_cls=None, pipeline=None, **kwargs) -> None:
     from pippy_xla.config import PipelineConfig
     from pippy_xla.pipeline import PipelineModel
 
     if pipeline is None:
-        raise ValueError("PipelineTrainer needs pipeline=px.PipelineConfig(...)")
-    if args is None:
-        raise ValueError("PipelineTrainer needs args=TrainingArguments(...)")
+        raise ValueError(f"{type(self).__name__} needs pipeline=px.PipelineConfig(...)")
     config = PipelineConfig.from_options(pipeline, {})
-    _check_args(args, config, kwargs)
-    args.average_tokens_across_devices = False  # the ranks hold one batch, not shards of it
-    self.pipe = PipelineModel(model, layer_cls=layer_cls, config=config)
+    self.pipe = None  # built below, from the model the wrapped class's constructor ends with
+    self._pipelined.__init__(self, *args, **kwargs)  # the wrapped class's own
+    _check_args(self, config)
+    if self.args.gradient_checkpointing:  # TRL's SFTConfig turns it on by default
+        config = _checkpoint_every_layer(self.model, layer_cls, config)
+        self.args.gradient_checkpointing = False  # the pipeline's, not HF's on the whole model
+    self.args.average_tokens_across_devices = False  # the ranks hold one batch, not shards of it
+    self.pipe = PipelineModel(self.model, layer_cls=layer_cls, config=config)
     self._stages = _Stages(self.pipe)
-    Trainer.__init__(self, model=model, args=args, **kwargs)
     self._prepare_loaders_unsharded()
+
+
+def _checkpoint_every_layer(model, layer_cls, config):
+    """``config`` with every decoder layer checkpointed (what ``gradient_checkpointing=True``
+    asks of HF's model), unless it already names checkpointed layers or a plan."""
+    import dataclasses
+
+    from pippy_xla.split.partition import find_layers, layer_classes
+
+    if config.checkpoint_layers or config.plan is not None:
+        return config
+    layers = len(find_layers(model, layer_classes(model, layer_cls)))
+    return dataclasses.replace(config, checkpoint_layers=tuple(range(layers)))
 
 
 def _prepare_loaders_unsharded(self) -> None:
