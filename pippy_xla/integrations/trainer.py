@@ -1,13 +1,16 @@
-"""HF's ``Trainer`` on the pipeline: :class:`PipelineTrainer`.
+"""HF's ``Trainer`` on the pipeline: :func:`PipelineTrainer`; :func:`pipelined` for a subclass.
 
-[Note: the Trainer's loop on a pipeline] ``PipelineTrainer`` is ``transformers.Trainer`` with the
-steps of its loop that touch the model replaced, and nothing else: HF's loop, logging, callbacks,
-learning-rate schedules, accumulation windows and seeds stay HF's.
+[Note: the Trainer's loop on a pipeline] ``pipelined(trainer_cls)`` is ``trainer_cls`` (HF's
+``Trainer`` or a subclass) with the steps of its loop that touch the model replaced, and nothing
+else: HF's loop, logging, callbacks, learning-rate schedules, accumulation windows and seeds stay
+HF's; ``PipelineTrainer`` is ``pipelined(Trainer)``.
 
-- The pipeline is built in ``__init__`` from the HF model (which may be on ``meta``); the Trainer
-  keeps the HF model as ``self.model`` (it reads its config, forward signature and parameter names)
-  and runs its loop on a handle whose parameters are this rank's stages (``_wrap_model``), so
-  accelerate prepares the optimizer only (no DDP) and moves nothing (``_move_model_to_device``).
+- The pipeline is built at the end of the constructor from the model the wrapped class's own
+  constructor ends with (PEFT-wrapped by TRL's ``peft_config=``, say; it may be on ``meta``); the
+  Trainer keeps that model as ``self.model`` (it reads its config, forward signature and
+  parameter names) and runs its loop on a handle whose parameters are this rank's stages
+  (``_wrap_model``), so accelerate prepares the optimizer only (no DDP) and moves nothing
+  (``_move_model_to_device``).
 - ``training_step`` runs ``pipe.run_train`` on the batch; the loss's divisor is HF's
   ``num_items_in_batch``, the label tokens of the whole accumulation window (the pipeline's
   ``num_items_fn`` is set to it for the step), so a window's summed step losses, the logged loss
@@ -32,7 +35,7 @@ learning-rate schedules, accumulation windows and seeds stay HF's.
 - What the pipeline cannot honour is refused at construction, in one line: DeepSpeed, FSDP,
   ``torch_compile`` (``compile=True`` there), a batch size not divisible by the microbatches,
   fp16, ``compute_loss_func``, ``model_init``, ``save_only_model``; and, not built yet,
-  ``compute_metrics`` and a mesh.
+  ``compute_metrics``. There is no mesh yet (no ``mesh=`` argument).
 """
 
 from __future__ import annotations
