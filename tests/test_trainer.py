@@ -158,3 +158,53 @@ def test_pipeline_trainer_resumes_from_its_checkpoint_exactly(tmp_path):
     for whole, again in run_ranks(2, _resumed, str(tmp_path), timeout=300):
         # The resumed history: steps 1-2 from the checkpoint's trainer state, 3-4 run again.
         assert len(whole) == 4 and again == whole, (whole, again)
+
+
+def _lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    return get_peft_model(model, config)
+
+
+def _lora_run(rank, world, directory):
+    torch.manual_seed(0)
+    model, layer_cls = llama()
+    trainer = px.PipelineTrainer(
+        model=_lora(model),
+        args=_args(f"{directory}/lora-run", max_steps=2),
+        train_dataset=_Rows(2, seed=100),
+        layer_cls=layer_cls,
+        pipeline=px.PipelineConfig(num_microbatches=2),
+    )
+    trainer.train()
+    trainer.save_model(f"{directory}/lora")
+    return _logs(trainer)
+
+
+def test_pipeline_trainer_fine_tunes_lora_as_the_trainer_does(tmp_path):
+    """A PEFT model: the same logs as the Trainer in one process, and ``save_model`` writes the
+    adapter PEFT writes (every stage's adapter tensors, equal to the reference's)."""
+    from safetensors.torch import load_file
+    from transformers import Trainer
+
+    torch.manual_seed(0)
+    model, _ = llama()
+    reference = Trainer(
+        model=_lora(model),
+        args=_args(str(tmp_path / "reference"), max_steps=2),
+        train_dataset=_Rows(2, seed=100),
+    )
+    reference.train()
+    reference.save_model(str(tmp_path / "reference-adapter"))
+    want = _logs(reference)
+    for logs in run_ranks(2, _lora_run, str(tmp_path), timeout=300):
+        assert len(logs) == len(want) == 2
+        for got, ref in zip(logs, want, strict=True):
+            for key in LOGGED:
+                assert got[key] == pytest.approx(ref[key], rel=2e-6, abs=1e-7), key
+    ours = load_file(tmp_path / "lora" / "adapter_model.safetensors")
+    theirs = load_file(tmp_path / "reference-adapter" / "adapter_model.safetensors")
+    assert ours.keys() == theirs.keys() and ours
+    for key in ours:
+        torch.testing.assert_close(ours[key], theirs[key], rtol=1e-5, atol=2e-5, msg=key)
