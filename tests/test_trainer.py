@@ -208,3 +208,47 @@ def test_pipeline_trainer_fine_tunes_lora_as_the_trainer_does(tmp_path):
     assert ours.keys() == theirs.keys() and ours
     for key in ours:
         torch.testing.assert_close(ours[key], theirs[key], rtol=1e-5, atol=2e-5, msg=key)
+
+
+def _bf16_run(rank, world, directory):
+    torch.manual_seed(0)
+    model, layer_cls = llama()
+    trainer = px.PipelineTrainer(
+        model=model,
+        args=_args(f"{directory}/bf16", max_steps=2, bf16=True),
+        train_dataset=_Rows(2, seed=100),
+        layer_cls=layer_cls,
+        pipeline=px.PipelineConfig(num_microbatches=2),
+    )
+    seen = []
+    for stage in trainer.pipe.local_stages:
+        layer = next(m for m in stage.module.modules() if isinstance(m, layer_cls))
+        layer.register_forward_hook(
+            lambda *_: seen.append(
+                torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu")
+            )
+        )
+    trainer.train()
+    return _logs(trainer), set(seen)
+
+
+def test_pipeline_trainer_runs_the_stages_under_the_trainers_bf16_autocast(tmp_path):
+    """``bf16=True``: accelerate's autocast wraps the model's forward, which the stages never
+    call; the stages run under it all the same, and the logs agree with the Trainer in one
+    process within bf16's rounding (the microbatches' products round differently)."""
+    from transformers import Trainer
+
+    torch.manual_seed(0)
+    model, _ = llama()
+    reference = Trainer(
+        model=model,
+        args=_args(str(tmp_path / "reference"), max_steps=2, bf16=True),
+        train_dataset=_Rows(2, seed=100),
+    )
+    reference.train()
+    want = _logs(reference)
+    for logs, autocast in run_ranks(2, _bf16_run, str(tmp_path), timeout=300):
+        assert autocast == {torch.bfloat16}, autocast
+        for got, ref in zip(logs, want, strict=True):
+            assert got["loss"] == pytest.approx(ref["loss"], rel=1e-3)
+            assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-2)

@@ -17,6 +17,10 @@ HF's; ``PipelineTrainer`` is ``pipelined(Trainer)``.
   and the gradients are HF's.
 - Clipping and the logged ``grad_norm`` go through ``pipe.clip_grad_norm_`` (the whole model's
   norm, a collective).
+- Mixed precision: accelerate's autocast (``bf16=True``, TRL's ``SFTConfig`` default) wraps the
+  model's ``forward``, which the stages never call; the steps run the pipeline under
+  ``accelerator.autocast()`` instead (without it they trained in fp32, silently: seen against
+  TRL's ``SFTTrainer``, whose losses differed by 1e-5 relative until then).
 - The optimizer is HF's (``TrainingArguments.optim``, its weight-decay groups by HF's rule on the
   model's names) over this rank's parameters that require grad.
 - Every rank of a pipeline is given the same batches: accelerate's data loaders are prepared as
@@ -240,8 +244,8 @@ def _training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor
     else:  # HF divides the loss by the window's steps: so do loss and gradients here
         steps = self.current_gradient_accumulation_steps
         runner.num_items_fn = lambda labels: own(labels) * steps
-    try:
-        with self.compute_loss_context_manager():
+    try:  # accelerate's autocast (bf16=True) wraps the model's forward, which the stages skip
+        with self.compute_loss_context_manager(), self.accelerator.autocast():
             loss = self.pipe.run_train(**batch)
     finally:
         runner.num_items_fn = own
@@ -249,7 +253,8 @@ def _training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor
 
 
 def _prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-    out = self.pipe.run_eval(**_batch(self, inputs))
+    with self.accelerator.autocast():
+        out = self.pipe.run_eval(**_batch(self, inputs))
     loss = None if out.loss is None else out.loss.detach().to(self.args.device)
     return loss, None, None
 
