@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q --disable-pip-version-check torch==2.13.0
-python -m pip install -q --disable-pip-version-check "transformers==5.23.0" "peft==0.21.2" pytest pytest-xdist ninja tqdm matplotlib "mypy==2.4.1" "ruff==0.17.6"
+python -m pip install -q --disable-pip-version-check "transformers==5.23.0" "peft==0.21.2" "trl==1.16.0" pytest pytest-xdist ninja tqdm matplotlib "mypy==2.4.1" "ruff==0.17.6"
 # CMake and GoogleTest for the C++ unit tests (scripts/ctest.sh), from the distribution where this may
 # install packages (root with apt-get); elsewhere ctest.sh skips those tests and says why.
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

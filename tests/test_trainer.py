@@ -252,3 +252,100 @@ def test_pipeline_trainer_runs_the_stages_under_the_trainers_bf16_autocast(tmp_p
         for got, ref in zip(logs, want, strict=True):
             assert got["loss"] == pytest.approx(ref["loss"], rel=1e-3)
             assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-2)
+
+
+def _tokenizer():
+    """A word-level tokenizer of the tiny models' 256 ids (``t0`` ... ``t255``), made here."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(256)}
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t1")),
+        pad_token="t0",
+        unk_token="t1",
+        eos_token="t2",
+    )
+
+
+def _sft_args(out: str):
+    from trl import SFTConfig
+
+    return SFTConfig(
+        output_dir=out,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_steps=3,
+        learning_rate=1e-3,
+        lr_scheduler_type="cosine",
+        warmup_steps=1,
+        max_grad_norm=0.5,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+
+
+def _sft_data():
+    """Pre-tokenized rows of 6-15 tokens (TRL pads each batch to its longest row)."""
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(6, 16, (32,), generator=g).tolist()
+    return Dataset.from_dict(
+        {"input_ids": [torch.randint(3, 256, (n,), generator=g).tolist() for n in lengths]}
+    )
+
+
+def _sft_config():
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+
+
+def _sft_run(rank, world, directory):
+    from trl import SFTTrainer
+
+    torch.manual_seed(0)
+    model, layer_cls = llama()
+    trainer = px.pipelined(SFTTrainer)(
+        model=model,
+        args=_sft_args(f"{directory}/sft"),
+        train_dataset=_sft_data(),
+        processing_class=_tokenizer(),
+        peft_config=_sft_config(),
+        layer_cls=layer_cls,
+        pipeline=px.PipelineConfig(num_microbatches=2),
+    )
+    trainer.train()
+    return _logs(trainer)
+
+
+def test_trl_sft_trainer_with_lora_on_the_pipeline_logs_as_trl_does(tmp_path):
+    """TRL's ``SFTTrainer`` with ``peft_config=`` (LoRA), its defaults (bf16 autocast, gradient
+    checkpointing) and dynamically padded batches, through ``px.pipelined``: the same logged
+    losses and grad norms as TRL in one process, within bf16's rounding."""
+    pytest.importorskip("trl")
+    from trl import SFTTrainer
+
+    torch.manual_seed(0)
+    model, _ = llama()
+    reference = SFTTrainer(
+        model=model,
+        args=_sft_args(str(tmp_path / "reference")),
+        train_dataset=_sft_data(),
+        processing_class=_tokenizer(),
+        peft_config=_sft_config(),
+    )
+    reference.train()
+    want = _logs(reference)
+    for logs in run_ranks(2, _sft_run, str(tmp_path), timeout=300):
+        assert len(logs) == len(want) == 3
+        for got, ref in zip(logs, want, strict=True):
+            assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4), (got, ref)
+            assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-2), (got, ref)
+            assert got["learning_rate"] == pytest.approx(ref["learning_rate"], rel=1e-6)
