@@ -94,8 +94,9 @@ class ModelWrapper(Protocol):
         """The pretrained checkpoint's key of the pipeline's tensor ``name``; ``None`` for a
         tensor no pretrained checkpoint holds."""
 
-    def model_name(self, key: str, names: set[str]) -> str:
-        """The pipeline's name of the pretrained checkpoint's ``key`` (``names``: all of them)."""
+    def model_name(self, key: str, names: Callable[[], set[str]]) -> str:
+        """The pipeline's name of the pretrained checkpoint's ``key`` (``names()``: all of them,
+        asked for once)."""
 
     def save(self, pipe, path: str | os.PathLike, max_shard_size, merge_adapters: bool) -> None:
         """``pipe.save_pretrained(path, ...)`` in the wrapper's format."""

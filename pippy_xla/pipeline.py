@@ -293,7 +293,7 @@ class PipelineModel:
         as the ``PeftModel`` names them)."""
         key = key if self._renamer is None else self._renamer(key)
         if self._wrapper is not None:
-            key = self._wrapper.model_name(key, self.all_state_names())
+            key = self._wrapper.model_name(key, self.all_state_names)
         return key
 
     def checkpoint_state(self) -> dict[str, torch.Tensor]:

@@ -15,8 +15,6 @@ from test_pipeline import ADAM, GRAD_TOL, LOSS_TOL, PARAM_TOL
 import pippy_xla as px
 from pippy_xla.testing import run_ranks
 
-peft = pytest.importorskip("peft")
-
 # Each adapter method with the schedule (and checkpointed layers) it is trained under.
 METHODS = {
     "lora": ("zbh1", {}),  # zero-bubble: adapters' weight gradients in W

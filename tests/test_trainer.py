@@ -32,10 +32,8 @@ class _Rows(torch.utils.data.Dataset):
         return self.rows[i]
 
 
-def _args(out: str, **overrides):
+def _options(out: str, **overrides) -> dict:
     """Padding in every batch, accumulation 2, cosine schedule with warm-up, clipping."""
-    from transformers import TrainingArguments
-
     options = dict(
         output_dir=out,
         per_device_train_batch_size=4,
@@ -55,7 +53,13 @@ def _args(out: str, **overrides):
         use_cpu=True,
         disable_tqdm=True,
     )
-    return TrainingArguments(**{**options, **overrides})
+    return {**options, **overrides}
+
+
+def _args(out: str, **overrides):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(**_options(out, **overrides))
 
 
 def _logs(trainer) -> list[dict]:
@@ -272,22 +276,7 @@ def _tokenizer():
 def _sft_args(out: str):
     from trl import SFTConfig
 
-    return SFTConfig(
-        output_dir=out,
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=2,
-        max_steps=3,
-        learning_rate=1e-3,
-        lr_scheduler_type="cosine",
-        warmup_steps=1,
-        max_grad_norm=0.5,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        seed=0,
-        use_cpu=True,
-        disable_tqdm=True,
-    )
+    return SFTConfig(**_options(out, max_steps=3))
 
 
 def _sft_data():
@@ -329,7 +318,6 @@ def test_trl_sft_trainer_with_lora_on_the_pipeline_logs_as_trl_does(tmp_path):
     """TRL's ``SFTTrainer`` with ``peft_config=`` (LoRA), its defaults (bf16 autocast, gradient
     checkpointing) and dynamically padded batches, through ``px.pipelined``: the same logged
     losses and grad norms as TRL in one process, within bf16's rounding."""
-    pytest.importorskip("trl")
     from trl import SFTTrainer
 
     torch.manual_seed(0)

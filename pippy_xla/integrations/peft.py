@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -189,11 +190,11 @@ class PeftAdapters:
             return None
         return ".".join(p for p in parts if p not in _BASE_PARTS)
 
-    def model_name(self, key: str, names: set[str]) -> str:
-        """The pipeline's name of the base checkpoint's key ``key`` (``names``: every name of the
-        pipeline's tensors, the same at every call: the table is made once)."""
+    def model_name(self, key: str, names: Callable[[], set[str]]) -> str:
+        """The pipeline's name of the base checkpoint's key ``key`` (``names()``: every name of
+        the pipeline's tensors, asked for once: the table is made at the first call)."""
         if self._by_base is None:
-            bases = ((self.base_name(n), n) for n in sorted(names))
+            bases = ((self.base_name(n), n) for n in sorted(names()))
             self._by_base = {base: n for base, n in bases if base is not None}
         return self._by_base.get(key, key)
 

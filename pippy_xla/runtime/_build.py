@@ -635,9 +635,7 @@ def attach_transport(config: PipelineConfig, place: Placement) -> int:
             "posting order, not by tag; use transport='auto' (see [Note: transfers matched in "
             "order] in csrc/runtime/engine.h)"
         )
-    if config.transport == "in_order":
-        return 0
-    if config.transport == "process_group":
+    if config.transport in ("in_order", "process_group"):
         return 0
     if place.device.type != "cpu":
         if config.transport == "shm":
