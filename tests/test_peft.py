@@ -102,12 +102,13 @@ def _train_save_load(rank, world, method, directory):
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
-    for name, p in pipe.named_parameters():
-        torch.testing.assert_close(p, ref.get_parameter(name), **PARAM_TOL, msg=name)
     # Frozen weights keep no optimizer state; every local adapter tensor trains.
     assert len(opt.state) == len(trainable) > 0
     pipe.save_pretrained(f"{directory}/adapter")
     pipe.save_pretrained(f"{directory}/merged", merge_adapters=True)
+    # Trained as PEFT trains, and the merged export left the pipeline's layers as they were.
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p, ref.get_parameter(name), **PARAM_TOL, msg=name)
     if rank != 0:
         return None
     _same_adapter_files(f"{directory}/adapter", ref, f"{directory}/peft", **PARAM_TOL)
@@ -184,6 +185,10 @@ def _meta_base(rank, world, directory):
         nothing.run_train(**batch)
     out["nothing to train"] = str(e.value)
     nothing.run_eval(**batch)  # evaluation and generation stay
+    untrained = get_peft_model(llama()[0], copy.deepcopy(config)).requires_grad_(False)
+    with pytest.raises(ValueError, match="in training mode but no parameter requires grad") as e:
+        px.PipelineModel(untrained, num_microbatches=2)
+    out["frozen by hand"] = str(e.value)
     plain = px.PipelineModel(llama()[0], num_microbatches=2)
     with pytest.raises(ValueError, match="needs a pipeline of a PEFT model"):
         plain.load_adapter(f"{directory}/adapter")
@@ -246,12 +251,14 @@ def test_adapters_on_the_embedding_and_head_train_save_and_generate_as_peft_does
     assert "lm_head.modules_to_save.default.weight" in out[1][1]
 
 
-def _mesh(rank, world):
+def _mesh(rank, world, directory):
     """A data x pipeline mesh (FSDP2 over stages of frozen and trainable tensors) trains LoRA
-    equal to one process; tensor parallelism is refused in one line naming the module."""
+    equal to one process and exports the merged model as PEFT merges it; tensor parallelism is
+    refused in one line naming the module."""
     from models import full
     from peft import LoraConfig, get_peft_model
     from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     model, layer_cls = llama()
@@ -272,6 +279,11 @@ def _mesh(rank, world):
             torch.testing.assert_close(full(p.grad), ref.get_parameter(name).grad, **GRAD_TOL)
         else:
             assert p.grad is None, name
+    pipe.save_pretrained(f"{directory}/merged", merge_adapters=True)
+    if rank == 0:
+        merged = AutoModelForCausalLM.from_pretrained(f"{directory}/merged")
+        want = ref.merge_and_unload()(**batch, use_cache=False).logits
+        torch.testing.assert_close(merged(**batch).logits, want, atol=1e-5, rtol=1e-5)
     tp_mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp2", "pp2", "tp2"))
     with pytest.raises(NotImplementedError) as e:
         px.PipelineModel(
@@ -286,8 +298,8 @@ def _mesh(rank, world):
     return str(e.value)
 
 
-def test_peft_on_a_data_parallel_mesh_trains_and_tensor_parallel_is_refused():
-    for message in run_ranks(4, _mesh, timeout=200):
+def test_peft_on_a_data_parallel_mesh_trains_and_tensor_parallel_is_refused(tmp_path):
+    for message in run_ranks(4, _mesh, str(tmp_path), timeout=200):
         assert "with PEFT adapters is not supported yet" in message and "\n" not in message
         assert "self_attn.q_proj (HF's plan: 'colwise')" in message, message
 

@@ -82,8 +82,19 @@ class PeftAdapters:
         return self.model.get_base_model()
 
     def check_options(self, config) -> None:
-        """Refuses what the pipeline does not do with PEFT yet, in one line: tensor parallelism
-        (HF's plan shards the modules PEFT wraps, whose tuner layers are not ``nn.Linear``)."""
+        """Refuses, in one line: a model built to train (an adapter not in inference mode) of
+        which nothing trains (its adapters frozen by hand, or ``target_modules`` matching only
+        frozen copies); and what the pipeline does not do with PEFT yet: tensor parallelism (HF's
+        plan shards the modules PEFT wraps, whose tuner layers are not ``nn.Linear``). A model in
+        inference mode (``PeftModel.from_pretrained``) builds: it evaluates and generates."""
+        training = [n for n, c in self.model.peft_config.items() if not c.inference_mode]
+        if training and not any(p.requires_grad for p in self.model.parameters()):
+            raise ValueError(
+                f"the PEFT model's adapter {training[0]!r} is in training mode but no parameter "
+                "requires grad, so nothing would train; set requires_grad on the adapters "
+                "(peft_model.set_requires_grad) or load it with "
+                "PeftModel.from_pretrained(..., is_trainable=False) to evaluate"
+            )
         if config.tensor_parallel is None:
             return
         from peft.tuners.tuners_utils import BaseTunerLayer
@@ -249,8 +260,9 @@ class PeftAdapters:
         checkpoint.save_hf_layout(pipe, path, max_shard_size, local, rename=self.base_name)
 
     def _merged_local(self, pipe) -> dict[str, torch.Tensor]:
-        """The merged value of every local tuner layer's own tensors, under the pipeline's names:
-        PEFT's ``merge`` of a copy of each layer (the pipeline's layers stay as they are)."""
+        """The merged value of every local tuner layer's own tensors, whole, under the pipeline's
+        names: PEFT's ``merge`` of a copy of each layer (the pipeline's layers stay as they are).
+        A collective over the mesh's groups where tensors are sharded."""
         from peft.tuners.tuners_utils import BaseTunerLayer
         from torch.distributed.tensor import DTensor
 
@@ -260,15 +272,17 @@ class PeftAdapters:
             for module in stage.module.modules():
                 if not isinstance(module, BaseTunerLayer):
                     continue
-                base = module.get_base_layer()
-                own = {a: t for a, t in base.named_parameters(recurse=False)}
-                if any(isinstance(t, DTensor) for t in own.values()):
-                    raise ValueError(
-                        "merge_adapters=True with sharded base weights (a mesh) is not supported "
-                        "yet; save the adapters (merge_adapters=False) and merge them in one "
-                        "process with PEFT's merge_and_unload()"
+                own = dict(module.get_base_layer().named_parameters(recurse=False))
+                # The twin's tensors are whole: on a mesh, sharded ones are gathered (every
+                # replica holds the same layers and meets them in the same order).
+                whole = {
+                    id(t): nn.Parameter(
+                        t.full_tensor() if isinstance(t, DTensor) else t.detach().clone(),
+                        requires_grad=False,
                     )
-                twin = copy.deepcopy(module)
+                    for t in module.parameters()
+                }
+                twin = copy.deepcopy(module, memo=whole)
                 with torch.no_grad():
                     twin.merge(safe_merge=False)
                 twin_base = twin.get_base_layer()

@@ -124,7 +124,8 @@ class MaskLeaf(nn.Module):
         try:
             return self.forward(**kwargs)
         except RuntimeError:
-            names = self.fn.__globals__
+            # The factory's own module (HF wraps some factories in a deprecation decorator).
+            names = inspect.unwrap(self.fn).__globals__
             saved = names.get("is_tracing", _ABSENT)
             names["is_tracing"] = lambda *args, **kw: True
             try:
