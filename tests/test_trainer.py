@@ -66,6 +66,11 @@ def _logs(trainer) -> list[dict]:
     return [{k: h[k] for k in LOGGED} for h in trainer.state.log_history if "loss" in h]
 
 
+def _eval_rows():
+    """12 rows: evaluated in batches of 8 and 4 (accelerate trims the last batch's gather)."""
+    return torch.utils.data.Subset(_Rows(2, seed=200), range(12))
+
+
 def _pipeline_run(rank, world, directory):
     torch.manual_seed(0)
     model, layer_cls = llama()
@@ -73,7 +78,7 @@ def _pipeline_run(rank, world, directory):
         model=model,
         args=_args(f"{directory}/run"),
         train_dataset=_Rows(4, seed=100),
-        eval_dataset=_Rows(1, seed=200),
+        eval_dataset=_eval_rows(),
         layer_cls=layer_cls,
         pipeline=px.PipelineConfig(num_microbatches=2),
     )
@@ -108,7 +113,7 @@ def test_pipeline_trainer_logs_evaluates_and_saves_as_the_trainer_in_one_process
         model=model,
         args=_args(str(tmp_path / "reference")),
         train_dataset=_Rows(4, seed=100),
-        eval_dataset=_Rows(1, seed=200),
+        eval_dataset=_eval_rows(),
     )
     reference.train()
     want_eval = reference.evaluate()["eval_loss"]
@@ -126,6 +131,60 @@ def test_pipeline_trainer_logs_evaluates_and_saves_as_the_trainer_in_one_process
         assert "save_only_model" in refused["saves"] and "compute_loss_func" in refused["loss"]
         assert all("\n" not in text for text in refused.values())
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    trained = dict(reference.model.named_parameters())
+    for name, p in saved.named_parameters():
+        torch.testing.assert_close(p, trained[name], rtol=1e-5, atol=2e-5, msg=name)
+
+
+def _mesh_run(rank, world, directory):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    model, layer_cls = llama()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    trainer = px.PipelineTrainer(
+        model=model,
+        args=_args(
+            f"{directory}/mesh", per_device_train_batch_size=2, per_device_eval_batch_size=4
+        ),
+        train_dataset=_Rows(4, seed=100),
+        eval_dataset=_eval_rows(),
+        layer_cls=layer_cls,
+        pipeline=px.PipelineConfig(num_microbatches=2),
+        mesh=mesh,
+    )
+    trainer.train()
+    metrics = trainer.evaluate()
+    trainer.save_model(f"{directory}/mesh-model")
+    return _logs(trainer), metrics["eval_loss"], trainer.state.train_batch_size
+
+
+def test_pipeline_trainer_on_a_data_x_pipeline_mesh_trains_as_one_process_with_the_global_batch(
+    tmp_path,
+):
+    """dp=2 x pp=2: each replica takes the share of the global batch that HF's sharded loader
+    gives a DDP rank; the logs, the eval loss (batches of 8 and 4 rows) and the saved weights
+    equal the Trainer's in one process with the global batch (2 rows per replica: 4)."""
+    from transformers import AutoModelForCausalLM, Trainer
+
+    torch.manual_seed(0)
+    model, _ = llama()
+    reference = Trainer(
+        model=model,
+        args=_args(str(tmp_path / "reference")),
+        train_dataset=_Rows(4, seed=100),
+        eval_dataset=_eval_rows(),
+    )
+    reference.train()
+    want_eval = reference.evaluate()["eval_loss"]
+    want = _logs(reference)
+    for logs, eval_loss, per_device in run_ranks(4, _mesh_run, str(tmp_path), timeout=300):
+        assert per_device == 2 and len(logs) == len(want) == 4
+        for step, (got, ref) in enumerate(zip(logs, want, strict=True)):
+            for key in LOGGED:
+                assert got[key] == pytest.approx(ref[key], rel=2e-6, abs=1e-7), (step, key)
+        assert eval_loss == pytest.approx(want_eval, rel=2e-6)
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "mesh-model")
     trained = dict(reference.model.named_parameters())
     for name, p in saved.named_parameters():
         torch.testing.assert_close(p, trained[name], rtol=1e-5, atol=2e-5, msg=name)

@@ -23,12 +23,20 @@ HF's; ``PipelineTrainer`` is ``pipelined(Trainer)``.
   TRL's ``SFTTrainer``, whose losses differed by 1e-5 relative until then).
 - The optimizer is HF's (``TrainingArguments.optim``, its weight-decay groups by HF's rule on the
   model's names) over this rank's parameters that require grad.
-- Every rank of a pipeline is given the same batches: accelerate's data loaders are prepared as
-  for one process (no ``BatchSamplerShard``), with the same seeded sampler, so the ranks see what
-  one process with the same seed sees.
-- ``evaluate`` runs ``pipe.run_eval`` per batch (the loss; every rank sees every batch, so the
-  gathered mean is one process's); ``save_model`` writes ``pipe.save_pretrained`` (HF's format,
-  PEFT's for a PEFT model) from every rank together.
+- Every rank is given the same batches: accelerate's data loaders are prepared as for one
+  process (no ``BatchSamplerShard``), with the same seeded sampler, so the ranks see what one
+  process with the same seed sees. On a mesh (``mesh=``, as ``PipelineModel`` takes it) each
+  loader's batch is the global one, ``per_device_*_batch_size`` rows per data-parallel replica,
+  of which ``run_train`` gives each replica its share: replica ``r`` trains on the rows that HF's
+  sharded loader gives DDP rank ``r`` (the same seeded order, cut the same way), and the loss,
+  the token count and the gradients are the global batch's.
+- ``evaluate`` runs ``pipe.run_eval`` per batch (the loss of the whole batch on every rank); the
+  loop's gather is over the replicas, without communication (every rank already holds every
+  batch's result; accelerate's gather across all the processes counted each batch once per rank
+  but the last, which it cuts to the dataset's remainder: a wrong mean when the last batch is
+  short);
+  ``save_model`` writes ``pipe.save_pretrained`` (HF's format, PEFT's for a PEFT model) from every
+  rank together.
 - Checkpoints (``save_strategy``): HF's checkpoint directory, with the model and optimizer state
   in a pipeline checkpoint of its own (``pipeline/``: ``pipe.save``, every rank's part) instead
   of ``optimizer.pt``; HF's scheduler, RNG (per rank) and trainer-state files as HF writes them.
@@ -39,11 +47,12 @@ HF's; ``PipelineTrainer`` is ``pipelined(Trainer)``.
 - What the pipeline cannot honour is refused at construction, in one line: DeepSpeed, FSDP,
   ``torch_compile`` (``compile=True`` there), a batch size not divisible by the microbatches,
   fp16, ``compute_loss_func``, ``model_init``, ``save_only_model``; and, not built yet,
-  ``compute_metrics``. There is no mesh yet (no ``mesh=`` argument).
+  ``compute_metrics``.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -104,8 +113,10 @@ def _check_args(trainer, config) -> None:
 def PipelineTrainer(*args: Any, **kwargs: Any):  # noqa: N802  (a class, made on first use)
     """``transformers.Trainer`` whose steps run on a :class:`~pippy_xla.PipelineModel` built from
     ``model``: ``PipelineTrainer(model=hf_model, args=TrainingArguments(...), train_dataset=...,
-    layer_cls=..., pipeline=px.PipelineConfig(num_microbatches=...), **trainer_kwargs)``; then
-    ``train()`` as usual, under torchrun. See [Note: the Trainer's loop on a pipeline]."""
+    layer_cls=..., pipeline=px.PipelineConfig(num_microbatches=...), mesh=None,
+    **trainer_kwargs)``; then ``train()`` as usual, under torchrun. ``mesh``: a data x pipeline
+    (x tensor) ``DeviceMesh``, as ``PipelineModel`` takes it. See [Note: the Trainer's loop on a
+    pipeline]."""
     from transformers import Trainer
 
     return pipelined(Trainer)(*args, **kwargs)
@@ -116,15 +127,17 @@ _CLASSES: dict[type, type] = {}
 
 def pipelined(trainer_cls: type) -> type:
     """``trainer_cls`` (``transformers.Trainer`` or a subclass of it, such as TRL's
-    ``SFTTrainer``) with its steps on a pipeline: its constructor takes ``trainer_cls``'s arguments
-    and ``layer_cls=`` and ``pipeline=`` (a :class:`~pippy_xla.PipelineConfig`). The pipeline is
-    built from the model ``trainer_cls.__init__`` ends with (PEFT-wrapped by ``SFTTrainer``'s
-    ``peft_config=``, say). Made once per class; importing the Trainer costs 2.4 s (measured),
-    which only its users pay."""
+    ``SFTTrainer``) with its steps on a pipeline: its constructor takes ``trainer_cls``'s
+    arguments and ``layer_cls=``, ``pipeline=`` (a :class:`~pippy_xla.PipelineConfig`) and
+    ``mesh=``. The pipeline is built from the model ``trainer_cls.__init__`` ends with
+    (PEFT-wrapped by ``SFTTrainer``'s ``peft_config=``, say). Made once per class; importing the
+    Trainer costs 2.4 s (measured), which only its users pay."""
     if trainer_cls not in _CLASSES:
         methods = {
             "__init__": _init,
             "_prepare_loaders_unsharded": _prepare_loaders_unsharded,
+            "_get_dataloader": _get_dataloader,
+            "get_total_train_batch_size": _get_total_train_batch_size,
             "_move_model_to_device": _move_model_to_device,
             "_wrap_model": _wrap_model,
             "create_optimizer": _create_optimizer,
@@ -144,7 +157,7 @@ def pipelined(trainer_cls: type) -> type:
     return _CLASSES[trainer_cls]
 
 
-def _init(self, *args, layer_cls=None, pipeline=None, **kwargs) -> None:
+def _init(self, *args, layer_cls=None, pipeline=None, mesh=None, **kwargs) -> None:
     from pippy_xla.config import PipelineConfig
     from pippy_xla.pipeline import PipelineModel
 
@@ -158,7 +171,7 @@ def _init(self, *args, layer_cls=None, pipeline=None, **kwargs) -> None:
         config = _checkpoint_every_layer(self.model, layer_cls, config)
         self.args.gradient_checkpointing = False  # the pipeline's, not HF's on the whole model
     self.args.average_tokens_across_devices = False  # the ranks hold one batch, not shards of it
-    self.pipe = PipelineModel(self.model, layer_cls=layer_cls, config=config)
+    self.pipe = PipelineModel(self.model, layer_cls=layer_cls, config=config, mesh=mesh)
     self._stages = _Stages(self.pipe)
     self._prepare_loaders_unsharded()
 
@@ -202,6 +215,20 @@ def _prepare_loaders_unsharded(self) -> None:
         return prepared
 
     acc.prepare_data_loader = one_process
+
+
+def _get_dataloader(self, dataset, description, batch_size, *args, **kwargs):
+    """The wrapped class's loader, of the global batch: ``batch_size`` rows per replica."""
+    dp = self.pipe.dp_size if self.pipe is not None else 1
+    return self._pipelined._get_dataloader(
+        self, dataset, description, batch_size * dp, *args, **kwargs
+    )
+
+
+def _get_total_train_batch_size(self, args) -> int:
+    """Rows per optimizer step: the replicas' batches over the window (HF's count multiplies
+    by the job's processes, which here include the pipeline's ranks)."""
+    return self._train_batch_size * args.gradient_accumulation_steps * self.pipe.dp_size
 
 
 def _move_model_to_device(self, model, device) -> None:
@@ -253,10 +280,26 @@ def _training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor
 
 
 def _prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+    # Every rank holds the whole batch's result: the loop gathers as in one process (HF resets
+    # gather_function after each loop, so it is set at every step).
+    state = self.accelerator.gradient_state
+    self.gather_function = functools.partial(_replicas_gather, state, self.pipe.dp_size)
     with self.accelerator.autocast():
         out = self.pipe.run_eval(**_batch(self, inputs))
     loss = None if out.loss is None else out.loss.detach().to(self.args.device)
     return loss, None, None
+
+
+def _replicas_gather(gradient_state, replicas: int, data, *args: Any, **kwargs: Any):
+    """accelerate's ``gather_for_metrics`` over the data-parallel replicas, each of which holds
+    ``data`` (the loss of the whole batch, repeated ``per_device_eval_batch_size`` times by HF):
+    ``replicas`` copies, the last batch's cut to the dataset's remainder."""
+    from accelerate.utils import recursively_apply
+
+    data = recursively_apply(lambda t: torch.cat([t] * replicas), data)
+    if gradient_state.end_of_dataloader and gradient_state.remainder > 0:
+        return recursively_apply(lambda t: t[: gradient_state.remainder], data)
+    return data
 
 
 def _save_model(self, output_dir=None, _internal_call=False) -> None:
