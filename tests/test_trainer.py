@@ -318,17 +318,20 @@ def test_pipeline_trainer_runs_the_stages_under_the_trainers_bf16_autocast(tmp_p
 
 
 def _tokenizer():
-    """A word-level tokenizer of the tiny models' 256 ids (``t0`` ... ``t255``), made here."""
-    from tokenizers import Tokenizer
+    """A word-level tokenizer of the tiny models' 256 ids, made here: ``<pad>``, ``<unk>``,
+    ``</s>``, then ``t3`` ... ``t255`` (words, also where TRL joins texts without a space)."""
+    from tokenizers import Regex, Tokenizer
+    from tokenizers import pre_tokenizers as pre
     from tokenizers.models import WordLevel
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {f"t{i}": i for i in range(256)}
+    special = ["<pad>", "<unk>", "</s>"]
+    vocab = {**{t: i for i, t in enumerate(special)}, **{f"t{i}": i for i in range(3, 256)}}
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    words = pre.Split(Regex(r"t\d+"), "isolated")
+    tokenizer.pre_tokenizer = pre.Sequence([pre.WhitespaceSplit(), words])
     return PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t1")),
-        pad_token="t0",
-        unk_token="t1",
-        eos_token="t2",
+        tokenizer_object=tokenizer, pad_token="<pad>", unk_token="<unk>", eos_token="</s>"
     )
 
 
@@ -396,3 +399,76 @@ def test_trl_sft_trainer_with_lora_on_the_pipeline_logs_as_trl_does(tmp_path):
             assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4), (got, ref)
             assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-2), (got, ref)
             assert got["learning_rate"] == pytest.approx(ref["learning_rate"], rel=1e-6)
+
+
+def _documents():
+    """Prompt-completion texts of 1-3 and 1-4 words: TRL's completion-only loss (labels on the
+    completions), packed by TRL into rows of up to 16 tokens, several documents a row."""
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(0)
+
+    def text(most: int) -> str:
+        n = int(torch.randint(1, most + 1, (1,), generator=g))
+        return " ".join(f"t{int(i)}" for i in torch.randint(3, 256, (n,), generator=g))
+
+    return Dataset.from_list([{"prompt": text(3), "completion": text(4)} for _ in range(64)])
+
+
+def _packed_args(out: str):
+    from trl import SFTConfig
+
+    options = _options(out, max_steps=3, bf16=False, packing=True, max_length=16)
+    return SFTConfig(**options)
+
+
+def _packed_run(rank, world, directory):
+    from trl import SFTTrainer
+
+    torch.manual_seed(0)
+    model, layer_cls = llama()
+    trainer = px.pipelined(SFTTrainer)(
+        model=model,
+        args=_packed_args(f"{directory}/packed"),
+        train_dataset=_documents(),
+        processing_class=_tokenizer(),
+        layer_cls=layer_cls,
+        pipeline=px.PipelineConfig(num_microbatches=2),
+    )
+    batch = next(iter(trainer.get_train_dataloader()))
+    trainer.train()
+    return _logs(trainer), batch, trainer.pipe.pipeline_config.input_names
+
+
+def test_trl_packed_completion_only_sft_on_the_pipeline_logs_as_trl_does(tmp_path):
+    """TRL's ``packing=True`` with a prompt-completion dataset (completion-only loss): TRL's
+    padding-free batch is one row, which the pipeline takes as rows (each packed example a row,
+    positions restarting at every document, one causal block per document); the logged losses
+    and grad norms equal TRL's in one process, whose batch is the single flattened row."""
+    from trl import SFTTrainer
+
+    torch.manual_seed(0)
+    model, _ = llama()
+    reference = SFTTrainer(
+        model=model,
+        args=_packed_args(str(tmp_path / "reference")),
+        train_dataset=_documents(),
+        processing_class=_tokenizer(),
+    )
+    flat = next(iter(reference.get_train_dataloader()))
+    reference.train()
+    want = _logs(reference)
+    for logs, batch, names in run_ranks(2, _packed_run, str(tmp_path), timeout=300):
+        assert names == ("input_ids", "position_ids") and "attention_mask" not in batch
+        # The rows hold the flattened row's tokens, labels and positions, several documents each.
+        rows = batch["input_ids"].shape[0]
+        assert rows == 4 and flat["input_ids"].shape[0] == 1
+        real = batch["labels"] != -100
+        assert torch.equal(batch["input_ids"][batch["input_ids"] != 0], flat["input_ids"][0])
+        assert torch.equal(batch["labels"][real], flat["labels"][flat["labels"] != -100])
+        assert int((batch["position_ids"][:, 1:] == 0).logical_and(real[:, 1:]).sum()) == 0
+        assert (flat["position_ids"] == 0).sum() > 2 * rows  # documents restart inside rows
+        assert len(logs) == len(want) == 3
+        for got, ref in zip(logs, want, strict=True):
+            for key in LOGGED:
+                assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), (key, got, ref)

@@ -42,8 +42,19 @@ HF's; ``PipelineTrainer`` is ``pipelined(Trainer)``.
   of ``optimizer.pt``; HF's scheduler, RNG (per rank) and trainer-state files as HF writes them.
   ``train(resume_from_checkpoint=...)`` reads them back (``pipe.load``) at the point where HF
   loads the optimizer.
+- Packed sequences (TRL's ``packing=True``): TRL's padding-free collator flattens a batch into
+  one row, which cannot be cut into microbatches. Its batches are given as rows instead
+  (``_PackedRows``): each packed example a padded row whose ``position_ids`` restart at every
+  document and without an ``attention_mask``, so that HF's mask factories build one causal block
+  per document on every stage (they detect packing from the positions when there is no mask;
+  padding, at position 0, is a document of its own token, which no label reads); the pipeline
+  takes ``position_ids`` in place of ``attention_mask``. The tokens, labels, positions and
+  masks are the padding-free batch's, so the loss and the token count are TRL's.
 - ``gradient_checkpointing=True`` (TRL's ``SFTConfig`` default) checkpoints every decoder layer in
   the pipeline (``checkpoint_layers``), unless the ``PipelineConfig`` names its own.
+- A batch with too few rows for the microbatches (an epoch's short last batch, a packed
+  dataset's) gets rows that copy its last one, every label ignored (``_batch``): nothing changes
+  in the loss or the gradients (an MoE router's loss would see the extra rows).
 - What the pipeline cannot honour is refused at construction, in one line: DeepSpeed, FSDP,
   ``torch_compile`` (``compile=True`` there), a batch size not divisible by the microbatches,
   fp16, ``compute_loss_func``, ``model_init``, ``save_only_model``; and, not built yet,
@@ -52,6 +63,7 @@ HF's; ``PipelineTrainer`` is ``pipelined(Trainer)``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -171,16 +183,40 @@ def _init(self, *args, layer_cls=None, pipeline=None, mesh=None, **kwargs) -> No
         config = _checkpoint_every_layer(self.model, layer_cls, config)
         self.args.gradient_checkpointing = False  # the pipeline's, not HF's on the whole model
     self.args.average_tokens_across_devices = False  # the ranks hold one batch, not shards of it
+    if getattr(self.data_collator, "padding_free", False):  # TRL's packing
+        self.data_collator = _PackedRows(self.data_collator)
+        names = tuple(n for n in config.input_names if n != "attention_mask")
+        config = dataclasses.replace(config, input_names=(*names, "position_ids"))
     self.pipe = PipelineModel(self.model, layer_cls=layer_cls, config=config, mesh=mesh)
     self._stages = _Stages(self.pipe)
     self._prepare_loaders_unsharded()
 
 
+class _PackedRows:
+    """TRL's padding-free collator (``packing=True``) made to give rows (see [Note: the
+    Trainer's loop on a pipeline]): each example a row, padded, with its ``position_ids``
+    restarting at every packed document, no ``attention_mask``, and the label of every
+    document's first token ignored, as the padding-free batch has them."""
+
+    def __init__(self, collator) -> None:
+        if not dataclasses.is_dataclass(collator) or not hasattr(collator, "return_position_ids"):
+            raise ValueError(
+                f"the pipeline cannot split the padding-free batches of {type(collator).__name__} "
+                "(one row for the whole batch) into microbatches; use TRL's "
+                "DataCollatorForLanguageModeling or padding_free=False"
+            )
+        self.collator = dataclasses.replace(collator, padding_free=False, return_position_ids=True)
+
+    def __call__(self, examples: list) -> dict:
+        batch = self.collator(examples)
+        del batch["attention_mask"]  # HF's masks then follow the positions: one block per document
+        batch["labels"][batch["position_ids"] == 0] = -100
+        return batch
+
+
 def _checkpoint_every_layer(model, layer_cls, config):
     """``config`` with every decoder layer checkpointed (what ``gradient_checkpointing=True``
     asks of HF's model), unless it already names checkpointed layers or a plan."""
-    import dataclasses
-
     from pippy_xla.split.partition import find_layers, layer_classes
 
     if config.checkpoint_layers or config.plan is not None:
@@ -254,9 +290,19 @@ def _create_optimizer(self, model=None):
 
 
 def _batch(self, inputs: dict) -> dict:
+    """The loader's batch as the pipeline takes it: its inputs and labels, and where it has too
+    few rows to cut into the replicas' microbatches (an epoch's last batch, a packed dataset's),
+    rows added that copy its last one with every label ignored: they add nothing to the loss,
+    the token count or the gradients."""
     inputs = self._prepare_inputs(inputs)
     names = (*self.pipe.pipeline_config.input_names, "labels")
-    return {k: v for k, v in inputs.items() if k in names}
+    batch = {k: v for k, v in inputs.items() if k in names}
+    first = batch[names[0]]
+    extra = -first.shape[0] % (self.pipe.pipeline_config.num_microbatches * self.pipe.dp_size)
+    if extra and "labels" in batch:
+        batch = {k: torch.cat([v, v[-1:].expand(extra, *v.shape[1:])]) for k, v in batch.items()}
+        batch["labels"][-extra:] = -100
+    return batch
 
 
 def _training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
