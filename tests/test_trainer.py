@@ -472,3 +472,22 @@ def test_trl_packed_completion_only_sft_on_the_pipeline_logs_as_trl_does(tmp_pat
         for got, ref in zip(logs, want, strict=True):
             for key in LOGGED:
                 assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), (key, got, ref)
+
+
+def test_sft_example_learns_saves_and_hf_reloads(tmp_path):
+    """``examples/sft.py`` under torchrun (2 ranks), with few steps: the loss falls, the model
+    directory is HF's, and HF's model loaded from it in one process gives the pipeline's loss."""
+    import re
+
+    from test_materialize import ROOT, torchrun
+
+    flags = ("--steps", "16", "--out", str(tmp_path), "--max-chars", "60000", "--seq", "64")
+    out = torchrun(2, ROOT / "examples" / "sft.py", *flags, cwd=tmp_path)
+    losses = [float(x) for x in re.findall(r"^step +\d+ +loss ([\d.]+)", out, re.M)]
+    assert len(losses) >= 2 and losses[-1] < losses[0] - 0.3, out
+    assert (tmp_path / "model" / "model.safetensors.index.json").is_file()
+    pipe_loss, hf_loss = map(
+        float, re.search(r"pipeline ([\d.]+), HF in one process ([\d.]+)", out).groups()
+    )
+    assert abs(pipe_loss - hf_loss) < 1e-4, out
+    assert "greedy continuation" in out
