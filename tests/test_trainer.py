@@ -190,6 +190,59 @@ def test_pipeline_trainer_on_a_data_x_pipeline_mesh_trains_as_one_process_with_t
         torch.testing.assert_close(p, trained[name], rtol=1e-5, atol=2e-5, msg=name)
 
 
+def _family(name: str):
+    import models
+
+    return models.mixtral(router_loss=True) if name == "mixtral" else getattr(models, name)()
+
+
+def _family_run(rank, world, directory, family, schedule, microbatches):
+    torch.manual_seed(0)
+    model, layer_cls = _family(family)
+    trainer = px.PipelineTrainer(
+        model=model,
+        args=_args(f"{directory}/{family}", max_steps=2),
+        train_dataset=_Rows(2, seed=100),
+        eval_dataset=_eval_rows(),
+        layer_cls=layer_cls,
+        pipeline=px.PipelineConfig(num_microbatches=microbatches, schedule=schedule),
+    )
+    trainer.train()
+    return _logs(trainer), trainer.evaluate()["eval_loss"]
+
+
+@pytest.mark.parametrize(
+    "family, schedule, microbatches",
+    [("gpt2", "zbh1", 2), ("qwen2", "interleaved", 2), ("mixtral", "gpipe", 1)],
+)
+def test_pipeline_trainer_equals_the_trainer_for_other_families_and_schedules(
+    tmp_path, family, schedule, microbatches
+):
+    """GPT-2 (tied head, learned positions, no ``loss_type``: HF counts its labels its own way)
+    under ZB-H1, Qwen2 under interleaved 1F1B, Mixtral with its router loss under GPipe: the
+    Trainer's logs and eval loss. Mixtral in one microbatch: the pipeline adds a router loss per
+    microbatch (see [Note: added loss terms per microbatch]), the Trainer one per batch."""
+    from transformers import Trainer
+
+    torch.manual_seed(0)
+    model, _ = _family(family)
+    reference = Trainer(
+        model=model,
+        args=_args(str(tmp_path / "reference"), max_steps=2),
+        train_dataset=_Rows(2, seed=100),
+        eval_dataset=_eval_rows(),
+    )
+    reference.train()
+    want, want_eval = _logs(reference), reference.evaluate()["eval_loss"]
+    out = run_ranks(2, _family_run, str(tmp_path), family, schedule, microbatches, timeout=300)
+    for logs, eval_loss in out:
+        assert len(logs) == len(want) == 2
+        for step, (got, ref) in enumerate(zip(logs, want, strict=True)):
+            for key in LOGGED:
+                assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), (step, key)
+        assert eval_loss == pytest.approx(want_eval, rel=2e-6)
+
+
 def _resumed(rank, world, directory):
     """Four steps saving every two, then a new trainer resumed from the checkpoint of step 2:
     its steps 3 and 4 log what the uninterrupted run logged, bit for bit, and it ends with the

@@ -63,6 +63,7 @@ HF's; ``PipelineTrainer`` is ``pipelined(Trainer)``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any
@@ -305,33 +306,49 @@ def _batch(self, inputs: dict) -> dict:
     return batch
 
 
+@contextlib.contextmanager
+def _divided_by(self, num_items, steps: int):
+    """The pipeline's loss divided as HF divides the Trainer's: by HF's token count
+    ``num_items`` where HF passes one to the model, else by the pipeline's own count times
+    ``steps`` (the accumulation window's batches: HF divides a mean loss by them)."""
+    runner = self.pipe._runner
+    own = runner.num_items_fn
+    if num_items is not None:
+        count = torch.as_tensor(num_items).detach().cpu()
+        runner.num_items_fn = lambda labels: count
+    else:
+        runner.num_items_fn = lambda labels: own(labels) * steps
+    try:
+        yield
+    finally:
+        runner.num_items_fn = own
+
+
 def _training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
     """``pipe.run_train`` over the batch, its loss divided by HF's count for the window."""
     self.pipe.train()
     batch = _batch(self, inputs)
-    runner = self.pipe._runner
-    own = runner.num_items_fn
-    if num_items_in_batch is not None:
-        count = torch.as_tensor(num_items_in_batch).detach().cpu()
-        runner.num_items_fn = lambda labels: count
-    else:  # HF divides the loss by the window's steps: so do loss and gradients here
-        steps = self.current_gradient_accumulation_steps
-        runner.num_items_fn = lambda labels: own(labels) * steps
-    try:  # accelerate's autocast (bf16=True) wraps the model's forward, which the stages skip
-        with self.compute_loss_context_manager(), self.accelerator.autocast():
-            loss = self.pipe.run_train(**batch)
-    finally:
-        runner.num_items_fn = own
+    # accelerate's autocast (bf16=True) wraps the model's forward, which the stages skip
+    with (
+        _divided_by(self, num_items_in_batch, self.current_gradient_accumulation_steps),
+        self.compute_loss_context_manager(),
+        self.accelerator.autocast(),
+    ):
+        loss = self.pipe.run_train(**batch)
     return loss.detach().to(self.args.device)
 
 
 def _prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-    # Every rank holds the whole batch's result: the loop gathers as in one process (HF resets
-    # gather_function after each loop, so it is set at every step).
+    """``pipe.run_eval``'s loss, divided by the count HF divides it by (HF's quirks included:
+    for a model without a ``loss_type``, GPT-2's, it counts every label, the first too)."""
+    # Every rank holds the whole batch's result: the loop's gather is over the replicas without
+    # communication (HF resets gather_function after each loop, so it is set at every step).
     state = self.accelerator.gradient_state
     self.gather_function = functools.partial(_replicas_gather, state, self.pipe.dp_size)
-    with self.accelerator.autocast():
-        out = self.pipe.run_eval(**_batch(self, inputs))
+    count = self._get_num_items_in_batch([inputs], self.args.device) if "labels" in inputs else None
+    batch = _batch(self, inputs)
+    with _divided_by(self, count, 1), self.accelerator.autocast():
+        out = self.pipe.run_eval(**batch)
     loss = None if out.loss is None else out.loss.detach().to(self.args.device)
     return loss, None, None
 
