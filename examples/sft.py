@@ -13,6 +13,8 @@
    checkpoints) and ``train()``, with ``layer_cls=`` and ``pipeline=px.PipelineConfig(...)``
    added. Every rank loads the base on ``meta`` and takes its stage's weights from the checkpoint
    (``trainer.pipe.load_pretrained``).
+   With ``--save-every N`` it checkpoints every N steps and a relaunch resumes from the latest
+   checkpoint in ``OUT/run`` (HF's ``get_last_checkpoint``; ``--die-at-step`` tests it).
 4. ``trainer.save_model(OUT/model)`` writes HF's format (every stage's weights) and the tokenizer;
    rank 0 loads it with ``AutoModelForCausalLM.from_pretrained`` in one process, prints its loss on
    a held-out batch next to the pipeline's, and a greedy continuation of ``--prompt``.
@@ -34,8 +36,10 @@ from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
+    TrainerCallback,
 )
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+from transformers.trainer_utils import get_last_checkpoint
 from trl import SFTConfig, SFTTrainer
 
 import pippy_xla as px
@@ -63,6 +67,20 @@ def documents(text: str, tokenizer, longest: int) -> list[dict]:
     return [{"input_ids": tokenizer(p)["input_ids"][: longest - 1] + [eos]} for p in paragraphs]
 
 
+class Die(TrainerCallback):
+    """The last rank exits at the end of step ``step``, in the job's first attempt only."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        last = dist.get_rank() == dist.get_world_size() - 1
+        if state.global_step == self.step and first_attempt and last:
+            print(f"rank {dist.get_rank()}: killing itself after step {self.step}", flush=True)
+            os._exit(1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("sft_out"))
@@ -73,6 +91,14 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--max-chars", type=int, default=400_000)
     parser.add_argument("--prompt", default="def ")
+    parser.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps")
+    parser.add_argument(
+        "--die-at-step",
+        type=int,
+        default=0,
+        help="the last rank kills itself after step N (in a "
+        "job's first attempt; for the restart test: torchrun --max-restarts 1 resumes it)",
+    )
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -122,7 +148,8 @@ def main() -> None:
             bf16=False,
             logging_steps=max(1, args.steps // 10),
             report_to=[],
-            save_strategy="no",
+            save_strategy="steps" if args.save_every else "no",
+            save_steps=args.save_every or 500,
             use_cpu=True,
             disable_tqdm=True,
         ),
@@ -131,9 +158,13 @@ def main() -> None:
         processing_class=tokenizer,
         layer_cls=LlamaDecoderLayer,
         pipeline=px.PipelineConfig(num_microbatches=args.microbatches),
+        callbacks=[Die(args.die_at_step)] if args.die_at_step else None,
     )
     trainer.pipe.load_pretrained(base)
-    trainer.train()
+    last = get_last_checkpoint(str(args.out / "run")) if args.save_every else None
+    if last is not None and rank == 0:
+        print(f"resuming from {last}", flush=True)
+    trainer.train(resume_from_checkpoint=last)
     eval_loss = trainer.evaluate()["eval_loss"]
     trainer.save_model(str(args.out / "model"))
     # A held-out batch as the pipeline takes it (TRL's packed rows, positions restarting per
@@ -146,7 +177,7 @@ def main() -> None:
                 print(f"step {entry['step']:4d}  loss {entry['loss']:.4f}", flush=True)
         model_dir = args.out / "model"
         files = sorted(os.listdir(model_dir))
-        print(f"eval loss {eval_loss:.4f}; model written to {model_dir}: {files}")
+        print(f"eval loss {eval_loss!r}; model written to {model_dir}: {files}")
         loaded = AutoModelForCausalLM.from_pretrained(model_dir)
         tok = AutoTokenizer.from_pretrained(model_dir)
         prompt = tok(args.prompt, return_tensors="pt")

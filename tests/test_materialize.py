@@ -274,10 +274,13 @@ def run_example(ranks: int, *flags: str, cwd: Path = ROOT, script: str = "train_
     return torchrun(ranks, ROOT / "examples" / script, *flags, cwd=cwd)
 
 
-def torchrun(ranks: int, script: Path, *flags: str, cwd: Path = ROOT) -> str:
-    """Runs ``script`` under torchrun on ``ranks`` CPU ranks; returns its stdout."""
+def torchrun(
+    ranks: int, script: Path, *flags: str, cwd: Path = ROOT, launcher: tuple[str, ...] = ()
+) -> str:
+    """Runs ``script`` under torchrun on ``ranks`` CPU ranks (``launcher``: torchrun's own
+    flags); returns its stdout."""
     cmd = [
-        *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
+        *(sys.executable, "-m", "torch.distributed.run", "--standalone", *launcher),
         *("--nproc-per-node", str(ranks), str(script), *flags),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
