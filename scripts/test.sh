@@ -5,7 +5,8 @@
 #  2. the tests that compare compiled stages with eager ones (marker `compiled`) once more under
 #     another ATEN_CPU_CAPABILITY than this CPU's own (avx2 on an AVX-512 CPU, default, no vector
 #     code, on any other), so that inductor emits another CPU's code and sums in another order: a
-#     tolerance that only this CPU meets fails here, not on a user's machine;
+#     tolerance that only this CPU meets fails here, not on a user's machine; then the tests
+#     marked `compat` against the other transformers releases in .compat/ (see scripts/setup.sh);
 #  3. the C++ unit tests (scripts/ctest.sh; skipped, with the reason, without GoogleTest).
 # Extra arguments are pytest options for both pytest runs (e.g. -x, --durations=20), not paths.
 set -euo pipefail
@@ -30,6 +31,12 @@ python -m pytest -q "${workers[@]}" tests "$@"
 # took 777 s against 709 s one after the other, each test slower by more than the cores' share.
 isa=$(python -c "import torch; print({'AVX512': 'avx2'}.get(torch.backends.cpu.get_cpu_capability(), 'default'))")
 ATEN_CPU_CAPABILITY=$isa python -m pytest -q "${workers[@]}" -m compiled tests "$@"
+# Step 2b: the tests marked `compat` (families, generation, tensor parallel, checkpoints, PEFT,
+# the Trainer) against each other transformers release scripts/setup.sh put in .compat/ (the
+# oldest pyproject.toml declares, the newest); pytest's header names the release under test.
+for release in .compat/transformers-*; do
+  PYTHONPATH="$PWD/$release" python -m pytest -q "${workers[@]}" -m compat tests "$@"
+done
 if ! wait "$cxx"; then
   cat build/ctest-build.log
   exit 1

@@ -27,3 +27,12 @@ def pytest_collection_finish(session):
 
     modules = {getattr(item, "module", None) for item in session.items}
     preload("models", "inductor_warm", *sorted(m.__name__ for m in modules if m is not None))
+
+
+def pytest_report_header(config):
+    """The releases under test (scripts/test.sh runs the `compat` tests against several)."""
+    import torch
+    import transformers
+
+    where = transformers.__file__
+    return f"transformers {transformers.__version__} ({where}), torch {torch.__version__}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from torch import nn
 from transformers import (
@@ -445,3 +446,23 @@ def pipeline(model: nn.Module, layer_cls: type[nn.Module], schedule="1f1b", mbs=
         schedule=schedule,
         **options,
     )
+
+
+def _hf_tensor_parallel() -> bool:
+    from pippy_xla.hf_compat import tensor_parallel_api
+
+    try:
+        tensor_parallel_api()
+    except NotImplementedError:
+        return False
+    return True
+
+
+HF_TENSOR_PARALLEL = _hf_tensor_parallel()
+"""Whether this transformers has the tensor-parallel API the pipeline applies (5.23 on)."""
+
+needs_hf_tensor_parallel = pytest.mark.skipif(
+    not HF_TENSOR_PARALLEL,
+    reason="transformers before 5.23: tensor parallelism is refused in one line "
+    "(test_tensor_parallel.py::test_tensor_parallel_is_refused_before_transformers_5_23)",
+)

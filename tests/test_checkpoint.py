@@ -207,6 +207,7 @@ def gpt2_run(tmp_path_factory):
     return directory, out
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("schedule", ["1f1b", "zbh1"])
 def test_resume_is_exact(tmp_path, gpt2_run, schedule):
     if schedule == "1f1b":

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from models import INPUT_NAMES, MODELS, family_batch, pipeline, reference_step
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
@@ -161,6 +162,7 @@ def _table(rows) -> str:
     return "\n".join([*lines, "", TABLE_END])
 
 
+@pytest.mark.compat
 def test_every_family_equals_one_process_on_two_ranks():
     families = list(MODELS)
     assert sorted(families) == sorted(NOTES), "describe each family of the registry in NOTES"
@@ -192,6 +194,7 @@ def test_named_families_equal_one_process_on_four_ranks():
 _DIGEST = """
 import hashlib, sys
 sys.path.insert(0, {tests!r})
+import pytest
 import torch
 from models import MODELS
 from pippy_xla.split.partition import partition

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from models import MODELS, VOCAB, llama, make_batch, tiny
+from models import MODELS, VOCAB, llama, make_batch, needs_hf_tensor_parallel, tiny
 from test_pipeline import LOSS_TOL
 from torch import nn
 
@@ -136,6 +136,7 @@ and Qwen3.5's hybrid of recurrent (linear-attention state) and attention layers.
 _OPTIONS = {"falcon_alibi": {"cache_implementation": "dynamic"}}
 
 
+@pytest.mark.compat
 def test_generate_equal_hf_two_ranks():
     out = run_ranks(2, _families, FAMILIES, timeout=600)
     assert out == [_all_equal(FAMILIES)] * 2
@@ -604,6 +605,8 @@ def _on_tp_mesh(rank, world) -> dict:
     return out
 
 
+@pytest.mark.compat
+@needs_hf_tensor_parallel
 def test_generate_with_tensor_parallel():
     out = run_ranks(4, _on_tp_mesh, timeout=300)
     for o in out:

@@ -6,7 +6,8 @@ C++, no import cycles, and no function too long to read at once.
   never each other;
 - the front (``config.py``, ``pipeline.py``, ``checkpoint.py``, ``cli.py`` and the other
   top-level modules that import a wing) may import anything;
-- the base (``_native.py``, ``_version.py``, ``units.py``, ``errors.py``) imports no wing;
+- the base (``_native.py``, ``_version.py``, ``units.py``, ``errors.py``, ``hf_compat.py``)
+  imports no wing;
 - ``integrations/`` (the pipeline inside other libraries' formats and loops: PEFT) sits above
   the front and may import anything; nothing imports it but the package's ``__init__``, which
   may import anything (the front finds an integration through what it registers).
@@ -27,7 +28,7 @@ import pippy_xla as px
 
 PACKAGE = Path(px.__file__).parent
 WINGS = ("split", "runtime", "plan")
-BASE = ("_native", "_version", "units", "errors")
+BASE = ("_native", "_version", "units", "errors", "hf_compat")
 ALLOWED = {
     "base": {"base"},
     "split": {"base", "split"},

@@ -125,6 +125,7 @@ def _train_save_load(rank, world, method, directory):
     return sorted(merged_model.state_dict())
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_peft_pipeline_trains_saves_and_merges_as_peft_does(method, tmp_path):
     out = run_ranks(2, _train_save_load, method, tmp_path, timeout=200)
@@ -197,6 +198,7 @@ def _meta_base(rank, world, directory):
     return out
 
 
+@pytest.mark.compat
 def test_peft_pipeline_of_a_meta_base_loads_the_base_then_the_adapter(tmp_path):
     out = run_ranks(2, _meta_base, tmp_path, timeout=200)
     for o in out:
@@ -244,6 +246,7 @@ def _around_the_layers(rank, world, directory):
     return out
 
 
+@pytest.mark.compat
 def test_adapters_on_the_embedding_and_head_train_save_and_generate_as_peft_does(tmp_path):
     out = run_ranks(2, _around_the_layers, str(tmp_path), timeout=200)
     # The first rank holds the embedding's adapter, the last the head's and its copy.

@@ -19,7 +19,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import MODELS, VOCAB, full, make_batch, reference_step, tiny
+from models import (
+    HF_TENSOR_PARALLEL,
+    MODELS,
+    VOCAB,
+    full,
+    llama,
+    make_batch,
+    needs_hf_tensor_parallel,
+    reference_step,
+    tiny,
+)
 from test_pipeline import ADAM, LOSS_TOL, PARAM_TOL, check_grads
 from tolerances import assert_close_compiled, under_another_cpu
 
@@ -233,6 +243,8 @@ def _tp_trains_like_one_process(rank, world, cases, steps=3, mbs=2):
     ],
     ids=["1f1b-zbh1", "interleaved-zbv-dp"],
 )
+@pytest.mark.compat
+@needs_hf_tensor_parallel
 def test_tp2_matches_one_process(cases):
     _check_layouts(cases, run_ranks(4, _tp_trains_like_one_process, cases, timeout=240))
 
@@ -315,6 +327,8 @@ def test_tp_rules_equal_to_the_model_plan_are_bit_identical_to_auto():
     assert all(o == out[0] for o in out), out
 
 
+@pytest.mark.compat
+@needs_hf_tensor_parallel
 def test_dp2_pp2_tp2_shard_and_hsdp_match_one_process():
     """The issue's 3-D layout on 8 gloo ranks: dp=2 x pp=2 x tp=2, ``data_parallel="shard"``
     (FSDP2 over the tp shards), Qwen3 (partial-gradient norms, a tie between the first and the
@@ -653,3 +667,24 @@ def test_a_rank_that_dies_in_a_tp_collective_is_named_on_every_rank():
     # group's timeout: measured 1.6 s on every rank here (not asserted).
     for rank, message in enumerate(out[:3]):
         assert "rank 3 died" in message, (rank, message)
+
+
+def _old_transformers(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp", "pp", "tp"))
+    with pytest.raises(NotImplementedError) as e:
+        px.PipelineModel(llama()[0], num_microbatches=2, mesh=mesh, tensor_parallel="auto")
+    return str(e.value)
+
+
+@pytest.mark.compat
+@pytest.mark.skipif(HF_TENSOR_PARALLEL, reason="transformers 5.23 on: tensor parallel runs")
+def test_tensor_parallel_is_refused_before_transformers_5_23():
+    """A release without HF's tensor-parallel API (5.17, the oldest declared): a mesh with a
+    ``tp`` dim is refused in one line on every rank, naming the release and the way out."""
+    import transformers
+
+    for message in run_ranks(4, _old_transformers, timeout=120):
+        assert "transformers>=5.23" in message and transformers.__version__ in message, message
+        assert "\n" not in message

@@ -106,6 +106,7 @@ def _pipeline_run(rank, world, directory):
     return _logs(trainer), metrics["eval_loss"], refused
 
 
+@pytest.mark.compat
 def test_pipeline_trainer_logs_evaluates_and_saves_as_the_trainer_in_one_process(tmp_path):
     from transformers import AutoModelForCausalLM, Trainer
 
@@ -431,6 +432,7 @@ def _sft_run(rank, world, directory):
     return _logs(trainer)
 
 
+@pytest.mark.compat
 def test_trl_sft_trainer_with_lora_on_the_pipeline_logs_as_trl_does(tmp_path):
     """TRL's ``SFTTrainer`` with ``peft_config=`` (LoRA), its defaults (bf16 autocast, gradient
     checkpointing) and dynamically padded batches, through ``px.pipelined``: the same logged
@@ -495,6 +497,7 @@ def _packed_run(rank, world, directory):
     return _logs(trainer), batch, trainer.pipe.pipeline_config.input_names
 
 
+@pytest.mark.compat
 def test_trl_packed_completion_only_sft_on_the_pipeline_logs_as_trl_does(tmp_path):
     """TRL's ``packing=True`` with a prompt-completion dataset (completion-only loss): TRL's
     padding-free batch is one row, which the pipeline takes as rows (each packed example a row,

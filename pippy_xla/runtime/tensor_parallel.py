@@ -67,6 +67,7 @@ import torch
 from torch import nn
 
 from pippy_xla._native import _C
+from pippy_xla.hf_compat import tensor_parallel_api
 from pippy_xla.runtime.data_parallel import local_tensor
 from pippy_xla.split.partition import UnsupportedModelError
 
@@ -161,9 +162,7 @@ def expand_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     """HF's ``_expand_parallel_plan``: ``plan``'s keys with ``*`` replaced by the layer indices,
     one entry per module and per parameter (HF's method reads only ``named_modules``, so it
     serves a module that is not a ``PreTrainedModel`` too)."""
-    from transformers.distributed.mixin import DistributedMixin
-
-    return DistributedMixin._expand_parallel_plan(model, plan)
+    return tensor_parallel_api().expand_plan(model, plan)
 
 
 def merge_tp_rules(
@@ -178,24 +177,17 @@ def merge_tp_rules(
     ``ValueError`` (one line, naming the rule) for a style HF does not know, a key that names
     nothing in the model, and a rule outside the decoder layers that changes the model's own
     (those modules stay whole: see [Note: pipeline x tensor parallel])."""
-    from transformers.distributed.parallel_utils import (
-        ALL_PARALLEL_STYLES,
-        replace_layer_number_by_wildcard,
-    )
-
+    hf = tensor_parallel_api()
     name = type(model).__name__
     own = dict(getattr(model, "tp_plan", None) or {})
-    names = {
-        replace_layer_number_by_wildcard(n)
-        for n, _ in [*model.named_modules(), *model.named_parameters()]
-    }
+    names = {hf.wildcard(n) for n, _ in [*model.named_modules(), *model.named_parameters()]}
     prefixes = tuple(f"{n}." for n in layer_names)
     rules = _relative_to_model(model, rules, names | set(own))
     for key, style in rules.items():
-        if not isinstance(style, str) or style not in ALL_PARALLEL_STYLES:
+        if not isinstance(style, str) or style not in hf.styles:
             raise ValueError(
                 f"tensor_parallel={{...}}: rule {key!r}: {style!r} is not an HF tensor-parallel "
-                f"style; HF's: {list(ALL_PARALLEL_STYLES)} ('replicate' keeps a module whole)"
+                f"style; HF's: {list(hf.styles)} ('replicate' keeps a module whole)"
             )
         if key not in names and key not in own:
             raise ValueError(
@@ -401,13 +393,12 @@ def shard_layers(
     ``apply_tensor_parallelism``. The ``replicated_with_grad_allreduce`` rules are not installed
     (see [Note: pipeline x tensor parallel]): returns their modules, whose gradients the caller
     sums."""
-    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
-
     prefixes = tuple(f"{n}." for n in layer_names)
     mine = {k: v for k, v in plan.items() if k.startswith(prefixes)}
     named = dict(model.named_modules())
     partial = [named[k] for k, v in mine.items() if v == _PARTIAL_GRAD and k in named]
-    apply_tensor_parallelism(model, tp_mesh, {k: v for k, v in mine.items() if v != _PARTIAL_GRAD})
+    apply = tensor_parallel_api().apply
+    apply(model, tp_mesh, {k: v for k, v in mine.items() if v != _PARTIAL_GRAD})
     return partial
 
 

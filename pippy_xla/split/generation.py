@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from pippy_xla.hf_compat import CACHE_ARG, cache_param
 from pippy_xla.split import hf
 from pippy_xla.split.classify import producers
 from pippy_xla.split.emit import StageGraph
@@ -60,10 +61,6 @@ __all__ = [
     "prepare_generation",
     "stage_cache",
 ]
-
-CACHE_ARG = "past_key_values"
-"""The keyword by which decoder layers and mask factories take the cache; also the name of the
-generation graphs' last placeholder."""
 
 GENERATION_INPUTS = ("input_ids", "attention_mask", "position_ids")
 """The batch inputs of generation graphs (see [Note: per-stage generation graphs])."""
@@ -147,7 +144,7 @@ def _thread_cache(gm: fx.GraphModule, layer_cls: tuple[type[nn.Module], ...]) ->
         if node.op == "call_module":
             mod = gm.get_submodule(node.target)
             if isinstance(mod, hf.MaskLeaf):
-                name = _cache_param(inspect.signature(mod.fn)) or CACHE_ARG
+                name = cache_param(inspect.signature(mod.fn)) or CACHE_ARG
                 node.kwargs = {**node.kwargs, name: cache}
             elif isinstance(mod, layer_cls):
                 node.args, node.kwargs = _with_cache(mod, node.args, node.kwargs, cache)
@@ -168,7 +165,7 @@ def _with_cache(
     sig = inspect.signature(layer.forward)
     params = sig.parameters
     var_kw = next((p.name for p in params.values() if p.kind is p.VAR_KEYWORD), None)
-    name = _cache_param(sig)
+    name = cache_param(sig)
     if name is None and var_kw is None:
         raise UnsupportedModelError(
             f"{type(layer).__name__}.forward takes no {CACHE_ARG} (nor a parameter annotated as "
@@ -182,20 +179,6 @@ def _with_cache(
         elif key == CACHE_ARG or key in extra:
             extra[key] = value
     return tuple(bound.args), {**bound.kwargs, **extra}
-
-
-def _cache_param(sig: inspect.Signature) -> str | None:
-    """The parameter through which a layer or a mask factory takes the cache:
-    ``past_key_values``, or the first one annotated as a ``Cache`` (GPT-NeoX's and Falcon's
-    ``layer_past``; transformers 5.24's ``cache``, the layers' and the mask factories' new name,
-    where the old one stays a deprecated alias of the factories: passing the cache under it
-    beside the traced ``cache=None`` left the masks without the cache)."""
-    if CACHE_ARG in sig.parameters:
-        return CACHE_ARG
-    for p in sig.parameters.values():
-        if p.kind is not p.VAR_KEYWORD and "Cache" in str(p.annotation):
-            return p.name
-    return None
 
 
 def stage_cache(config: Any, layers: Sequence[int], max_len: int, kind: str | None = None) -> Any:

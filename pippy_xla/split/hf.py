@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pippy_xla.hf_compat import mask_factory_globals
+
 __all__ = [
     "FEATURE_METHODS",
     "LOSS_ATTR",
@@ -124,8 +126,7 @@ class MaskLeaf(nn.Module):
         try:
             return self.forward(**kwargs)
         except RuntimeError:
-            # The factory's own module (HF wraps some factories in a deprecation decorator).
-            names = inspect.unwrap(self.fn).__globals__
+            names = mask_factory_globals(self.fn)
             saved = names.get("is_tracing", _ABSENT)
             names["is_tracing"] = lambda *args, **kw: True
             try:
