@@ -578,3 +578,32 @@ def test_sft_example_killed_mid_run_resumes_from_its_checkpoint_bit_for_bit(tmp_
         ours, theirs = (load_file(tmp_path / run / "model" / name) for run in ("killed", "whole"))
         assert ours.keys() == theirs.keys()
         assert all(torch.equal(ours[k], theirs[k]) for k in ours), name
+
+
+def _grpo(rank, world, directory):
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.manual_seed(0)
+    model, layer_cls = llama()
+    options = _options(directory, max_steps=1, gradient_accumulation_steps=1)
+    trainer = px.pipelined(GRPOTrainer)(
+        model=model,
+        reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
+        args=GRPOConfig(**options, num_generations=2, max_completion_length=4),
+        train_dataset=Dataset.from_list([{"prompt": "t5 t6 t7"}] * 16),
+        processing_class=_tokenizer(),
+        layer_cls=layer_cls,
+        pipeline=px.PipelineConfig(num_microbatches=2),
+    )
+    with pytest.raises(ValueError, match="not the model's inputs") as e:
+        trainer.train()
+    return str(e.value)
+
+
+def test_a_trainer_whose_loss_is_not_the_models_is_refused_in_one_line(tmp_path):
+    """TRL's ``GRPOTrainer`` hands its steps prompts to generate from, and computes its loss from
+    the logits outside the model: refused at the first step, in one line on every rank, before
+    anything runs on the pipeline."""
+    for message in run_ranks(2, _grpo, str(tmp_path), timeout=200):
+        assert "GRPOTrainer" in message and "\n" not in message, message

@@ -324,9 +324,24 @@ def _divided_by(self, num_items, steps: int):
         runner.num_items_fn = own
 
 
+def _check_inputs(self, inputs, first: str) -> None:
+    """One line for a loader's batch that is not the model's inputs and labels: a trainer whose
+    loss is not the model's own (TRL's GRPO and DPO trainers compute theirs from the logits,
+    outside the model) hands its steps something else."""
+    keys = sorted(inputs) if isinstance(inputs, dict) else type(inputs).__name__
+    if not isinstance(inputs, dict) or first not in inputs or "labels" not in inputs:
+        raise ValueError(
+            f"{type(self).__name__}: a step's batch is {keys}, not the model's inputs ({first!r}, "
+            "...) and 'labels': the pipeline trains the model's own loss, and a trainer that "
+            "computes its loss outside the model (TRL's GRPOTrainer, DPOTrainer, ...) is not "
+            "supported yet"
+        )
+
+
 def _training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
     """``pipe.run_train`` over the batch, its loss divided by HF's count for the window."""
     self.pipe.train()
+    _check_inputs(self, inputs, self.pipe.pipeline_config.input_names[0])
     batch = _batch(self, inputs)
     # accelerate's autocast (bf16=True) wraps the model's forward, which the stages skip
     with (
