@@ -327,6 +327,29 @@ def llava(
     return LlavaForConditionalGeneration(cfg), None
 
 
+def paligemma(attn: str | None = None, layers: int = 4) -> tuple[nn.Module, None]:
+    """PaliGemma: a SigLIP tower and a projector before a Gemma whose vocabulary is its text
+    config's (the top-level config has another, 257,152); a prefix-LM mask from the batch's
+    ``token_type_ids`` (the image and the prompt see each other)."""
+    from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration, SiglipVisionConfig
+
+    text = {**_TINY, "model_type": "gemma", "num_hidden_layers": layers}
+    vision = SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=IMAGE_SIDE,
+        patch_size=PATCH,
+    )
+    cfg = PaliGemmaConfig(
+        vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN, projection_dim=64
+    )
+    cfg.text_config.num_image_tokens = PATCHES
+    _set_attn(cfg, attn)
+    return PaliGemmaForConditionalGeneration(cfg), None
+
+
 def image_batch(seed: int, batch: int = 8, seq: int = 16, pad: bool = True) -> dict:
     """:func:`make_batch` with an image per row: ``pixel_values`` and, after the first token,
     one image token per patch (their labels -100)."""
@@ -340,13 +363,25 @@ def image_batch(seed: int, batch: int = 8, seq: int = 16, pad: bool = True) -> d
     return out
 
 
-INPUT_NAMES = {"llava": ("input_ids", "pixel_values", "attention_mask")}
+INPUT_NAMES = {
+    "llava": ("input_ids", "pixel_values", "attention_mask"),
+    "paligemma": ("input_ids", "pixel_values", "attention_mask", "token_type_ids"),
+}
 """The batch inputs of families whose batch holds more than token ids and a mask."""
 
 
 def family_batch(family: str, seed: int, **kw) -> dict:
-    """The batch a family trains on (:func:`image_batch` for the vision-language ones)."""
-    return image_batch(seed, **kw) if family in INPUT_NAMES else make_batch(seed, **kw)
+    """The batch a family trains on (:func:`image_batch` for the vision-language ones; with
+    ``token_type_ids`` where the family takes them: 0 on the image and a 3-token prompt, 1 on the
+    rest)."""
+    if family not in INPUT_NAMES:
+        return make_batch(seed, **kw)
+    out = image_batch(seed, **kw)
+    if "token_type_ids" in INPUT_NAMES[family]:
+        types = torch.ones_like(out["input_ids"])
+        types[:, : 1 + PATCHES + 3] = 0
+        out["token_type_ids"] = types
+    return out
 
 
 def _tiny_family(name: str):
@@ -367,6 +402,7 @@ MODELS = {
     **{name: _tiny_family(name) for name in TINY_FAMILIES},
     "falcon_alibi": falcon_alibi,
     "llava": llava,
+    "paligemma": paligemma,
 }
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from models import INPUT_NAMES, MODELS, family_batch, pipeline, reference_step
+from transformers.models.gemma.modeling_gemma import GemmaDecoderLayer
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import pippy_xla as px
@@ -27,7 +28,10 @@ TABLE_END = "<!-- end of families table -->"
 GRAD_TOL = {"rtol": 1e-4, "atol": 1e-6}
 LOSS_TOL = {"rtol": 1e-5, "atol": 1e-6}
 
-STACKS = {"llava": ((LlamaDecoderLayer,), "model.language_model.layers.")}
+STACKS = {
+    "llava": ((LlamaDecoderLayer,), "model.language_model.layers."),
+    "paligemma": ((GemmaDecoderLayer,), "model.language_model.layers."),
+}
 """The layer classes and names of the families built without ``layer_cls``: the text model's."""
 
 # What each family brings that another does not (the README's table says it).
@@ -55,6 +59,8 @@ NOTES = {
     "olmo_hybrid": "two decoder-layer classes in one ModuleList",
     "gemma4_text": "per-layer input embeddings, len() of traced shapes",
     "llava": "vision tower and projector on the first stage, pixel_values in the batch",
+    "paligemma": "vocabulary of the text config (not the top-level one), prefix-LM mask from "
+    "token_type_ids",
 }
 
 # Tensors sent per boundary on 2 ranks where it is not the hidden state alone: MoE router losses
@@ -75,6 +81,7 @@ FOUR_RANKS = [
     ("gemma4_text", "1f1b", 4),
     ("olmo_hybrid", "gpipe", 4),
     ("llava", "1f1b", 4),
+    ("paligemma", "zbh1", 4),
 ]
 
 # Hybrids on every schedule that splits the backward (2 ranks; padded rows in every batch).

@@ -408,12 +408,12 @@ def checkpoint_key_renamer(model: nn.Module) -> Callable[[str], str] | None:
 
 
 def text_vocab_size(config: Any) -> int | None:
-    """The text vocabulary's size: ``config.vocab_size``, else its text config's (a
-    vision-language model's config, ``LlavaConfig``, holds it in ``text_config``)."""
-    size = getattr(config, "vocab_size", None)
-    if size is None and hasattr(config, "get_text_config"):
-        size = getattr(config.get_text_config(), "vocab_size", None)
-    return size
+    """The text vocabulary's size, the language model's logits' last dim: its text config's
+    ``vocab_size`` (a vision-language model's config holds it in ``text_config``; PaliGemma's
+    has another, 257,152, at its top, which its own loss does not use), else ``config``'s."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    size = getattr(text, "vocab_size", None)
+    return getattr(config, "vocab_size", None) if size is None else size
 
 
 """[Note: encoders of other modalities]
