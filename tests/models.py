@@ -350,6 +350,33 @@ def paligemma(attn: str | None = None, layers: int = 4) -> tuple[nn.Module, None
     return PaliGemmaForConditionalGeneration(cfg), None
 
 
+def gemma3(attn: str | None = None, layers: int = 4) -> tuple[nn.Module, None]:
+    """Gemma 3 with images: a SigLIP tower and a pooling projector before a Gemma 3 text model
+    with sliding and full attention layers, whose masks come from one factory as a dict by layer
+    type, with the image's tokens attending to each other (``token_type_ids`` 1 on them)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    text = {**_TINY, "model_type": "gemma3_text", "num_hidden_layers": layers, **_WINDOW}
+    vision = SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=IMAGE_SIDE,
+        patch_size=PATCH,
+    )
+    cfg = Gemma3Config(
+        vision_config=vision.to_dict(),
+        text_config={**text, "sliding_window_pattern": 2},
+        image_token_index=IMAGE_TOKEN,
+        mm_tokens_per_image=PATCHES,
+        boi_token_index=IMAGE_TOKEN - 1,
+        eoi_token_index=IMAGE_TOKEN - 2,
+    )
+    _set_attn(cfg, attn)
+    return Gemma3ForConditionalGeneration(cfg), None
+
+
 def image_batch(seed: int, batch: int = 8, seq: int = 16, pad: bool = True) -> dict:
     """:func:`make_batch` with an image per row: ``pixel_values`` and, after the first token,
     one image token per patch (their labels -100)."""
@@ -366,21 +393,24 @@ def image_batch(seed: int, batch: int = 8, seq: int = 16, pad: bool = True) -> d
 INPUT_NAMES = {
     "llava": ("input_ids", "pixel_values", "attention_mask"),
     "paligemma": ("input_ids", "pixel_values", "attention_mask", "token_type_ids"),
+    "gemma3": ("input_ids", "pixel_values", "attention_mask", "token_type_ids"),
 }
 """The batch inputs of families whose batch holds more than token ids and a mask."""
 
 
 def family_batch(family: str, seed: int, **kw) -> dict:
     """The batch a family trains on (:func:`image_batch` for the vision-language ones; with
-    ``token_type_ids`` where the family takes them: 0 on the image and a 3-token prompt, 1 on the
-    rest)."""
+    ``token_type_ids`` where the family takes them: PaliGemma's 0 on the image and a 3-token
+    prompt and 1 on the rest, Gemma 3's 1 on the image's tokens)."""
     if family not in INPUT_NAMES:
         return make_batch(seed, **kw)
     out = image_batch(seed, **kw)
-    if "token_type_ids" in INPUT_NAMES[family]:
+    if family == "paligemma":
         types = torch.ones_like(out["input_ids"])
         types[:, : 1 + PATCHES + 3] = 0
         out["token_type_ids"] = types
+    elif family == "gemma3":
+        out["token_type_ids"] = (out["input_ids"] == IMAGE_TOKEN).long()
     return out
 
 
@@ -403,6 +433,7 @@ MODELS = {
     "falcon_alibi": falcon_alibi,
     "llava": llava,
     "paligemma": paligemma,
+    "gemma3": gemma3,
 }
 
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 from models import INPUT_NAMES, MODELS, family_batch, pipeline, reference_step
 from transformers.models.gemma.modeling_gemma import GemmaDecoderLayer
+from transformers.models.gemma3.modeling_gemma3 import Gemma3DecoderLayer
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import pippy_xla as px
@@ -31,6 +32,7 @@ LOSS_TOL = {"rtol": 1e-5, "atol": 1e-6}
 STACKS = {
     "llava": ((LlamaDecoderLayer,), "model.language_model.layers."),
     "paligemma": ((GemmaDecoderLayer,), "model.language_model.layers."),
+    "gemma3": ((Gemma3DecoderLayer,), "model.language_model.layers."),
 }
 """The layer classes and names of the families built without ``layer_cls``: the text model's."""
 
@@ -61,6 +63,8 @@ NOTES = {
     "llava": "vision tower and projector on the first stage, pixel_values in the batch",
     "paligemma": "vocabulary of the text config (not the top-level one), prefix-LM mask from "
     "token_type_ids",
+    "gemma3": "masks of two layer types from one factory (a dict), image tokens attending to "
+    "each other (token_type_ids), a pooling projector",
 }
 
 # Tensors sent per boundary on 2 ranks where it is not the hidden state alone: MoE router losses
@@ -82,6 +86,7 @@ FOUR_RANKS = [
     ("olmo_hybrid", "gpipe", 4),
     ("llava", "1f1b", 4),
     ("paligemma", "zbh1", 4),
+    ("gemma3", "interleaved", 8, 4),
 ]
 
 # Hybrids on every schedule that splits the backward (2 ranks; padded rows in every batch).

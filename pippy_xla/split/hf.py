@@ -216,6 +216,10 @@ def _make_shim(name: str, fn: Callable[..., Any], leaves: nn.ModuleDict) -> Call
 
     def shim(*args: Any, **kwargs: Any) -> Any:
         arguments = _flat_arguments(sig, args, kwargs)
+        if not any(isinstance(v, torch.fx.Proxy) for v in arguments.values()):
+            # A call on real values: a factory's own call of another (Gemma 3's
+            # create_masks_for_vision_model calls create_causal_mask) while the tracer samples it.
+            return fn(*args, **kwargs)
         config = arguments.pop("config", None)
         leaf = _leaf_for(leaves, name, fn, config)
         call: dict[str, Any] = {}
@@ -228,7 +232,12 @@ def _make_shim(name: str, fn: Callable[..., Any], leaves: nn.ModuleDict) -> Call
                     "None and plain constants can reach the graph (use_cache must be False and "
                     "custom mask functions are not supported)"
                 )
-        return leaf(**call)
+        out = leaf(**call)
+        # A factory of several masks returns a dict (one per layer type, Gemma 3's
+        # create_masks_for_vision_model): the model's code tests isinstance(mask, dict), so it
+        # gets a dict of the leaf's entries.
+        keys = getattr(getattr(out, "tracer", None), "sample_keys", lambda _: None)(out)
+        return out if keys is None else {k: out[k] for k in keys}
 
     shim.__wrapped__ = fn  # type: ignore[attr-defined]
     return shim

@@ -330,6 +330,18 @@ class _Tracer(fx.Tracer):
                 return False
         return True
 
+    def sample_keys(self, obj: fx.Proxy) -> tuple[Any, ...] | None:
+        """The keys of ``obj``'s sample value if it is a dict with the same keys for every
+        sample batch (a mask factory's masks by layer type); else ``None``."""
+        keys = set()
+        for shape in _SAMPLE_SHAPES:
+            try:
+                value = self._sample_for(obj.node, shape)
+            except _NoSample:
+                return None
+            keys.add(tuple(value) if isinstance(value, dict) else None)
+        return keys.pop() if len(keys) == 1 else None
+
     def sample_length(self, obj: fx.Proxy) -> int | None:
         """The length of ``obj``'s sample value if it is a sequence (a shape)."""
         lengths = set()
@@ -635,7 +647,9 @@ stages would compute something else than the model, silently. So the mutation is
 flow: every later node reading the mutated value reads the in-place op's result instead (an
 in-place tensor method returns its tensor), which places the op on a stage before its readers
 like any other node. A mutation through a view (``h.view(-1)[:3].zero_()``) would change values
-that the graph reads through another node, the view's base: such a model is refused.
+that the graph reads through another node, the view's base: such a model is refused. An op is
+in place when its name ends in ``_`` (``mul_``), except Python's ``operator`` functions, whose
+in-place ones are ``iand``, ``iadd``, ... and whose ``and_``, ``or_`` and ``not_`` are out of place.
 """
 
 _VIEW_METHODS = frozenset(
@@ -654,10 +668,26 @@ def _mutated(n: fx.Node) -> fx.Node | None:
         name = getattr(n.target, "__name__", "")
         if n.kwargs.get("inplace") is True and n.args and isinstance(n.args[0], fx.Node):
             return n.args[0]
+        if getattr(n.target, "__module__", None) in ("_operator", "operator"):
+            # Python's operators: `a &= b` is `iand`; `and_`, `or_`, `not_` are `a & b`, `a | b`,
+            # `not a`, out of place despite their names (taking `a & b` for a change of `a`
+            # silently gave Gemma 3's image blocks one token each).
+            in_place = name in _OPERATOR_IN_PLACE
+            return n.args[0] if in_place and n.args and isinstance(n.args[0], fx.Node) else None
     else:
         return None
     in_place = name.endswith("_") and not name.startswith("_") and name != "requires_grad_"
     return n.args[0] if in_place and n.args and isinstance(n.args[0], fx.Node) else None
+
+
+_OPERATOR_IN_PLACE = frozenset(
+    f"i{op}"
+    for op in (
+        *("add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow"),
+        *("and", "or", "xor", "lshift", "rshift", "concat"),
+    )
+)
+"""The ``operator`` module's in-place functions (``a += b`` traces to ``operator.iadd``)."""
 
 
 def _op_name(n: fx.Node) -> str:
