@@ -73,6 +73,21 @@ def _eval_rows():
     return torch.utils.data.Subset(_Rows(2, seed=200), range(12))
 
 
+def _accuracy(prediction) -> dict:
+    """Next-token accuracy over the labelled tokens (``compute_metrics``)."""
+    predicted, labels = prediction.predictions[:, :-1], prediction.label_ids[:, 1:]
+    mask = labels != -100
+    return {"accuracy": float((predicted[mask] == labels[mask]).mean()), "rows": len(labels)}
+
+
+def _argmax(logits, labels):
+    return logits.argmax(-1)
+
+
+def _metrics_options() -> dict:
+    return dict(compute_metrics=_accuracy, preprocess_logits_for_metrics=_argmax)
+
+
 def _pipeline_run(rank, world, directory):
     torch.manual_seed(0)
     model, layer_cls = llama()
@@ -83,6 +98,7 @@ def _pipeline_run(rank, world, directory):
         eval_dataset=_eval_rows(),
         layer_cls=layer_cls,
         pipeline=px.PipelineConfig(num_microbatches=2),
+        **_metrics_options(),
     )
     trainer.train()
     metrics = trainer.evaluate()
@@ -103,11 +119,13 @@ def _pipeline_run(rank, world, directory):
                 **extra,
             )
         refused[name] = str(e.value)
-    return _logs(trainer), metrics["eval_loss"], refused
+    return _logs(trainer), metrics, refused
 
 
 @pytest.mark.compat
 def test_pipeline_trainer_logs_evaluates_and_saves_as_the_trainer_in_one_process(tmp_path):
+    """The logs, the eval loss and ``compute_metrics`` (next-token accuracy from
+    ``preprocess_logits_for_metrics``'s argmax; batches of 8 and 4 rows), the saved weights."""
     from transformers import AutoModelForCausalLM, Trainer
 
     torch.manual_seed(0)
@@ -117,18 +135,22 @@ def test_pipeline_trainer_logs_evaluates_and_saves_as_the_trainer_in_one_process
         args=_args(str(tmp_path / "reference")),
         train_dataset=_Rows(4, seed=100),
         eval_dataset=_eval_rows(),
+        **_metrics_options(),
     )
     reference.train()
-    want_eval = reference.evaluate()["eval_loss"]
+    want_metrics = reference.evaluate()
+    want_eval = want_metrics["eval_loss"]
     want = _logs(reference)
     out = run_ranks(2, _pipeline_run, str(tmp_path), timeout=300)
     assert len(want) == 4
-    for logs, eval_loss, refused in out:
+    for logs, metrics, refused in out:
         assert len(logs) == len(want)
         for step, (got, ref) in enumerate(zip(logs, want, strict=True)):
             for key in LOGGED:
                 assert got[key] == pytest.approx(ref[key], rel=2e-6, abs=1e-7), (step, key)
-        assert eval_loss == pytest.approx(want_eval, rel=2e-6)
+        assert metrics["eval_loss"] == pytest.approx(want_eval, rel=2e-6)
+        assert metrics["eval_rows"] == want_metrics["eval_rows"] == 12
+        assert metrics["eval_accuracy"] == want_metrics["eval_accuracy"] > 0
         assert "not divisible by num_microbatches=2" in refused["batch"]
         assert "compile=True in the PipelineConfig" in refused["compile"]
         assert "save_only_model" in refused["saves"] and "compute_loss_func" in refused["loss"]

@@ -58,7 +58,8 @@ HF's; ``PipelineTrainer`` is ``pipelined(Trainer)``.
 - What the pipeline cannot honour is refused at construction, in one line: DeepSpeed, FSDP,
   ``torch_compile`` (``compile=True`` there), a batch size not divisible by the microbatches,
   fp16, ``compute_loss_func``, ``model_init``, ``save_only_model``; and, not built yet,
-  ``compute_metrics``.
+  ``compute_metrics`` on a mesh. Without a mesh, ``compute_metrics`` gets the last stage's logits
+  (after ``preprocess_logits_for_metrics``, run there), sent to every rank, and the labels.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ class _Stages(nn.Module):
             p.grad = None
 
 
-def _check_args(trainer, config) -> None:
+def _check_args(trainer, config, config_mesh) -> None:
     """One line for each option the pipeline cannot honour (see the note above)."""
     args, problems = trainer.args, []
     if getattr(args, "deepspeed", None):
@@ -109,8 +110,8 @@ def _check_args(trainer, config) -> None:
         problems.append("fp16=True (use bf16=True)")
     if getattr(args, "save_only_model", False):
         problems.append("save_only_model=True (a checkpoint keeps the optimizer's state)")
-    if trainer.compute_metrics is not None:
-        problems.append("compute_metrics= (evaluation gives the loss only, for now)")
+    if trainer.compute_metrics is not None and config_mesh is not None:
+        problems.append("compute_metrics= with mesh= (not yet: without a mesh it runs)")
     for name in ("compute_loss_func", "model_init"):
         if getattr(trainer, name, None) is not None:
             problems.append(f"{name}= (the pipeline computes the model's own loss, or loss_fn=)")
@@ -179,7 +180,12 @@ def _init(self, *args, layer_cls=None, pipeline=None, mesh=None, **kwargs) -> No
     config = PipelineConfig.from_options(pipeline, {})
     self.pipe = None  # built below, from the model the wrapped class's constructor ends with
     self._pipelined.__init__(self, *args, **kwargs)  # the wrapped class's own
-    _check_args(self, config)
+    _check_args(self, config, mesh)
+    # Run on the last stage, before the logits leave it (HF's loop would run it on every rank).
+    self._preprocess_on_last, self.preprocess_logits_for_metrics = (
+        self.preprocess_logits_for_metrics,
+        None,
+    )
     if self.args.gradient_checkpointing:  # TRL's SFTConfig turns it on by default
         config = _checkpoint_every_layer(self.model, layer_cls, config)
         self.args.gradient_checkpointing = False  # the pipeline's, not HF's on the whole model
@@ -355,26 +361,46 @@ def _training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor
 
 def _prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
     """``pipe.run_eval``'s loss, divided by the count HF divides it by (HF's quirks included:
-    for a model without a ``loss_type``, GPT-2's, it counts every label, the first too)."""
-    # Every rank holds the whole batch's result: the loop's gather is over the replicas without
-    # communication (HF resets gather_function after each loop, so it is set at every step).
-    state = self.accelerator.gradient_state
-    self.gather_function = functools.partial(_replicas_gather, state, self.pipe.dp_size)
+    for a model without a ``loss_type``, GPT-2's, it counts every label, the first too); for
+    ``compute_metrics``, the batch's logits (after ``preprocess_logits_for_metrics``, run on the
+    last stage) and labels, on every rank."""
+    # Every rank holds the whole global batch's results: the loop's gather is one process's
+    # (HF resets gather_function after each loop, so it is set at every step), and the loss is
+    # one copy per replica, which HF repeats per_device_eval_batch_size times: a row each.
+    self.gather_function = functools.partial(_one_process_gather, self.accelerator.gradient_state)
     count = self._get_num_items_in_batch([inputs], self.args.device) if "labels" in inputs else None
     batch = _batch(self, inputs)
     with _divided_by(self, count, 1), self.accelerator.autocast():
         out = self.pipe.run_eval(**batch)
     loss = None if out.loss is None else out.loss.detach().to(self.args.device)
-    return loss, None, None
+    loss = None if loss is None else loss.expand(self.pipe.dp_size)
+    if prediction_loss_only:
+        return loss, None, None
+    rows = inputs[self.pipe.pipeline_config.input_names[0]].shape[0]
+    labels = inputs.get("labels")
+    return loss, _logits_everywhere(self, out.logits, batch.get("labels"), rows), labels
 
 
-def _replicas_gather(gradient_state, replicas: int, data, *args: Any, **kwargs: Any):
-    """accelerate's ``gather_for_metrics`` over the data-parallel replicas, each of which holds
-    ``data`` (the loss of the whole batch, repeated ``per_device_eval_batch_size`` times by HF):
-    ``replicas`` copies, the last batch's cut to the dataset's remainder."""
+def _logits_everywhere(self, logits, labels, rows: int):
+    """The last stage's logits of the batch's ``rows`` (the rows ``_batch`` added dropped),
+    through ``preprocess_logits_for_metrics`` there, sent to every rank of the pipeline."""
+    import torch.distributed as dist
+
+    pipe = self.pipe
+    if pipe.is_last:
+        if self._preprocess_on_last is not None:
+            logits = self._preprocess_on_last(logits, labels)
+        logits = logits[:rows].detach()
+    sent = [logits if pipe.is_last else None]
+    dist.broadcast_object_list(sent, group_src=pipe.last_rank, group=pipe.group)
+    return sent[0].to(self.args.device)
+
+
+def _one_process_gather(gradient_state, data, *args: Any, **kwargs: Any):
+    """accelerate's ``gather_for_metrics`` in one process: ``data`` as it is, the last batch's
+    cut to the dataset's remainder."""
     from accelerate.utils import recursively_apply
 
-    data = recursively_apply(lambda t: torch.cat([t] * replicas), data)
     if gradient_state.end_of_dataloader and gradient_state.remainder > 0:
         return recursively_apply(lambda t: t[: gradient_state.remainder], data)
     return data
