@@ -327,14 +327,11 @@ def llava(
     return LlavaForConditionalGeneration(cfg), None
 
 
-def paligemma(attn: str | None = None, layers: int = 4) -> tuple[nn.Module, None]:
-    """PaliGemma: a SigLIP tower and a projector before a Gemma whose vocabulary is its text
-    config's (the top-level config has another, 257,152); a prefix-LM mask from the batch's
-    ``token_type_ids`` (the image and the prompt see each other)."""
-    from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration, SiglipVisionConfig
+def _siglip():
+    """A tiny SigLIP vision tower's config: the images of :func:`image_batch`."""
+    from transformers import SiglipVisionConfig
 
-    text = {**_TINY, "model_type": "gemma", "num_hidden_layers": layers}
-    vision = SiglipVisionConfig(
+    return SiglipVisionConfig(
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
@@ -342,8 +339,17 @@ def paligemma(attn: str | None = None, layers: int = 4) -> tuple[nn.Module, None
         image_size=IMAGE_SIDE,
         patch_size=PATCH,
     )
+
+
+def paligemma(attn: str | None = None, layers: int = 4) -> tuple[nn.Module, None]:
+    """PaliGemma: a SigLIP tower and a projector before a Gemma whose vocabulary is its text
+    config's (the top-level config has another, 257,152); a prefix-LM mask from the batch's
+    ``token_type_ids`` (the image and the prompt see each other)."""
+    from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration
+
+    text = {**_TINY, "model_type": "gemma", "num_hidden_layers": layers}
     cfg = PaliGemmaConfig(
-        vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN, projection_dim=64
+        vision_config=_siglip(), text_config=text, image_token_index=IMAGE_TOKEN, projection_dim=64
     )
     cfg.text_config.num_image_tokens = PATCHES
     _set_attn(cfg, attn)
@@ -354,19 +360,11 @@ def gemma3(attn: str | None = None, layers: int = 4) -> tuple[nn.Module, None]:
     """Gemma 3 with images: a SigLIP tower and a pooling projector before a Gemma 3 text model
     with sliding and full attention layers, whose masks come from one factory as a dict by layer
     type, with the image's tokens attending to each other (``token_type_ids`` 1 on them)."""
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
     text = {**_TINY, "model_type": "gemma3_text", "num_hidden_layers": layers, **_WINDOW}
-    vision = SiglipVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=IMAGE_SIDE,
-        patch_size=PATCH,
-    )
     cfg = Gemma3Config(
-        vision_config=vision.to_dict(),
+        vision_config=_siglip().to_dict(),
         text_config={**text, "sliding_window_pattern": 2},
         image_token_index=IMAGE_TOKEN,
         mm_tokens_per_image=PATCHES,

@@ -88,6 +88,24 @@ def _metrics_options() -> dict:
     return dict(compute_metrics=_accuracy, preprocess_logits_for_metrics=_argmax)
 
 
+def _reference(out: str, **options):
+    """``transformers.Trainer`` in this process on the tiny Llama and the tests' data and
+    arguments, trained."""
+    from transformers import Trainer
+
+    torch.manual_seed(0)
+    model, _ = llama()
+    reference = Trainer(
+        model=model,
+        args=_args(out),
+        train_dataset=_Rows(4, seed=100),
+        eval_dataset=_eval_rows(),
+        **options,
+    )
+    reference.train()
+    return reference
+
+
 def _pipeline_run(rank, world, directory):
     torch.manual_seed(0)
     model, layer_cls = llama()
@@ -126,18 +144,9 @@ def _pipeline_run(rank, world, directory):
 def test_pipeline_trainer_logs_evaluates_and_saves_as_the_trainer_in_one_process(tmp_path):
     """The logs, the eval loss and ``compute_metrics`` (next-token accuracy from
     ``preprocess_logits_for_metrics``'s argmax; batches of 8 and 4 rows), the saved weights."""
-    from transformers import AutoModelForCausalLM, Trainer
+    from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(0)
-    model, _ = llama()
-    reference = Trainer(
-        model=model,
-        args=_args(str(tmp_path / "reference")),
-        train_dataset=_Rows(4, seed=100),
-        eval_dataset=_eval_rows(),
-        **_metrics_options(),
-    )
-    reference.train()
+    reference = _reference(str(tmp_path / "reference"), **_metrics_options())
     want_metrics = reference.evaluate()
     want_eval = want_metrics["eval_loss"]
     want = _logs(reference)
@@ -190,17 +199,9 @@ def test_pipeline_trainer_on_a_data_x_pipeline_mesh_trains_as_one_process_with_t
     """dp=2 x pp=2: each replica takes the share of the global batch that HF's sharded loader
     gives a DDP rank; the logs, the eval loss (batches of 8 and 4 rows) and the saved weights
     equal the Trainer's in one process with the global batch (2 rows per replica: 4)."""
-    from transformers import AutoModelForCausalLM, Trainer
+    from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(0)
-    model, _ = llama()
-    reference = Trainer(
-        model=model,
-        args=_args(str(tmp_path / "reference")),
-        train_dataset=_Rows(4, seed=100),
-        eval_dataset=_eval_rows(),
-    )
-    reference.train()
+    reference = _reference(str(tmp_path / "reference"))
     want_eval = reference.evaluate()["eval_loss"]
     want = _logs(reference)
     for logs, eval_loss, per_device in run_ranks(4, _mesh_run, str(tmp_path), timeout=300):
@@ -436,20 +437,25 @@ def _sft_config():
     return LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
 
 
-def _sft_run(rank, world, directory):
+def _pipelined_sft(args, dataset, **options):
+    """TRL's ``SFTTrainer`` through ``px.pipelined`` on the tiny Llama (2 microbatches)."""
     from trl import SFTTrainer
 
     torch.manual_seed(0)
     model, layer_cls = llama()
-    trainer = px.pipelined(SFTTrainer)(
+    return px.pipelined(SFTTrainer)(
         model=model,
-        args=_sft_args(f"{directory}/sft"),
-        train_dataset=_sft_data(),
+        args=args,
+        train_dataset=dataset,
         processing_class=_tokenizer(),
-        peft_config=_sft_config(),
         layer_cls=layer_cls,
         pipeline=px.PipelineConfig(num_microbatches=2),
+        **options,
     )
+
+
+def _sft_run(rank, world, directory):
+    trainer = _pipelined_sft(_sft_args(f"{directory}/sft"), _sft_data(), peft_config=_sft_config())
     trainer.train()
     return _logs(trainer)
 
@@ -502,18 +508,7 @@ def _packed_args(out: str):
 
 
 def _packed_run(rank, world, directory):
-    from trl import SFTTrainer
-
-    torch.manual_seed(0)
-    model, layer_cls = llama()
-    trainer = px.pipelined(SFTTrainer)(
-        model=model,
-        args=_packed_args(f"{directory}/packed"),
-        train_dataset=_documents(),
-        processing_class=_tokenizer(),
-        layer_cls=layer_cls,
-        pipeline=px.PipelineConfig(num_microbatches=2),
-    )
+    trainer = _pipelined_sft(_packed_args(f"{directory}/packed"), _documents())
     batch = next(iter(trainer.get_train_dataloader()))
     trainer.train()
     return _logs(trainer), batch, trainer.pipe.pipeline_config.input_names

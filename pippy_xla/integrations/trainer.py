@@ -30,13 +30,13 @@ HF's; ``PipelineTrainer`` is ``pipelined(Trainer)``.
   of which ``run_train`` gives each replica its share: replica ``r`` trains on the rows that HF's
   sharded loader gives DDP rank ``r`` (the same seeded order, cut the same way), and the loss,
   the token count and the gradients are the global batch's.
-- ``evaluate`` runs ``pipe.run_eval`` per batch (the loss of the whole batch on every rank); the
-  loop's gather is over the replicas, without communication (every rank already holds every
-  batch's result; accelerate's gather across all the processes counted each batch once per rank
-  but the last, which it cuts to the dataset's remainder: a wrong mean when the last batch is
-  short);
-  ``save_model`` writes ``pipe.save_pretrained`` (HF's format, PEFT's for a PEFT model) from every
-  rank together.
+- ``evaluate`` runs ``pipe.run_eval`` per batch (the loss of the whole global batch on every
+  rank, divided by HF's count); the loop gathers as one process does, without communication
+  (every rank already holds every batch's result; accelerate's gather across all the processes
+  counted each batch once per rank but the last, which it cuts to the dataset's remainder: a
+  wrong mean when the last batch is short), the loss one copy per replica (HF repeats it
+  ``per_device_eval_batch_size`` times: a row each). ``save_model`` writes
+  ``pipe.save_pretrained`` (HF's format, PEFT's for a PEFT model) from every rank together.
 - Checkpoints (``save_strategy``): HF's checkpoint directory, with the model and optimizer state
   in a pipeline checkpoint of its own (``pipeline/``: ``pipe.save``, every rank's part) instead
   of ``optimizer.pt``; HF's scheduler, RNG (per rank) and trainer-state files as HF writes them.
