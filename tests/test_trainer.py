@@ -186,30 +186,34 @@ def _mesh_run(rank, world, directory):
         layer_cls=layer_cls,
         pipeline=px.PipelineConfig(num_microbatches=2),
         mesh=mesh,
+        **_metrics_options(),
     )
     trainer.train()
     metrics = trainer.evaluate()
     trainer.save_model(f"{directory}/mesh-model")
-    return _logs(trainer), metrics["eval_loss"], trainer.state.train_batch_size
+    return _logs(trainer), metrics, trainer.state.train_batch_size
 
 
 def test_pipeline_trainer_on_a_data_x_pipeline_mesh_trains_as_one_process_with_the_global_batch(
     tmp_path,
 ):
     """dp=2 x pp=2: each replica takes the share of the global batch that HF's sharded loader
-    gives a DDP rank; the logs, the eval loss (batches of 8 and 4 rows) and the saved weights
-    equal the Trainer's in one process with the global batch (2 rows per replica: 4)."""
+    gives a DDP rank; the logs, the eval loss and ``compute_metrics`` (batches of 8 and 4 rows,
+    each replica's logits gathered) and the saved weights equal the Trainer's in one process with
+    the global batch (2 rows per replica: 4)."""
     from transformers import AutoModelForCausalLM
 
-    reference = _reference(str(tmp_path / "reference"))
-    want_eval = reference.evaluate()["eval_loss"]
+    reference = _reference(str(tmp_path / "reference"), **_metrics_options())
+    want_metrics = reference.evaluate()
     want = _logs(reference)
-    for logs, eval_loss, per_device in run_ranks(4, _mesh_run, str(tmp_path), timeout=300):
+    for logs, metrics, per_device in run_ranks(4, _mesh_run, str(tmp_path), timeout=300):
         assert per_device == 2 and len(logs) == len(want) == 4
         for step, (got, ref) in enumerate(zip(logs, want, strict=True)):
             for key in LOGGED:
                 assert got[key] == pytest.approx(ref[key], rel=2e-6, abs=1e-7), (step, key)
-        assert eval_loss == pytest.approx(want_eval, rel=2e-6)
+        assert metrics["eval_loss"] == pytest.approx(want_metrics["eval_loss"], rel=2e-6)
+        assert metrics["eval_rows"] == want_metrics["eval_rows"] == 12
+        assert metrics["eval_accuracy"] == want_metrics["eval_accuracy"] > 0
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "mesh-model")
     trained = dict(reference.model.named_parameters())
     for name, p in saved.named_parameters():

@@ -57,9 +57,11 @@ HF's; ``PipelineTrainer`` is ``pipelined(Trainer)``.
   in the loss or the gradients (an MoE router's loss would see the extra rows).
 - What the pipeline cannot honour is refused at construction, in one line: DeepSpeed, FSDP,
   ``torch_compile`` (``compile=True`` there), a batch size not divisible by the microbatches,
-  fp16, ``compute_loss_func``, ``model_init``, ``save_only_model``; and, not built yet,
-  ``compute_metrics`` on a mesh. Without a mesh, ``compute_metrics`` gets the last stage's logits
-  (after ``preprocess_logits_for_metrics``, run there), sent to every rank, and the labels.
+  fp16, ``compute_loss_func``, ``model_init``, ``save_only_model``.
+- ``compute_metrics`` gets the batch's logits and labels on every rank: each replica's last
+  stage runs ``preprocess_logits_for_metrics`` on its share (HF's loop would run it on every
+  rank, after the logits left the last stage), which goes to the replica's ranks, then to every
+  replica.
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ class _Stages(nn.Module):
             p.grad = None
 
 
-def _check_args(trainer, config, config_mesh) -> None:
+def _check_args(trainer, config) -> None:
     """One line for each option the pipeline cannot honour (see the note above)."""
     args, problems = trainer.args, []
     if getattr(args, "deepspeed", None):
@@ -110,8 +112,6 @@ def _check_args(trainer, config, config_mesh) -> None:
         problems.append("fp16=True (use bf16=True)")
     if getattr(args, "save_only_model", False):
         problems.append("save_only_model=True (a checkpoint keeps the optimizer's state)")
-    if trainer.compute_metrics is not None and config_mesh is not None:
-        problems.append("compute_metrics= with mesh= (not yet: without a mesh it runs)")
     for name in ("compute_loss_func", "model_init"):
         if getattr(trainer, name, None) is not None:
             problems.append(f"{name}= (the pipeline computes the model's own loss, or loss_fn=)")
@@ -180,7 +180,7 @@ def _init(self, *args, layer_cls=None, pipeline=None, mesh=None, **kwargs) -> No
     config = PipelineConfig.from_options(pipeline, {})
     self.pipe = None  # built below, from the model the wrapped class's constructor ends with
     self._pipelined.__init__(self, *args, **kwargs)  # the wrapped class's own
-    _check_args(self, config, mesh)
+    _check_args(self, config)
     # Run on the last stage, before the logits leave it (HF's loop would run it on every rank).
     self._preprocess_on_last, self.preprocess_logits_for_metrics = (
         self.preprocess_logits_for_metrics,
@@ -382,18 +382,24 @@ def _prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None
 
 
 def _logits_everywhere(self, logits, labels, rows: int):
-    """The last stage's logits of the batch's ``rows`` (the rows ``_batch`` added dropped),
-    through ``preprocess_logits_for_metrics`` there, sent to every rank of the pipeline."""
+    """The batch's logits on every rank: each replica's last stage holds those of its share of
+    the rows, which go through ``preprocess_logits_for_metrics`` there, to the replica's ranks,
+    then from every replica to every other; the rows ``_batch`` added are dropped."""
     import torch.distributed as dist
 
     pipe = self.pipe
     if pipe.is_last:
         if self._preprocess_on_last is not None:
-            logits = self._preprocess_on_last(logits, labels)
-        logits = logits[:rows].detach()
+            share = labels.chunk(pipe.dp_size)[pipe.dp_rank] if labels is not None else None
+            logits = self._preprocess_on_last(logits, share)
+        logits = logits.detach().cpu()
     sent = [logits if pipe.is_last else None]
     dist.broadcast_object_list(sent, group_src=pipe.last_rank, group=pipe.group)
-    return sent[0].to(self.args.device)
+    shares = sent
+    if pipe.dp_size > 1:
+        shares = [None] * pipe.dp_size
+        dist.all_gather_object(shares, sent[0], group=pipe._place.mesh.dp_group)
+    return torch.cat(shares)[:rows].to(self.args.device)
 
 
 def _one_process_gather(gradient_state, data, *args: Any, **kwargs: Any):
