@@ -35,6 +35,7 @@ ATEN_CPU_CAPABILITY=$isa python -m pytest -q "${workers[@]}" -m compiled tests "
 # the Trainer) against each other transformers release scripts/setup.sh put in .compat/ (the
 # oldest pyproject.toml declares, the newest); pytest's header names the release under test.
 for release in .compat/transformers-*; do
+  [ -d "$release" ] || continue # no .compat/ (scripts/setup.sh not run): nothing to compare
   PYTHONPATH="$PWD/$release" python -m pytest -q "${workers[@]}" -m compat tests "$@"
 done
 if ! wait "$cxx"; then
