@@ -458,6 +458,17 @@ def _pipelined_sft(args, dataset, **options):
     )
 
 
+def _sft_reference(args, dataset, **options):
+    """TRL's ``SFTTrainer`` in this process on the tiny Llama: the reference."""
+    from trl import SFTTrainer
+
+    torch.manual_seed(0)
+    model, _ = llama()
+    return SFTTrainer(
+        model=model, args=args, train_dataset=dataset, processing_class=_tokenizer(), **options
+    )
+
+
 def _sft_run(rank, world, directory):
     trainer = _pipelined_sft(_sft_args(f"{directory}/sft"), _sft_data(), peft_config=_sft_config())
     trainer.train()
@@ -469,16 +480,8 @@ def test_trl_sft_trainer_with_lora_on_the_pipeline_logs_as_trl_does(tmp_path):
     """TRL's ``SFTTrainer`` with ``peft_config=`` (LoRA), its defaults (bf16 autocast, gradient
     checkpointing) and dynamically padded batches, through ``px.pipelined``: the same logged
     losses and grad norms as TRL in one process, within bf16's rounding."""
-    from trl import SFTTrainer
-
-    torch.manual_seed(0)
-    model, _ = llama()
-    reference = SFTTrainer(
-        model=model,
-        args=_sft_args(str(tmp_path / "reference")),
-        train_dataset=_sft_data(),
-        processing_class=_tokenizer(),
-        peft_config=_sft_config(),
+    reference = _sft_reference(
+        _sft_args(str(tmp_path / "reference")), _sft_data(), peft_config=_sft_config()
     )
     reference.train()
     want = _logs(reference)
@@ -524,16 +527,7 @@ def test_trl_packed_completion_only_sft_on_the_pipeline_logs_as_trl_does(tmp_pat
     padding-free batch is one row, which the pipeline takes as rows (each packed example a row,
     positions restarting at every document, one causal block per document); the logged losses
     and grad norms equal TRL's in one process, whose batch is the single flattened row."""
-    from trl import SFTTrainer
-
-    torch.manual_seed(0)
-    model, _ = llama()
-    reference = SFTTrainer(
-        model=model,
-        args=_packed_args(str(tmp_path / "reference")),
-        train_dataset=_documents(),
-        processing_class=_tokenizer(),
-    )
+    reference = _sft_reference(_packed_args(str(tmp_path / "reference")), _documents())
     flat = next(iter(reference.get_train_dataloader()))
     reference.train()
     want = _logs(reference)
