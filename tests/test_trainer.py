@@ -595,30 +595,129 @@ def test_sft_example_killed_mid_run_resumes_from_its_checkpoint_bit_for_bit(tmp_
         assert all(torch.equal(ours[k], theirs[k]) for k in ours), name
 
 
-def _grpo(rank, world, directory):
+def _even_tokens(completions, **_):
+    """GRPO's reward: the share of a completion's words that are even token ids (``t12``)."""
+    return [
+        sum(int(w[1:]) % 2 == 0 for w in c.split()) / max(len(c.split()), 1) for c in completions
+    ]
+
+
+def _prompts():
     from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
+
+    g = torch.Generator().manual_seed(0)
+    words = torch.randint(3, 256, (24, 4), generator=g).tolist()
+    return Dataset.from_list([{"prompt": " ".join(f"t{t}" for t in row)} for row in words])
+
+
+def _grpo(trainer_cls, out: str, **options):
+    """TRL's ``GRPOTrainer`` (or its pipelined class) on the tiny Llama in fp32: 4 prompts a
+    step, 2 completions each (sampled at temperature 0.8), accumulation 2, two optimizer
+    iterations per generation (so the old log-probabilities come from ``self.model``)."""
+    from trl import GRPOConfig
 
     torch.manual_seed(0)
-    model, layer_cls = llama()
-    options = _options(directory, max_steps=1, gradient_accumulation_steps=1)
-    trainer = px.pipelined(GRPOTrainer)(
+    model, _ = llama()
+    args = GRPOConfig(
+        **_options(out, max_steps=3, per_device_eval_batch_size=4, bf16=False),
+        num_generations=2,
+        max_completion_length=5,
+        temperature=0.8,
+        num_iterations=2,
+        loss_type="bnpo",
+    )
+    return trainer_cls(
         model=model,
-        reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
-        args=GRPOConfig(**options, num_generations=2, max_completion_length=4),
-        train_dataset=Dataset.from_list([{"prompt": "t5 t6 t7"}] * 16),
+        reward_funcs=_even_tokens,
+        args=args,
+        train_dataset=_prompts(),
+        eval_dataset=_prompts().select(range(4)),
         processing_class=_tokenizer(),
-        layer_cls=layer_cls,
+        **options,
+    )
+
+
+GRPO_LOGGED = ("loss", "grad_norm", "learning_rate", "reward", "reward_std", "entropy")
+
+
+def _grpo_logs(trainer) -> list[dict]:
+    return [{k: h.get(k) for k in GRPO_LOGGED} for h in trainer.state.log_history if "loss" in h]
+
+
+def _grpo_run(rank, world, directory):
+    from trl import GRPOTrainer
+
+    trainer = _grpo(
+        px.pipelined(GRPOTrainer),
+        f"{directory}/grpo",
+        layer_cls=llama()[1],
         pipeline=px.PipelineConfig(num_microbatches=2),
     )
-    with pytest.raises(ValueError, match="not the model's inputs") as e:
-        trainer.train()
-    return str(e.value)
+    trainer.train()
+    metrics = trainer.evaluate()
+    trainer.save_model(f"{directory}/model")
+    return _grpo_logs(trainer), metrics
 
 
-def test_a_trainer_whose_loss_is_not_the_models_is_refused_in_one_line(tmp_path):
-    """TRL's ``GRPOTrainer`` hands its steps prompts to generate from, and computes its loss from
-    the logits outside the model: refused at the first step, in one line on every rank, before
-    anything runs on the pipeline."""
-    for message in run_ranks(2, _grpo, str(tmp_path), timeout=200):
-        assert "GRPOTrainer" in message and "\n" not in message, message
+@pytest.mark.compat
+def test_trl_grpo_generates_on_the_pipeline_and_trains_as_trl_in_one_process(tmp_path):
+    """TRL's ``GRPOTrainer`` through ``px.pipelined``: completions sampled by ``pipe.generate``
+    on the pipeline that trains, rewarded, and its loss (computed outside the model) trained
+    through the pipeline in a second pass (see [Note: a trainer's own loss on the pipeline]):
+    the same rewards (the same sampled tokens), losses, grad norms, eval loss and saved weights
+    as TRL in one process with the same seed."""
+    from safetensors.torch import load_file
+    from trl import GRPOTrainer
+
+    reference = _grpo(GRPOTrainer, str(tmp_path / "reference"))
+    reference.train()
+    want, want_eval = _grpo_logs(reference), reference.evaluate()
+    weights = {k: v.detach() for k, v in reference.model.state_dict().items()}
+    for logs, metrics in run_ranks(2, _grpo_run, str(tmp_path), timeout=300):
+        assert len(logs) == len(want) == 3
+        assert all(ref["grad_norm"] > 0 for ref in want)  # rewards that differ: a gradient
+        assert [got["reward"] for got in logs] == [ref["reward"] for ref in want]
+        for got, ref in zip(logs, want, strict=True):
+            assert got["reward_std"] == ref["reward_std"]
+            for k in ("loss", "grad_norm", "entropy"):
+                assert got[k] == pytest.approx(ref[k], rel=1e-4, abs=1e-7), (k, got, ref)
+            assert got["learning_rate"] == pytest.approx(ref["learning_rate"], rel=1e-6)
+        assert metrics["eval_reward"] == want_eval["eval_reward"]
+        assert metrics["eval_loss"] == pytest.approx(want_eval["eval_loss"], rel=1e-4, abs=1e-7)
+    saved = {}
+    for part in sorted((tmp_path / "model").glob("*.safetensors")):  # each stage's tensors
+        saved.update(load_file(part))
+    assert saved.keys() == weights.keys()
+    for name, tensor in saved.items():
+        torch.testing.assert_close(tensor, weights[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def _dft_args(out: str):
+    from trl import SFTConfig
+
+    options = _options(out, max_steps=3, bf16=False)
+    return SFTConfig(**options, loss_type="dft", gradient_checkpointing=False)
+
+
+SFT_LOGGED = ("loss", "grad_norm", "entropy", "mean_token_accuracy")
+
+
+def _dft_run(rank, world, directory):
+    trainer = _pipelined_sft(_dft_args(f"{directory}/dft"), _sft_data())
+    trainer.train()
+    return [{k: h[k] for k in SFT_LOGGED} for h in trainer.state.log_history if "loss" in h]
+
+
+def test_trl_sft_trainer_with_its_own_loss_logs_as_trl_does(tmp_path):
+    """``SFTTrainer`` with ``loss_type="dft"`` (a loss that is not the model's: each token's
+    negative log-likelihood weighted by its probability) runs TRL's ``compute_loss`` on the
+    pipeline's outputs (see [Note: a trainer's own loss on the pipeline]): the same losses,
+    grad norms and TRL's metrics (entropy, token accuracy) as TRL in one process."""
+    reference = _sft_reference(_dft_args(str(tmp_path / "reference")), _sft_data())
+    reference.train()
+    want = [{k: h[k] for k in SFT_LOGGED} for h in reference.state.log_history if "loss" in h]
+    for logs in run_ranks(2, _dft_run, str(tmp_path), timeout=300):
+        assert len(logs) == len(want) == 3
+        for got, ref in zip(logs, want, strict=True):
+            for k in SFT_LOGGED:
+                assert got[k] == pytest.approx(ref[k], rel=1e-5, abs=1e-7), (k, got, ref)

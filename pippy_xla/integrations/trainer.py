@@ -69,20 +69,29 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import sys
 from typing import Any
 
 import torch
 from torch import nn
 
+from pippy_xla.integrations.model_calls import random_state, set_random_state
+
 __all__ = ["PipelineTrainer", "pipelined"]
 
 
 class _Stages(nn.Module):
-    """What the Trainer's loop holds as its model: this rank's stages of the pipeline."""
+    """What the Trainer's loop holds as its model: this rank's stages of the pipeline. Called
+    (by a trainer's own loss: ``calls``), it runs the pipeline; ``generate`` is the pipeline's;
+    ``train`` and ``eval`` set the pipeline's mode and the HF model's flag, which trainers read."""
 
-    def __init__(self, pipe) -> None:
+    is_gradient_checkpointing = False  # the pipeline's own checkpointing, not HF's (TRL reads it)
+
+    def __init__(self, pipe, model, calls) -> None:
         super().__init__()
-        object.__setattr__(self, "pipe", pipe)  # not a submodule: its parameters are listed below
+        # Not submodules: the parameters are the pipeline's, listed below.
+        for name, value in (("pipe", pipe), ("model", model), ("calls", calls)):
+            object.__setattr__(self, name, value)
 
     def parameters(self, recurse: bool = True):
         return self.pipe.parameters()
@@ -92,7 +101,25 @@ class _Stages(nn.Module):
 
     def train(self, mode: bool = True) -> _Stages:
         self.pipe.train(mode)
+        self.model.train(mode)
         return self
+
+    def forward(self, *args: Any, **kwargs: Any):
+        if self.calls is None:
+            raise RuntimeError("the pipelined model is called by a trainer's own loss only")
+        return self.calls(*args, **kwargs)
+
+    def generate(self, input_ids, attention_mask=None, generation_config=None, **kwargs):
+        """``pipe.generate``; then every rank of the pipeline takes the random state of the rank
+        that sampled (the last), which is one process's: a trainer draws from it next (TRL
+        shuffles the completions), the same on every rank."""
+        import torch.distributed as dist
+
+        out = self.pipe.generate(input_ids, attention_mask, generation_config, **kwargs)
+        state = [random_state(self.pipe.device)]
+        dist.broadcast_object_list(state, group_src=self.pipe.last_rank, group=self.pipe.group)
+        set_random_state(self.pipe.device, state[0])
+        return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.pipe.parameters():
@@ -173,12 +200,14 @@ def pipelined(trainer_cls: type) -> type:
 
 def _init(self, *args, layer_cls=None, pipeline=None, mesh=None, **kwargs) -> None:
     from pippy_xla.config import PipelineConfig
+    from pippy_xla.integrations.model_calls import ModelCalls
     from pippy_xla.pipeline import PipelineModel
 
     if pipeline is None:
         raise ValueError(f"{type(self).__name__} needs pipeline=px.PipelineConfig(...)")
     config = PipelineConfig.from_options(pipeline, {})
     self.pipe = None  # built below, from the model the wrapped class's constructor ends with
+    _generation_batch_per_replica(kwargs.get("args"), mesh)
     self._pipelined.__init__(self, *args, **kwargs)  # the wrapped class's own
     _check_args(self, config)
     # Run on the last stage, before the logits leave it (HF's loop would run it on every rank).
@@ -195,8 +224,107 @@ def _init(self, *args, layer_cls=None, pipeline=None, mesh=None, **kwargs) -> No
         names = tuple(n for n in config.input_names if n != "attention_mask")
         config = dataclasses.replace(config, input_names=(*names, "position_ids"))
     self.pipe = PipelineModel(self.model, layer_cls=layer_cls, config=config, mesh=mesh)
-    self._stages = _Stages(self.pipe)
+    self._calls = None
+    if not _own_loss(self):  # the trainer calls the model: see [Note: a trainer's own loss ...]
+        self._calls = ModelCalls(self.pipe, self.model, getattr(self, "temperature", 1.0))
+        _route_forward(self.model, self._calls)
+    self._stages = _Stages(self.pipe, self.model, self._calls)
     self._prepare_loaders_unsharded()
+    _seed_per_replica(self)
+
+
+def _own_loss(trainer) -> bool:
+    """Whether the trainer's loss is the model's own, which the pipeline computes per
+    microbatch in one pass: HF's ``Trainer``'s, and TRL's ``SFTTrainer``'s negative
+    log-likelihood (``loss_type="nll"``, which is the model's loss computed by TRL's fused
+    head). Any other ``compute_loss`` calls the model: :class:`ModelCalls`."""
+    from transformers import Trainer
+
+    compute_loss = type(trainer).compute_loss
+    if compute_loss is Trainer.compute_loss:
+        return True
+    sft = getattr(sys.modules.get("trl"), "SFTTrainer", None)  # TRL's, if the trainer is
+    return (
+        sft is not None
+        and compute_loss is sft.compute_loss
+        and getattr(trainer.args, "loss_type", "nll") == "nll"
+        and trainer.label_smoother is None
+    )
+
+
+def _route_forward(model, calls) -> None:
+    """``model(...)``, called by the trainer's own code (TRL's old log-probabilities come from
+    ``self.model``), runs on the pipeline: the model's forward on this rank holds only its
+    stage's trained weights. HF's signature is kept (``generate`` checks keywords against it),
+    and the forward the pipeline traces (its generation stages, built at the first
+    ``generate``) is the model's."""
+    import types
+
+    from torch.fx._symbolic_trace import is_fx_symbolic_tracing
+
+    traced = model.forward
+
+    @functools.wraps(type(model).forward)
+    def forward(_model, *args: Any, **kwargs: Any):
+        return traced(*args, **kwargs) if is_fx_symbolic_tracing() else calls(*args, **kwargs)
+
+    model.forward = types.MethodType(forward, model)
+
+
+def _generation_batch_per_replica(args, mesh) -> None:
+    """TRL's online trainers (``GRPOConfig``) count their generation batch over the job's
+    processes (``per_device_train_batch_size * world_size * steps_per_generation``); a pipeline's
+    ranks are one process: the count is made over the replicas."""
+    gen, steps = (getattr(args, k, None) for k in ("generation_batch_size", "steps_per_generation"))
+    if gen is None or steps is None:
+        return
+    per_process = args.per_device_train_batch_size * steps
+    replicas = 1 if mesh is None else mesh["dp"].size()
+    if gen == per_process * args.world_size:
+        args.generation_batch_size = per_process * replicas
+
+
+def _seed_per_replica(trainer) -> None:
+    """A trainer that seeded per process (TRL's ``set_seed(seed, device_specific=True)``: the
+    seed plus the process's index) is seeded per replica: the seed plus the replica's index,
+    as in one process (the ranks of a pipeline are one process). Any other random state is
+    left as it was."""
+    import random
+
+    import numpy as np
+    from accelerate.utils import set_seed
+
+    device = trainer.pipe.device
+    saved = (random.getstate(), np.random.get_state(), random_state(device))
+    set_seed(trainer.args.seed + trainer.accelerator.process_index)
+    if torch.equal(torch.get_rng_state(), saved[2][0]):
+        set_seed(trainer.args.seed + trainer.pipe.dp_rank)
+        return
+    random.setstate(saved[0])
+    np.random.set_state(saved[1])
+    set_random_state(device, saved[2])
+
+
+@contextlib.contextmanager
+def _one_process(trainer):
+    """accelerate's state made one process's while a trainer's own step code runs (its gathers
+    and reductions over the job, its process index in the generation batch): the pipeline's
+    ranks hold one process's data. Only without replicas (:class:`ModelCalls` refuses them)."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    one = dict(
+        distributed_type=DistributedType.NO, num_processes=1, process_index=0, local_process_index=0
+    )
+    states = [PartialState._shared_state, AcceleratorState._shared_state]
+    saved = [{k: s[k] for k in one if k in s} for s in states]
+    for s in states:
+        s.update(one)
+    try:
+        yield
+    finally:
+        for s, old in zip(states, saved, strict=True):
+            s.update(old)
 
 
 class _PackedRows:
@@ -345,7 +473,13 @@ def _check_inputs(self, inputs, first: str) -> None:
 
 
 def _training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
-    """``pipe.run_train`` over the batch, its loss divided by HF's count for the window."""
+    """``pipe.run_train`` over the batch, its loss divided by HF's count for the window; for a
+    trainer's own loss, the wrapped class's step, then its gradients through the pipeline."""
+    if self._calls is not None:
+        with _one_process(self):
+            loss = self._pipelined.training_step(self, model, inputs, num_items_in_batch)
+        self._calls.flush()
+        return loss
     self.pipe.train()
     _check_inputs(self, inputs, self.pipe.pipeline_config.input_names[0])
     batch = _batch(self, inputs)
@@ -368,6 +502,11 @@ def _prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None
     # (HF resets gather_function after each loop, so it is set at every step), and the loss is
     # one copy per replica, which HF repeats per_device_eval_batch_size times: a row each.
     self.gather_function = functools.partial(_one_process_gather, self.accelerator.gradient_state)
+    if self._calls is not None:
+        with _one_process(self):
+            return self._pipelined.prediction_step(
+                self, model, inputs, prediction_loss_only, ignore_keys=ignore_keys
+            )
     count = self._get_num_items_in_batch([inputs], self.args.device) if "labels" in inputs else None
     batch = _batch(self, inputs)
     with _divided_by(self, count, 1), self.accelerator.autocast():

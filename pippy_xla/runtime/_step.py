@@ -273,19 +273,22 @@ class StepRunner:
         self.step_spans.append(("POST", -1, -1, end, time.time_ns()))
         return loss
 
-    def evaluate(self, batch: dict[str, torch.Tensor]) -> EvalOutput:
-        """Forward only: the logits on the last stage's rank and, given labels, the loss."""
+    def evaluate(self, batch: dict[str, torch.Tensor], keep_logits: bool = True) -> EvalOutput:
+        """Forward only: the logits on the last stage's rank (unless not ``keep_logits``: the
+        loss function then sees each microbatch's and nothing keeps them) and, given labels,
+        the loss."""
         start = self._begin_step()
         batch, microbatches, signature = self._prepare(batch, "eval")
         losses: dict[int, torch.Tensor] = {}
         added: dict[int, torch.Tensor] = {}
-        logits: dict[int, torch.Tensor] = {}
+        logits: dict[int, torch.Tensor] | None = {} if keep_logits else None
         forward = self._forward(batch, microbatches, losses, added, logits)
         end = self._run(self.eval_engine, forward, signature, start)
         if self.dp is not None:
             self.dp.after_eval()
         is_last = self.place.rank == self.last_rank
-        all_logits = torch.cat([logits[mb] for mb in sorted(logits)]) if is_last else None
+        keep = is_last and logits is not None
+        all_logits = torch.cat([logits[mb] for mb in sorted(logits)]) if keep else None
         loss = self._reduce_loss(losses, added) if "labels" in batch else None
         self.step_spans.append(("POST", -1, -1, end, time.time_ns()))
         return EvalOutput(loss=loss, logits=all_logits)

@@ -1,0 +1,217 @@
+"""A trainer's own loss on the pipeline: :class:`ModelCalls`, the model's forward as a trainer's
+code calls it, in two passes of the pipeline.
+
+[Note: a trainer's own loss on the pipeline] Trainers such as TRL's ``GRPOTrainer`` compute their
+loss outside the model: they call it (``model(**inputs, labels=..., fused_lm_head=True)`` for
+TRL's per-token log-probabilities and entropies, or ``model(**inputs)`` for the logits), combine
+what it returns with what the model never sees (advantages, old log-probabilities, masks) into
+one loss over the batch, and call ``backward``. That loss is not a sum of per-microbatch losses
+in general (GRPO's ``bnpo`` divides by the batch's token count, its entropy mask takes a quantile
+over the batch) and its code gathers across processes, so a call runs in two passes:
+
+1. Forward, without autograd: the pipeline's eval engine over the batch, where the last stage
+   turns each microbatch's logits into what the call asks for (:func:`per_token`: TRL's fused
+   head's fields at the trainer's sampling temperature; or the logits), which go to every rank
+   of the pipeline. The call returns them as leaves that require grad: every rank then runs the
+   trainer's loss and its backward as one process does, on the same numbers.
+2. After the trainer's backward (:meth:`ModelCalls.flush`, once the step returned), the leaves
+   hold ``d loss / d outputs``. The pipeline's training engine runs the batch again with the
+   loss ``sum(outputs(logits) * grads)``, whose gradient with respect to the parameters is the
+   trainer's loss's (the chain rule through the outputs), microbatch by microbatch. The random
+   state is rewound to the first pass's start and the first pass's autocast restored, so dropout
+   and mixed precision are the same in both.
+
+The cost: one more forward of the batch than one process (the first pass keeps no activations),
+and a broadcast of the outputs (``(rows, tokens)`` floats per field; the whole ``(rows, tokens,
+vocab)`` logits for a plain call, whose gradients then travel as the second pass's labels).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ModelCalls", "per_token", "random_state", "set_random_state"]
+
+FIELDS = ("log_probs", "entropy", "is_top1", "log_sum_sq_probs", "mean_logits")
+"""TRL's fused head's per-token fields (``FusedCausalLMOutput``), all computed."""
+DIFFERENTIABLE = ("log_probs", "entropy", "logits")
+"""The outputs a trainer's loss may take gradients through."""
+
+
+def per_token(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> dict:
+    """TRL's fused LM head's fields (``add_fused_lm_head``) from one batch's ``logits``: for
+    each next-token label, its log-probability under ``softmax(logits / temperature)``, the
+    distribution's entropy, whether the label is its argmax, ``log(sum p^2)`` and the mean
+    scaled logit; zero where the label is -100. In fp32, as TRL's kernel accumulates."""
+    scaled = logits[:, :-1].float() / temperature
+    targets = labels[:, 1:]
+    mask = targets != -100
+    logp = torch.log_softmax(scaled, dim=-1)
+    picked = logp.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    fields = {
+        "log_probs": picked,
+        "entropy": -(logp.exp() * logp).sum(-1),
+        "is_top1": (scaled.argmax(-1) == targets).float(),
+        "log_sum_sq_probs": torch.logsumexp(2 * logp, dim=-1),
+        "mean_logits": scaled.mean(-1),
+    }
+    return {k: v.masked_fill(~mask, 0) for k, v in fields.items()}
+
+
+class ModelCalls:
+    """The model's forward for a trainer whose loss is its own (see [Note: a trainer's own loss
+    on the pipeline]): ``calls(**inputs, labels=..., fused_lm_head=...)`` on every rank of the
+    pipeline, then :meth:`flush` after the trainer's backward."""
+
+    def __init__(self, pipe, model, temperature: float) -> None:
+        if pipe.dp_size > 1:
+            raise ValueError(
+                "a trainer that computes its loss outside the model (TRL's GRPOTrainer, ...) runs "
+                "on a pipeline without data-parallel replicas for now: pass mesh=None"
+            )
+        self.pipe = pipe
+        self.model = model
+        """The HF model (its ``loss_function`` for a plain call given labels)."""
+        self.temperature = temperature
+        self.pending: list[tuple] = []
+        """Each call made with autograd on, whose gradients :meth:`flush` sends to the pipeline."""
+
+    def __call__(self, *args: Any, fused_lm_head: bool = False, labels=None, **kwargs: Any):
+        batch, count = self._inputs(args, kwargs, fused_lm_head, labels)
+        device = self.pipe.device
+        mixed = (torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type))
+        rng = random_state(device)
+        outputs = self._forward(batch, labels, fused_lm_head)
+        if torch.is_grad_enabled():
+            leaves = {k: v.requires_grad_() for k, v in outputs.items() if k in DIFFERENTIABLE}
+            self.pending.append((batch, labels, fused_lm_head, leaves, rng, mixed))
+        return self._output(outputs, labels, fused_lm_head, count)
+
+    def _inputs(self, args, kwargs, fused: bool, labels) -> tuple[dict, Any]:
+        """The call's pipeline inputs, and the count a fused loss divides by."""
+        names = self.pipe.pipeline_config.input_names
+        count = kwargs.pop("num_items_in_batch", None)
+        for ignored in ("use_cache", "return_dict", "logits_to_keep"):
+            kwargs.pop(ignored, None)
+        given = {k: v for k, v in kwargs.items() if v is not None and v is not False}
+        unknown = sorted(k for k in given if k not in names)
+        if args or unknown or (fused and labels is None):
+            what = "positional inputs" if args else unknown or "fused_lm_head without labels"
+            raise ValueError(
+                f"the pipelined model was called with {what}: it takes the keyword inputs "
+                f"{list(names)} (PipelineConfig.input_names) and labels"
+            )
+        return given, count
+
+    def _forward(self, batch: dict, labels, fused: bool) -> dict[str, torch.Tensor]:
+        """The first pass: the outputs of every row, on every rank of the pipeline."""
+        pipe, runner = self.pipe, self.pipe._runner
+        rows = batch[pipe.pipeline_config.input_names[0]].shape[0]
+        got: dict[int, dict[str, torch.Tensor]] = {}
+
+        def collect(logits, tagged, num_items):
+            outs = per_token(logits, tagged[:, :-1], self.temperature) if fused else {}
+            outs = outs or {"logits": logits.detach()}
+            for i, row in enumerate(tagged[:, -1].tolist()):
+                got[row] = {k: v[i] for k, v in outs.items()}
+            return logits.new_zeros(())
+
+        # Each row's labels carry its index (the last column): the rows land where they belong
+        # whatever order the last stage runs the microbatches in.
+        index = torch.arange(rows).unsqueeze(1)
+        tagged = torch.cat([labels.cpu() if fused else index, index], dim=1)
+        with _loss(runner, collect), torch.no_grad():
+            runner.evaluate({**batch, "labels": tagged}, keep_logits=False)
+        outputs = None
+        if pipe.is_last:
+            outputs = {k: torch.stack([got[r][k] for r in range(rows)]) for k in got[0]}
+        return _from_last(pipe, outputs)
+
+    def _output(self, outputs: dict, labels, fused: bool, count):
+        """What the unsplit model's forward returns for the call."""
+        if fused:
+            from trl.trainer.utils import FusedCausalLMOutput
+
+            mask = labels[:, 1:] != -100
+            divisor = mask.sum().clamp(min=1) if count is None else count
+            loss = -outputs["log_probs"].sum() / divisor
+            return FusedCausalLMOutput(loss=loss, label_mask=mask, **outputs)
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        logits, loss = outputs["logits"], None
+        if labels is not None:
+            vocab = logits.shape[-1]
+            loss = self.model.loss_function(logits, labels, vocab, num_items_in_batch=count)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    def flush(self) -> None:
+        """The second pass of every call since the last flush (see [Note: a trainer's own loss
+        on the pipeline]): the gradients the trainer's backward left on the outputs, through
+        the pipeline into its parameters."""
+        pending, self.pending = self.pending, []
+        for batch, labels, fused, leaves, rng, (autocast, dtype) in pending:
+            grads = {k: leaf.grad for k, leaf in leaves.items() if leaf.grad is not None}
+            if not grads:
+                continue
+            packed, loss_fn = self._surrogate(labels, fused, grads)
+            set_random_state(self.pipe.device, rng)
+            device = self.pipe.device.type
+            with _loss(self.pipe._runner, loss_fn), torch.autocast(device, dtype, autocast):
+                self.pipe.run_train(**batch, labels=packed.to(self.pipe.device))
+
+    def _surrogate(self, labels, fused: bool, grads: dict[str, torch.Tensor]):
+        """The second pass's labels and loss: ``sum(outputs(logits) * grads)`` per microbatch.
+        For the fused head's fields the labels carry the call's labels, then each field's
+        gradient (aligned with the labels: a field's token ``t`` predicts label ``t + 1``)."""
+        if not fused:
+            return grads["logits"], lambda logits, g, n: (logits.float() * g.float()).sum()
+        names = sorted(grads)
+        parts = [labels.double()]
+        parts += [torch.nn.functional.pad(grads[k].double(), (1, 0)) for k in names]
+
+        def loss_fn(logits, packed, num_items):
+            outs = per_token(logits, packed[..., 0].long(), self.temperature)
+            return sum((outs[k] * packed[:, 1:, 1 + i].float()).sum() for i, k in enumerate(names))
+
+        return torch.stack(parts, dim=-1), loss_fn
+
+
+@contextlib.contextmanager
+def _loss(runner, loss_fn):
+    """``runner``'s loss for one step: ``loss_fn``, over a count of 1."""
+    own = runner.loss_fn, runner.num_items_fn
+    runner.loss_fn, runner.num_items_fn = loss_fn, lambda labels: torch.ones(())
+    try:
+        yield
+    finally:
+        runner.loss_fn, runner.num_items_fn = own
+
+
+def _from_last(pipe, outputs: dict | None) -> dict[str, torch.Tensor]:
+    """The last stage's ``outputs`` on every rank of the pipeline: their shapes and dtypes,
+    then each tensor, broadcast from the last rank."""
+    header = [None if outputs is None else {k: (v.shape, v.dtype) for k, v in outputs.items()}]
+    dist.broadcast_object_list(header, group_src=pipe.last_rank, group=pipe.group)
+    result = {}
+    for name, (shape, dtype) in header[0].items():
+        t = outputs[name] if outputs is not None else torch.empty(shape, dtype=dtype)
+        t = t.detach().to(pipe.device).contiguous()
+        dist.broadcast(t, group_src=pipe.last_rank, group=pipe.group)
+        result[name] = t
+    return result
+
+
+def random_state(device: torch.device) -> tuple:
+    """Torch's random state on the CPU and, on a GPU, ``device``'s."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def set_random_state(device: torch.device, state: tuple) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
