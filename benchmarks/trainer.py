@@ -8,7 +8,11 @@ and the same rows (random tokens, ``--seq`` long, labels the inputs):
   seeded sampler gives them, ``pipe.run_train``, ``pipe.clip_grad_norm_(1.0)``, an AdamW step, a
   linear schedule's step and ``zero_grad``;
 - ``trainer``: ``px.PipelineTrainer`` with the same optimizer, schedule and clipping
-  (``max_steps`` = warm-up + timed steps, a loss logged every 10 steps, no evaluation, no saving).
+  (``max_steps`` = warm-up + timed steps, a loss logged every 10 steps, no evaluation, no saving);
+- ``own_loss``: the same through ``px.pipelined`` of a ``Trainer`` subclass whose
+  ``compute_loss`` calls the model and computes the same loss from the logits itself: what a
+  trainer with its own loss costs (two passes of the pipeline, the logits to every rank; see
+  [Note: a trainer's own loss on the pipeline]).
 
 A step's time is taken between successive step ends on each rank (the Trainer's ``on_step_end``
 callback; the same points in the loop) and the slowest rank's counts; reported per arm: the
@@ -25,6 +29,8 @@ import statistics
 import time
 
 from _common import llama_config, run_ranks, save
+
+ARMS = ("loop", "trainer", "own_loss")
 
 
 def _rows(args) -> list[dict]:
@@ -56,6 +62,21 @@ def _training_args(args, out: str):
     )
 
 
+def _own_loss_trainer():
+    """A ``Trainer`` whose ``compute_loss`` is its own: the model's loss, from the logits."""
+    from transformers import Trainer
+
+    class OwnLoss(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            labels = inputs.pop("labels")
+            logits = model(**inputs).logits
+            vocab = logits.shape[-1]
+            loss = self.model.loss_function(logits, labels, vocab, num_items_in_batch=None)
+            return loss
+
+    return OwnLoss
+
+
 def _arm(rank, world, args, arm: str, out: str) -> list[float]:
     import torch
     from transformers import LlamaForCausalLM, TrainerCallback
@@ -73,7 +94,8 @@ def _arm(rank, world, args, arm: str, out: str) -> list[float]:
         def on_step_end(self, *_: object, **__: object) -> None:
             ends.append(time.perf_counter())
 
-    trainer = px.PipelineTrainer(
+    cls = px.pipelined(_own_loss_trainer()) if arm == "own_loss" else px.PipelineTrainer
+    trainer = cls(
         model=model,
         args=_training_args(args, f"{out}/{arm}"),
         train_dataset=_rows(args),
@@ -81,7 +103,7 @@ def _arm(rank, world, args, arm: str, out: str) -> list[float]:
         pipeline=config,
         callbacks=[Clock()],
     )
-    if arm == "trainer":
+    if arm != "loop":
         ends.append(time.perf_counter())
         trainer.train()
     else:  # the same pipeline, optimizer, schedule and batches, stepped by hand
@@ -116,18 +138,21 @@ def main() -> None:
     result: dict = {"args": vars(args), "runs": []}
     with tempfile.TemporaryDirectory() as out:
         for round_ in range(args.rounds):
-            for arm in ("loop", "trainer"):
+            for arm in ARMS:
                 ranks = run_ranks(2, _arm, args, arm, out, timeout=900)
                 slowest = [max(r[i] for r in ranks) for i in range(args.steps)]
                 step = statistics.median(slowest)
                 result["runs"].append({"arm": arm, "round": round_, "step_s": step, "ranks": ranks})
-                print(f"round {round_} {arm:7s} step {step * 1e3:7.2f} ms  {1 / step:6.3f} steps/s")
-    for arm in ("loop", "trainer"):
+                print(f"round {round_} {arm:8s} step {step * 1e3:7.2f} ms  {1 / step:6.3f} steps/s")
+    for arm in ARMS:
         steps = [r["step_s"] for r in result["runs"] if r["arm"] == arm]
         result[arm] = {"step_s": statistics.median(steps), "per_round": steps}
     ratio = result["loop"]["step_s"] / result["trainer"]["step_s"]
     result["trainer_steps_per_s_over_loop"] = ratio
     print(f"PipelineTrainer's steps/s over the loop's: {ratio:.4f} (medians over the rounds)")
+    own = result["trainer"]["step_s"] / result["own_loss"]["step_s"]
+    result["own_loss_steps_per_s_over_trainer"] = own
+    print(f"a trainer's own loss: {own:.4f} of PipelineTrainer's steps/s")
     print(save("trainer", result))
 
 

@@ -610,21 +610,27 @@ def _prompts():
     return Dataset.from_list([{"prompt": " ".join(f"t{t}" for t in row)} for row in words])
 
 
-def _grpo(trainer_cls, out: str, **options):
+def _grpo(trainer_cls, out: str, lora: bool, **options):
     """TRL's ``GRPOTrainer`` (or its pipelined class) on the tiny Llama in fp32: 4 prompts a
-    step, 2 completions each (sampled at temperature 0.8), accumulation 2, two optimizer
-    iterations per generation (so the old log-probabilities come from ``self.model``)."""
+    step, 2 completions each (sampled at temperature 0.8), accumulation 2. The whole model with
+    two optimizer iterations per generation (the old log-probabilities come from
+    ``self.model``) and ``bnpo`` (divided by the batch's tokens); or LoRA (``peft_config=``,
+    adapters not zero at the start) with a KL term to the reference, the base model (PEFT's
+    adapters disabled), and TRL's default ``dapo`` loss."""
     from trl import GRPOConfig
 
     torch.manual_seed(0)
     model, _ = llama()
+    variant = dict(num_iterations=2, loss_type="bnpo")
+    if lora:
+        variant = dict(beta=0.1)
+        options["peft_config"] = _sft_config()
     args = GRPOConfig(
         **_options(out, max_steps=3, per_device_eval_batch_size=4, bf16=False),
         num_generations=2,
         max_completion_length=5,
         temperature=0.8,
-        num_iterations=2,
-        loss_type="bnpo",
+        **variant,
     )
     return trainer_cls(
         model=model,
@@ -637,7 +643,7 @@ def _grpo(trainer_cls, out: str, **options):
     )
 
 
-GRPO_LOGGED = ("loss", "grad_norm", "learning_rate", "reward", "reward_std", "entropy")
+GRPO_LOGGED = ("loss", "grad_norm", "learning_rate", "reward", "reward_std", "entropy", "kl")
 
 
 def _grpo_logs(trainer) -> list[dict]:
@@ -647,16 +653,29 @@ def _grpo_logs(trainer) -> list[dict]:
 def _grpo_run(rank, world, directory):
     from trl import GRPOTrainer
 
-    trainer = _grpo(
-        px.pipelined(GRPOTrainer),
-        f"{directory}/grpo",
-        layer_cls=llama()[1],
-        pipeline=px.PipelineConfig(num_microbatches=2),
-    )
-    trainer.train()
-    metrics = trainer.evaluate()
-    trainer.save_model(f"{directory}/model")
-    return _grpo_logs(trainer), metrics
+    runs = {}
+    for lora in (False, True):
+        trainer = _grpo(
+            px.pipelined(GRPOTrainer),
+            f"{directory}/grpo{lora}",
+            lora,
+            layer_cls=llama()[1],
+            pipeline=px.PipelineConfig(num_microbatches=2),
+        )
+        trainer.train()
+        metrics = trainer.evaluate()
+        trainer.save_model(f"{directory}/model{lora}")
+        runs[lora] = _grpo_logs(trainer), metrics
+    return runs
+
+
+def _saved(directory) -> dict:
+    from safetensors.torch import load_file
+
+    saved = {}
+    for part in sorted(directory.glob("*.safetensors")):  # each stage's tensors
+        saved.update(load_file(part))
+    return saved
 
 
 @pytest.mark.compat
@@ -664,32 +683,36 @@ def test_trl_grpo_generates_on_the_pipeline_and_trains_as_trl_in_one_process(tmp
     """TRL's ``GRPOTrainer`` through ``px.pipelined``: completions sampled by ``pipe.generate``
     on the pipeline that trains, rewarded, and its loss (computed outside the model) trained
     through the pipeline in a second pass (see [Note: a trainer's own loss on the pipeline]):
-    the same rewards (the same sampled tokens), losses, grad norms, eval loss and saved weights
-    as TRL in one process with the same seed."""
-    from safetensors.torch import load_file
+    the same rewards (the same sampled tokens), losses, grad norms, KL to the reference, eval
+    loss and saved weights (or adapter) as TRL in one process with the same seed."""
     from trl import GRPOTrainer
 
-    reference = _grpo(GRPOTrainer, str(tmp_path / "reference"))
-    reference.train()
-    want, want_eval = _grpo_logs(reference), reference.evaluate()
-    weights = {k: v.detach() for k, v in reference.model.state_dict().items()}
-    for logs, metrics in run_ranks(2, _grpo_run, str(tmp_path), timeout=300):
-        assert len(logs) == len(want) == 3
-        assert all(ref["grad_norm"] > 0 for ref in want)  # rewards that differ: a gradient
-        assert [got["reward"] for got in logs] == [ref["reward"] for ref in want]
-        for got, ref in zip(logs, want, strict=True):
-            assert got["reward_std"] == ref["reward_std"]
-            for k in ("loss", "grad_norm", "entropy"):
-                assert got[k] == pytest.approx(ref[k], rel=1e-4, abs=1e-7), (k, got, ref)
-            assert got["learning_rate"] == pytest.approx(ref["learning_rate"], rel=1e-6)
-        assert metrics["eval_reward"] == want_eval["eval_reward"]
-        assert metrics["eval_loss"] == pytest.approx(want_eval["eval_loss"], rel=1e-4, abs=1e-7)
-    saved = {}
-    for part in sorted((tmp_path / "model").glob("*.safetensors")):  # each stage's tensors
-        saved.update(load_file(part))
-    assert saved.keys() == weights.keys()
-    for name, tensor in saved.items():
-        torch.testing.assert_close(tensor, weights[name], rtol=1e-4, atol=1e-5, msg=name)
+    want = {}
+    for lora in (False, True):
+        reference = _grpo(GRPOTrainer, str(tmp_path / f"reference{lora}"), lora)
+        reference.train()
+        want[lora] = _grpo_logs(reference), reference.evaluate()
+        reference.save_model(str(tmp_path / f"reference{lora}"))
+    for runs in run_ranks(2, _grpo_run, str(tmp_path), timeout=300):
+        for lora, (logs, metrics) in runs.items():
+            ref_logs, ref_metrics = want[lora]
+            assert len(logs) == len(ref_logs) == 3
+            assert all(ref["grad_norm"] > 0 for ref in ref_logs)  # rewards that differ
+            assert [got["reward"] for got in logs] == [ref["reward"] for ref in ref_logs]
+            assert all((ref["kl"] or 0) > 0 for ref in ref_logs) == lora
+            for got, ref in zip(logs, ref_logs, strict=True):
+                assert got["reward_std"] == ref["reward_std"]
+                for k in ("loss", "grad_norm", "entropy", "kl", "learning_rate"):
+                    want_k = ref[k] if ref[k] is None else pytest.approx(ref[k], rel=1e-4, abs=1e-7)
+                    assert got[k] == want_k, (lora, k, got, ref)
+            assert metrics["eval_reward"] == ref_metrics["eval_reward"]
+            eval_loss = pytest.approx(ref_metrics["eval_loss"], rel=1e-4, abs=1e-7)
+            assert metrics["eval_loss"] == eval_loss
+    for lora in (False, True):
+        saved, weights = (_saved(tmp_path / f"{d}{lora}") for d in ("model", "reference"))
+        assert saved.keys() == weights.keys() and len(saved) == (16 if lora else 39)
+        for name, tensor in saved.items():
+            torch.testing.assert_close(tensor, weights[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
 def _dft_args(out: str):

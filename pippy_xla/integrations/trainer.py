@@ -11,6 +11,20 @@ HF's; ``PipelineTrainer`` is ``pipelined(Trainer)``.
   parameter names) and runs its loop on a handle whose parameters are this rank's stages
   (``_wrap_model``), so accelerate prepares the optimizer only (no DDP) and moves nothing
   (``_move_model_to_device``).
+- A trainer whose loss is the model's own (HF's ``Trainer``, TRL's ``SFTTrainer`` with its
+  negative log-likelihood; :func:`_own_loss`) trains in one pass: ``training_step`` runs
+  ``pipe.run_train`` on the batch (below). Any other (TRL's ``GRPOTrainer``, ``SFTTrainer`` with
+  ``loss_type="dft"``, a subclass with its own ``compute_loss``) runs its own step, in which
+  calling the model (the loop's handle, or ``self.model``) runs the pipeline, in two passes
+  (:class:`~pippy_xla.integrations.model_calls.ModelCalls`, see [Note: a trainer's own loss on
+  the pipeline]); its ``generate`` is ``pipe.generate`` on the same pipeline (TRL's GRPO
+  completions: one copy of the weights, nothing to synchronize). During such a step
+  accelerate's state is one process's (``_one_process``: its gathers and process index are the
+  pipeline's ranks', which hold the same data), after ``generate`` every rank takes the sampling
+  rank's random state (the trainer draws from it next: TRL shuffles the completions), a trainer
+  that seeded per process (TRL's ``set_seed(seed, device_specific=True)``) is seeded per replica
+  (``_seed_per_replica``), and TRL's generation batch is counted over the replicas
+  (``_generation_batch_per_replica``). Without data-parallel replicas for now.
 - ``training_step`` runs ``pipe.run_train`` on the batch; the loss's divisor is HF's
   ``num_items_in_batch``, the label tokens of the whole accumulation window (the pipeline's
   ``num_items_fn`` is set to it for the step), so a window's summed step losses, the logged loss
@@ -459,16 +473,15 @@ def _divided_by(self, num_items, steps: int):
 
 
 def _check_inputs(self, inputs, first: str) -> None:
-    """One line for a loader's batch that is not the model's inputs and labels: a trainer whose
-    loss is not the model's own (TRL's GRPO and DPO trainers compute theirs from the logits,
-    outside the model) hands its steps something else."""
+    """One line for a loader's batch that is not the model's inputs and labels, where the
+    trainer's loss is the model's own (a trainer with its own ``compute_loss`` takes any
+    batch: its step runs)."""
     keys = sorted(inputs) if isinstance(inputs, dict) else type(inputs).__name__
     if not isinstance(inputs, dict) or first not in inputs or "labels" not in inputs:
         raise ValueError(
             f"{type(self).__name__}: a step's batch is {keys}, not the model's inputs ({first!r}, "
-            "...) and 'labels': the pipeline trains the model's own loss, and a trainer that "
-            "computes its loss outside the model (TRL's GRPOTrainer, DPOTrainer, ...) is not "
-            "supported yet"
+            "...) and 'labels', from which the pipeline trains the model's own loss (a data "
+            "collator that gives labels, or a Trainer subclass with its own compute_loss)"
         )
 
 
