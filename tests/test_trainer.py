@@ -126,7 +126,6 @@ def _pipeline_run(rank, world, directory):
         ("batch", {"per_device_train_batch_size": 3}, {}),
         ("compile", {"torch_compile": True}, {}),
         ("saves", {"save_only_model": True}, {}),
-        ("loss", {}, {"compute_loss_func": lambda *a, **k: 0}),
     ):
         with pytest.raises(ValueError, match="PipelineTrainer cannot run") as e:
             px.PipelineTrainer(
@@ -137,32 +136,52 @@ def _pipeline_run(rank, world, directory):
                 **extra,
             )
         refused[name] = str(e.value)
-    return _logs(trainer), metrics, refused
+    torch.manual_seed(0)
+    smoothed = px.PipelineTrainer(
+        model=llama()[0],
+        args=_args(f"{directory}/smoothed", label_smoothing_factor=0.1),
+        train_dataset=_Rows(4, seed=100),
+        layer_cls=layer_cls,
+        pipeline=px.PipelineConfig(num_microbatches=2),
+    )
+    smoothed.train()
+    return _logs(trainer), metrics, refused, _logs(smoothed)
 
 
 @pytest.mark.compat
 def test_pipeline_trainer_logs_evaluates_and_saves_as_the_trainer_in_one_process(tmp_path):
     """The logs, the eval loss and ``compute_metrics`` (next-token accuracy from
-    ``preprocess_logits_for_metrics``'s argmax; batches of 8 and 4 rows), the saved weights."""
-    from transformers import AutoModelForCausalLM
+    ``preprocess_logits_for_metrics``'s argmax; batches of 8 and 4 rows), the saved weights;
+    with label smoothing (the Trainer's loss, not the model's: computed from the pipeline's
+    logits, see [Note: a trainer's own loss on the pipeline]), the logs."""
+    from transformers import AutoModelForCausalLM, Trainer
 
     reference = _reference(str(tmp_path / "reference"), **_metrics_options())
     want_metrics = reference.evaluate()
     want_eval = want_metrics["eval_loss"]
     want = _logs(reference)
+    torch.manual_seed(0)
+    smoothed = Trainer(
+        model=llama()[0],
+        args=_args(str(tmp_path / "smoothed"), label_smoothing_factor=0.1),
+        train_dataset=_Rows(4, seed=100),
+    )
+    smoothed.train()
     out = run_ranks(2, _pipeline_run, str(tmp_path), timeout=300)
     assert len(want) == 4
-    for logs, metrics, refused in out:
-        assert len(logs) == len(want)
-        for step, (got, ref) in enumerate(zip(logs, want, strict=True)):
-            for key in LOGGED:
-                assert got[key] == pytest.approx(ref[key], rel=2e-6, abs=1e-7), (step, key)
+    for logs, metrics, refused, smoothed_logs in out:
+        for run, ref_run in ((logs, want), (smoothed_logs, _logs(smoothed))):
+            assert len(run) == len(ref_run) == 4
+            for step, (got, ref) in enumerate(zip(run, ref_run, strict=True)):
+                for key in LOGGED:
+                    assert got[key] == pytest.approx(ref[key], rel=2e-6, abs=1e-7), (step, key)
+        assert smoothed_logs[0]["loss"] > logs[0]["loss"]  # the smoothed loss, not the model's
         assert metrics["eval_loss"] == pytest.approx(want_eval, rel=2e-6)
         assert metrics["eval_rows"] == want_metrics["eval_rows"] == 12
         assert metrics["eval_accuracy"] == want_metrics["eval_accuracy"] > 0
         assert "not divisible by num_microbatches=2" in refused["batch"]
         assert "compile=True in the PipelineConfig" in refused["compile"]
-        assert "save_only_model" in refused["saves"] and "compute_loss_func" in refused["loss"]
+        assert "save_only_model" in refused["saves"]
         assert all("\n" not in text for text in refused.values())
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
     trained = dict(reference.model.named_parameters())

@@ -14,7 +14,8 @@ HF's; ``PipelineTrainer`` is ``pipelined(Trainer)``.
 - A trainer whose loss is the model's own (HF's ``Trainer``, TRL's ``SFTTrainer`` with its
   negative log-likelihood; :func:`_own_loss`) trains in one pass: ``training_step`` runs
   ``pipe.run_train`` on the batch (below). Any other (TRL's ``GRPOTrainer``, ``SFTTrainer`` with
-  ``loss_type="dft"``, a subclass with its own ``compute_loss``) runs its own step, in which
+  ``loss_type="dft"``, a subclass with its own ``compute_loss``, a ``compute_loss_func``, label
+  smoothing) runs its own step, in which
   calling the model (the loop's handle, or ``self.model``) runs the pipeline, in two passes
   (:class:`~pippy_xla.integrations.model_calls.ModelCalls`, see [Note: a trainer's own loss on
   the pipeline]); its ``generate`` is ``pipe.generate`` on the same pipeline (TRL's GRPO
@@ -71,7 +72,7 @@ HF's; ``PipelineTrainer`` is ``pipelined(Trainer)``.
   in the loss or the gradients (an MoE router's loss would see the extra rows).
 - What the pipeline cannot honour is refused at construction, in one line: DeepSpeed, FSDP,
   ``torch_compile`` (``compile=True`` there), a batch size not divisible by the microbatches,
-  fp16, ``compute_loss_func``, ``model_init``, ``save_only_model``.
+  fp16, ``model_init``, ``save_only_model``.
 - ``compute_metrics`` gets the batch's logits and labels on every rank: each replica's last
   stage runs ``preprocess_logits_for_metrics`` on its share (HF's loop would run it on every
   rank, after the logits left the last stage), which goes to the replica's ranks, then to every
@@ -118,6 +119,12 @@ class _Stages(nn.Module):
         self.model.train(mode)
         return self
 
+    def _get_name(self) -> str:
+        """The HF model's class name, which HF's Trainer reads (it shifts the labels of a causal
+        LM for label smoothing)."""
+        model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        return model._get_name()
+
     def forward(self, *args: Any, **kwargs: Any):
         if self.calls is None:
             raise RuntimeError("the pipelined model is called by a trainer's own loss only")
@@ -153,9 +160,8 @@ def _check_args(trainer, config) -> None:
         problems.append("fp16=True (use bf16=True)")
     if getattr(args, "save_only_model", False):
         problems.append("save_only_model=True (a checkpoint keeps the optimizer's state)")
-    for name in ("compute_loss_func", "model_init"):
-        if getattr(trainer, name, None) is not None:
-            problems.append(f"{name}= (the pipeline computes the model's own loss, or loss_fn=)")
+    if getattr(trainer, "model_init", None) is not None:
+        problems.append("model_init= (the pipeline is built from model=)")
     if args.per_device_train_batch_size % config.num_microbatches:
         problems.append(
             f"per_device_train_batch_size={args.per_device_train_batch_size}, not divisible by "
@@ -251,19 +257,18 @@ def _own_loss(trainer) -> bool:
     """Whether the trainer's loss is the model's own, which the pipeline computes per
     microbatch in one pass: HF's ``Trainer``'s, and TRL's ``SFTTrainer``'s negative
     log-likelihood (``loss_type="nll"``, which is the model's loss computed by TRL's fused
-    head). Any other ``compute_loss`` calls the model: :class:`ModelCalls`."""
+    head), without a ``compute_loss_func`` or label smoothing. Any other ``compute_loss`` calls
+    the model: :class:`ModelCalls`."""
     from transformers import Trainer
 
+    if trainer.compute_loss_func is not None or trainer.label_smoother is not None:
+        return False
     compute_loss = type(trainer).compute_loss
     if compute_loss is Trainer.compute_loss:
         return True
     sft = getattr(sys.modules.get("trl"), "SFTTrainer", None)  # TRL's, if the trainer is
-    return (
-        sft is not None
-        and compute_loss is sft.compute_loss
-        and getattr(trainer.args, "loss_type", "nll") == "nll"
-        and trainer.label_smoother is None
-    )
+    nll = getattr(trainer.args, "loss_type", "nll") == "nll"
+    return sft is not None and compute_loss is sft.compute_loss and nll
 
 
 def _route_forward(model, calls) -> None:
