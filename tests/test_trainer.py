@@ -741,25 +741,78 @@ def _dft_args(out: str):
     return SFTConfig(**options, loss_type="dft", gradient_checkpointing=False)
 
 
-SFT_LOGGED = ("loss", "grad_norm", "entropy", "mean_token_accuracy")
+def _preferences():
+    """Prompts of 4 words, chosen completions of 3 and rejected ones of 2 (DPO)."""
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(0)
+
+    def words(n: int) -> str:
+        return " ".join(f"t{t}" for t in torch.randint(3, 256, (n,), generator=g).tolist())
+
+    rows = [{"prompt": words(4), "chosen": words(3), "rejected": words(2)} for _ in range(16)]
+    return Dataset.from_list(rows)
 
 
-def _dft_run(rank, world, directory):
-    trainer = _pipelined_sft(_dft_args(f"{directory}/dft"), _sft_data())
-    trainer.train()
-    return [{k: h[k] for k in SFT_LOGGED} for h in trainer.state.log_history if "loss" in h]
+def _dpo(trainer_cls, out: str, **options):
+    """TRL's ``DPOTrainer`` with LoRA (the reference: the base, PEFT's adapters disabled)."""
+    from trl import DPOConfig
+
+    torch.manual_seed(0)
+    model, _ = llama()
+    return trainer_cls(
+        model=model,
+        args=DPOConfig(**_options(out, max_steps=3, bf16=False)),
+        train_dataset=_preferences(),
+        processing_class=_tokenizer(),
+        peft_config=_sft_config(),
+        **options,
+    )
 
 
-def test_trl_sft_trainer_with_its_own_loss_logs_as_trl_does(tmp_path):
-    """``SFTTrainer`` with ``loss_type="dft"`` (a loss that is not the model's: each token's
-    negative log-likelihood weighted by its probability) runs TRL's ``compute_loss`` on the
+OWN_LOGGED = {
+    "dft": ("loss", "grad_norm", "entropy", "mean_token_accuracy"),
+    "dpo": ("loss", "grad_norm", "rewards/margins", "rewards/accuracies", "logps/chosen"),
+}
+
+
+def _own_logs(trainer, kind: str) -> list[dict]:
+    keys = OWN_LOGGED[kind]
+    return [{k: h[k] for k in keys} for h in trainer.state.log_history if "loss" in h]
+
+
+def _own_losses_run(rank, world, directory):
+    from trl import DPOTrainer
+
+    dft = _pipelined_sft(_dft_args(f"{directory}/dft"), _sft_data())
+    dpo = _dpo(
+        px.pipelined(DPOTrainer),
+        f"{directory}/dpo",
+        layer_cls=llama()[1],
+        pipeline=px.PipelineConfig(num_microbatches=2),
+    )
+    for trainer in (dft, dpo):
+        trainer.train()
+    return {"dft": _own_logs(dft, "dft"), "dpo": _own_logs(dpo, "dpo")}
+
+
+def test_trl_trainers_with_their_own_losses_log_as_trl_does(tmp_path):
+    """TRL's ``SFTTrainer`` with ``loss_type="dft"`` (each token's negative log-likelihood
+    weighted by its probability) and ``DPOTrainer`` with LoRA run TRL's ``compute_loss`` on the
     pipeline's outputs (see [Note: a trainer's own loss on the pipeline]): the same losses,
-    grad norms and TRL's metrics (entropy, token accuracy) as TRL in one process."""
-    reference = _sft_reference(_dft_args(str(tmp_path / "reference")), _sft_data())
-    reference.train()
-    want = [{k: h[k] for k in SFT_LOGGED} for h in reference.state.log_history if "loss" in h]
-    for logs in run_ranks(2, _dft_run, str(tmp_path), timeout=300):
-        assert len(logs) == len(want) == 3
-        for got, ref in zip(logs, want, strict=True):
-            for k in SFT_LOGGED:
-                assert got[k] == pytest.approx(ref[k], rel=1e-5, abs=1e-7), (k, got, ref)
+    grad norms and TRL's metrics (entropy, token accuracy; DPO's reward margins and accuracies,
+    the chosen completions' log-probabilities) as TRL in one process."""
+    from trl import DPOTrainer
+
+    dft = _sft_reference(_dft_args(str(tmp_path / "dft")), _sft_data())
+    dpo = _dpo(DPOTrainer, str(tmp_path / "dpo"))
+    for reference in (dft, dpo):
+        reference.train()
+    want = {"dft": _own_logs(dft, "dft"), "dpo": _own_logs(dpo, "dpo")}
+    assert any(h["rewards/margins"] != 0 for h in want["dpo"])
+    for runs in run_ranks(2, _own_losses_run, str(tmp_path), timeout=300):
+        for kind, logs in runs.items():
+            assert len(logs) == len(want[kind]) == 3
+            for got, ref in zip(logs, want[kind], strict=True):
+                for k in OWN_LOGGED[kind]:
+                    assert got[k] == pytest.approx(ref[k], rel=1e-5, abs=1e-6), (kind, k, got, ref)

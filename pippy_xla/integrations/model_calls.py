@@ -55,11 +55,13 @@ def per_token(logits: torch.Tensor, labels: torch.Tensor, temperature: float) ->
     fields = {
         "log_probs": picked,
         "entropy": -(logp.exp() * logp).sum(-1),
-        "is_top1": (scaled.argmax(-1) == targets).float(),
+        "is_top1": scaled.argmax(-1) == targets,
         "log_sum_sq_probs": torch.logsumexp(2 * logp, dim=-1),
         "mean_logits": scaled.mean(-1),
     }
-    return {k: v.masked_fill(~mask, 0) for k, v in fields.items()}
+    return {
+        k: v.masked_fill(~mask, False if v.dtype == torch.bool else 0) for k, v in fields.items()
+    }
 
 
 class ModelCalls:
@@ -193,15 +195,16 @@ def _loss(runner, loss_fn):
 
 def _from_last(pipe, outputs: dict | None) -> dict[str, torch.Tensor]:
     """The last stage's ``outputs`` on every rank of the pipeline: their shapes and dtypes,
-    then each tensor, broadcast from the last rank."""
+    then each tensor, broadcast from the last rank (flags as bytes)."""
     header = [None if outputs is None else {k: (v.shape, v.dtype) for k, v in outputs.items()}]
     dist.broadcast_object_list(header, group_src=pipe.last_rank, group=pipe.group)
     result = {}
     for name, (shape, dtype) in header[0].items():
-        t = outputs[name] if outputs is not None else torch.empty(shape, dtype=dtype)
-        t = t.detach().to(pipe.device).contiguous()
+        wire = torch.uint8 if dtype == torch.bool else dtype
+        t = outputs[name] if outputs is not None else torch.empty(shape, dtype=wire)
+        t = t.detach().to(pipe.device, wire).contiguous()
         dist.broadcast(t, group_src=pipe.last_rank, group=pipe.group)
-        result[name] = t
+        result[name] = t.to(dtype)
     return result
 
 
