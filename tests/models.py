@@ -375,16 +375,65 @@ def gemma3(attn: str | None = None, layers: int = 4) -> tuple[nn.Module, None]:
     return Gemma3ForConditionalGeneration(cfg), None
 
 
-def image_batch(seed: int, batch: int = 8, seq: int = 16, pad: bool = True) -> dict:
-    """:func:`make_batch` with an image per row: ``pixel_values`` and, after the first token,
-    one image token per patch (their labels -100)."""
-    out = make_batch(seed, batch, seq, pad)
+def llava_onevision(attn: str | None = None, layers: int = 4) -> tuple[nn.Module, None]:
+    """LLaVA-OneVision: a SigLIP tower over each image's tiles (any-resolution: the base image
+    and a grid of crops, here one), unpadded to the image's size, with a learned newline row
+    (``image_newline``, a parameter of the model itself) before a Qwen2."""
+    from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration
+
+    text = {**_TINY, "model_type": "qwen2", "num_hidden_layers": layers}
+    cfg = LlavaOnevisionConfig(
+        vision_config=_siglip().to_dict(),
+        text_config=text,
+        image_token_index=IMAGE_TOKEN,
+        image_grid_pinpoints=[[IMAGE_SIDE, IMAGE_SIDE]],
+        vision_feature_layer=-1,
+    )
+    _set_attn(cfg, attn)
+    return LlavaOnevisionForConditionalGeneration(cfg), None
+
+
+def idefics3(attn: str | None = None, layers: int = 4) -> tuple[nn.Module, None]:
+    """Idefics3 (SmolVLM): its own vision transformer, a pixel-shuffle connector (4 patches to
+    one token) before a Llama; images per row with a pixel mask; its feature method returns a
+    list of each image's rows (the pipeline joins them)."""
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration
+
+    vision = {**_siglip().to_dict(), "model_type": "idefics3_vision", "image_size": 2 * IMAGE_SIDE}
+    text = {**_TINY, "model_type": "llama", "num_hidden_layers": layers}
+    cfg = Idefics3Config(
+        vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN, scale_factor=2
+    )
+    _set_attn(cfg, attn)
+    return Idefics3ForConditionalGeneration(cfg), None
+
+
+IMAGES = {
+    "llava_onevision": ((2, 3, IMAGE_SIDE, IMAGE_SIDE), 10),
+    "idefics3": ((1, 3, 2 * IMAGE_SIDE, 2 * IMAGE_SIDE), 4),
+}
+"""Per family whose images are not :func:`image_batch`'s: a row's ``pixel_values`` shape and its
+image tokens (LLaVA-OneVision: the base image and one crop, 4 + 4 features and 2 newlines;
+Idefics3: 16 patches shuffled into 4 tokens)."""
+
+
+def image_batch(
+    seed: int,
+    batch: int = 8,
+    seq: int = 16,
+    pad: bool = True,
+    row: tuple[int, ...] = (3, IMAGE_SIDE, IMAGE_SIDE),
+    tokens: int = PATCHES,
+) -> dict:
+    """:func:`make_batch` with an image per row: ``pixel_values`` (each row's of shape
+    ``row``) and, after the first token, ``tokens`` image tokens (their labels -100)."""
+    out = make_batch(seed, batch, max(seq, tokens + 8), pad)
     ids = out["input_ids"].clamp(max=IMAGE_TOKEN - 1)
-    ids[:, 1 : 1 + PATCHES] = IMAGE_TOKEN
+    ids[:, 1 : 1 + tokens] = IMAGE_TOKEN
     out["input_ids"] = ids
     out["labels"] = ids.masked_fill((out["attention_mask"] == 0) | (ids == IMAGE_TOKEN), -100)
     g = torch.Generator().manual_seed(seed)
-    out["pixel_values"] = torch.randn(batch, 3, IMAGE_SIDE, IMAGE_SIDE, generator=g)
+    out["pixel_values"] = torch.randn(batch, *row, generator=g)
     return out
 
 
@@ -392,18 +441,27 @@ INPUT_NAMES = {
     "llava": ("input_ids", "pixel_values", "attention_mask"),
     "paligemma": ("input_ids", "pixel_values", "attention_mask", "token_type_ids"),
     "gemma3": ("input_ids", "pixel_values", "attention_mask", "token_type_ids"),
+    "llava_onevision": ("input_ids", "pixel_values", "attention_mask", "image_sizes"),
+    "idefics3": ("input_ids", "pixel_values", "attention_mask", "pixel_attention_mask"),
 }
 """The batch inputs of families whose batch holds more than token ids and a mask."""
 
 
 def family_batch(family: str, seed: int, **kw) -> dict:
-    """The batch a family trains on (:func:`image_batch` for the vision-language ones; with
-    ``token_type_ids`` where the family takes them: PaliGemma's 0 on the image and a 3-token
-    prompt and 1 on the rest, Gemma 3's 1 on the image's tokens)."""
+    """The batch a family trains on (:func:`image_batch` for the vision-language ones, with the
+    inputs the family adds: PaliGemma's ``token_type_ids`` 0 on the image and a 3-token prompt
+    and 1 on the rest, Gemma 3's 1 on the image's tokens, LLaVA-OneVision's ``image_sizes``,
+    Idefics3's ``pixel_attention_mask``)."""
     if family not in INPUT_NAMES:
         return make_batch(seed, **kw)
-    out = image_batch(seed, **kw)
-    if family == "paligemma":
+    row, tokens = IMAGES.get(family, ((3, IMAGE_SIDE, IMAGE_SIDE), PATCHES))
+    out = image_batch(seed, row=row, tokens=tokens, **kw)
+    rows = out["input_ids"].shape[0]
+    if family == "llava_onevision":  # each image's size (height, width)
+        out["image_sizes"] = torch.tensor([[IMAGE_SIDE, IMAGE_SIDE]] * rows)
+    elif family == "idefics3":  # no padding in the images
+        out["pixel_attention_mask"] = torch.ones(rows, *row[:1], *row[2:], dtype=torch.bool)
+    elif family == "paligemma":
         types = torch.ones_like(out["input_ids"])
         types[:, : 1 + PATCHES + 3] = 0
         out["token_type_ids"] = types
@@ -432,6 +490,8 @@ MODELS = {
     "llava": llava,
     "paligemma": paligemma,
     "gemma3": gemma3,
+    "llava_onevision": llava_onevision,
+    "idefics3": idefics3,
 }
 
 

@@ -18,6 +18,7 @@ from models import INPUT_NAMES, MODELS, family_batch, pipeline, reference_step
 from transformers.models.gemma.modeling_gemma import GemmaDecoderLayer
 from transformers.models.gemma3.modeling_gemma3 import Gemma3DecoderLayer
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 
 import pippy_xla as px
 from pippy_xla.split.partition import layer_classes
@@ -33,6 +34,8 @@ STACKS = {
     "llava": ((LlamaDecoderLayer,), "model.language_model.layers."),
     "paligemma": ((GemmaDecoderLayer,), "model.language_model.layers."),
     "gemma3": ((Gemma3DecoderLayer,), "model.language_model.layers."),
+    "llava_onevision": ((Qwen2DecoderLayer,), "model.language_model.layers."),
+    "idefics3": ((LlamaDecoderLayer,), "model.text_model.layers."),
 }
 """The layer classes and names of the families built without ``layer_cls``: the text model's."""
 
@@ -65,6 +68,9 @@ NOTES = {
     "token_type_ids",
     "gemma3": "masks of two layer types from one factory (a dict), image tokens attending to "
     "each other (token_type_ids), a pooling projector",
+    "llava_onevision": "image tiles, features unpadded by image_sizes, a newline parameter of "
+    "the model itself",
+    "idefics3": "pixel attention mask, pixel-shuffle connector, features as a list per image",
 }
 
 # Tensors sent per boundary on 2 ranks where it is not the hidden state alone: MoE router losses
@@ -87,6 +93,8 @@ FOUR_RANKS = [
     ("llava", "1f1b", 4),
     ("paligemma", "zbh1", 4),
     ("gemma3", "interleaved", 8, 4),
+    ("llava_onevision", "1f1b", 4),
+    ("idefics3", "gpipe", 4),
 ]
 
 # Hybrids on every schedule that splits the backward (2 ranks; padded rows in every batch).
@@ -134,11 +142,15 @@ def _family(rank, world, family, schedule="1f1b", layers=4, mbs=2):
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
-    # Each rank holds its own stages' layers and no other's.
+    # Each rank holds its own stages' layers and no other's; every parameter is some rank's.
     mine = {k for st in pipe.local_stages for k in st.layers}
     params = [n for n, _ in pipe.named_parameters()]
     held = {k for k, ln in enumerate(layer_names) if any(n.startswith(ln + ".") for n in params)}
     assert held == mine, (family, held, mine)
+    everyone = [None] * world
+    torch.distributed.all_gather_object(everyone, params)
+    unheld = {n for n, _ in ref.named_parameters()} - {n for names in everyone for n in names}
+    assert not unheld, (family, sorted(unheld))
     return {
         "model": type(model).__name__,
         "layer": ", ".join(f"`{c.__name__}`" for c in classes),

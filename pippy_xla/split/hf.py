@@ -38,6 +38,7 @@ __all__ = [
     "META_ONLY_MASK_KWARGS",
     "REF_ATTR",
     "call_features",
+    "cat_features",
     "call_recording",
     "deliver",
     "encoder_children",
@@ -433,7 +434,13 @@ every such model one entry point per modality, ``get_image_features`` (video, au
 Python iterates over the batch (``list(image_features)``) and so cannot be traced for every batch
 size. While tracing, that method is a leaf (:func:`call_features`): one call on the first stage,
 run as the model's own Python, reading the owner's children that hold no decoder layer (the vision
-tower and projector), whose parameters are the first stage's. The owner itself (which holds the
+tower and projector) and the owner's own parameters (LLaVA-OneVision's ``image_newline``, appended
+to each image's rows of features), which are the first stage's. The method's pooled features are a
+list of each image's rows in some families and a tensor in others, and the model's Python branches
+on which (``isinstance(features, (list, tuple))``: Idefics3), which the trace cannot follow (a
+proxy is neither); so :func:`call_features` returns them as one tensor (the images' rows, in
+order), and the trace's ``torch.cat(features, dim=0)`` of them (Llava's) is
+:func:`cat_features`, which keeps a tensor as it is. The owner itself (which holds the
 language model too) reaches the graph through a :class:`ModuleRef`, which owns no parameters.
 """
 
@@ -456,9 +463,21 @@ class ModuleRef:
 def call_features(
     ref: ModuleRef, method: str, used: tuple[nn.Module, ...], *args: Any, **kwargs: Any
 ) -> Any:
-    """``ref.module.<method>(*args, **kwargs)``, the model's own Python; ``used`` are the modules
-    it runs, held by the stage (see [Note: encoders of other modalities])."""
-    return getattr(type(ref.module), method)(ref.module, *args, **kwargs)
+    """``ref.module.<method>(*args, **kwargs)``, the model's own Python, its pooled features one
+    tensor (see [Note: encoders of other modalities]); ``used`` are the modules it runs and the
+    parameters it reads, held by the stage."""
+    out = getattr(type(ref.module), method)(ref.module, *args, **kwargs)
+    pooled = getattr(out, "pooler_output", None)
+    if isinstance(pooled, (list, tuple)) and pooled:
+        with contextlib.suppress(TypeError, RuntimeError):  # not tensors of one width: as is
+            out.pooler_output = torch.cat(list(pooled), dim=0)
+    return out
+
+
+def cat_features(features: Any, dim: int = 0) -> torch.Tensor:
+    """``torch.cat(features, dim)`` where ``features`` are a feature method's pooled output,
+    one tensor already at run time (see [Note: encoders of other modalities])."""
+    return features if isinstance(features, torch.Tensor) else torch.cat(features, dim=dim)
 
 
 def feature_owners(model: nn.Module, layers: Sequence[nn.Module]) -> list[tuple[str, nn.Module]]:

@@ -317,10 +317,10 @@ class _Tracer(fx.Tracer):
     def _same_meta_as_first(self, node: fx.Node) -> bool:
         for shape in _SAMPLE_SHAPES:
             try:
-                out = self._sample_for(node, shape)
                 first = self._sample_for(node.args[0], shape)
+                out = self._sample_for(node, shape)
             except _NoSample:
-                return False
+                out = self._masked_sample(node, shape)
             if not (
                 isinstance(out, torch.Tensor)
                 and isinstance(first, torch.Tensor)
@@ -329,6 +329,22 @@ class _Tracer(fx.Tracer):
             ):
                 return False
         return True
+
+    def _masked_sample(self, node: fx.Node, shape: tuple[int, int]) -> torch.Tensor | None:
+        """The metadata of ``x.masked_scatter(mask, source)`` or ``x.masked_fill(mask, value)``
+        from ``x``'s and ``mask``'s samples alone (``x`` broadcast with ``mask``, in ``x``'s
+        dtype) where the source has none: image features, whose vision tower reads sizes from
+        the batch's values (LLaVA-OneVision's ``image_sizes``)."""
+        if node.target.rstrip("_") not in ("masked_scatter", "masked_fill") or len(node.args) < 2:
+            return None
+        try:
+            first, mask = (self._sample_for(a, shape) for a in node.args[:2])
+        except _NoSample:
+            return None
+        if not (isinstance(first, torch.Tensor) and isinstance(mask, torch.Tensor)):
+            return None
+        meta = torch.broadcast_shapes(first.shape, mask.shape)
+        return torch.empty(meta, dtype=first.dtype, device="meta")
 
     def sample_keys(self, obj: fx.Proxy) -> tuple[Any, ...] | None:
         """The keys of ``obj``'s sample value if it is a dict with the same keys for every
@@ -402,6 +418,8 @@ class _Tracer(fx.Tracer):
                 return node.target(*args, **kwargs)
         if node.op == "call_function":
             return node.target(*args, **kwargs)
+        if node.op == "call_method" and node.target == "to" and _is_meta(args[0]):
+            return _meta_to(args[0], args[1:], kwargs)
         if node.op == "call_method":
             return getattr(args[0], node.target)(*args[1:], **kwargs)
         if node.op == "call_module":
@@ -505,6 +523,23 @@ def _on_meta(mod: nn.Module) -> Any:
     return torch.nn.utils.stateless._reparametrize_module(mod, meta)
 
 
+def _is_meta(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_meta
+
+
+def _meta_to(sample: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+    """``sample.to(*args, **kwargs)`` kept on the meta device: its dtype follows, a device does
+    not (Idefics3 moves the token embeddings to the image features' device: a copy out of a meta
+    tensor)."""
+    dtype = kwargs.get("dtype")
+    for a in (*args, kwargs.get("other")):
+        if isinstance(a, torch.dtype):
+            dtype = a
+        elif isinstance(a, torch.Tensor):
+            dtype = a.dtype
+    return sample if dtype is None else sample.to(dtype)
+
+
 def _placeholder_sample(row: tuple[int, ...] | None, shape: tuple[int, int]) -> torch.Tensor:
     if row is None:  # token ids (or a mask) of the sample shape
         return torch.ones(shape, dtype=torch.long, device="meta")
@@ -538,6 +573,7 @@ def _feature_leaves(root: _Root, tracer: fx.Tracer, layer_cls: tuple[type[nn.Mod
             setattr(root, ref, hf.ModuleRef(owner))
             prefix = ROOT_PREFIX + (f"{name}." if name else "")
             used = [prefix + c for c in hf.encoder_children(owner, layers)]
+            used += [prefix + n for n, _ in owner.named_parameters(recurse=False)]
             for method in hf.FEATURE_METHODS:
                 if callable(getattr(type(owner), method, None)):
                     vars(owner)[method] = _feature_leaf(tracer, ref, method, used)
@@ -567,6 +603,7 @@ def _trace(
         ):
             graph = tracer.trace(root)
             tracer.mark_self_meta(graph)
+            _join_features(graph)
             _thread_mutations(graph)
             return _canonical(graph)
     except UnsupportedModelError:
@@ -579,6 +616,29 @@ def _trace(
     finally:
         for m, mode in modes:
             m.training = mode
+
+
+def _join_features(graph: fx.Graph) -> None:
+    """``torch.cat(features, dim)`` of a feature method's pooled output becomes
+    :func:`hf.cat_features` (see [Note: encoders of other modalities])."""
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target is torch.cat and _of_features(n.args[0]):
+            dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)
+            n.target, n.args, n.kwargs = hf.cat_features, (n.args[0], dim), {}
+
+
+def _of_features(value: Any) -> bool:
+    """Whether ``value`` is a node read from a feature method's output (an attribute or item
+    of it, a few steps away)."""
+    for _ in range(3):
+        if not isinstance(value, fx.Node):
+            return False
+        if value.op == "call_function" and value.target is hf.call_features:
+            return True
+        if value.op != "call_function" or value.target not in (getattr, operator.getitem):
+            return False
+        value = value.args[0]
+    return False
 
 
 @contextlib.contextmanager
