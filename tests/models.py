@@ -270,6 +270,14 @@ TINY_FAMILIES = {
     "qwen3_next": {**_LINEAR, **_MOE, "shared_expert_intermediate_size": 32},
     # Two decoder-layer classes in one ModuleList (attention and linear attention).
     "olmo_hybrid": {},
+    # Recurrent (RG-LRU) and local-attention blocks; the embedding scaled by a buffer cast to a
+    # traced dtype (`normalizer.type(hidden_states.dtype)`).
+    "recurrent_gemma": {
+        "lru_width": 64,
+        "attention_window_size": 8,
+        "num_key_value_heads": 1,
+        "block_types": ["recurrent", "attention"],
+    },
     # Per-layer input embeddings, a rotary table per layer type, proportional rotary.
     "gemma4_text": {
         **_WINDOW,

@@ -63,6 +63,8 @@ NOTES = {
     "qwen3_next": "recurrent padding mask, MoE, 3-D rotary positions",
     "olmo_hybrid": "two decoder-layer classes in one ModuleList",
     "gemma4_text": "per-layer input embeddings, len() of traced shapes",
+    "recurrent_gemma": "recurrent (RG-LRU) and local-attention blocks, a buffer cast to a traced "
+    "dtype",
     "llava": "vision tower and projector on the first stage, pixel_values in the batch",
     "paligemma": "vocabulary of the text config (not the top-level one), prefix-LM mask from "
     "token_type_ids",
@@ -89,6 +91,7 @@ FOUR_RANKS = [
     ("qwen3_5_moe_text", "zbv", 8, 4),
     ("qwen3_next", "1f1b", 4),
     ("gemma4_text", "1f1b", 4),
+    ("recurrent_gemma", "zbh1", 4),
     ("olmo_hybrid", "gpipe", 4),
     ("llava", "1f1b", 4),
     ("paligemma", "zbh1", 4),

@@ -598,6 +598,7 @@ def _trace(
         with (
             hf.patch_mask_functions(model, getattr(root, hf.MASKS_ATTR)),
             _traced_finfo(),
+            _traced_tensor_type(tracer),
             hf.recorded_traced_checks(),
             _feature_leaves(root, tracer, layer_cls),
         ):
@@ -639,6 +640,25 @@ def _of_features(value: Any) -> bool:
             return False
         value = value.args[0]
     return False
+
+
+@contextlib.contextmanager
+def _traced_tensor_type(tracer: fx.Tracer) -> Any:
+    """``tensor.type(dtype)`` of a tensor that is not traced (a buffer: fx does not proxy them)
+    to a traced dtype is recorded as ``tensor.to(dtype)`` inside the block (RecurrentGemma's
+    ``self.normalizer.type(hidden_states.dtype)``)."""
+    real = torch.Tensor.type
+
+    def traced(self: torch.Tensor, dtype: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(dtype, fx.Proxy):
+            return tracer.create_proxy("call_method", "to", (self, dtype), {})
+        return real(self) if dtype is None else real(self, dtype, *args, **kwargs)
+
+    torch.Tensor.type = traced  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.type = real  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
