@@ -210,6 +210,17 @@ def _mesh_run(rank, world, directory):
     trainer.train()
     metrics = trainer.evaluate()
     trainer.save_model(f"{directory}/mesh-model")
+    with pytest.raises(ValueError, match="PipelineTrainer cannot run") as refused:
+        px.PipelineTrainer(
+            model=llama()[0],
+            args=_args(
+                f"{directory}/own", per_device_train_batch_size=2, label_smoothing_factor=0.1
+            ),
+            train_dataset=_Rows(1, seed=0),
+            pipeline=px.PipelineConfig(num_microbatches=2),
+            mesh=mesh,
+        )
+    assert "data-parallel replicas" in str(refused.value) and "\n" not in str(refused.value)
     return _logs(trainer), metrics, trainer.state.train_batch_size
 
 
@@ -219,7 +230,8 @@ def test_pipeline_trainer_on_a_data_x_pipeline_mesh_trains_as_one_process_with_t
     """dp=2 x pp=2: each replica takes the share of the global batch that HF's sharded loader
     gives a DDP rank; the logs, the eval loss and ``compute_metrics`` (batches of 8 and 4 rows,
     each replica's logits gathered) and the saved weights equal the Trainer's in one process with
-    the global batch (2 rows per replica: 4)."""
+    the global batch (2 rows per replica: 4). A loss of the trainer's own (label smoothing) is
+    refused on the mesh, in one line."""
     from transformers import AutoModelForCausalLM
 
     reference = _reference(str(tmp_path / "reference"), **_metrics_options())

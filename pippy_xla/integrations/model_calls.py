@@ -70,11 +70,7 @@ class ModelCalls:
     pipeline, then :meth:`flush` after the trainer's backward."""
 
     def __init__(self, pipe, model, temperature: float) -> None:
-        if pipe.dp_size > 1:
-            raise ValueError(
-                "a trainer that computes its loss outside the model (TRL's GRPOTrainer, ...) runs "
-                "on a pipeline without data-parallel replicas for now: pass mesh=None"
-            )
+        assert pipe.dp_size == 1, "refused at construction: see PipelineTrainer's _check_args"
         self.pipe = pipe
         self.model = model
         """The HF model (its ``loss_function`` for a plain call given labels)."""

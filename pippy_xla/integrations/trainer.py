@@ -147,9 +147,14 @@ class _Stages(nn.Module):
             p.grad = None
 
 
-def _check_args(trainer, config) -> None:
+def _check_args(trainer, config, mesh) -> None:
     """One line for each option the pipeline cannot honour (see the note above)."""
     args, problems = trainer.args, []
+    if _replicas(mesh) > 1 and not _own_loss(trainer):
+        problems.append(
+            "a loss of its own (its compute_loss, compute_loss_func or label smoothing) on a "
+            "mesh with data-parallel replicas (not supported yet: pass mesh=None)"
+        )
     if getattr(args, "deepspeed", None):
         problems.append("deepspeed (the pipeline partitions the model itself)")
     if getattr(args, "fsdp", None):
@@ -229,7 +234,7 @@ def _init(self, *args, layer_cls=None, pipeline=None, mesh=None, **kwargs) -> No
     self.pipe = None  # built below, from the model the wrapped class's constructor ends with
     _generation_batch_per_replica(kwargs.get("args"), mesh)
     self._pipelined.__init__(self, *args, **kwargs)  # the wrapped class's own
-    _check_args(self, config)
+    _check_args(self, config, mesh)
     # Run on the last stage, before the logits leave it (HF's loop would run it on every rank).
     self._preprocess_on_last, self.preprocess_logits_for_metrics = (
         self.preprocess_logits_for_metrics,
@@ -298,9 +303,14 @@ def _generation_batch_per_replica(args, mesh) -> None:
     if gen is None or steps is None:
         return
     per_process = args.per_device_train_batch_size * steps
-    replicas = 1 if mesh is None else mesh["dp"].size()
     if gen == per_process * args.world_size:
-        args.generation_batch_size = per_process * replicas
+        args.generation_batch_size = per_process * _replicas(mesh)
+
+
+def _replicas(mesh) -> int:
+    """The data-parallel replicas of a ``PipelineModel`` mesh (its ``"dp"`` dimension)."""
+    names = () if mesh is None else mesh.mesh_dim_names or ()
+    return mesh["dp"].size() if "dp" in names else 1
 
 
 def _seed_per_replica(trainer) -> None:
