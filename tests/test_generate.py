@@ -6,7 +6,16 @@ import copy
 
 import pytest
 import torch
-from models import MODELS, VOCAB, llama, make_batch, needs_hf_tensor_parallel, tiny
+from models import (
+    INPUT_NAMES,
+    MODELS,
+    VOCAB,
+    family_batch,
+    llama,
+    make_batch,
+    needs_hf_tensor_parallel,
+    tiny,
+)
 from test_pipeline import LOSS_TOL
 from torch import nn
 
@@ -140,6 +149,61 @@ _OPTIONS = {"falcon_alibi": {"cache_implementation": "dynamic"}}
 def test_generate_equal_hf_two_ranks():
     out = run_ranks(2, _families, FAMILIES, timeout=600)
     assert out == [_all_equal(FAMILIES)] * 2
+
+
+IMAGE_FAMILIES = ("llava", "llava_onevision", "idefics3")
+"""Vision-language families whose prompts' images are a row each (HF's ``pixel_values`` and
+LLaVA-OneVision's ``image_sizes``, Idefics3's ``pixel_attention_mask``)."""
+
+
+def _image_prompts(family: str, seed: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Prompts whose image tokens follow the first token, one left-padded by 2, and the rows'
+    images."""
+    batch = family_batch(family, seed=seed, pad=False)
+    ids = batch["input_ids"][:4, :14]
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    names = [k for k in INPUT_NAMES[family] if k not in ("input_ids", "attention_mask")]
+    return ids, mask, {k: batch[k][:4] for k in names}
+
+
+def _with_images(rank, world) -> dict[str, list[bool]]:
+    out = {}
+    for family in IMAGE_FAMILIES:
+        torch.manual_seed(0)
+        model, _ = MODELS[family]()
+        model.eval()
+        ref = copy.deepcopy(model)
+        pipe = px.PipelineModel(
+            model, num_microbatches=2, timeout=60, input_names=INPUT_NAMES[family]
+        )
+        equal = []
+        for seed, groups in ((3, None), (4, 1)):  # other images: the same prefill graphs
+            ids, mask, images = _image_prompts(family, seed)
+            opts = {"max_new_tokens": 4, "do_sample": False}
+            want = ref.generate(input_ids=ids, attention_mask=mask, **opts, **images)
+            got = pipe.generate(ids, mask, groups=groups, **opts, **images)
+            equal.append(torch.equal(got, want))
+        other = {k: v * 3 + 1 if v.is_floating_point() else v for k, v in images.items()}
+        changed = ref.generate(input_ids=ids, attention_mask=mask, **opts, **other)
+        assert not torch.equal(changed, want), family  # the tokens depend on the images
+        ids, mask, images = _image_prompts(family, 3)
+        with pytest.raises(ValueError, match="a row per prompt"):
+            pipe.generate(ids, mask, max_new_tokens=2, pixel_values=images["pixel_values"][:1])
+        with pytest.raises(ValueError, match="prefill_chunk_size"):
+            pipe.generate(ids, mask, max_new_tokens=2, prefill_chunk_size=4, **images)
+        out[family] = equal
+    return out
+
+
+def test_generate_with_images_equal_hf_two_ranks():
+    """Vision-language models generate from prompts with images as HF's ``generate`` does (the
+    vision tower in the prefill only; see [Note: images in the prefill]): greedy tokens equal
+    to HF's in one process (changing the images changes them), with as many groups as ranks
+    and with one; images of other than a row per prompt, and chunked prefill with images, are
+    refused on every rank."""
+    out = run_ranks(2, _with_images, timeout=600)
+    assert out == [{f: [True, True] for f in IMAGE_FAMILIES}] * 2
 
 
 def _meta_built(rank, world) -> bool:

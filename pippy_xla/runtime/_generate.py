@@ -139,6 +139,7 @@ from pippy_xla.runtime._recompile import RecompileWatch
 from pippy_xla.runtime.failures import FailureState
 from pippy_xla.split.emit import StageGraph
 from pippy_xla.split.generation import (
+    PROMPT_INPUTS,
     GenerationSettings,
     check_can_generate,
     early_init,
@@ -227,6 +228,9 @@ class Generator:
         self.place = runner.place
         self.failures: FailureState = runner.failures
         self.stages: list[StageGraph] | None = None
+        self.image_stages: dict[tuple[str, ...], list[StageGraph]] = {}
+        """The prefill's generation graphs for each set of image inputs (see [Note: images in
+        the prefill])."""
         self.engines: dict[tuple, _C.Engine] = {}
         """The prefill engine of each group count and the decode engine of each (group sizes,
         window); see [Note: generation data flow]."""
@@ -315,34 +319,57 @@ class Generator:
         self.caches = {}
         self.decode_runs = []
         ids, mask = _check_prompts(input_ids, attention_mask)
+        kwargs, images = _prompt_images(kwargs, ids.shape[0])
         if ids.shape[0] % place.dp_size:
             raise ValueError(
                 f"generate got {ids.shape[0]} prompts, not a multiple of the data-parallel size "
                 f"{place.dp_size}: each replica generates for an equal share of the rows; pass "
                 f"a multiple of {place.dp_size} prompts"
             )
-        self._agree(ids, mask, generation_config, {**kwargs, "groups": groups})  # on the CPU
+        options = {**kwargs, "groups": groups}
+        self._agree(ids, mask, generation_config, options, images)  # on the CPU
         rows = replica_rows(ids.shape[0], place.dp_rank, place.dp_size)
         ids, mask = ids[rows].to(place.device), mask[rows].to(place.device)
+        images = {k: v[rows].to(place.device) for k, v in images.items()}
         settings = prepare_generation(self.model, ids, generation_config, kwargs)
+        if images and settings.config.prefill_chunk_size is not None:
+            raise ValueError("generate with images takes no prefill_chunk_size yet")
         if self.runner.tp is not None and settings.config.do_sample:
             self._same_random_state()
         self._setup()
         dp = self.runner.dp
         if dp is None:
-            return self._generate(ids, mask, settings, groups)
+            return self._generate(ids, mask, settings, groups, images)
         # See [Note: generation on a mesh].
         self.failures.watched("data-parallel all-gather", dp.unshard)
         try:
-            out = self._generate(ids, mask, settings, groups)
+            out = self._generate(ids, mask, settings, groups, images)
         finally:
             dp.after_eval()
         return self._gather(out, rows, input_ids.shape[0], settings)
 
+    def _prefill_stages(self, names: tuple[str, ...]) -> list[StageGraph]:
+        """The generation graphs whose prefill takes the prompts' images ``names`` too (see
+        [Note: images in the prefill]), made at the first ``generate`` with them."""
+        if not names:
+            return self.stages
+        if names not in self.image_stages:
+            layer_ranges = [(st.layers[0], st.layers[-1] + 1) for st in self.runner.stages]
+            self.image_stages[names] = generation_stages(
+                self.model, self.layer_cls, layer_ranges, self.place.device.type, names
+            )
+        return self.image_stages[names]
+
     def _generate(
-        self, ids: torch.Tensor, mask: torch.Tensor, settings: GenerationSettings, groups: int
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        settings: GenerationSettings,
+        groups: int,
+        images: dict[str, torch.Tensor],
     ) -> torch.Tensor:
-        """The sequences of prompts ``ids`` (this replica's), on every rank of the pipeline."""
+        """The sequences of prompts ``ids`` (this replica's, with their ``images``), on every
+        rank of the pipeline."""
         positions = self.model._prepare_position_ids_for_generation(ids, {"attention_mask": mask})
         rows = [len(r) for r in torch.arange(ids.shape[0]).tensor_split(min(groups, ids.shape[0]))]
         caches = self.caches = self._caches(settings, rows)
@@ -350,8 +377,9 @@ class Generator:
         if self.place.rank == self.runner.last_rank:
             samplers = [_Sampler(settings, part) for part in ids.split(rows)]
         state = _Groups(rows, mask, positions)
-        inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
-        ids = self._prefill(inputs, state, caches, samplers, settings.config.prefill_chunk_size)
+        inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": positions, **images}
+        chunk = settings.config.prefill_chunk_size
+        ids = self._prefill(inputs, state, caches, samplers, chunk, tuple(images))
         while ids.shape[1] < settings.max_length:
             live = state.live(settings.has_eos)
             if not live:
@@ -422,13 +450,14 @@ class Generator:
         batch["attention_mask"] = nn.functional.pad(mask, (0, self.mask_length - mask.shape[1]))
         batch["input_ids"] = batch["input_ids"].clone(memory_format=torch.contiguous_format)
 
-    def _agree(self, ids, mask, generation_config, kwargs) -> None:
-        """The step handshake for a ``generate`` call: prompts, mask and options."""
+    def _agree(self, ids, mask, generation_config, kwargs, images) -> None:
+        """The step handshake for a ``generate`` call: prompts, mask, images and options."""
         options = repr(generation_config.to_dict() if generation_config is not None else None)
         options += repr(sorted(kwargs.items()))
         batch = {
             "input_ids": ids,
             "attention_mask": mask,
+            **images,
             "generation_options": torch.tensor([digest64(options.encode())]),
         }
         key, contents = step_key("generate", batch, True)
@@ -467,10 +496,12 @@ class Generator:
         caches: dict[int, list[Any]],
         samplers: list[_Sampler] | None,
         chunk: int | None,
+        images: tuple[str, ...] = (),
     ) -> torch.Tensor:
         """The prompts through a forward schedule, a microbatch per group and prompt chunk (HF's
-        ``prefill_chunk_size``; the whole prompt without one); the sequences with their first
-        new token, on every rank."""
+        ``prefill_chunk_size``; the whole prompt without one), with the prompts' ``images``
+        inputs (in the graphs that take them, eager); the sequences with their first new
+        token, on every rank."""
         rows = state.rows
         length = inputs["input_ids"].shape[1]
         ends = list(range(chunk, length, chunk)) + [length] if chunk else [length]
@@ -484,7 +515,7 @@ class Generator:
         )
         logits: dict[int, torch.Tensor] = {}
         parts = {k: v.split(rows) for k, v in inputs.items()}
-        stages, last = self.stages, len(self.stages) - 1
+        stages, last = self._prefill_stages(images), len(self.stages) - 1
 
         def forward(stage: int, mb: int, received: list[torch.Tensor]):
             c, g = divmod(mb, n)  # chunk-major: each group's chunks reach a stage in order
@@ -493,8 +524,9 @@ class Generator:
                 "input_ids": parts["input_ids"][g][:, s:e],
                 "attention_mask": parts["attention_mask"][g][:, :e],  # as HF's chunked prefill
                 "position_ids": parts["position_ids"][g][:, s:e],
+                **{k: parts[k][g] for k in images},
             }
-            run = self._module("prefill", stage)
+            run = stages[stage].module if images else self._module("prefill", stage)
             out = run(*(batch[k] for k in stages[stage].batch_inputs), *received, caches[stage][g])
             if stage != last:
                 return out
@@ -633,6 +665,20 @@ def cache_bytes(caches: dict[int, list[Any]]) -> int:
             if getattr(layer, "is_initialized", False):
                 seen[id(layer)] = layer
     return sum(t.numel() * t.element_size() for la in seen.values() for t in (la.keys, la.values))
+
+
+def _prompt_images(kwargs: dict[str, Any], rows: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``generate``'s keyword arguments without the prompts' images, and the images (see [Note:
+    images in the prefill]): tensors of a row each."""
+    kwargs = dict(kwargs)
+    images = {k: kwargs.pop(k) for k in PROMPT_INPUTS if kwargs.get(k) is not None}
+    for name, value in images.items():
+        if not isinstance(value, torch.Tensor) or value.ndim == 0 or value.shape[0] != rows:
+            what = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(
+                f"generate's {name} must be a tensor with a row per prompt ({rows}), got {what}"
+            )
+    return kwargs, images
 
 
 def _check_prompts(

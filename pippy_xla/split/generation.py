@@ -54,6 +54,7 @@ from pippy_xla.split.partition import LayerCls, UnsupportedModelError, layer_cla
 __all__ = [
     "CACHE_ARG",
     "GENERATION_INPUTS",
+    "PROMPT_INPUTS",
     "GenerationSettings",
     "check_can_generate",
     "early_init",
@@ -87,15 +88,18 @@ def generation_stages(
     layer_cls: LayerCls,
     layer_ranges: list[tuple[int, int]],
     device_type: str,
+    extra_inputs: Sequence[str] = (),
 ) -> list[StageGraph]:
     """Every stage's generation graph (see [Note: per-stage generation graphs]): called as
-    ``module(*batch_inputs, *boundary_inputs, cache)``."""
+    ``module(*batch_inputs, *boundary_inputs, cache)``. ``extra_inputs``: inputs of the prompts
+    besides the token ids (a vision-language model's ``pixel_values``: the prefill's graphs,
+    see [Note: images in the prefill])."""
     check_can_generate(model)
     stages = partition(
         model,
         layer_cls,
         layer_ranges,
-        GENERATION_INPUTS,
+        (*GENERATION_INPUTS, *extra_inputs),
         device_type=device_type,
         loss=False,
         constants={"logits_to_keep": 1},  # the last position's logits only, as HF's generate
@@ -267,6 +271,24 @@ def _default_lengths(model: nn.Module, generation_config: Any, kwargs: dict) -> 
 _UNSUPPORTED = {"num_beams": 1, "num_return_sequences": 1}
 
 
+"""[Note: images in the prefill]
+
+A vision-language model generates from prompts with images as HF's ``generate`` does: the images
+(``pixel_values`` and what the family adds: ``image_sizes``, ``pixel_attention_mask``) go into the
+prefill only, where the first stage runs the vision tower and scatters the features into the
+prompt's embeddings; the decode steps read the cache. The prefill runs graphs of its own,
+partitioned with those inputs among the batch inputs (made at the first ``generate`` with
+images, for the inputs it names), and every decode step the graphs without them. Each row's
+images travel with the row: a group of rows, a replica's share. Families whose mask reads
+other inputs (``token_type_ids``) and chunked prefill (``prefill_chunk_size``) are refused with
+images for now.
+"""
+
+PROMPT_INPUTS = ("pixel_values", "image_sizes", "pixel_attention_mask")
+"""Model inputs ``generate`` takes besides the token ids, for the prefill only: a row's images
+(see [Note: images in the prefill])."""
+
+
 def prepare_generation(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -274,8 +296,9 @@ def prepare_generation(
     kwargs: dict[str, Any],
 ) -> GenerationSettings:
     """HF's generation settings for ``model.generate(input_ids, generation_config, **kwargs)``,
-    in the order HF's ``generate`` prepares them. Raises ``ValueError`` for options the pipeline
-    does not decode with yet (beams, several sequences per prompt, model keyword inputs)."""
+    in the order HF's ``generate`` prepares them (``kwargs`` without the prompts' images, see
+    [Note: images in the prefill]). Raises ``ValueError`` for options the pipeline does not
+    decode with yet (beams, several sequences per prompt, other model keyword inputs)."""
     from transformers import LogitsProcessorList, StoppingCriteriaList
 
     has_default_max, has_default_min = _default_lengths(model, generation_config, kwargs)
@@ -283,7 +306,7 @@ def prepare_generation(
     if model_kwargs:
         raise ValueError(
             f"generate got model inputs {sorted(model_kwargs)}; the pipeline generates from "
-            "input_ids and attention_mask only"
+            f"input_ids and attention_mask, with images as {list(PROMPT_INPUTS)}"
         )
     for name, value in _UNSUPPORTED.items():
         if getattr(config, name) != value:
