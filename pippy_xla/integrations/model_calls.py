@@ -70,8 +70,8 @@ class ModelCalls:
     pipeline, then :meth:`flush` after the trainer's backward."""
 
     def __init__(self, pipe, model, temperature: float) -> None:
-        assert pipe.dp_size == 1, "refused at construction: see PipelineTrainer's _check_args"
         self.pipe = pipe
+        """A pipeline without replicas (the Trainer refuses a mesh with them at construction)."""
         self.model = model
         """The HF model (its ``loss_function`` for a plain call given labels)."""
         self.temperature = temperature
@@ -180,13 +180,16 @@ class ModelCalls:
 
 @contextlib.contextmanager
 def _loss(runner, loss_fn):
-    """``runner``'s loss for one step: ``loss_fn``, over a count of 1."""
-    own = runner.loss_fn, runner.num_items_fn
+    """``runner``'s loss for one step: ``loss_fn``, over a count of 1, without what the model
+    adds to its loss (an MoE router's loss: not the trainer's, which is computed from the
+    outputs)."""
+    own = runner.loss_fn, runner.num_items_fn, runner.added_weight
     runner.loss_fn, runner.num_items_fn = loss_fn, lambda labels: torch.ones(())
+    runner.added_weight = 0.0
     try:
         yield
     finally:
-        runner.loss_fn, runner.num_items_fn = own
+        runner.loss_fn, runner.num_items_fn, runner.added_weight = own
 
 
 def _from_last(pipe, outputs: dict | None) -> dict[str, torch.Tensor]:

@@ -222,6 +222,9 @@ class StepRunner:
         self.num_items_fn = built.num_items_fn
         """The whole batch's count of what ``loss_fn`` averages over (assignable between
         steps)."""
+        self.added_weight = 1.0
+        """The weight of what the model adds to ``loss_fn``'s loss (an MoE router's loss):
+        0 where a loss of one's own leaves it out (assignable between steps)."""
         self._own_loss = built.loss_fn if built.label_rows is not None else None
         """The model's own loss, while the labels are checked against its vocabulary."""
         self._label_rows = built.label_rows
@@ -527,7 +530,7 @@ class StepRunner:
             logits=logits,
             watch=self.watch,
             added_losses=added,
-            added_scale=1.0 / (self.config.num_microbatches * self.place.dp_size),
+            added_scale=self.added_weight / (self.config.num_microbatches * self.place.dp_size),
         )
 
     def _run(self, engine: _C.Engine, forward: StageForward, signature: int, start: int) -> int:
