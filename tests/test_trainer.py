@@ -305,15 +305,41 @@ def test_pipeline_trainer_equals_the_trainer_for_other_families_and_schedules(
         assert eval_loss == pytest.approx(want_eval, rel=2e-6)
 
 
+def _with_a_counter():
+    """A ``Trainer`` that saves a counter of its own in its checkpoints and reads it back, each
+    time after the Trainer's own saving and loading (as TRL's ``GRPOTrainer`` extends them)."""
+    import json
+    import os
+
+    from transformers import Trainer
+
+    class Counting(Trainer):
+        counter = 0
+
+        def _save_optimizer_and_scheduler(self, output_dir):
+            super()._save_optimizer_and_scheduler(output_dir)
+            self.counter += 1
+            with open(os.path.join(output_dir, "counter.json"), "w") as f:
+                json.dump(self.counter, f)
+
+        def _load_optimizer_and_scheduler(self, checkpoint):
+            super()._load_optimizer_and_scheduler(checkpoint)
+            if checkpoint is not None:
+                with open(os.path.join(checkpoint, "counter.json")) as f:
+                    self.counter = json.load(f)
+
+    return Counting
+
+
 def _resumed(rank, world, directory):
     """Four steps saving every two, then a new trainer resumed from the checkpoint of step 2:
     its steps 3 and 4 log what the uninterrupted run logged, bit for bit, and it ends with the
-    same weights."""
+    same weights; a subclass's own saving and loading ran besides the pipeline's."""
 
     def trainer(out):
         torch.manual_seed(0)
         model, layer_cls = llama()
-        return px.PipelineTrainer(
+        return px.pipelined(_with_a_counter())(
             model=model,
             args=_args(out, save_strategy="steps", save_steps=2),
             train_dataset=_Rows(4, seed=100),
@@ -329,6 +355,7 @@ def _resumed(rank, world, directory):
     assert ends[0].keys() == ends[1].keys()
     for name, p in ends[0].items():
         assert torch.equal(p, ends[1][name]), name
+    assert (whole.counter, again.counter) == (2, 2)  # saved at steps 2 and 4; 1 read back, +1
     return _logs(whole), _logs(again)
 
 

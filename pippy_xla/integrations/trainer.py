@@ -52,6 +52,9 @@ HF's; ``PipelineTrainer`` is ``pipelined(Trainer)``.
   wrong mean when the last batch is short), the loss one copy per replica (HF repeats it
   ``per_device_eval_batch_size`` times: a row each). ``save_model`` writes
   ``pipe.save_pretrained`` (HF's format, PEFT's for a PEFT model) from every rank together.
+- A subclass's override of a step the pipeline replaces (``EXTENDED``: checkpoint saving and
+  loading, ``save_model``) still runs, its ``super()`` call reaching the pipeline's version
+  (``_extended``): what TRL's ``GRPOTrainer`` adds when it resumes is kept.
 - Checkpoints (``save_strategy``): HF's checkpoint directory, with the model and optimizer state
   in a pipeline checkpoint of its own (``pipeline/``: ``pipe.save``, every rank's part) instead
   of ``optimizer.pt``; HF's scheduler, RNG (per rank) and trainer-state files as HF writes them.
@@ -216,11 +219,39 @@ def pipelined(trainer_cls: type) -> type:
             "_load_from_checkpoint": _load_from_checkpoint,
             "_load_optimizer_and_scheduler": _load_optimizer_and_scheduler,
         }
+        for method in EXTENDED:
+            methods[method] = _extended(trainer_cls, method, methods[method])
         base = trainer_cls.__name__
         name = "PipelineTrainer" if base == "Trainer" else f"Pipelined{base}"
         namespace = {"__module__": __name__, "_pipelined": trainer_cls, **methods}
         _CLASSES[trainer_cls] = type(name, (trainer_cls,), namespace)
     return _CLASSES[trainer_cls]
+
+
+EXTENDED = ("_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler", "save_model")
+"""The Trainer's steps the pipeline replaces that a subclass may extend (TRL's ``GRPOTrainer``
+restores its entropy controller's state after HF's ``_load_optimizer_and_scheduler``)."""
+
+
+def _extended(trainer_cls: type, name: str, ours: Any) -> Any:
+    """``ours`` (the pipeline's version of the Trainer's ``name``), or where ``trainer_cls``
+    overrides ``name``: its override, whose ``super()`` call runs ``ours`` instead of HF's (the
+    Trainer's attribute is swapped for the call): what it adds before and after runs too."""
+    from transformers import Trainer
+
+    if getattr(trainer_cls, name) is getattr(Trainer, name):
+        return ours
+
+    @functools.wraps(ours)
+    def method(self, *args: Any, **kwargs: Any) -> Any:
+        hf = vars(Trainer)[name]
+        setattr(Trainer, name, ours)
+        try:
+            return getattr(trainer_cls, name)(self, *args, **kwargs)
+        finally:
+            setattr(Trainer, name, hf)
+
+    return method
 
 
 def _init(self, *args, layer_cls=None, pipeline=None, mesh=None, **kwargs) -> None:
