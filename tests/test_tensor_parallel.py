@@ -47,6 +47,11 @@ FAMILIES = {
     "mixtral_router_loss": MODELS["mixtral_router_loss"],
     # No HF plan of its own: sharded by a dict of rules only.
     "opt": lambda: MODELS["opt"](layers=2),
+    # HF's colwise_gather_output / rowwise_split_input: OLMo 2 on attention (q/k norms over the
+    # whole width between them), GLM-4 on its fused MLP (and q/k/v biases sharded by columns).
+    "olmo2": lambda: tiny("olmo2", layers=2),
+    "phi3": lambda: MODELS["phi3"](layers=2),  # and on fused qkv and gate_up projections
+    "glm4": lambda: tiny("glm4", layers=2, partial_rotary_factor=0.5),
 }
 
 # A rowwise projection's output is the all-reduce of the tp ranks' partial products, a colwise
@@ -103,8 +108,12 @@ def _build(family: str, seed: int):
 
 
 def _is_proj(name: str) -> bool:
-    """Whether ``name`` is a decoder layer's projection (attention, MLP, experts)."""
-    return ".layers." in name and name.endswith(("_proj.weight", "_proj"))
+    """Whether ``name`` is a decoder layer's projection (attention, MLP, experts), or the bias of
+    one sharded by columns (GLM-4's q/k/v; a rowwise bias stays whole)."""
+    column_bias = name.endswith("_proj.bias") and not name.endswith(
+        ("o_proj.bias", "down_proj.bias")
+    )
+    return ".layers." in name and (name.endswith(("_proj.weight", "_proj")) or column_bias)
 
 
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -232,6 +241,9 @@ def _tp_trains_like_one_process(rank, world, cases, steps=3, mbs=2):
         (
             ("llama", "1f1b", (1, 2, 2), "replicate", {"checkpoint_layers": [1]}),
             ("qwen3_tied", "zbh1", (1, 2, 2), "replicate", {"transport": "in_order"}),
+            ("olmo2", "1f1b", (1, 2, 2), "replicate"),
+            ("glm4", "gpipe", (1, 2, 2), "replicate"),
+            ("phi3", "1f1b", (1, 2, 2), "replicate"),
         ),
         # Replicas of tp-sharded stages: FSDP2's fully_shard over the tp DTensors (2-D shards).
         # dp x pp x tp all above 1 takes 8 ranks: see the module's docstring.
@@ -497,7 +509,6 @@ def _refusals(rank, world, tmp, docs_block):
 
     llama, llama_cls = MODELS["llama"]()
     gpt2, gpt2_cls = MODELS["gpt2"]()
-    phi3, phi3_cls = MODELS["phi3"]()
     cfg = LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -527,7 +538,7 @@ def _refusals(rank, world, tmp, docs_block):
             "layer_cls": type(odd.model.layers[0]),
             "mesh": _mesh(1, 1, 4),
         },
-        "gathered styles": {"model": phi3, "layer_cls": phi3_cls},
+        "uncovered style": {"tensor_parallel": {"model.layers.*.mlp.down_proj": "packed_rowwise"}},
         "plan": {
             "plan": px.Plan(
                 schedule="1f1b",
@@ -590,8 +601,8 @@ def test_docs_block_checkpoints_across_layouts_and_refusals(tmp_path):
     assert "LlamaConfig.num_key_value_heads=2 does not divide by tp=4" in e["kv heads"]
     assert "layers.0.mlp.gate_proj.weight (colwise) has size 130 in dim 0" in e["intermediate"]
     assert "does not divide by tp=4" in e["intermediate"]
-    assert "NotImplementedError" in e["gathered styles"]
-    assert "['colwise_gather_output', 'rowwise_split_input']" in e["gathered styles"]
+    assert "NotImplementedError" in e["uncovered style"]
+    assert "['packed_rowwise']" in e["uncovered style"]
     # A plan made without tp (its costs a whole layer's) for a tp=2 pipeline.
     assert "ValueError: the plan was made for tensor-parallel degree tp=1" in e["plan"]
     assert "this pipeline has tp=2" in e["plan"]

@@ -13,7 +13,8 @@ no extra hop.
   with the model class's own ``_tp_plan``, keys with ``*`` for the layer index) that fall inside
   this rank's decoder layers are expanded by HF (``_expand_parallel_plan``) and applied by HF
   (``apply_tensor_parallelism``): parameters become DTensors sharded over the ``tp`` dimension,
-  and HF's styles (``colwise``, ``rowwise``; for experts ``packed_colwise`` and
+  and HF's styles (``colwise``, ``rowwise`` and their ``colwise_gather_output`` /
+  ``rowwise_split_input`` variants; for experts ``packed_colwise`` and
   ``moe_tp_experts``, which all-reduce the experts' partial outputs) redistribute inside each
   layer. pippy_xla writes no parallel layer. Rules outside the decoder layers (the embedding's
   ``embedding_rowwise``, the head's ``colwise_gather_output``) are not applied: those modules
@@ -81,8 +82,8 @@ __all__ = [
     "shard_layers",
 ]
 
-_COLWISE = ("colwise",)
-_ROWWISE = ("rowwise",)
+_COLWISE = ("colwise", "colwise_gather_output")
+_ROWWISE = ("rowwise", "rowwise_split_input")
 _PACKED_COLWISE = ("packed_colwise",)
 _PARTIAL_GRAD = "replicated_with_grad_allreduce"
 _MOE = ("moe_tp_experts",)
