@@ -51,6 +51,24 @@ FAMILIES = {
     # whole width between them), GLM-4 on its fused MLP (and q/k/v biases sharded by columns).
     "olmo2": lambda: tiny("olmo2", layers=2),
     "phi3": lambda: MODELS["phi3"](layers=2),  # and on fused qkv and gate_up projections
+    # Multi-head latent attention under HF's mla_kv_a_proj, a dense layer then experts.
+    "glm4_moe_lite": lambda: tiny(
+        "glm4_moe_lite",
+        layers=2,
+        kv_lora_rank=16,
+        q_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+    ),
     "glm4": lambda: tiny("glm4", layers=2, partial_rotary_factor=0.5),
 }
 
@@ -128,6 +146,12 @@ RULES = {
     "mlp_whole": (
         {f"layers.*.mlp.{m}": "replicate" for m in _MLP},
         lambda n: _is_proj(n) and ".mlp." not in n,
+    ),
+    # MLA (GLM-4-MoE-lite): the low-rank "a" projections stay whole (mla_kv_a_proj sums the
+    # gradient of its rotary part over tp), and so do the shared experts.
+    "mla": (
+        "auto",
+        lambda n: _is_proj(n) and "_a_proj" not in n and ".shared_experts." not in n,
     ),
     # A model without a plan: its MLP sharded (a rowwise bias stays whole).
     "opt_mlp": (
@@ -244,6 +268,7 @@ def _tp_trains_like_one_process(rank, world, cases, steps=3, mbs=2):
             ("olmo2", "1f1b", (1, 2, 2), "replicate"),
             ("glm4", "gpipe", (1, 2, 2), "replicate"),
             ("phi3", "1f1b", (1, 2, 2), "replicate"),
+            ("glm4_moe_lite", "1f1b", (1, 2, 2), "replicate", {"rules": "mla"}),
         ),
         # Replicas of tp-sharded stages: FSDP2's fully_shard over the tp DTensors (2-D shards).
         # dp x pp x tp all above 1 takes 8 ranks: see the module's docstring.
