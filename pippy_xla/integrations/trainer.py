@@ -263,7 +263,7 @@ def _init(self, *args, layer_cls=None, pipeline=None, mesh=None, **kwargs) -> No
         raise ValueError(f"{type(self).__name__} needs pipeline=px.PipelineConfig(...)")
     config = PipelineConfig.from_options(pipeline, {})
     self.pipe = None  # built below, from the model the wrapped class's constructor ends with
-    _generation_batch_per_replica(kwargs.get("args"), mesh)
+    _generation_batch_per_replica(_argument(self._pipelined, "args", args, kwargs), mesh)
     self._pipelined.__init__(self, *args, **kwargs)  # the wrapped class's own
     _check_args(self, config, mesh)
     # Run on the last stage, before the logits leave it (HF's loop would run it on every rank).
@@ -326,6 +326,15 @@ def _route_forward(model, calls) -> None:
     model.forward = types.MethodType(forward, model)
 
 
+def _argument(trainer_cls: type, name: str, args: tuple, kwargs: dict) -> Any:
+    """The constructor argument ``name`` of ``trainer_cls`` in a call's ``args`` and ``kwargs``
+    (``None`` if the call does not pass it)."""
+    import inspect
+
+    bound = inspect.signature(trainer_cls.__init__).bind_partial(None, *args, **kwargs)
+    return bound.arguments.get(name)
+
+
 def _generation_batch_per_replica(args, mesh) -> None:
     """TRL's online trainers (``GRPOConfig``) count their generation batch over the job's
     processes (``per_device_train_batch_size * world_size * steps_per_generation``); a pipeline's
@@ -369,7 +378,7 @@ def _seed_per_replica(trainer) -> None:
 def _one_process(trainer):
     """accelerate's state made one process's while a trainer's own step code runs (its gathers
     and reductions over the job, its process index in the generation batch): the pipeline's
-    ranks hold one process's data. Only without replicas (:class:`ModelCalls` refuses them)."""
+    ranks hold one process's data. Only without replicas (refused at construction)."""
     from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType
 
