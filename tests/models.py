@@ -416,6 +416,82 @@ def idefics3(attn: str | None = None, layers: int = 4) -> tuple[nn.Module, None]
     return Idefics3ForConditionalGeneration(cfg), None
 
 
+def qwen2_vl(attn: str | None = None, layers: int = 4) -> tuple[nn.Module, None]:
+    """Qwen2-VL: every image's patches concatenated over the batch (``pixel_values``, no row
+    per prompt) with their grids (``image_grid_thw``), and 3-D rotary positions (M-RoPE) from the
+    tokens and the grids (:func:`qwen2_vl_batch`)."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    rope = {"rope_type": "default", "mrope_section": [4, 2, 2], "rope_theta": 10000.0}
+    text = {**_TINY, "model_type": "qwen2_vl_text", "num_hidden_layers": layers}
+    vision = dict(
+        depth=2,
+        embed_dim=32,
+        hidden_size=_TINY["hidden_size"],
+        num_heads=2,
+        patch_size=2,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        mlp_ratio=2,
+    )
+    cfg = Qwen2VLConfig(
+        text_config={**text, "rope_parameters": rope},
+        vision_config=vision,
+        image_token_id=IMAGE_TOKEN,
+        video_token_id=IMAGE_TOKEN - 1,
+        vision_start_token_id=IMAGE_TOKEN - 2,
+    )
+    _set_attn(cfg, attn)
+    return Qwen2VLForConditionalGeneration(cfg), None
+
+
+def qwen3_5_vl(attn: str | None = None, layers: int = 4) -> tuple[nn.Module, None]:
+    """Qwen3.5 with images: Qwen2-VL's image format and M-RoPE (with a text position row
+    besides, 4 rows) before a hybrid of linear-attention and attention layers."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    text = {**_TINY, **TINY_FAMILIES["qwen3_5_text"], "num_hidden_layers": layers}
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2}
+    vision.update(out_hidden_size=_TINY["hidden_size"], patch_size=2, temporal_patch_size=2)
+    cfg = Qwen3_5Config(
+        text_config=text,
+        vision_config={**vision, "spatial_merge_size": 2},
+        image_token_id=IMAGE_TOKEN,
+        video_token_id=IMAGE_TOKEN - 1,
+        vision_start_token_id=IMAGE_TOKEN - 2,
+    )
+    _set_attn(cfg, attn)
+    return Qwen3_5ForConditionalGeneration(cfg), None
+
+
+QWEN_GRIDS = [[], [(1, 4, 4)], [(1, 2, 4), (1, 4, 4)], [(1, 4, 2)]]
+"""The images of :func:`qwen2_vl_batch`'s rows, in turn: none, one, two of other sizes, one."""
+
+
+def qwen2_vl_batch(seed: int, batch: int = 8, seq: int = 20, pad: bool = True) -> dict:
+    """Rows with 0, 1 or 2 images of several grids (``(t, h, w)`` patches, merged 2 x 2 into
+    ``t * h * w / 4`` tokens after a vision-start token): their patches concatenated in row
+    order, their grids, and ``mm_token_type_ids`` (1 on image tokens)."""
+    out = make_batch(seed, batch, seq, pad)
+    ids = out["input_ids"].clamp(max=IMAGE_TOKEN - 3)
+    grids = []
+    for r in range(batch):
+        at = 1
+        for t, h, w in QWEN_GRIDS[(r + seed) % len(QWEN_GRIDS)]:
+            ids[r, at] = IMAGE_TOKEN - 2
+            ids[r, at + 1 : at + 1 + t * h * w // 4] = IMAGE_TOKEN
+            at += 1 + t * h * w // 4
+            grids.append([t, h, w])
+    out["input_ids"] = ids
+    out["labels"] = ids.masked_fill((out["attention_mask"] == 0) | (ids == IMAGE_TOKEN), -100)
+    g = torch.Generator().manual_seed(seed)
+    patches = sum(t * h * w for t, h, w in grids)
+    out["pixel_values"] = torch.randn(patches, 3 * 2 * 2 * 2, generator=g)
+    out["image_grid_thw"] = torch.tensor(grids)
+    out["mm_token_type_ids"] = (ids == IMAGE_TOKEN).long()
+    return out
+
+
 IMAGES = {
     "llava_onevision": ((2, 3, IMAGE_SIDE, IMAGE_SIDE), 10),
     "idefics3": ((1, 3, 2 * IMAGE_SIDE, 2 * IMAGE_SIDE), 4),
@@ -451,7 +527,15 @@ INPUT_NAMES = {
     "gemma3": ("input_ids", "pixel_values", "attention_mask", "token_type_ids"),
     "llava_onevision": ("input_ids", "pixel_values", "attention_mask", "image_sizes"),
     "idefics3": ("input_ids", "pixel_values", "attention_mask", "pixel_attention_mask"),
+    "qwen2_vl": (
+        "input_ids",
+        "pixel_values",
+        "attention_mask",
+        "image_grid_thw",
+        "mm_token_type_ids",
+    ),
 }
+INPUT_NAMES["qwen3_5_vl"] = INPUT_NAMES["qwen2_vl"]
 """The batch inputs of families whose batch holds more than token ids and a mask."""
 
 
@@ -462,6 +546,8 @@ def family_batch(family: str, seed: int, **kw) -> dict:
     Idefics3's ``pixel_attention_mask``)."""
     if family not in INPUT_NAMES:
         return make_batch(seed, **kw)
+    if family in ("qwen2_vl", "qwen3_5_vl"):
+        return qwen2_vl_batch(seed, **kw)
     row, tokens = IMAGES.get(family, ((3, IMAGE_SIDE, IMAGE_SIDE), PATCHES))
     out = image_batch(seed, row=row, tokens=tokens, **kw)
     rows = out["input_ids"].shape[0]
@@ -500,6 +586,8 @@ MODELS = {
     "gemma3": gemma3,
     "llava_onevision": llava_onevision,
     "idefics3": idefics3,
+    "qwen2_vl": qwen2_vl,
+    "qwen3_5_vl": qwen3_5_vl,
 }
 
 

@@ -19,6 +19,8 @@ from transformers.models.gemma.modeling_gemma import GemmaDecoderLayer
 from transformers.models.gemma3.modeling_gemma3 import Gemma3DecoderLayer
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLDecoderLayer
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
 
 import pippy_xla as px
 from pippy_xla.split.partition import layer_classes
@@ -36,6 +38,8 @@ STACKS = {
     "gemma3": ((Gemma3DecoderLayer,), "model.language_model.layers."),
     "llava_onevision": ((Qwen2DecoderLayer,), "model.language_model.layers."),
     "idefics3": ((LlamaDecoderLayer,), "model.text_model.layers."),
+    "qwen2_vl": ((Qwen2VLDecoderLayer,), "model.language_model.layers."),
+    "qwen3_5_vl": ((Qwen3_5DecoderLayer,), "model.language_model.layers."),
 }
 """The layer classes and names of the families built without ``layer_cls``: the text model's."""
 
@@ -73,6 +77,10 @@ NOTES = {
     "llava_onevision": "image tiles, features unpadded by image_sizes, a newline parameter of "
     "the model itself",
     "idefics3": "pixel attention mask, pixel-shuffle connector, features as a list per image",
+    "qwen2_vl": "images concatenated over the batch (0-2 a row), 3-D rotary positions (M-RoPE) "
+    "recomputed on every stage",
+    "qwen3_5_vl": "Qwen2-VL's images and M-RoPE (4 position rows) before linear-attention and "
+    "attention layers",
 }
 
 # Tensors sent per boundary on 2 ranks where it is not the hidden state alone: MoE router losses
@@ -98,6 +106,8 @@ FOUR_RANKS = [
     ("gemma3", "interleaved", 8, 4),
     ("llava_onevision", "1f1b", 4),
     ("idefics3", "gpipe", 4),
+    ("qwen2_vl", "zbh1", 4),
+    ("qwen3_5_vl", "1f1b", 4),
 ]
 
 # Hybrids on every schedule that splits the backward (2 ranks; padded rows in every batch).
@@ -248,3 +258,29 @@ def test_traces_do_not_depend_on_the_hash_seed():
         digests.add(out.stdout.strip().splitlines()[-1])
     assert len(digests) == 1, digests
     assert all(len(d) == len(hashlib.sha256().hexdigest()) for d in digests)
+
+
+def test_images_concatenated_over_a_batch_are_cut_at_the_rows_of_each_microbatch():
+    """Qwen2-VL's images (every image's patches in one tensor, their grids in another) go to
+    the microbatches of their rows (see [Note: images concatenated over a batch]); a batch whose
+    image tokens do not match its images' grids is refused before the step, naming both."""
+    from pippy_xla.runtime._batch import check_batch, split_batch
+    from pippy_xla.split.hf import ragged_inputs
+
+    model, _ = MODELS["qwen2_vl"]()
+    names = INPUT_NAMES["qwen2_vl"]
+    ragged = ragged_inputs(model, names)
+    assert sorted(ragged) == ["image_grid_thw", "pixel_values"]
+    batch = family_batch("qwen2_vl", seed=0)
+    options = dict(input_names=names, num_microbatches=4, need_labels=True, ragged=ragged)
+    parts = split_batch(
+        check_batch(batch, **options), num_microbatches=4, device="cpu", ragged=ragged
+    )
+    grids = [g.tolist() for g in parts["image_grid_thw"]]  # rows 0-1, 2-3, ...: 0+1, 2+1 images
+    assert grids == [[[1, 4, 4]], [[1, 2, 4], [1, 4, 4], [1, 4, 2]]] * 2
+    assert [len(p) for p in parts["pixel_values"]] == [16, 32] * 2
+    assert torch.equal(torch.cat(parts["pixel_values"]), batch["pixel_values"])
+    bad = {**batch, "input_ids": batch["input_ids"].clone()}
+    bad["input_ids"][1, 2] = 7  # one image token fewer in row 1
+    with pytest.raises(ValueError, match="image tokens .* do not match the features"):
+        check_batch(bad, **options)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import _TINY, TINY_FAMILIES, VOCAB, llama, make_batch, tiny
+from models import TINY_FAMILIES, VOCAB, llama, make_batch, tiny
 from torch import nn
 from transformers import BertConfig, BertModel, LlamaConfig, LlamaForSequenceClassification
 from transformers.models.bert.modeling_bert import BertLayer
@@ -60,15 +60,6 @@ def _gemma4_kv_sharing():
     return tiny("gemma4_text", **overrides)[0]
 
 
-def _qwen3_5_vl():
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
-
-    text = {**_TINY, **TINY_FAMILIES["qwen3_5_text"], "num_hidden_layers": 4}
-    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2}
-    vision.update(out_hidden_size=64, patch_size=4, temporal_patch_size=1, spatial_merge_size=1)
-    return Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision))
-
-
 IMAGES = ("input_ids", "pixel_values", "attention_mask")
 
 # name: (the model as the README's list names it, or None for a wrong argument; its builder,
@@ -87,12 +78,6 @@ REFUSED = {
         _gemma4_kv_sharing,
         None,
         {},
-    ),
-    "qwen3_5_vl": (
-        "`Qwen3_5ForConditionalGeneration` with images",
-        _qwen3_5_vl,
-        None,
-        {"input_names": IMAGES},
     ),
 }
 
@@ -134,7 +119,6 @@ def test_unsupported_models_are_refused_at_construction():
     assert (
         "shares keys and values between layers (num_kv_shared_layers=2)" in why["gemma4_kv_sharing"]
     )
-    assert "modeling_qwen3_5.py:" in why["qwen3_5_vl"]
     # The README's list of unsupported models is this test's output (PIPPY_WRITE_README=1).
     listing = _unsupported_list(why)
     text = README.read_text()

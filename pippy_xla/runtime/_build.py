@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pippy_xla._native import _C
-from pippy_xla.runtime._batch import digest64
+from pippy_xla.runtime._batch import RowSizes, digest64
 from pippy_xla.runtime._recompile import RecompileWatch
 from pippy_xla.runtime._state import params_named
 from pippy_xla.runtime._ties import Tie, combine_among, local_ties, tied_names, untie_local_copies
@@ -34,7 +34,7 @@ from pippy_xla.runtime.failures import AbortChannel, check_mesh_usable
 from pippy_xla.runtime.ops import group_name_of
 from pippy_xla.runtime.tensor_parallel import TensorParallel, layer_tp_plan
 from pippy_xla.split._split_compile import split_backward_backend
-from pippy_xla.split.hf import text_vocab_size
+from pippy_xla.split.hf import ragged_inputs, text_vocab_size
 from pippy_xla.split.materialize import materialize
 from pippy_xla.split.partition import (
     LayerCls,
@@ -162,6 +162,9 @@ class BuiltPipeline:
     label_rows: int | None
     """The vocabulary the model's own loss reads the labels against (``None`` with a user
     ``loss_fn``): the step checks the labels against it."""
+    ragged: dict[str, RowSizes]
+    """The batch inputs whose dim 0 is not the rows, with their rows' shares (see [Note:
+    images concatenated over a batch] in ``split/hf.py``)."""
     abort: AbortChannel
     """This pipeline's abort record in the job's store (see [Note: failing fast])."""
     compile_watch: RecompileWatch | None
@@ -220,6 +223,7 @@ def build(
         loss_fn=loss_fn,
         num_items_fn=num_items_fn,
         label_rows=text_vocab_size(model.config) if config.loss_fn is None else None,
+        ragged=ragged_inputs(model, config.input_names),
         abort=_abort_channel(place),
         compile_watch=watch,
     )

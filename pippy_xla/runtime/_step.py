@@ -225,6 +225,8 @@ class StepRunner:
         self.added_weight = 1.0
         """The weight of what the model adds to ``loss_fn``'s loss (an MoE router's loss):
         0 where a loss of one's own leaves it out (assignable between steps)."""
+        self.ragged = built.ragged
+        """The batch inputs whose dim 0 is not the rows, with their rows' shares."""
         self._own_loss = built.loss_fn if built.label_rows is not None else None
         """The model's own loss, while the labels are checked against its vocabulary."""
         self._label_rows = built.label_rows
@@ -454,6 +456,7 @@ class StepRunner:
             dp_size=place.dp_size,
             index_limits=self.stages[0].index_limits,
             label_rows=self._label_rows if self.loss_fn is self._own_loss else None,
+            ragged=self.ragged,
         )
         key, contents = step_key(kind, batch, self.config.check_batch_content)
 
@@ -470,6 +473,7 @@ class StepRunner:
                 dp_rank=place.dp_rank,
                 dp_size=place.dp_size,
                 split=self._reads,
+                ragged=self.ragged,
             )
         return batch, microbatches, key.signature
 

@@ -233,6 +233,11 @@ def producers(node: fx.Node) -> list[tuple[fx.Node, bool]]:
         visit(node.args[1:], False)
         visit(node.kwargs, False)
         return out
+    if node.op == "call_function" and node.target is hf.call_positions:
+        for key, value in node.kwargs.items():  # see [Note: multimodal positions]
+            visit(value, key in hf.META_ONLY_MASK_KWARGS)
+        visit(node.args, False)
+        return out
     if node.op == "call_module":
         mod = node.graph.owning_module.get_submodule(node.target)
         if isinstance(mod, hf.MaskLeaf):

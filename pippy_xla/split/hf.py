@@ -19,6 +19,7 @@ module and relies on three facts kept here:
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import inspect
 import re
@@ -33,11 +34,14 @@ from pippy_xla.hf_compat import mask_factory_globals
 
 __all__ = [
     "FEATURE_METHODS",
+    "POSITION_METHODS",
     "LOSS_ATTR",
     "MASKS_ATTR",
     "META_ONLY_MASK_KWARGS",
     "REF_ATTR",
     "call_features",
+    "call_positions",
+    "ragged_inputs",
     "cat_features",
     "call_recording",
     "deliver",
@@ -472,6 +476,98 @@ def call_features(
         with contextlib.suppress(TypeError, RuntimeError):  # not tensors of one width: as is
             out.pooler_output = torch.cat(list(pooled), dim=0)
     return out
+
+
+IMAGE_GRIDS = (
+    ("pixel_values", "image_grid_thw", "image_token_id"),
+    ("pixel_values_videos", "video_grid_thw", "video_token_id"),
+)
+"""Inputs that concatenate the batch's images (or videos) in row order, their grids (one row of
+``(t, h, w)`` patches per image) and the token that stands for the image's features in the
+text (Qwen2-VL's format; see [Note: images concatenated over a batch])."""
+
+
+def ragged_inputs(model: nn.Module, input_names: Sequence[str]) -> dict[str, Callable]:
+    """For each batch input whose dim 0 is not the batch's rows (:data:`IMAGE_GRIDS`), the
+    function that gives each row's share of it (see [Note: images concatenated over a
+    batch])."""
+    config = getattr(model, "config", None)
+    vision = getattr(config, "vision_config", None)
+    merge = getattr(vision, "spatial_merge_size", None)
+    out: dict[str, Callable] = {}
+    for pixels, grid, token in IMAGE_GRIDS:
+        token_id = getattr(config, token, None)
+        if grid in input_names and token_id is not None and merge:
+            sizes = functools.partial(_images_per_row, grid=grid, token_id=token_id, merge=merge)
+            out[grid] = functools.partial(_take, sizes, 0)
+            if pixels in input_names:
+                out[pixels] = functools.partial(_take, sizes, 1)
+    return out
+
+
+def _take(sizes: Callable, which: int, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return sizes(batch)[which]
+
+
+def _images_per_row(
+    batch: dict[str, torch.Tensor], *, grid: str, token_id: int, merge: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's images and patches: images go to the rows in order, each taking as many of
+    its row's image tokens as it has features (``t * h * w / merge**2``)."""
+    grids = batch[grid].cpu().long()
+    tokens = (grids.prod(-1) // merge**2).cumsum(0)
+    row_tokens = (batch["input_ids"].cpu() == token_id).sum(1).cumsum(0)
+    ends = torch.searchsorted(tokens, row_tokens, right=True)
+    if len(tokens) != (ends[-1] if len(ends) else 0) or not torch.equal(
+        torch.cat([tokens.new_zeros(1), tokens])[ends], row_tokens
+    ):
+        raise ValueError(
+            f"the batch's image tokens ({int(row_tokens[-1]) if len(row_tokens) else 0} in "
+            f"input_ids) do not match the features of its {len(grids)} images in {grid} "
+            f"({int(tokens[-1]) if len(tokens) else 0}), image by image in row order"
+        )
+    images = torch.diff(ends, prepend=ends.new_zeros(1))
+    patches = torch.zeros(len(images), dtype=torch.long)
+    rows = torch.repeat_interleave(torch.arange(len(images)), images)
+    patches.index_add_(0, rows, grids.prod(-1))
+    return images, patches
+
+
+"""[Note: images concatenated over a batch]
+
+Qwen2-VL's processor concatenates every image's patches into one ``pixel_values`` tensor
+(``[patches, channels * patch**2 * temporal_patch]``) and lists their grids in
+``image_grid_thw`` (``[images, 3]``): neither has a row per prompt. A microbatch needs its rows'
+images: each row's share comes from the batch itself (:func:`ragged_inputs`), the row's image
+tokens in ``input_ids`` taken image by image in order (an image of grid ``(t, h, w)`` stands for
+``t * h * w / spatial_merge_size**2`` tokens), and the step cuts those inputs at its
+microbatches' (and replicas') row boundaries. A batch whose tokens do not fall on image
+boundaries is a ``ValueError`` before the step.
+"""
+
+
+POSITION_METHODS = ("compute_3d_position_ids",)
+"""HF's entry point of multimodal rotary positions (M-RoPE: Qwen2-VL and its descendants), whose
+Python walks each row's images (see [Note: multimodal positions])."""
+
+
+def call_positions(ref: ModuleRef, method: str, *args: Any, **kwargs: Any) -> Any:
+    """``ref.module.<method>(*args, **kwargs)``, the model's own Python (see [Note: multimodal
+    positions])."""
+    return getattr(type(ref.module), method)(ref.module, *args, **kwargs)
+
+
+"""[Note: multimodal positions]
+
+Qwen2-VL's rotary positions (M-RoPE: temporal, height and width per token) come from
+``compute_3d_position_ids``, which walks each row's images in Python (``iter(image_grid_thw)``,
+``.tolist()``): not traceable. While tracing it is a leaf (:func:`call_positions`), computed on
+every stage from the batch inputs (the token ids, their modality types, the images' grid sizes,
+the mask), reading the token embeddings for their shape and device only, like a mask factory, so
+the positions never cross a boundary. Its value's metadata (how many position kinds: a later
+branch reads ``position_ids.ndim``) is sampled by running it on zeros of the sample batch's
+shapes: text only, whose positions have the same kinds.
+"""
 
 
 def cat_features(features: Any, dim: int = 0) -> torch.Tensor:

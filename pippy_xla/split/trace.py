@@ -390,7 +390,7 @@ class _Tracer(fx.Tracer):
         if node in samples:
             return samples[node]
         args = fx.node.map_arg(node.args, lambda n: self._sample_for(n, shape))
-        kwargs = fx.node.map_arg(node.kwargs, lambda n: self._sample_for(n, shape))
+        kwargs = {k: self._kwarg_sample(node, k, v, shape) for k, v in node.kwargs.items()}
         try:
             with _fx_patches_reverted():
                 value = self._compute_sample(node, args, kwargs, shape)
@@ -403,6 +403,17 @@ class _Tracer(fx.Tracer):
         samples[node] = value
         return value
 
+    def _kwarg_sample(self, node: fx.Node, key: str, value: Any, shape: tuple[int, int]) -> Any:
+        """A keyword argument's sample; ``None`` for the token embeddings that a position
+        method reads for their shape only, when they have none (see [Note: multimodal
+        positions])."""
+        try:
+            return fx.node.map_arg(value, lambda n: self._sample_for(n, shape))
+        except _NoSample:
+            if node.target is hf.call_positions and key in hf.META_ONLY_MASK_KWARGS:
+                return None
+            raise
+
     def _compute_sample(self, node: fx.Node, args: Any, kwargs: Any, shape: tuple[int, int]):
         if node.op == "placeholder":
             return _placeholder_sample(self.input_rows.get(node.target), shape)
@@ -411,6 +422,8 @@ class _Tracer(fx.Tracer):
             if isinstance(value, torch.Tensor):
                 value = torch.empty_like(value, device="meta")
             return value
+        if node.op == "call_function" and node.target is hf.call_positions:
+            return _positions_sample(node.target, args, kwargs)
         if node.op == "call_function" and node.target is hf.call_features:
             with contextlib.ExitStack() as on_meta:
                 for mod in args[2]:  # the encoders it runs
@@ -523,6 +536,25 @@ def _on_meta(mod: nn.Module) -> Any:
     return torch.nn.utils.stateless._reparametrize_module(mod, meta)
 
 
+def _positions_sample(fn: Any, args: Any, kwargs: Any) -> Any:
+    """A position method's value for a sample batch: run on zeros of the samples' shapes on the
+    CPU (text tokens only; a mask of ones), on ``meta`` again after (see [Note: multimodal
+    positions])."""
+
+    def real(name: str | None, value: Any) -> Any:
+        if not _is_meta(value):
+            return value
+        fill = torch.ones if name is not None and "attention_mask" in name else torch.zeros
+        return fill(value.shape, dtype=value.dtype)
+
+    args = tuple(real(None, a) for a in args)
+    kwargs = {k: real(k, v) for k, v in kwargs.items()}
+    out = fn(*args, **kwargs)
+    return torch.utils._pytree.tree_map(
+        lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, out
+    )
+
+
 def _is_meta(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.is_meta
 
@@ -560,6 +592,18 @@ def _feature_leaf(tracer: fx.Tracer, ref: str, method: str, used: list[str]) -> 
     return leaf
 
 
+def _positions_leaf(tracer: fx.Tracer, ref: str, method: str) -> Any:
+    """A position method's stand-in while tracing: one :func:`hf.call_positions` node (see
+    [Note: multimodal positions])."""
+
+    def leaf(*args: Any, **kwargs: Any) -> Any:
+        refp = tracer.create_proxy("get_attr", ref, (), {})
+        target = hf.call_positions
+        return tracer.create_proxy("call_function", target, (refp, method, *args), kwargs)
+
+    return leaf
+
+
 @contextlib.contextmanager
 def _feature_leaves(root: _Root, tracer: fx.Tracer, layer_cls: tuple[type[nn.Module], ...]):
     """The model's feature methods are leaves inside the block (see [Note: encoders of other
@@ -577,6 +621,10 @@ def _feature_leaves(root: _Root, tracer: fx.Tracer, layer_cls: tuple[type[nn.Mod
             for method in hf.FEATURE_METHODS:
                 if callable(getattr(type(owner), method, None)):
                     vars(owner)[method] = _feature_leaf(tracer, ref, method, used)
+                    patched.append((owner, method))
+            for method in hf.POSITION_METHODS:
+                if callable(getattr(type(owner), method, None)):
+                    vars(owner)[method] = _positions_leaf(tracer, ref, method)
                     patched.append((owner, method))
         yield
     finally:
