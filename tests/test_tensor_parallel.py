@@ -51,6 +51,13 @@ FAMILIES = {
     # whole width between them), GLM-4 on its fused MLP (and q/k/v biases sharded by columns).
     "olmo2": lambda: tiny("olmo2", layers=2),
     "phi3": lambda: MODELS["phi3"](layers=2),  # and on fused qkv and gate_up projections
+    # Attention sinks under HF's local_params (Granite with sliding windows).
+    "granite_swa": lambda: tiny(
+        "granite_swa",
+        layers=2,
+        sliding_window=3,
+        layer_types=["full_attention", "sliding_attention"],
+    ),
     # Multi-head latent attention under HF's mla_kv_a_proj, a dense layer then experts.
     "glm4_moe_lite": lambda: tiny(
         "glm4_moe_lite",
@@ -153,6 +160,9 @@ RULES = {
         "auto",
         lambda n: _is_proj(n) and "_a_proj" not in n and ".shared_experts." not in n,
     ),
+    # Attention sinks (a bare parameter of the attention module) sharded by heads, the module
+    # run on its local shards (HF's local_params).
+    "sinks": ("auto", lambda n: _is_proj(n) or n.endswith(".sinks")),
     # A model without a plan: its MLP sharded (a rowwise bias stays whole).
     "opt_mlp": (
         {"model.decoder.layers.*.fc1": "colwise", "model.decoder.layers.*.fc2": "rowwise"},
@@ -269,6 +279,7 @@ def _tp_trains_like_one_process(rank, world, cases, steps=3, mbs=2):
             ("glm4", "gpipe", (1, 2, 2), "replicate"),
             ("phi3", "1f1b", (1, 2, 2), "replicate"),
             ("glm4_moe_lite", "1f1b", (1, 2, 2), "replicate", {"rules": "mla"}),
+            ("granite_swa", "1f1b", (1, 2, 2), "replicate", {"rules": "sinks"}),
         ),
         # Replicas of tp-sharded stages: FSDP2's fully_shard over the tp DTensors (2-D shards).
         # dp x pp x tp all above 1 takes 8 ranks: see the module's docstring.

@@ -87,11 +87,14 @@ _ROWWISE = ("rowwise", "rowwise_split_input")
 _PACKED_COLWISE = ("packed_colwise",)
 _PARTIAL_GRAD = "replicated_with_grad_allreduce"
 _MOE = ("moe_tp_experts",)
+_LOCAL = ("local_params",)
+"""A module whose own parameters another rule shards (attention sinks, ``colwise``) and whose
+forward then runs on their local shards."""
 _OUTPUT = ("mla_kv_a_proj",)
 """Styles that keep their module's parameters whole and act on its output (MLA's rotary part of
 ``kv_a_proj_with_mqa``, which skips the sharded ``kv_b_proj``: its gradient summed over tp)."""
 _REPLICATE = "replicate"
-TP_STYLES = (*_COLWISE, *_ROWWISE, *_PACKED_COLWISE, *_MOE, *_OUTPUT, _PARTIAL_GRAD)
+TP_STYLES = (*_COLWISE, *_ROWWISE, *_PACKED_COLWISE, *_MOE, *_LOCAL, *_OUTPUT, _PARTIAL_GRAD)
 """The HF tensor-parallel styles a pipeline applies (those its tests cover); a plan with another
 style inside the decoder layers is refused at build."""
 
