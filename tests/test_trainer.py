@@ -64,8 +64,9 @@ def _args(out: str, **overrides):
     return TrainingArguments(**_options(out, **overrides))
 
 
-def _logs(trainer) -> list[dict]:
-    return [{k: h[k] for k in LOGGED} for h in trainer.state.log_history if "loss" in h]
+def _logs(trainer, keys=LOGGED) -> list[dict]:
+    """Each logged step's ``keys`` (``None`` where a step logged no such value)."""
+    return [{k: h.get(k) for k in keys} for h in trainer.state.log_history if "loss" in h]
 
 
 def _eval_rows():
@@ -705,10 +706,6 @@ def _grpo(trainer_cls, out: str, lora: bool, **options):
 GRPO_LOGGED = ("loss", "grad_norm", "learning_rate", "reward", "reward_std", "entropy", "kl")
 
 
-def _grpo_logs(trainer) -> list[dict]:
-    return [{k: h.get(k) for k in GRPO_LOGGED} for h in trainer.state.log_history if "loss" in h]
-
-
 def _grpo_run(rank, world, directory):
     from trl import GRPOTrainer
 
@@ -724,7 +721,7 @@ def _grpo_run(rank, world, directory):
         trainer.train()
         metrics = trainer.evaluate()
         trainer.save_model(f"{directory}/model{lora}")
-        runs[lora] = _grpo_logs(trainer), metrics
+        runs[lora] = _logs(trainer, GRPO_LOGGED), metrics
     return runs
 
 
@@ -750,7 +747,7 @@ def test_trl_grpo_generates_on_the_pipeline_and_trains_as_trl_in_one_process(tmp
     for lora in (False, True):
         reference = _grpo(GRPOTrainer, str(tmp_path / f"reference{lora}"), lora)
         reference.train()
-        want[lora] = _grpo_logs(reference), reference.evaluate()
+        want[lora] = _logs(reference, GRPO_LOGGED), reference.evaluate()
         reference.save_model(str(tmp_path / f"reference{lora}"))
     for runs in run_ranks(2, _grpo_run, str(tmp_path), timeout=300):
         for lora, (logs, metrics) in runs.items():
@@ -816,11 +813,6 @@ OWN_LOGGED = {
 }
 
 
-def _own_logs(trainer, kind: str) -> list[dict]:
-    keys = OWN_LOGGED[kind]
-    return [{k: h[k] for k in keys} for h in trainer.state.log_history if "loss" in h]
-
-
 def _own_losses_run(rank, world, directory):
     from trl import DPOTrainer
 
@@ -833,7 +825,7 @@ def _own_losses_run(rank, world, directory):
     )
     for trainer in (dft, dpo):
         trainer.train()
-    return {"dft": _own_logs(dft, "dft"), "dpo": _own_logs(dpo, "dpo")}
+    return {"dft": _logs(dft, OWN_LOGGED["dft"]), "dpo": _logs(dpo, OWN_LOGGED["dpo"])}
 
 
 def test_trl_trainers_with_their_own_losses_log_as_trl_does(tmp_path):
@@ -848,7 +840,7 @@ def test_trl_trainers_with_their_own_losses_log_as_trl_does(tmp_path):
     dpo = _dpo(DPOTrainer, str(tmp_path / "dpo"))
     for reference in (dft, dpo):
         reference.train()
-    want = {"dft": _own_logs(dft, "dft"), "dpo": _own_logs(dpo, "dpo")}
+    want = {"dft": _logs(dft, OWN_LOGGED["dft"]), "dpo": _logs(dpo, OWN_LOGGED["dpo"])}
     assert any(h["rewards/margins"] != 0 for h in want["dpo"])
     for runs in run_ranks(2, _own_losses_run, str(tmp_path), timeout=300):
         for kind, logs in runs.items():

@@ -45,8 +45,9 @@ __all__ = [
 ]
 
 Batch = dict[str, torch.Tensor]
-RowSizes = Callable[[Batch], torch.Tensor]
-"""A batch -> each row's count of an input's entries along its dim 0 (a ragged input)."""
+RowShares = Callable[[Batch], dict[str, torch.Tensor]]
+"""A batch -> for each of its inputs whose dim 0 is not the rows (a ragged input), each row's
+count of its entries along dim 0."""
 
 
 def digest64(data: bytes) -> int:
@@ -63,7 +64,7 @@ def check_batch(
     dp_size: int = 1,
     index_limits: Mapping[str, int] | None = None,
     label_rows: int | None = None,
-    ragged: Mapping[str, RowSizes] | None = None,
+    ragged: RowShares | None = None,
 ) -> Batch:
     """Checks a step's batch; returns it as the pipeline reads it (``None`` entries dropped, a
     default ``attention_mask`` added). Raises ``ValueError`` / ``TypeError`` naming what is
@@ -71,9 +72,9 @@ def check_batch(
     same error. ``index_limits``: the inputs that index an embedding table, and its rows
     (:attr:`pippy_xla.split.emit.StageGraph.index_limits`). ``label_rows``: the vocabulary
     the model's own loss reads the labels against (``None`` with a user ``loss_fn``): labels lie
-    in ``[0, label_rows)`` or are the ignore index -100. ``ragged``: the inputs whose dim 0 is
-    not the rows, each with the function that gives each row's share of it (see [Note: images
-    concatenated over a batch] in ``split/hf.py``)."""
+    in ``[0, label_rows)`` or are the ignore index -100. ``ragged``: the rows' shares of the
+    inputs whose dim 0 is not the rows (see [Note: images concatenated over a batch] in
+    ``split/hf.py``)."""
     if need_labels and "labels" not in batch:
         raise ValueError("run_train needs labels=...")
     names = list(input_names)
@@ -96,7 +97,7 @@ def check_batch(
         if not isinstance(v, torch.Tensor):
             raise TypeError(f"batch['{k}'] must be a tensor, got {type(v).__name__}")
     size = batch[first].shape[0]
-    _check_rows(batch, first, ragged or {})
+    _check_rows(batch, first, ragged(batch) if ragged else {})
     _check_indices(batch, index_limits or {})
     if label_rows is not None:
         _check_indices(batch, {"labels": label_rows}, ignore=IGNORE_INDEX)
@@ -112,17 +113,16 @@ def check_batch(
     return batch
 
 
-def _check_rows(batch: Batch, first: str, ragged: Mapping[str, RowSizes]) -> None:
-    """Every input has the batch's rows in dim 0 (those of ``first``), or for a ``ragged``
-    input, the sum of its rows' shares."""
+def _check_rows(batch: Batch, first: str, shares: Mapping[str, torch.Tensor]) -> None:
+    """Every input has the batch's rows in dim 0 (those of ``first``), or for a ragged input,
+    the sum of its rows' ``shares``."""
     size = batch[first].shape[0]
     for k, v in batch.items():
-        if k in ragged and v.dim() > 0:
-            shares = int(ragged[k](batch).sum())
-            if v.shape[0] != shares:
+        if k in shares and v.dim() > 0:
+            if v.shape[0] != int(shares[k].sum()):
                 raise ValueError(
                     f"batch['{k}'] has {v.shape[0]} entries in dim 0, but its rows' shares "
-                    f"add up to {shares}"
+                    f"add up to {int(shares[k].sum())}"
                 )
         elif v.dim() == 0 or v.shape[0] != size:
             raise ValueError(
@@ -182,26 +182,22 @@ def split_batch(
     dp_rank: int = 0,
     dp_size: int = 1,
     split: Collection[str] | None = None,
-    ragged: Mapping[str, RowSizes] | None = None,
+    ragged: RowShares | None = None,
 ) -> dict[str, tuple[torch.Tensor, ...]]:
     """A checked batch (:func:`check_batch`) split: per input of ``split`` (default: every input;
     a rank splits only what its stages read: 32 views of an input cost 15-40 us), this replica's
     rows (replica ``dp_rank`` of ``dp_size``: see [Note: pipeline x data parallel]) on ``device``
     in ``num_microbatches`` chunks; a ``ragged`` input cut at the same rows by its rows'
     shares."""
-    size = len(next(iter(v for k, v in batch.items() if not ragged or k not in ragged)))
+    shares = ragged(batch) if ragged else {}
+    size = len(next(v for k, v in batch.items() if k not in shares))
     rows = replica_rows(size, dp_rank, dp_size)
-    bounds = torch.arange(num_microbatches + 1) * ((rows.stop - rows.start) // num_microbatches)
-    bounds += rows.start
     parts = {}
     for k, v in batch.items():
         if split is not None and k not in split:
             continue
-        if ragged and k in ragged:
-            ends = torch.cat([torch.zeros(1, dtype=torch.long), ragged[k](batch).cumsum(0)])
-            v = v.to(device) if v.device != device else v
-            cuts = zip(bounds[:-1], bounds[1:], strict=True)
-            parts[k] = tuple(v[ends[a] : ends[b]] for a, b in cuts)
+        if k in shares:
+            parts[k] = _cut(v.to(device), shares[k], rows, num_microbatches)
             continue
         if dp_size > 1:
             v = v[rows]
@@ -209,6 +205,15 @@ def split_batch(
             v = v.to(device)
         parts[k] = v.chunk(num_microbatches)
     return parts
+
+
+def _cut(v: torch.Tensor, shares: torch.Tensor, rows: slice, chunks: int) -> tuple:
+    """A ragged input's entries of ``rows`` in ``chunks`` microbatches of equal rows, each row
+    holding its ``shares`` of the entries."""
+    ends = [0, *shares.cumsum(0).tolist()]
+    step = (rows.stop - rows.start) // chunks
+    starts = range(rows.start, rows.stop, step)
+    return tuple(v[ends[a] : ends[a + step]] for a in starts)
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pippy_xla._native import _C
-from pippy_xla.runtime._batch import RowSizes, digest64
+from pippy_xla.runtime._batch import RowShares, digest64
 from pippy_xla.runtime._recompile import RecompileWatch
 from pippy_xla.runtime._state import params_named
 from pippy_xla.runtime._ties import Tie, combine_among, local_ties, tied_names, untie_local_copies
@@ -162,9 +162,9 @@ class BuiltPipeline:
     label_rows: int | None
     """The vocabulary the model's own loss reads the labels against (``None`` with a user
     ``loss_fn``): the step checks the labels against it."""
-    ragged: dict[str, RowSizes]
-    """The batch inputs whose dim 0 is not the rows, with their rows' shares (see [Note:
-    images concatenated over a batch] in ``split/hf.py``)."""
+    ragged: RowShares | None
+    """The rows' shares of the batch inputs whose dim 0 is not the rows (see [Note: images
+    concatenated over a batch] in ``split/hf.py``); ``None`` for a model that takes none."""
     abort: AbortChannel
     """This pipeline's abort record in the job's store (see [Note: failing fast])."""
     compile_watch: RecompileWatch | None

@@ -254,10 +254,7 @@ class Generator:
         if self.stages is not None:
             return
         check_can_generate(self.model)
-        layer_ranges = [(st.layers[0], st.layers[-1] + 1) for st in self.runner.stages]
-        self.stages = generation_stages(
-            self.model, self.layer_cls, layer_ranges, self.place.device.type
-        )
+        self.stages = self._generation_stages(())
         if self.runner.config.compile and self.runner.dp is None and self.runner.tp is None:
             self._compile()  # on a mesh: eager, see [Note: compiled generation]
 
@@ -354,11 +351,15 @@ class Generator:
         if not names:
             return self.stages
         if names not in self.image_stages:
-            layer_ranges = [(st.layers[0], st.layers[-1] + 1) for st in self.runner.stages]
-            self.image_stages[names] = generation_stages(
-                self.model, self.layer_cls, layer_ranges, self.place.device.type, names
-            )
+            self.image_stages[names] = self._generation_stages(names)
         return self.image_stages[names]
+
+    def _generation_stages(self, inputs: tuple[str, ...]) -> list[StageGraph]:
+        """Generation graphs of the training layout's stages, with ``inputs`` besides the
+        token ids."""
+        layer_ranges = [(st.layers[0], st.layers[-1] + 1) for st in self.runner.stages]
+        device = self.place.device.type
+        return generation_stages(self.model, self.layer_cls, layer_ranges, device, inputs)
 
     def _generate(
         self,

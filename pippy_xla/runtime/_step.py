@@ -226,7 +226,7 @@ class StepRunner:
         """The weight of what the model adds to ``loss_fn``'s loss (an MoE router's loss):
         0 where a loss of one's own leaves it out (assignable between steps)."""
         self.ragged = built.ragged
-        """The batch inputs whose dim 0 is not the rows, with their rows' shares."""
+        """The rows' shares of the batch inputs whose dim 0 is not the rows (or ``None``)."""
         self._own_loss = built.loss_fn if built.label_rows is not None else None
         """The model's own loss, while the labels are checked against its vocabulary."""
         self._label_rows = built.label_rows

@@ -470,7 +470,7 @@ def call_features(
     """``ref.module.<method>(*args, **kwargs)``, the model's own Python, its pooled features one
     tensor (see [Note: encoders of other modalities]); ``used`` are the modules it runs and the
     parameters it reads, held by the stage."""
-    out = getattr(type(ref.module), method)(ref.module, *args, **kwargs)
+    out = call_positions(ref, method, *args, **kwargs)  # the owner's method, as it is
     pooled = getattr(out, "pooler_output", None)
     if isinstance(pooled, (list, tuple)) and pooled:
         with contextlib.suppress(TypeError, RuntimeError):  # not tensors of one width: as is
@@ -487,26 +487,30 @@ IMAGE_GRIDS = (
 text (Qwen2-VL's format; see [Note: images concatenated over a batch])."""
 
 
-def ragged_inputs(model: nn.Module, input_names: Sequence[str]) -> dict[str, Callable]:
-    """For each batch input whose dim 0 is not the batch's rows (:data:`IMAGE_GRIDS`), the
-    function that gives each row's share of it (see [Note: images concatenated over a
-    batch])."""
+def ragged_inputs(model: nn.Module, input_names: Sequence[str]) -> Callable | None:
+    """The function that gives, for each batch input whose dim 0 is not the batch's rows
+    (:data:`IMAGE_GRIDS`), each row's share of it, or ``None`` when the model takes none (see
+    [Note: images concatenated over a batch])."""
     config = getattr(model, "config", None)
-    vision = getattr(config, "vision_config", None)
-    merge = getattr(vision, "spatial_merge_size", None)
-    out: dict[str, Callable] = {}
-    for pixels, grid, token in IMAGE_GRIDS:
-        token_id = getattr(config, token, None)
-        if grid in input_names and token_id is not None and merge:
-            sizes = functools.partial(_images_per_row, grid=grid, token_id=token_id, merge=merge)
-            out[grid] = functools.partial(_take, sizes, 0)
-            if pixels in input_names:
-                out[pixels] = functools.partial(_take, sizes, 1)
-    return out
+    merge = getattr(getattr(config, "vision_config", None), "spatial_merge_size", None)
+    grids = [
+        (pixels, grid, getattr(config, token))
+        for pixels, grid, token in IMAGE_GRIDS
+        if grid in input_names and getattr(config, token, None) is not None and merge
+    ]
+    if not grids:
+        return None
+    return functools.partial(_row_shares, grids=grids, merge=merge)
 
 
-def _take(sizes: Callable, which: int, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return sizes(batch)[which]
+def _row_shares(batch: dict[str, torch.Tensor], *, grids: list, merge: int) -> dict:
+    """Each ragged input of ``batch`` -> its rows' shares (:func:`_images_per_row`)."""
+    shares = {}
+    for pixels, grid, token_id in grids:
+        shares[grid], patches = _images_per_row(batch, grid=grid, token_id=token_id, merge=merge)
+        if pixels in batch:
+            shares[pixels] = patches
+    return shares
 
 
 def _images_per_row(

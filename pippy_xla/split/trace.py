@@ -10,7 +10,7 @@ import contextlib
 import inspect
 import logging
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -349,25 +349,23 @@ class _Tracer(fx.Tracer):
     def sample_keys(self, obj: fx.Proxy) -> tuple[Any, ...] | None:
         """The keys of ``obj``'s sample value if it is a dict with the same keys for every
         sample batch (a mask factory's masks by layer type); else ``None``."""
-        keys = set()
-        for shape in _SAMPLE_SHAPES:
-            try:
-                value = self._sample_for(obj.node, shape)
-            except _NoSample:
-                return None
-            keys.add(tuple(value) if isinstance(value, dict) else None)
-        return keys.pop() if len(keys) == 1 else None
+        return self._agreed_about(obj, lambda v: tuple(v) if isinstance(v, dict) else None)
 
     def sample_length(self, obj: fx.Proxy) -> int | None:
         """The length of ``obj``'s sample value if it is a sequence (a shape)."""
-        lengths = set()
+        sized = (tuple, list, torch.Size)
+        return self._agreed_about(obj, lambda v: len(v) if isinstance(v, sized) else None)
+
+    def _agreed_about(self, obj: fx.Proxy, read: Callable[[Any], Any]) -> Any:
+        """``read`` of ``obj``'s sample value if every sample batch gives the same; else
+        ``None``."""
+        seen = set()
         for shape in _SAMPLE_SHAPES:
             try:
-                value = self._sample_for(obj.node, shape)
+                seen.add(read(self._sample_for(obj.node, shape)))
             except _NoSample:
                 return None
-            lengths.add(len(value) if isinstance(value, (tuple, list, torch.Size)) else None)
-        return lengths.pop() if len(lengths) == 1 else None
+        return seen.pop() if len(seen) == 1 else None
 
     def _agreed_sample(
         self, node: fx.Node, shapes: Sequence[tuple[int, int]] = _SAMPLE_SHAPES
@@ -578,28 +576,18 @@ def _placeholder_sample(row: tuple[int, ...] | None, shape: tuple[int, int]) -> 
     return torch.ones((shape[0], *row), device="meta")
 
 
-def _feature_leaf(tracer: fx.Tracer, ref: str, method: str, used: list[str]) -> Any:
-    """A feature method's stand-in while tracing: one :func:`hf.call_features` node (see [Note:
-    encoders of other modalities])."""
+def _method_leaf(tracer: fx.Tracer, ref: str, method: str, used: list[str] | None) -> Any:
+    """A feature method's stand-in while tracing: one :func:`hf.call_features` node, whose
+    ``used`` modules and parameters the stage holds (see [Note: encoders of other modalities]);
+    with ``used`` ``None``, a position method's: one :func:`hf.call_positions` node (see [Note:
+    multimodal positions])."""
 
     def leaf(*args: Any, **kwargs: Any) -> Any:
-        refp = tracer.create_proxy("get_attr", ref, (), {})
+        head: tuple[Any, ...] = (tracer.create_proxy("get_attr", ref, (), {}), method)
+        if used is None:
+            return tracer.create_proxy("call_function", hf.call_positions, (*head, *args), kwargs)
         mods = tuple(tracer.create_proxy("get_attr", path, (), {}) for path in used)
-        return tracer.create_proxy(
-            "call_function", hf.call_features, (refp, method, mods, *args), kwargs
-        )
-
-    return leaf
-
-
-def _positions_leaf(tracer: fx.Tracer, ref: str, method: str) -> Any:
-    """A position method's stand-in while tracing: one :func:`hf.call_positions` node (see
-    [Note: multimodal positions])."""
-
-    def leaf(*args: Any, **kwargs: Any) -> Any:
-        refp = tracer.create_proxy("get_attr", ref, (), {})
-        target = hf.call_positions
-        return tracer.create_proxy("call_function", target, (refp, method, *args), kwargs)
+        return tracer.create_proxy("call_function", hf.call_features, (*head, mods, *args), kwargs)
 
     return leaf
 
@@ -618,13 +606,10 @@ def _feature_leaves(root: _Root, tracer: fx.Tracer, layer_cls: tuple[type[nn.Mod
             prefix = ROOT_PREFIX + (f"{name}." if name else "")
             used = [prefix + c for c in hf.encoder_children(owner, layers)]
             used += [prefix + n for n, _ in owner.named_parameters(recurse=False)]
-            for method in hf.FEATURE_METHODS:
+            leaves = [(m, used) for m in hf.FEATURE_METHODS]
+            for method, reads in [*leaves, *((m, None) for m in hf.POSITION_METHODS)]:
                 if callable(getattr(type(owner), method, None)):
-                    vars(owner)[method] = _feature_leaf(tracer, ref, method, used)
-                    patched.append((owner, method))
-            for method in hf.POSITION_METHODS:
-                if callable(getattr(type(owner), method, None)):
-                    vars(owner)[method] = _positions_leaf(tracer, ref, method)
+                    vars(owner)[method] = _method_leaf(tracer, ref, method, reads)
                     patched.append((owner, method))
         yield
     finally:
