@@ -31,6 +31,13 @@ no extra hop.
   all-reduces ``param.grad`` after every accumulation, which sums the earlier microbatches again
   at each one; here it is not installed, and the step all-reduces those gradients once, after
   the last backward (:meth:`TensorParallel.reduce_partial_grads`).
+  A plan can miss one: Apertus' xIELU activation has learned scalars (``act_fn.alpha_p``) between
+  a ``colwise`` and a ``rowwise`` projection, unmarked, so each tp rank's gradient covers its own
+  columns only (HF's own tensor parallelism trains them with that partial gradient). So every
+  other parameter left whole inside the layers is checked each step, after the last backward:
+  the tp ranks compare three sums of its gradient (all-reduced as a ``tp x 3k`` table, so every
+  rank decides alike); a gradient that differs over ``tp`` by more than rounding is partial and
+  is summed too, with a warning naming it once (:meth:`TensorParallel.reduce_partial_grads`).
 - Batches: the tp ranks of a stage must be given the same step; each step they compare their
   step keys, and the pipeline's step handshake carries every rank's verdict. A pipeline group
   holds a rank of every stage, so a mismatch in any tp group fails every rank's handshake alike
@@ -62,6 +69,7 @@ no extra hop.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -71,6 +79,8 @@ from pippy_xla._native import _C
 from pippy_xla.hf_compat import tensor_parallel_api
 from pippy_xla.runtime.data_parallel import local_tensor
 from pippy_xla.split.partition import UnsupportedModelError
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "TP_STYLES",
@@ -94,6 +104,9 @@ _OUTPUT = ("mla_kv_a_proj",)
 """Styles that keep their module's parameters whole and act on its output (MLA's rotary part of
 ``kv_a_proj_with_mqa``, which skips the sharded ``kv_b_proj``: its gradient summed over tp)."""
 _REPLICATE = "replicate"
+_DIFFERS = 1e-4
+"""A whole parameter's gradient is partial when its tp ranks' sums differ by more than this
+fraction of their magnitude (rounding differs by about 1e-7; partial sums by O(1))."""
 TP_STYLES = (*_COLWISE, *_ROWWISE, *_PACKED_COLWISE, *_MOE, *_LOCAL, *_OUTPUT, _PARTIAL_GRAD)
 """The HF tensor-parallel styles a pipeline applies (those its tests cover); a plan with another
 style inside the decoder layers is refused at build."""
@@ -335,6 +348,10 @@ class TensorParallel:
         """Modules whose (replicated) parameters get partial gradients over ``tp``, summed
         after a step's last backward; their parameters are looked up at each step (data
         parallelism replaces them with its own after this)."""
+        self._whole = _whole_params(model, local_layer_names, self._partial_modules)
+        """``(module, name)`` of the other parameters left whole inside this rank's layers,
+        checked for partial gradients each step (:meth:`reduce_partial_grads`)."""
+        self._warned: set[tuple[int, str]] = set()
 
     def _sync_from_first(self, module: nn.Module) -> None:
         copy_from_first(module, self._group_name, self._timeout_ms)
@@ -348,26 +365,62 @@ class TensorParallel:
         """The parameters of the partial-gradient modules, now."""
         return [p for m in self._partial_modules for p in m.parameters()]
 
+    def _checked(self) -> list[nn.Parameter]:
+        """The partial-gradient parameters, then the whole ones checked each step, now."""
+        return [*self.partial, *(getattr(m, n) for m, n in self._whole)]
+
     def set_aside_partial(self) -> list[torch.Tensor | None]:
-        """The partial-gradient parameters' gradients from before the step (taken off them, so
-        the step's own are reduced alone)."""
-        params = self.partial
+        """The gradients from before the step of the parameters :meth:`reduce_partial_grads`
+        sums (taken off them, so the step's own are reduced alone)."""
+        params = self._checked()
         earlier = [p.grad for p in params]
         for p in params:
             p.grad = None
         return earlier
 
     def reduce_partial_grads(self, earlier: Sequence[torch.Tensor | None]) -> None:
-        """Sums the step's gradients of the partial-gradient parameters over ``tp`` (one
-        all-reduce each, of the local shard where data parallelism shards them) and adds back
-        ``earlier``."""
-        for p, before in zip(self.partial, earlier, strict=True):
-            if p.grad is not None:
+        """Sums over ``tp`` the step's gradients of the partial-gradient parameters and of the
+        whole parameters whose gradients differ over ``tp`` (one all-reduce each, of the local
+        shard where data parallelism shards them), and adds back ``earlier``."""
+        params = self._checked()
+        marked = len(params) - len(self._whole)
+        differ = self._differing(params[marked:])
+        for i, (p, before) in enumerate(zip(params, earlier, strict=True)):
+            if p.grad is not None and (i < marked or differ[i - marked]):
                 local = local_tensor(p.grad)
                 summed = self.all_reduce_sum(local, "tensor-parallel partial gradient sum")
                 local.copy_(summed)
             if before is not None:
                 p.grad = before if p.grad is None else before.add_(p.grad)
+
+    def _differing(self, params: Sequence[nn.Parameter]) -> list[bool]:
+        """Whether each parameter's gradient differs over ``tp`` (a partial gradient): three
+        sums per gradient (plain, weighted by a fixed +-1 pattern, absolute) of every tp rank,
+        gathered by one all-reduce of a ``tp x 3k`` table, so that every rank decides alike."""
+        if not params:
+            return []
+        table = torch.zeros(self.size, len(params), 3, dtype=torch.float64)
+        for i, p in enumerate(params):
+            if p.grad is not None:
+                g = local_tensor(p.grad).detach().flatten().double().cpu()
+                signs = 1.0 - 2.0 * (torch.arange(g.numel()) % 2)
+                table[self.rank, i] = torch.stack([g.sum(), (g * signs).sum(), g.abs().sum()])
+        table = self.all_reduce_sum(table.to(self._device), "tensor-parallel gradient check")
+        table = table.cpu()
+        spread = (table[:, :, :2] - table[:1, :, :2]).abs().amax(dim=(0, 2))
+        differ = (spread > _DIFFERS * table[:, :, 2].amax(dim=0)).tolist()
+        for (module, name), d in zip(self._whole, differ, strict=True):
+            if d and (id(module), name) not in self._warned:
+                self._warned.add((id(module), name))
+                logger.warning(
+                    "[tp %d] %s.%s: its gradient differs over tp (the plan leaves it whole but "
+                    "it sees sharded activations): summed over tp each step; HF's own tensor "
+                    "parallelism would train it with a partial gradient",
+                    self.rank,
+                    type(module).__name__,
+                    name,
+                )
+        return differ
 
     def all_reduce_sum(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
         return _C.all_reduce_sum_copy(tensor, self._group_name, self._timeout_ms, what)
@@ -390,6 +443,25 @@ class TensorParallel:
             if self._dim in names and not p.placements[names.index(self._dim)].is_replicate():
                 return True
         return self.rank == 0
+
+
+def _whole_params(
+    model: nn.Module, layer_names: Sequence[str], partial: Sequence[nn.Module]
+) -> list[tuple[nn.Module, str]]:
+    """``(module, name)`` of the trainable parameters inside the decoder layers ``layer_names``
+    that no rule sharded (plain tensors) and that are not in the ``partial`` modules."""
+    from torch.distributed.tensor import DTensor
+
+    named = dict(model.named_modules())
+    skip = {id(m) for m in partial}
+    return [
+        (module, name)
+        for layer in layer_names
+        for module in named[layer].modules()
+        if id(module) not in skip
+        for name, p in module.named_parameters(recurse=False)
+        if p.requires_grad and not isinstance(p, DTensor)
+    ]
 
 
 def shard_layers(
