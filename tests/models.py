@@ -464,6 +464,31 @@ def qwen3_5_vl(attn: str | None = None, layers: int = 4) -> tuple[nn.Module, Non
     return Qwen3_5ForConditionalGeneration(cfg), None
 
 
+def qwen3_vl(attn: str | None = None, layers: int = 4) -> tuple[nn.Module, None]:
+    """Qwen3-VL: Qwen2-VL's images and M-RoPE (interleaved), and DeepStack: the features of two
+    vision layers added to the hidden states of the first two text layers at the image tokens."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    rope = {"rope_type": "default", "mrope_section": [4, 2, 2], "mrope_interleaved": True}
+    text = {
+        **_TINY,
+        "model_type": "qwen3_vl_text",
+        "num_hidden_layers": layers,
+        "rope_parameters": rope,
+    }
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=2)
+    vision.update(out_hidden_size=_TINY["hidden_size"], num_position_embeddings=16)
+    cfg = Qwen3VLConfig(
+        text_config={**text, "rope_parameters": rope},
+        vision_config={**vision, "spatial_merge_size": 2, "deepstack_visual_indexes": [0, 1]},
+        image_token_id=IMAGE_TOKEN,
+        video_token_id=IMAGE_TOKEN - 1,
+        vision_start_token_id=IMAGE_TOKEN - 2,
+    )
+    _set_attn(cfg, attn)
+    return Qwen3VLForConditionalGeneration(cfg), None
+
+
 QWEN_GRIDS = [[], [(1, 4, 4)], [(1, 2, 4), (1, 4, 4)], [(1, 4, 2)]]
 """The images of :func:`qwen2_vl_batch`'s rows, in turn: none, one, two of other sizes, one."""
 
@@ -535,7 +560,7 @@ INPUT_NAMES = {
         "mm_token_type_ids",
     ),
 }
-INPUT_NAMES["qwen3_5_vl"] = INPUT_NAMES["qwen2_vl"]
+INPUT_NAMES["qwen3_5_vl"] = INPUT_NAMES["qwen3_vl"] = INPUT_NAMES["qwen2_vl"]
 """The batch inputs of families whose batch holds more than token ids and a mask."""
 
 
@@ -546,7 +571,7 @@ def family_batch(family: str, seed: int, **kw) -> dict:
     Idefics3's ``pixel_attention_mask``)."""
     if family not in INPUT_NAMES:
         return make_batch(seed, **kw)
-    if family in ("qwen2_vl", "qwen3_5_vl"):
+    if family in ("qwen2_vl", "qwen3_5_vl", "qwen3_vl"):
         return qwen2_vl_batch(seed, **kw)
     row, tokens = IMAGES.get(family, ((3, IMAGE_SIDE, IMAGE_SIDE), PATCHES))
     out = image_batch(seed, row=row, tokens=tokens, **kw)
@@ -588,6 +613,7 @@ MODELS = {
     "idefics3": idefics3,
     "qwen2_vl": qwen2_vl,
     "qwen3_5_vl": qwen3_5_vl,
+    "qwen3_vl": qwen3_vl,
 }
 
 

@@ -21,6 +21,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLDecoderLayer
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
+from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextDecoderLayer
 
 import pippy_xla as px
 from pippy_xla.split.partition import layer_classes
@@ -40,6 +41,7 @@ STACKS = {
     "idefics3": ((LlamaDecoderLayer,), "model.text_model.layers."),
     "qwen2_vl": ((Qwen2VLDecoderLayer,), "model.language_model.layers."),
     "qwen3_5_vl": ((Qwen3_5DecoderLayer,), "model.language_model.layers."),
+    "qwen3_vl": ((Qwen3VLTextDecoderLayer,), "model.language_model.layers."),
 }
 """The layer classes and names of the families built without ``layer_cls``: the text model's."""
 
@@ -81,6 +83,8 @@ NOTES = {
     "recomputed on every stage",
     "qwen3_5_vl": "Qwen2-VL's images and M-RoPE (4 position rows) before linear-attention and "
     "attention layers",
+    "qwen3_vl": "DeepStack: features of two vision layers added into the first two text layers "
+    "(sent across the boundaries), interleaved M-RoPE",
 }
 
 # Tensors sent per boundary on 2 ranks where it is not the hidden state alone: MoE router losses
@@ -108,6 +112,7 @@ FOUR_RANKS = [
     ("idefics3", "gpipe", 4),
     ("qwen2_vl", "zbh1", 4),
     ("qwen3_5_vl", "1f1b", 4),
+    ("qwen3_vl", "1f1b", 4),
 ]
 
 # Hybrids on every schedule that splits the backward (2 ranks; padded rows in every batch).

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import _TINY, INPUT_NAMES, TINY_FAMILIES, VOCAB, llama, make_batch, tiny
+from models import TINY_FAMILIES, VOCAB, llama, make_batch, tiny
 from torch import nn
 from transformers import BertConfig, BertModel, LlamaConfig, LlamaForSequenceClassification
 from transformers.models.bert.modeling_bert import BertLayer
@@ -60,24 +60,6 @@ def _gemma4_kv_sharing():
     return tiny("gemma4_text", **overrides)[0]
 
 
-IMAGES = ("input_ids", "pixel_values", "attention_mask")
-
-
-def _qwen3_vl():
-    """Qwen3-VL: Qwen2-VL's images and positions, and DeepStack (features of several vision
-    layers added to the first text layers' hidden states)."""
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
-
-    rope = {"rope_type": "default", "mrope_section": [4, 2, 2], "mrope_interleaved": True}
-    text = {**_TINY, "model_type": "qwen3_vl_text", "num_hidden_layers": 4, "rope_parameters": rope}
-    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=2)
-    vision.update(out_hidden_size=64, num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
-    config = Qwen3VLConfig(
-        text_config=text, vision_config=vision, image_token_id=VOCAB - 1, video_token_id=VOCAB - 2
-    )
-    return Qwen3VLForConditionalGeneration(config)
-
-
 # name: (the model as the README's list names it, or None for a wrong argument; its builder,
 # layer_cls, options).
 REFUSED = {
@@ -94,12 +76,6 @@ REFUSED = {
         _gemma4_kv_sharing,
         None,
         {},
-    ),
-    "qwen3_vl": (
-        "`Qwen3VLForConditionalGeneration` with images (DeepStack)",
-        _qwen3_vl,
-        None,
-        {"input_names": INPUT_NAMES["qwen2_vl"]},
     ),
 }
 
@@ -141,7 +117,6 @@ def test_unsupported_models_are_refused_at_construction():
     assert (
         "shares keys and values between layers (num_kv_shared_layers=2)" in why["gemma4_kv_sharing"]
     )
-    assert "modeling_qwen3_vl.py:" in why["qwen3_vl"] and "deepstack" in why["qwen3_vl"]
     # The README's list of unsupported models is this test's output (PIPPY_WRITE_README=1).
     listing = _unsupported_list(why)
     text = README.read_text()

@@ -40,6 +40,7 @@ __all__ = [
     "META_ONLY_MASK_KWARGS",
     "REF_ATTR",
     "call_features",
+    "smallest_images",
     "call_positions",
     "ragged_inputs",
     "cat_features",
@@ -485,6 +486,26 @@ IMAGE_GRIDS = (
 """Inputs that concatenate the batch's images (or videos) in row order, their grids (one row of
 ``(t, h, w)`` patches per image) and the token that stands for the image's features in the
 text (Qwen2-VL's format; see [Note: images concatenated over a batch])."""
+
+
+def smallest_images(model: nn.Module, arguments: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """For the images of :data:`IMAGE_GRIDS` among a feature method's ``arguments``: one image
+    of the smallest grid a vision tower with ``spatial_merge_size`` ``m`` takes, ``(1, m, m)``
+    (on the CPU), and its patches' pixels on ``meta`` (one row of ``in_channels *
+    temporal_patch_size * patch_size**2`` per patch); empty for other models."""
+    vision = getattr(getattr(model, "config", None), "vision_config", None)
+    fields = ("spatial_merge_size", "in_channels", "temporal_patch_size", "patch_size")
+    sizes = [getattr(vision, f, None) for f in fields]
+    if not all(isinstance(n, int) for n in sizes):
+        return {}
+    merge, channels, temporal, patch = sizes
+    out: dict[str, torch.Tensor] = {}
+    for pixels, grid, _ in IMAGE_GRIDS:
+        if grid in arguments and pixels in arguments:
+            out[grid] = torch.tensor([[1, merge, merge]])
+            row = channels * temporal * patch**2
+            out[pixels] = torch.empty(merge * merge, row, device="meta")
+    return out
 
 
 def ragged_inputs(model: nn.Module, input_names: Sequence[str]) -> Callable | None:

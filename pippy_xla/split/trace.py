@@ -172,12 +172,24 @@ class _Proxy(_Builtins, fx.Proxy):
     def __getattr__(self, k: str) -> Any:
         return _Attribute(self, k)
 
+    def __setitem__(self, key: Any, value: Any) -> None:
+        """``x[key] = value`` (Qwen3-VL's features added at the image tokens): one
+        :func:`setitem_` node, an in-place op whose later readers of ``x`` read its result (see
+        [Note: in-place ops outside the layers])."""
+        self.tracer.create_proxy("call_function", setitem_, (self, key, value), {})
+
     @property
     def device(self) -> Any:
         tracer = self.tracer
         if tracer.first_input is None:
             return _Attribute(self, "device")
         return _Device(tracer.first_input, "device")
+
+
+def setitem_(x: torch.Tensor, key: Any, value: Any) -> torch.Tensor:
+    """``x[key] = value``, returning ``x``: a traced item assignment (``_Proxy.__setitem__``)."""
+    x[key] = value
+    return x
 
 
 class _Attribute(_Builtins, fx.proxy.Attribute):
@@ -423,10 +435,7 @@ class _Tracer(fx.Tracer):
         if node.op == "call_function" and node.target is hf.call_positions:
             return _positions_sample(node.target, args, kwargs)
         if node.op == "call_function" and node.target is hf.call_features:
-            with contextlib.ExitStack() as on_meta:
-                for mod in args[2]:  # the encoders it runs
-                    on_meta.enter_context(_on_meta(mod))
-                return node.target(*args, **kwargs)
+            return _features_sample(node.target, args, kwargs)
         if node.op == "call_function":
             return node.target(*args, **kwargs)
         if node.op == "call_method" and node.target == "to" and _is_meta(args[0]):
@@ -532,6 +541,61 @@ def _on_meta(mod: nn.Module) -> Any:
     tensors = {**dict(mod.named_parameters()), **dict(mod.named_buffers())}
     meta = {k: torch.empty_like(t, device="meta") for k, t in tensors.items()}
     return torch.nn.utils.stateless._reparametrize_module(mod, meta)
+
+
+"""[Note: features of several layers]
+
+Qwen3-VL's ``get_image_features`` returns, besides the pooled features, a list of the features
+of some vision layers (DeepStack), each a tuple per image; the model's Python iterates over that
+list (``[torch.cat(feat) for feat in deepstack_features]``) and its text model adds entry ``i``
+to the hidden states after layer ``i`` at the image tokens (``h[mask, :] = h[mask, :] + f``).
+Iterating a traced value needs its length from the value's samples (:meth:`_Tracer.iter`), and
+the feature method's sample, its encoders on ``meta``, fails for images concatenated over the
+batch: the tower reads their grid sizes as numbers (``.tolist()``). So that sample runs once more
+on one image of the smallest grid (:func:`hf.smallest_images`): the grid a CPU tensor, the
+pixels on ``meta``, and every op with a ``meta`` input on ``meta`` (:class:`_MetaWins`), which
+gives the list's length (a size of the model, the same for every batch). ``x[key] = value`` on a
+traced value is one in-place op, :func:`setitem_`, threaded like the others ([Note: in-place ops
+outside the layers]). The features of each layer are then values of the graph like any other:
+made on the first stage, sent to the stage that holds the layer adding them.
+"""
+
+
+def _features_sample(fn: Any, args: Any, kwargs: Any) -> Any:
+    """A feature method's value for a sample batch, its encoders on ``meta``; where that fails on
+    images concatenated over the batch (whose grid sizes the encoder reads as numbers), once more
+    on one image of the smallest grid, the grid on the CPU (see [Note: features of several
+    layers])."""
+    with contextlib.ExitStack() as on_meta:
+        for mod in args[2]:  # the encoders it runs
+            on_meta.enter_context(_on_meta(mod))
+        try:
+            return fn(*args, **kwargs)
+        except Exception:
+            ref, method = args[:2]
+            bound = inspect.signature(getattr(type(ref.module), method)).bind_partial(
+                ref.module, *args[3:], **kwargs
+            )
+            images = hf.smallest_images(ref.module, bound.arguments)
+            if not images:
+                raise
+            bound.arguments.update(images)
+            with _MetaWins():
+                return fn(*args[:3], *bound.args[1:], **bound.kwargs)
+
+
+class _MetaWins(torch.utils._python_dispatch.TorchDispatchMode):
+    """An op with a ``meta`` tensor among its inputs runs on ``meta`` (its CPU tensors moved
+    there); one without runs as it is: numbers read from CPU tensors stay readable."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+        kwargs = kwargs or {}
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+        if any(_is_meta(t) for t in leaves):
+            args, kwargs = torch.utils._pytree.tree_map_only(
+                torch.Tensor, lambda t: t.to("meta"), (args, kwargs)
+            )
+        return func(*args, **kwargs)
 
 
 def _positions_sample(fn: Any, args: Any, kwargs: Any) -> Any:
