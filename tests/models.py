@@ -489,6 +489,26 @@ def qwen3_vl(attn: str | None = None, layers: int = 4) -> tuple[nn.Module, None]
     return Qwen3VLForConditionalGeneration(cfg), None
 
 
+def glm4v(attn: str | None = None, layers: int = 4) -> tuple[nn.Module, None]:
+    """GLM-4.1V: its own vision tower (learned positions interpolated per grid) over Qwen2-VL's
+    image format, and M-RoPE on half of each head (partial rotary) in a GLM-4 text model."""
+    from transformers import Glm4vConfig, Glm4vForConditionalGeneration
+
+    rope = {"rope_type": "default", "mrope_section": [2, 1, 1], "partial_rotary_factor": 0.5}
+    text = {**_TINY, "model_type": "glm4v_text", "num_hidden_layers": layers}
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=2)
+    vision.update(out_hidden_size=_TINY["hidden_size"], image_size=8, temporal_patch_size=2)
+    cfg = Glm4vConfig(
+        text_config={**text, "rope_parameters": {**rope, "rope_theta": 10000.0}},
+        vision_config={**vision, "spatial_merge_size": 2},
+        image_token_id=IMAGE_TOKEN,
+        video_token_id=IMAGE_TOKEN - 1,
+        image_start_token_id=IMAGE_TOKEN - 2,
+    )
+    _set_attn(cfg, attn)
+    return Glm4vForConditionalGeneration(cfg), None
+
+
 QWEN_GRIDS = [[], [(1, 4, 4)], [(1, 2, 4), (1, 4, 4)], [(1, 4, 2)]]
 """The images of :func:`qwen2_vl_batch`'s rows, in turn: none, one, two of other sizes, one."""
 
@@ -560,7 +580,8 @@ INPUT_NAMES = {
         "mm_token_type_ids",
     ),
 }
-INPUT_NAMES["qwen3_5_vl"] = INPUT_NAMES["qwen3_vl"] = INPUT_NAMES["qwen2_vl"]
+for _family in ("qwen3_5_vl", "qwen3_vl", "glm4v"):  # Qwen2-VL's image format
+    INPUT_NAMES[_family] = INPUT_NAMES["qwen2_vl"]
 """The batch inputs of families whose batch holds more than token ids and a mask."""
 
 
@@ -571,7 +592,7 @@ def family_batch(family: str, seed: int, **kw) -> dict:
     Idefics3's ``pixel_attention_mask``)."""
     if family not in INPUT_NAMES:
         return make_batch(seed, **kw)
-    if family in ("qwen2_vl", "qwen3_5_vl", "qwen3_vl"):
+    if INPUT_NAMES[family] == INPUT_NAMES["qwen2_vl"]:
         return qwen2_vl_batch(seed, **kw)
     row, tokens = IMAGES.get(family, ((3, IMAGE_SIDE, IMAGE_SIDE), PATCHES))
     out = image_batch(seed, row=row, tokens=tokens, **kw)
@@ -614,6 +635,7 @@ MODELS = {
     "qwen2_vl": qwen2_vl,
     "qwen3_5_vl": qwen3_5_vl,
     "qwen3_vl": qwen3_vl,
+    "glm4v": glm4v,
 }
 
 

@@ -17,6 +17,7 @@ import torch
 from models import INPUT_NAMES, MODELS, family_batch, pipeline, reference_step
 from transformers.models.gemma.modeling_gemma import GemmaDecoderLayer
 from transformers.models.gemma3.modeling_gemma3 import Gemma3DecoderLayer
+from transformers.models.glm4v.modeling_glm4v import Glm4vTextDecoderLayer
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLDecoderLayer
@@ -42,6 +43,7 @@ STACKS = {
     "qwen2_vl": ((Qwen2VLDecoderLayer,), "model.language_model.layers."),
     "qwen3_5_vl": ((Qwen3_5DecoderLayer,), "model.language_model.layers."),
     "qwen3_vl": ((Qwen3VLTextDecoderLayer,), "model.language_model.layers."),
+    "glm4v": ((Glm4vTextDecoderLayer,), "model.language_model.layers."),
 }
 """The layer classes and names of the families built without ``layer_cls``: the text model's."""
 
@@ -85,6 +87,7 @@ NOTES = {
     "attention layers",
     "qwen3_vl": "DeepStack: features of two vision layers added into the first two text layers "
     "(sent across the boundaries), interleaved M-RoPE",
+    "glm4v": "its own vision tower over Qwen2-VL's image format, M-RoPE on half of each head",
 }
 
 # Tensors sent per boundary on 2 ranks where it is not the hidden state alone: MoE router losses
@@ -113,6 +116,7 @@ FOUR_RANKS = [
     ("qwen2_vl", "zbh1", 4),
     ("qwen3_5_vl", "1f1b", 4),
     ("qwen3_vl", "1f1b", 4),
+    ("glm4v", "gpipe", 4),
 ]
 
 # Hybrids on every schedule that splits the backward (2 ranks; padded rows in every batch).

@@ -14,6 +14,7 @@ from models import (
     llama,
     make_batch,
     needs_hf_tensor_parallel,
+    qwen2_vl_batch,
     tiny,
 )
 from test_pipeline import LOSS_TOL
@@ -151,20 +152,25 @@ def test_generate_equal_hf_two_ranks():
     assert out == [_all_equal(FAMILIES)] * 2
 
 
-IMAGE_FAMILIES = ("llava", "llava_onevision", "idefics3")
+IMAGE_FAMILIES = ("llava", "llava_onevision", "idefics3", "qwen3_5_vl", "qwen3_vl")
 """Vision-language families whose prompts' images are a row each (HF's ``pixel_values`` and
-LLaVA-OneVision's ``image_sizes``, Idefics3's ``pixel_attention_mask``)."""
+LLaVA-OneVision's ``image_sizes``, Idefics3's ``pixel_attention_mask``), or concatenated over
+the prompts with their grids and M-RoPE positions (Qwen3.5 with images; Qwen3-VL, DeepStack)."""
 
 
 def _image_prompts(family: str, seed: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Prompts whose image tokens follow the first token, one left-padded by 2, and the rows'
-    images."""
-    batch = family_batch(family, seed=seed, pad=False)
-    ids = batch["input_ids"][:4, :14]
+    images (Qwen's format: 0, 1, 2 and 1 images, the first row's none)."""
+    if INPUT_NAMES[family] == INPUT_NAMES["qwen2_vl"]:
+        batch = qwen2_vl_batch(4 * seed, batch=4, seq=14, pad=False)  # rows of QWEN_GRIDS
+    else:
+        batch = family_batch(family, seed=seed, pad=False)
+        batch = {k: v[:4, :14] if k == "input_ids" else v[:4] for k, v in batch.items()}
+    ids = batch["input_ids"]
     mask = torch.ones_like(ids)
     mask[0, :2] = 0
     names = [k for k in INPUT_NAMES[family] if k not in ("input_ids", "attention_mask")]
-    return ids, mask, {k: batch[k][:4] for k in names}
+    return ids, mask, {k: batch[k] for k in names}
 
 
 def _with_images(rank, world) -> dict[str, list[bool]]:
@@ -184,7 +190,11 @@ def _with_images(rank, world) -> dict[str, list[bool]]:
             want = ref.generate(input_ids=ids, attention_mask=mask, **opts, **images)
             got = pipe.generate(ids, mask, groups=groups, **opts, **images)
             equal.append(torch.equal(got, want))
-        other = {k: v * 3 + 1 if v.is_floating_point() else v for k, v in images.items()}
+        g = torch.Generator().manual_seed(5)
+        other = {
+            k: torch.randn(v.shape, generator=g) if v.is_floating_point() else v
+            for k, v in images.items()
+        }
         changed = ref.generate(input_ids=ids, attention_mask=mask, **opts, **other)
         assert not torch.equal(changed, want), family  # the tokens depend on the images
         ids, mask, images = _image_prompts(family, 3)

@@ -137,8 +137,10 @@ from pippy_xla._native import _C
 from pippy_xla.runtime._batch import agree_on_step, digest64, replica_rows, step_key
 from pippy_xla.runtime._recompile import RecompileWatch
 from pippy_xla.runtime.failures import FailureState
+from pippy_xla.split import hf
 from pippy_xla.split.emit import StageGraph
 from pippy_xla.split.generation import (
+    POSITION_INPUTS,
     PROMPT_INPUTS,
     GenerationSettings,
     check_can_generate,
@@ -202,7 +204,7 @@ class _Groups:
         self.rows = rows
         self.mask = list(mask.split(rows))
         """Each group's attention mask, up to its last sampled token."""
-        self.next_position = list(positions[:, -1:].split(rows))
+        self.next_position = list(positions[..., -1:].split(rows, dim=-2))
         """Each group's position of its last token (the next forward's input ids)."""
         self.tokens: list[torch.Tensor] = []
         """Each group's last sampled tokens, ``[rows, 1]``: the next forward's input ids."""
@@ -316,7 +318,7 @@ class Generator:
         self.caches = {}
         self.decode_runs = []
         ids, mask = _check_prompts(input_ids, attention_mask)
-        kwargs, images = _prompt_images(kwargs, ids.shape[0])
+        kwargs, images, shares = _prompt_images(self.model, kwargs, ids)
         if ids.shape[0] % place.dp_size:
             raise ValueError(
                 f"generate got {ids.shape[0]} prompts, not a multiple of the data-parallel size "
@@ -327,7 +329,7 @@ class Generator:
         self._agree(ids, mask, generation_config, options, images)  # on the CPU
         rows = replica_rows(ids.shape[0], place.dp_rank, place.dp_size)
         ids, mask = ids[rows].to(place.device), mask[rows].to(place.device)
-        images = {k: v[rows].to(place.device) for k, v in images.items()}
+        images = {k: v.to(place.device) for k, v in _take_rows(images, shares, rows).items()}
         settings = prepare_generation(self.model, ids, generation_config, kwargs)
         if images and settings.config.prefill_chunk_size is not None:
             raise ValueError("generate with images takes no prefill_chunk_size yet")
@@ -371,7 +373,11 @@ class Generator:
     ) -> torch.Tensor:
         """The sequences of prompts ``ids`` (this replica's, with their ``images``), on every
         rank of the pipeline."""
-        positions = self.model._prepare_position_ids_for_generation(ids, {"attention_mask": mask})
+        # HF's positions: M-RoPE's [kinds, rows, length] from the images' grids (see [Note:
+        # images concatenated over a batch, in generate]); [rows, length] for other models.
+        extra = {k: v for k, v in images.items() if k in POSITION_INPUTS}
+        prepare = self.model._prepare_position_ids_for_generation
+        positions = prepare(ids, {"attention_mask": mask, **extra})
         rows = [len(r) for r in torch.arange(ids.shape[0]).tensor_split(min(groups, ids.shape[0]))]
         caches = self.caches = self._caches(settings, rows)
         samplers = None
@@ -515,7 +521,7 @@ class Generator:
             lambda: _C.forward_schedule(stage_rank, num_ranks, n * len(ends)),
         )
         logits: dict[int, torch.Tensor] = {}
-        parts = {k: v.split(rows) for k, v in inputs.items()}
+        parts = _split_rows(self.model, inputs, rows)
         stages, last = self._prefill_stages(images), len(self.stages) - 1
 
         def forward(stage: int, mb: int, received: list[torch.Tensor]):
@@ -524,11 +530,15 @@ class Generator:
             batch = {
                 "input_ids": parts["input_ids"][g][:, s:e],
                 "attention_mask": parts["attention_mask"][g][:, :e],  # as HF's chunked prefill
-                "position_ids": parts["position_ids"][g][:, s:e],
-                **{k: parts[k][g] for k in images},
+                "position_ids": parts["position_ids"][g][..., s:e],
             }
-            run = stages[stage].module if images else self._module("prefill", stage)
-            out = run(*(batch[k] for k in stages[stage].batch_inputs), *received, caches[stage][g])
+            # A group whose rows hold no image (none of the images concatenated over the
+            # prompts) runs the graphs without images, as HF's generate would be called.
+            with_images = bool(images) and all(parts[k][g].shape[0] for k in images)
+            graph = (stages if with_images else self.stages)[stage]
+            batch.update((k, parts[k][g]) for k in images if with_images)
+            run = graph.module if with_images else self._module("prefill", stage)
+            out = run(*(batch[k] for k in graph.batch_inputs), *received, caches[stage][g])
             if stage != last:
                 return out
             if c == len(ends) - 1:
@@ -668,18 +678,63 @@ def cache_bytes(caches: dict[int, list[Any]]) -> int:
     return sum(t.numel() * t.element_size() for la in seen.values() for t in (la.keys, la.values))
 
 
-def _prompt_images(kwargs: dict[str, Any], rows: int) -> tuple[dict, dict[str, torch.Tensor]]:
-    """``generate``'s keyword arguments without the prompts' images, and the images (see [Note:
-    images in the prefill]): tensors of a row each."""
+def _prompt_images(
+    model: nn.Module, kwargs: dict[str, Any], ids: torch.Tensor
+) -> tuple[dict, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``generate``'s keyword arguments without the prompts' images, the images (see [Note:
+    images in the prefill]), and each ragged image input's shares of the prompts (images
+    concatenated over the batch: its rows per prompt, from the prompts' image tokens; see [Note:
+    images concatenated over a batch] in ``split/hf.py``); the other images are tensors of a
+    row each. Raises ``ValueError`` naming the input that is neither."""
+    rows = ids.shape[0]
     kwargs = dict(kwargs)
     images = {k: kwargs.pop(k) for k in PROMPT_INPUTS if kwargs.get(k) is not None}
     for name, value in images.items():
-        if not isinstance(value, torch.Tensor) or value.ndim == 0 or value.shape[0] != rows:
-            what = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        if not isinstance(value, torch.Tensor) or value.ndim == 0:
+            raise ValueError(f"generate's {name} must be a tensor, got {type(value).__name__}")
+    ragged = hf.ragged_inputs(model, tuple(images))
+    shares = ragged({"input_ids": ids, **images}) if ragged else {}
+    for name, value in images.items():
+        if name not in shares and value.shape[0] != rows:
             raise ValueError(
-                f"generate's {name} must be a tensor with a row per prompt ({rows}), got {what}"
+                f"generate's {name} must be a tensor with a row per prompt ({rows}), got "
+                f"{tuple(value.shape)}"
             )
-    return kwargs, images
+    return kwargs, images, shares
+
+
+def _take_rows(
+    images: dict[str, torch.Tensor], shares: dict[str, torch.Tensor], rows: slice
+) -> dict[str, torch.Tensor]:
+    """The prompts ``rows``' images: their rows, or their shares of a ragged input."""
+    out = {}
+    for name, value in images.items():
+        if name in shares:
+            ends = shares[name].cumsum(0).tolist()
+            start = ends[rows.start - 1] if rows.start else 0
+            out[name] = value[start : ends[rows.stop - 1]]
+        else:
+            out[name] = value[rows]
+    return out
+
+
+def _split_rows(
+    model: nn.Module, inputs: dict[str, torch.Tensor], rows: list[int]
+) -> dict[str, tuple[torch.Tensor, ...]]:
+    """``inputs`` split into groups of ``rows`` prompts: position ids on their rows' dim (M-RoPE's
+    is the second), a ragged image input by its rows' shares, the rest by rows."""
+    ragged = hf.ragged_inputs(model, tuple(inputs))
+    shares = ragged(inputs) if ragged else {}
+    out = {}
+    for name, value in inputs.items():
+        if name == "position_ids":
+            out[name] = value.split(rows, dim=-2)
+        elif name in shares:
+            sizes = [int(part.sum()) for part in shares[name].split(rows)]
+            out[name] = value.split(sizes)
+        else:
+            out[name] = value.split(rows)
+    return out
 
 
 def _check_prompts(

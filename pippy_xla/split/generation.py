@@ -54,6 +54,7 @@ from pippy_xla.split.partition import LayerCls, UnsupportedModelError, layer_cla
 __all__ = [
     "CACHE_ARG",
     "GENERATION_INPUTS",
+    "POSITION_INPUTS",
     "PROMPT_INPUTS",
     "GenerationSettings",
     "check_can_generate",
@@ -108,7 +109,9 @@ def generation_stages(
     for st in stages:
         _thread_cache(st.module, classes)
         st.code = st.module.code
-    for st in stages[1:]:
+    # The decode steps give later stages no token ids (see [Note: generation data flow]); the
+    # prefill gives every stage the prompts' (Qwen3-VL's later layers find the image tokens).
+    for st in stages[1:] if not extra_inputs else []:
         reader = _value_reader(st.module, "input_ids")
         if reader is not None:
             raise UnsupportedModelError(
@@ -279,14 +282,34 @@ prefill only, where the first stage runs the vision tower and scatters the featu
 prompt's embeddings; the decode steps read the cache. The prefill runs graphs of its own,
 partitioned with those inputs among the batch inputs (made at the first ``generate`` with
 images, for the inputs it names), and every decode step the graphs without them. Each row's
-images travel with the row: a group of rows, a replica's share. Families whose mask reads
-other inputs (``token_type_ids``) and chunked prefill (``prefill_chunk_size``) are refused with
-images for now.
+images travel with the row: a group of rows, a replica's share. Images concatenated over the
+prompts (Qwen2-VL's format: ``pixel_values`` of every image's patches, ``image_grid_thw``) are
+cut at the groups' rows by each row's image tokens, as training cuts them (see [Note: images
+concatenated over a batch] in ``hf.py``), and a group whose rows hold none runs the graphs
+without images. Their M-RoPE positions are HF's: ``_prepare_position_ids_for_generation`` with
+the grids and ``mm_token_type_ids`` gives ``[kinds, rows, length]``, the generation graphs are
+traced with position ids of those kinds (:func:`hf.position_kinds`), and each decode step adds
+one to a group's last, as HF's loop does, so the model keeps no state per group (its
+``rope_deltas`` is not read). The prefill graphs give every stage the prompts' token ids (Qwen3-VL's
+later layers find the image tokens in them), the decode graphs only the first. Families whose
+mask reads other inputs (``token_type_ids``) and chunked prefill (``prefill_chunk_size``) are
+refused with images for now.
 """
 
-PROMPT_INPUTS = ("pixel_values", "image_sizes", "pixel_attention_mask")
-"""Model inputs ``generate`` takes besides the token ids, for the prefill only: a row's images
+PROMPT_INPUTS = (
+    "pixel_values",
+    "image_sizes",
+    "pixel_attention_mask",
+    "image_grid_thw",
+    "mm_token_type_ids",
+)
+"""Model inputs ``generate`` takes besides the token ids, for the prefill only: the prompts'
+images (a row each, or concatenated over the batch with their grids) and what the family adds
 (see [Note: images in the prefill])."""
+
+POSITION_INPUTS = ("image_grid_thw", "mm_token_type_ids")
+"""The prompt inputs HF's ``_prepare_position_ids_for_generation`` reads for M-RoPE's positions
+(the images' grids and each token's modality)."""
 
 
 def prepare_generation(

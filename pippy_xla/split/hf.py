@@ -50,6 +50,7 @@ __all__ = [
     "feature_owners",
     "find_configs",
     "input_rows",
+    "position_kinds",
     "is_mask_function_name",
     "is_traced_check",
     "is_rotary_module",
@@ -383,6 +384,27 @@ def patch_loss_function(model: nn.Module, marker: LossMarker) -> Iterator[None]:
             vars(model)["_loss_function"] = saved
         else:
             del vars(model)["_loss_function"]
+
+
+def position_kinds(model: nn.Module) -> int | None:
+    """How many kinds of positions HF's ``generate`` gives the model per token: M-RoPE's
+    ``position_ids`` are ``[kinds, batch, length]`` (Qwen2-VL's: a text row and three of the
+    image grid), as ``_prepare_position_ids_for_generation`` makes them; ``None`` for
+    ``[batch, length]``."""
+    prepare = getattr(model, "_prepare_position_ids_for_generation", None)
+    if prepare is None:
+        return None
+    ids = torch.ones(1, 2, dtype=torch.long)
+    owners = [m for m in model.modules() if "rope_deltas" in vars(m)]
+    kept = [vars(m)["rope_deltas"] for m in owners]  # the state it sets, put back
+    try:
+        positions = prepare(ids, {"attention_mask": torch.ones_like(ids)})
+    except Exception:  # noqa: BLE001  (a model whose positions need more: plain positions)
+        return None
+    finally:
+        for m, value in zip(owners, kept, strict=True):
+            m.rope_deltas = value
+    return int(positions.shape[0]) if positions.ndim == 3 else None
 
 
 def input_rows(model: nn.Module, input_names: Sequence[str]) -> dict[str, tuple[int, ...]]:

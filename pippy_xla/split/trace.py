@@ -281,6 +281,9 @@ class _Tracer(fx.Tracer):
         """Each empty container handed to the layers and its one constructor node (see [Note:
         containers handed to the layers])."""
         self._samples: dict[tuple[int, int], dict[fx.Node, Any]] = {}
+        self.input_leads: dict[str, tuple[int, ...]] = {}
+        """The dims before the batch's of an input that has some (M-RoPE's ``position_ids``:
+        ``[kinds, batch, length]``); its samples are token tensors of those dims first."""
 
     def to_bool(self, obj: fx.Proxy) -> bool:
         # See [Note: branches on metadata]
@@ -426,6 +429,9 @@ class _Tracer(fx.Tracer):
 
     def _compute_sample(self, node: fx.Node, args: Any, kwargs: Any, shape: tuple[int, int]):
         if node.op == "placeholder":
+            lead = self.input_leads.get(node.target)
+            if lead is not None:
+                return torch.ones((*lead, *shape), dtype=torch.long, device="meta")
             return _placeholder_sample(self.input_rows.get(node.target), shape)
         if node.op == "get_attr":
             value = _fetch_untraced(self.root, node.target)
@@ -483,7 +489,8 @@ class _Tracer(fx.Tracer):
     def create_proxy(self, kind: str, target: Any, args: Any, kwargs: Any, *a: Any, **k: Any):
         p = super().create_proxy(kind, target, args, kwargs, *a, **k)
         if kind == "placeholder":
-            p.node.meta["pippy_ndim"] = 1 + len(self.input_rows.get(target, (0,)))
+            lead = len(self.input_leads.get(target, ()))
+            p.node.meta["pippy_ndim"] = lead + 1 + len(self.input_rows.get(target, (0,)))
             if self.first_input is None:
                 self.first_input = p
         return p
@@ -691,6 +698,9 @@ def _trace(
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
     tracer = _Tracer(layer_cls, device_type, hf.input_rows(model, input_names))
+    kinds = hf.position_kinds(model) if "position_ids" in input_names else None
+    if kinds is not None:  # M-RoPE's [kinds, batch, length] (generation graphs)
+        tracer.input_leads["position_ids"] = (kinds,)
     try:
         with (
             hf.patch_mask_functions(model, getattr(root, hf.MASKS_ATTR)),
