@@ -63,6 +63,7 @@ OVERRIDES = {
     "dots1": {"n_shared_experts": 1},
     "lfm2_moe": {"layer_types": ["full_attention", "conv"], "num_dense_layers": 0},
     "gemma3n_text": {"num_kv_shared_layers": 0},
+    "longcat_flash": {"num_hidden_layers": 4},  # two decoder layers of two attention blocks
 }
 
 

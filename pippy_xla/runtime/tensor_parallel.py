@@ -104,9 +104,11 @@ _MOE = ("moe_tp_experts",)
 _LOCAL = ("local_params",)
 """A module whose own parameters another rule shards (attention sinks, ``colwise``) and whose
 forward then runs on their local shards."""
-_OUTPUT = ("mla_kv_a_proj",)
-"""Styles that keep their module's parameters whole and act on its output (MLA's rotary part of
-``kv_a_proj_with_mqa``, which skips the sharded ``kv_b_proj``: its gradient summed over tp)."""
+_OUTPUT = ("mla_kv_a_proj", "moe_identity_expert")
+"""Styles that keep their module's parameters whole and act on its input or output (MLA's rotary
+part of ``kv_a_proj_with_mqa``, which skips the sharded ``kv_b_proj``: its gradient summed over
+tp; LongCat-Flash's identity ("zero") experts, whose input is divided by tp, which the experts'
+sum over tp restores)."""
 _REPLICATE = "replicate"
 _HEAD = ("colwise_gather_output",)
 """The output head's styles the pipeline applies: HF's vocabulary-parallel head, each tp rank
