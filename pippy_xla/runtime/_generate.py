@@ -374,7 +374,7 @@ class Generator:
         """The sequences of prompts ``ids`` (this replica's, with their ``images``), on every
         rank of the pipeline."""
         # HF's positions: M-RoPE's [kinds, rows, length] from the images' grids (see [Note:
-        # images concatenated over a batch, in generate]); [rows, length] for other models.
+        # images in the prefill]); [rows, length] for other models.
         extra = {k: v for k, v in images.items() if k in POSITION_INPUTS}
         prepare = self.model._prepare_position_ids_for_generation
         positions = prepare(ids, {"attention_mask": mask, **extra})
@@ -548,6 +548,15 @@ class Generator:
         signature = self._signature("generate", rows, length, ends)
         self.failures.run_step(engine, signature, forward, None)
         self._recompiled("prefill", (rows, length, tuple(ends), self.mask_length))
+        tokens = self._first_tokens(state, samplers, logits)
+        return torch.cat([inputs["input_ids"], tokens[:, None]], dim=-1)
+
+    def _first_tokens(
+        self, state: _Groups, samplers: list[_Sampler] | None, logits: dict[int, torch.Tensor]
+    ) -> torch.Tensor:
+        """Each row's first new token, drawn on the last stage's rank from the prefill's
+        ``logits`` and broadcast; the groups' ``state`` advanced past it."""
+        rows = state.rows
         out = torch.zeros(sum(rows) + len(rows), dtype=torch.long, device=self.place.device)
         if samplers is not None:
             drawn = [samplers[g].next(logits[g]) for g in range(len(rows))]
@@ -558,7 +567,7 @@ class Generator:
         state.stopped = [bool(x) for x in stops]
         state.mask = [torch.cat([m, m.new_ones(m.shape[0], 1)], dim=-1) for m in state.mask]
         state.next_position = [p + 1 for p in state.next_position]
-        return torch.cat([inputs["input_ids"], tokens[:, None]], dim=-1)
+        return tokens
 
     def _decode(
         self,
