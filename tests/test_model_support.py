@@ -11,9 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import TINY_FAMILIES, VOCAB, llama, make_batch, tiny
+from models import _TINY, TINY_FAMILIES, VOCAB, llama, make_batch, tiny
 from torch import nn
-from transformers import BertConfig, BertModel, LlamaConfig, LlamaForSequenceClassification
+from transformers import (
+    BertConfig,
+    BertModel,
+    LlamaConfig,
+    LlamaForSequenceClassification,
+    LlamaModel,
+)
 from transformers.models.bert.modeling_bert import BertLayer
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
@@ -60,10 +66,24 @@ def _gemma4_kv_sharing():
     return tiny("gemma4_text", **overrides)[0]
 
 
+def _hidden_loss(hidden, labels, num_items):
+    """A loss over a base model's last hidden states: their mean square at each labeled token."""
+    return (hidden.float().pow(2).mean(-1) * (labels != -100)).sum() / num_items
+
+
+def _labeled(labels):
+    return (labels != -100).sum()
+
+
 # name: (the model as the README's list names it, or None for a wrong argument; its builder,
 # layer_cls, options).
 REFUSED = {
-    "bert": ("`BertModel` (an encoder)", _bert, BertLayer, {}),
+    "bert": (
+        "`BertModel` (an encoder)",
+        _bert,
+        BertLayer,
+        {"loss_fn": _hidden_loss, "num_items_fn": _labeled},  # else: refused for want of one
+    ),
     "seqcls_own_loss": (
         "`LlamaForSequenceClassification`, own loss",
         _seqcls,
@@ -259,4 +279,38 @@ def _regression(rank, world):
 
 def test_a_regression_with_its_own_count_equals_one_process():
     out = run_ranks(2, _regression)
+    assert out[0] == out[1]
+
+
+def _base_model(rank, world):
+    torch.manual_seed(0)
+    model = LlamaModel(LlamaConfig(**{**_TINY, "num_hidden_layers": 4}))
+    ref = copy.deepcopy(model)
+    with pytest.raises(ValueError, match="takes no labels .a base model") as e:
+        px.PipelineModel(copy.deepcopy(model), layer_cls=LlamaDecoderLayer, num_microbatches=2)
+    assert "pass loss_fn=" in str(e.value)
+    pipe = px.PipelineModel(
+        model,
+        layer_cls=LlamaDecoderLayer,
+        num_microbatches=2,
+        loss_fn=_hidden_loss,
+        num_items_fn=_labeled,
+        timeout=30,
+    )
+    batch = make_batch(seed=1)
+    loss = pipe.run_train(**batch)
+    labels = batch.pop("labels")
+    ref_loss = _hidden_loss(ref(**batch).last_hidden_state, labels, _labeled(labels))
+    ref_loss.backward()
+    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-6)
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, ref.get_parameter(name).grad, **GRAD_TOL, msg=name)
+    return float(loss)
+
+
+def test_a_base_model_trains_on_its_last_hidden_states_with_a_loss_fn():
+    """A base model (``LlamaModel``: no head, no labels) is pipelined with its last hidden states
+    as the output a ``loss_fn`` takes, equal to one process; without a ``loss_fn`` it is refused
+    at construction, not failed mid-step by a causal-LM loss over hidden states."""
+    out = run_ranks(2, _base_model)
     assert out[0] == out[1]

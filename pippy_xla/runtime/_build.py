@@ -525,6 +525,13 @@ def default_loss(model: nn.Module) -> LossFn:
     """The HF model's own loss as a ``loss_fn(logits, labels, num_items)``."""
     if not hasattr(model, "loss_function") or not hasattr(model, "config"):
         raise ValueError(f"{type(model).__name__} has no HF loss_function; pass loss_fn=...")
+    if "labels" not in inspect.signature(model.forward).parameters:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} takes no labels (a base model, without a head: its output "
+            "is its last hidden states), so it has no loss of its own; pass loss_fn=(hidden "
+            "states, labels, num_items) -> the microbatch's summed loss / num_items and "
+            "num_items_fn=(the whole batch's labels) -> their count"
+        )
     loss_function = model.loss_function
     vocab_size = text_vocab_size(model.config)
     if vocab_size is None:

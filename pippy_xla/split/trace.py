@@ -66,11 +66,14 @@ class _Root(nn.Module):
             return out  # a plain module: its output is the logits
         get = out.get if hasattr(out, "get") else lambda key: getattr(out, key, None)
         logits = get("logits")
+        if logits is None:  # a base model (no head): its last hidden states, for a loss_fn
+            logits = get("last_hidden_state")
         if logits is None:
             raise UnsupportedModelError(
                 f"{type(self.model).__name__}'s forward returned {type(out).__name__} without "
-                "logits; pippy_xla pipelines models whose output is the logits (a tensor, or an "
-                "output with .logits, as HF's *ForCausalLM models return)"
+                "logits or last_hidden_state; pippy_xla pipelines models whose output is the "
+                "logits (a tensor, or an output with .logits, as HF's *ForCausalLM models "
+                "return) or a base model's last hidden states (with a loss_fn)"
             )
         loss = get("loss")
         return (logits, loss) if isinstance(loss, fx.Proxy) else logits
