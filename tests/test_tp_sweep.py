@@ -57,6 +57,18 @@ _MLA = {
     "v_head_dim": 16,
     "num_key_value_heads": 4,
 }
+_RECURRENT = {
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "ssm_state_size": 16,
+    "mamba_num_heads": 8,
+    "mamba_head_dim": 16,
+    "chunk_size": 16,
+}
+"""Linear-attention and Mamba sizes, where a config has them (their reference PyTorch kernels
+took 9-25 s a step at the defaults' sizes)."""
 _RANDOM = ("dropout", "pdrop", "jitter")
 # What the generic sizes miss, per config (fields their defaults leave to a checkpoint).
 OVERRIDES = {
@@ -64,6 +76,13 @@ OVERRIDES = {
     "lfm2_moe": {"layer_types": ["full_attention", "conv"], "num_dense_layers": 0},
     "gemma3n_text": {"num_kv_shared_layers": 0},
     "longcat_flash": {"num_hidden_layers": 4},  # two decoder layers of two attention blocks
+    "kimi_linear": {"linear_head_dim": 16, "linear_num_heads": 4},  # as _RECURRENT
+    "granitemoehybrid": {
+        "mamba_n_heads": 8,
+        "mamba_d_head": 16,
+        "mamba_d_state": 16,
+        "mamba_chunk_size": 16,
+    },
 }
 
 
@@ -104,6 +123,7 @@ def _overrides(model_type: str) -> dict:
     fields = vars(default)
     if "kv_lora_rank" in fields:
         over.update(_MLA)
+    over.update((k, v) for k, v in _RECURRENT.items() if k in fields)
     rope = fields.get("rope_parameters")
     if isinstance(rope, dict) and ("mrope_section" in rope or _reads(model_type, "mrope_section")):
         over["rope_parameters"] = {**rope, "mrope_section": [4, 2, 2]}
