@@ -34,7 +34,7 @@ from pippy_xla.runtime.failures import AbortChannel, check_mesh_usable
 from pippy_xla.runtime.ops import group_name_of
 from pippy_xla.runtime.tensor_parallel import TensorParallel, layer_tp_plan
 from pippy_xla.split._split_compile import split_backward_backend
-from pippy_xla.split.hf import ragged_inputs, text_vocab_size
+from pippy_xla.split.hf import loss_owner, ragged_inputs, text_vocab_size
 from pippy_xla.split.materialize import materialize
 from pippy_xla.split.partition import (
     LayerCls,
@@ -525,7 +525,8 @@ def default_loss(model: nn.Module) -> LossFn:
     """The HF model's own loss as a ``loss_fn(logits, labels, num_items)``."""
     if not hasattr(model, "loss_function") or not hasattr(model, "config"):
         raise ValueError(f"{type(model).__name__} has no HF loss_function; pass loss_fn=...")
-    if "labels" not in inspect.signature(model.forward).parameters:
+    # The model that owns the loss (inside a wrapper such as PEFT's) takes the labels, or none.
+    if "labels" not in inspect.signature(loss_owner(model).forward).parameters:
         raise UnsupportedModelError(
             f"{type(model).__name__} takes no labels (a base model, without a head: its output "
             "is its last hidden states), so it has no loss of its own; pass loss_fn=(hidden "
