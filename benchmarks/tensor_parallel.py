@@ -42,13 +42,10 @@ from _common import (
     token_batch,
 )
 
-# (name, pp, tp, runner): runner "pippy_xla" or "hf", or the pipeline's tensor_parallel rules
-# (HF's dict): "head whole" keeps the head whole on every tp rank, as before the vocabulary-parallel
-# head (HF's colwise_gather_output: each tp rank's rows of the vocabulary, the logits gathered).
+# (name, pp, tp, runner): runner "pippy_xla" or "hf".
 LAYOUTS = [
     ("pp=4", 4, 1, "pippy_xla"),
     ("pp=2 x tp=2", 2, 2, "pippy_xla"),
-    ("pp=2 x tp=2, head whole", 2, 2, {"lm_head": "replicate"}),
     ("HF tp=4", 1, 4, "hf"),
 ]
 
@@ -70,7 +67,7 @@ def _config(args):
     return config
 
 
-def _build(args, path: str, pp: int, tp: int, runner: str | dict):
+def _build(args, path: str, pp: int, tp: int, runner: str):
     """The layout's model on this rank and a function computing the loss with gradients."""
     import torch
     from transformers import LlamaForCausalLM
@@ -104,13 +101,13 @@ def _build(args, path: str, pp: int, tp: int, runner: str | dict):
         layer_cls=LlamaDecoderLayer,
         num_microbatches=args.microbatches,
         mesh=mesh,
-        tensor_parallel=(runner if isinstance(runner, dict) else "auto") if tp > 1 else None,
+        tensor_parallel="auto" if tp > 1 else None,
     )
     pipe.load_pretrained(path)
     return pipe, lambda batch: pipe.run_train(**batch)
 
 
-def _import_all(runner: str | dict) -> None:
+def _import_all(runner: str) -> None:
     """Imports what the layout's build imports, so that the memory baseline includes the
     libraries (HF's tensor parallel imports ``accelerate`` on ``from_pretrained``)."""
     import torch.distributed.tensor  # noqa: F401

@@ -171,14 +171,6 @@ RULES = {
 }
 
 
-def _untied_head(model) -> str | None:
-    """The name of the model's head weight if it is not tied to the input embedding."""
-    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-    if head is None or head.weight is embedding.weight:
-        return None
-    return next(f"{n}.weight" for n, m in model.named_modules() if m is head)
-
-
 def _tp_trains_like_one_process(rank, world, cases, steps=3, mbs=2):
     """Per case (family, schedule, mesh shape, data_parallel[, options]) and step: the loss, every
     gradient and the clipped global norm equal the reference's; after AdamW the parameters
@@ -219,14 +211,11 @@ def _tp_trains_like_one_process(rank, world, cases, steps=3, mbs=2):
         assert pp_ranks == [d * pp * tp + s * tp + tp_rank for d in [dp_rank] for s in range(pp)]
         params = dict(pipe.named_parameters())
         # Every projection the rules shard (with "auto": attention, MLP, experts) is sharded over
-        # tp: each tp rank holds 1/tp of it; norms, routers and embedding stay whole (but
+        # tp: each tp rank holds 1/tp of it; norms, routers, embedding and head stay whole (but
         # for the replicas' shards of data_parallel="shard"; a rowwise bias is a replicated
         # DTensor).
-        # The head is sharded by its rows (HF's vocabulary-parallel colwise_gather_output) unless
-        # tied to the embedding.
-        head = _untied_head(ref)
         for name, p in params.items():
-            is_sharded = sharded(name) or name == head
+            is_sharded = sharded(name)
             parts = (tp if is_sharded else 1) * shards
             assert isinstance(p, DTensor) or not (is_sharded or dp > 1), name
             assert local_tensor(p).numel() * parts == p.numel(), name

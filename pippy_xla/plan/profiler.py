@@ -50,9 +50,9 @@ class Sharding(Protocol):
     runtime's, which applies the same HF rules as the build), it shards a copy of the model's
     decoder layers (or the stand-in's, see [Note: profiling a meta model]) and runs the model on
     the ``tp`` ranks of the first pipeline position of the first replica together, the only
-    ranks that profile (their layers' collectives pair up). The head is sharded by its rows
-    and the embedding stays whole, as in the pipeline. Saved tensors and parameters are then
-    DTensors: bytes are counted on their local tensors.
+    ranks that profile (their layers' collectives pair up). The embedding and the head stay
+    whole, as in the pipeline. Saved tensors and parameters are then DTensors: bytes are counted
+    on their local tensors.
 
     :func:`pippy_xla.plan.planner.plan` solves for the pipeline dimension with those per-rank
     costs; every tp rank of a stage holds the same shard sizes, so one rank's plan serves them

@@ -16,19 +16,15 @@ no extra hop.
   and HF's styles (``colwise``, ``rowwise`` and their ``colwise_gather_output`` /
   ``rowwise_split_input`` variants; for experts ``packed_colwise`` and
   ``moe_tp_experts``, which all-reduce the experts' partial outputs) redistribute inside each
-  layer. pippy_xla writes no parallel layer. Outside the decoder layers, the head's
-  ``colwise_gather_output`` (the model class's ``_tp_plan``) is applied on the last stage: the
-  head's weight is sharded by rows of the vocabulary, each tp rank computes its rows' logits and
-  HF's style gathers them, so the loss sees the whole logits as without tp (a head tied to the
-  input embedding, or a vocabulary that does not divide by ``tp``, stays whole). Other rules
-  outside the layers (an embedding's ``embedding_rowwise``) are not applied: those modules stay
-  whole on every tp rank.
+  layer. pippy_xla writes no parallel layer. Rules outside the decoder layers (the embedding's
+  ``embedding_rowwise``, the head's ``colwise_gather_output``) are not applied: those modules
+  stay whole on every tp rank.
 - Boundaries: HF's styles give plain (local) outputs, and a decoder layer's output is replicated
   over the ``tp`` group (a ``rowwise`` projection all-reduces it), so the tensors that travel
   between stages are plain tensors, equal on every tp rank. Their gradients are replicated too
   (a ``colwise`` projection all-reduces its input's gradient in backward).
 - Gradients: a sharded parameter's gradient is a DTensor with the same placement (its local
-  shard); a parameter outside HF's rules (norms, embeddings) sees replicated inputs and
+  shard); a parameter outside HF's rules (norms, embeddings, head) sees replicated inputs and
   replicated output gradients, so every tp rank computes the same whole gradient and nothing is
   reduced. A ``replicated_with_grad_allreduce`` rule (Qwen3's per-head ``q_norm`` / ``k_norm``,
   which see only the rank's heads) marks a parameter whose gradient is partial: HF's style
@@ -110,10 +106,6 @@ part of ``kv_a_proj_with_mqa``, which skips the sharded ``kv_b_proj``: its gradi
 tp; LongCat-Flash's identity ("zero") experts, whose input is divided by tp, which the experts'
 sum over tp restores)."""
 _REPLICATE = "replicate"
-_HEAD = ("colwise_gather_output",)
-"""The output head's styles the pipeline applies: HF's vocabulary-parallel head, each tp rank
-computing the logits of its rows of the vocabulary, gathered over ``tp`` (the loss then sees the
-whole logits, as without tp)."""
 _DIFFERS = 1e-4
 """A whole parameter's gradient is partial when its tp ranks' sums differ by more than this
 fraction of their magnitude (rounding differs by about 1e-7; partial sums by O(1))."""
@@ -162,10 +154,9 @@ def layer_tp_plan(
     else:
         plan = merge_tp_rules(model, rules, layer_names)
     prefixes = tuple(f"{n}." for n in layer_names)
-    expanded = expand_plan(model, plan)
     inside = {
         k: v
-        for k, v in expanded.items()
+        for k, v in expand_plan(model, plan).items()
         if k.startswith(prefixes) and v != _REPLICATE  # HF's "replicate" does nothing
     }
     if not inside:
@@ -181,23 +172,7 @@ def layer_tp_plan(
             f"does not apply yet (issue 48); covered: {list(TP_STYLES)} and {_REPLICATE!r}"
         )
     _check_divides(model, inside, tp_size, label)
-    return {**inside, **_head_rules(model, expanded, tp_size)}
-
-
-def _head_rules(model: nn.Module, expanded: dict[str, str], tp_size: int) -> dict[str, str]:
-    """The plan's rules of the model's output head (``get_output_embeddings()``) where it has a
-    style of :data:`_HEAD`, is not tied to the input embedding and its vocabulary divides by
-    ``tp_size``; else none (the head stays whole)."""
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
-    name = next((n for n, m in model.named_modules() if m is head), None)
-    if not isinstance(head, nn.Linear) or name is None or expanded.get(name) not in _HEAD:
-        return {}
-    get_input = getattr(model, "get_input_embeddings", None)
-    embedding = get_input() if callable(get_input) else None
-    if getattr(embedding, "weight", None) is head.weight or head.weight.shape[0] % tp_size:
-        return {}
-    return {k: v for k, v in expanded.items() if k == name or k.startswith(f"{name}.")}
+    return inside
 
 
 def _label(rules: str | dict[str, str]) -> str:
@@ -247,9 +222,8 @@ def merge_tp_rules(
         if outside and style not in (own.get(key), _REPLICATE):
             raise ValueError(
                 f"tensor_parallel={{...}}: rule {key!r}: {style!r} is outside the decoder layers "
-                f"({layer_names[0]}, ...); the pipeline applies rules inside them and the "
-                "model's own head rule only (embeddings and norms stay whole on every tp rank): "
-                "drop the rule"
+                f"({layer_names[0]}, ...); the pipeline applies rules inside them only "
+                "(embeddings, norms and head stay whole on every tp rank): drop the rule"
             )
     merged = own | rules if rules else {}
     _check_replicate_covers(rules, merged)
@@ -371,7 +345,7 @@ class TensorParallel:
         for module in modules:
             self._sync_from_first(module)
         self._partial_modules: list[nn.Module] = shard_layers(
-            model, self.mesh, plan, local_layer_names, modules
+            model, self.mesh, plan, local_layer_names
         )
         """Modules whose (replicated) parameters get partial gradients over ``tp``, summed
         after a step's last backward; their parameters are looked up at each step (data
@@ -493,29 +467,16 @@ def _whole_params(
 
 
 def shard_layers(
-    model: nn.Module,
-    tp_mesh,
-    plan: dict[str, str],
-    layer_names: Sequence[str],
-    held: Sequence[nn.Module] | None = None,
+    model: nn.Module, tp_mesh, plan: dict[str, str], layer_names: Sequence[str]
 ) -> list[nn.Module]:
     """Applies the rules of ``plan`` (:func:`layer_tp_plan`'s) that fall inside the decoder
-    layers ``layer_names``, and its rules outside them (the head's) whose module is among the
-    modules ``held`` (all with ``None``), to ``model`` over the 1-D ``tp_mesh``, by HF's
+    layers ``layer_names`` to ``model`` over the 1-D ``tp_mesh``, by HF's
     ``apply_tensor_parallelism``. The ``replicated_with_grad_allreduce`` rules are not installed
     (see [Note: pipeline x tensor parallel]): returns their modules, whose gradients the caller
     sums."""
     prefixes = tuple(f"{n}." for n in layer_names)
+    mine = {k: v for k, v in plan.items() if k.startswith(prefixes)}
     named = dict(model.named_modules())
-    mine_ids = None if held is None else {id(m) for h in held for m in h.modules()}
-
-    def applies(key: str) -> bool:
-        if key.startswith(prefixes) or mine_ids is None:
-            return True
-        module = named.get(key) or named.get(key.rpartition(".")[0])
-        return module is not None and id(module) in mine_ids
-
-    mine = {k: v for k, v in plan.items() if applies(k)}
     partial = [named[k] for k, v in mine.items() if v == _PARTIAL_GRAD and k in named]
     apply = tensor_parallel_api().apply
     apply(model, tp_mesh, {k: v for k, v in mine.items() if v != _PARTIAL_GRAD})
