@@ -672,6 +672,17 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def hidden_loss(hidden, labels, num_items):
+    """A loss over a base model's last hidden states (no head): their mean square at each labeled
+    token, over ``num_items`` (:func:`labeled`)."""
+    return (hidden.float().pow(2).mean(-1) * (labels != -100)).sum() / num_items
+
+
+def labeled(labels):
+    """The labeled tokens of a batch: :func:`hidden_loss`'s ``num_items``."""
+    return (labels != -100).sum()
+
+
 def reference_step(
     ref: nn.Module, batch: dict, num_microbatches: int
 ) -> tuple[torch.Tensor, float]:

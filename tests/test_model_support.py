@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import _TINY, TINY_FAMILIES, VOCAB, llama, make_batch, tiny
+from models import _TINY, TINY_FAMILIES, VOCAB, hidden_loss, labeled, llama, make_batch, tiny
 from torch import nn
 from transformers import (
     BertConfig,
@@ -66,15 +66,6 @@ def _gemma4_kv_sharing():
     return tiny("gemma4_text", **overrides)[0]
 
 
-def _hidden_loss(hidden, labels, num_items):
-    """A loss over a base model's last hidden states: their mean square at each labeled token."""
-    return (hidden.float().pow(2).mean(-1) * (labels != -100)).sum() / num_items
-
-
-def _labeled(labels):
-    return (labels != -100).sum()
-
-
 # name: (the model as the README's list names it, or None for a wrong argument; its builder,
 # layer_cls, options).
 REFUSED = {
@@ -82,7 +73,7 @@ REFUSED = {
         "`BertModel` (an encoder)",
         _bert,
         BertLayer,
-        {"loss_fn": _hidden_loss, "num_items_fn": _labeled},  # else: refused for want of one
+        {"loss_fn": hidden_loss, "num_items_fn": labeled},  # else: refused for want of one
     ),
     "seqcls_own_loss": (
         "`LlamaForSequenceClassification`, own loss",
@@ -293,14 +284,14 @@ def _base_model(rank, world):
         model,
         layer_cls=LlamaDecoderLayer,
         num_microbatches=2,
-        loss_fn=_hidden_loss,
-        num_items_fn=_labeled,
+        loss_fn=hidden_loss,
+        num_items_fn=labeled,
         timeout=30,
     )
     batch = make_batch(seed=1)
     loss = pipe.run_train(**batch)
     labels = batch.pop("labels")
-    ref_loss = _hidden_loss(ref(**batch).last_hidden_state, labels, _labeled(labels))
+    ref_loss = hidden_loss(ref(**batch).last_hidden_state, labels, labeled(labels))
     ref_loss.backward()
     assert float(loss) == pytest.approx(float(ref_loss), rel=1e-6)
     for name, p in pipe.named_parameters():

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from models import _TINY, VOCAB, make_batch, needs_hf_tensor_parallel
+from models import _TINY, VOCAB, hidden_loss, labeled, make_batch, needs_hf_tensor_parallel
 from models import reference_step as _reference_step
 from test_pipeline import LOSS_TOL, check_grads
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModel, AutoModelForCausalLM
@@ -181,24 +181,15 @@ def _is_lm(model) -> bool:
     return type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
 
 
-def _hidden_loss(hidden, labels, num_items):
-    """A base model's loss: its last hidden states' mean square at each labeled token."""
-    return (hidden.float().pow(2).mean(-1) * (labels != -100)).sum() / num_items
-
-
-def _count(labels):
-    return (labels != -100).sum()
-
-
 def _reference(ref, batch: dict, microbatches: int):
-    """One process's step: HF's causal-LM loss, or a base model's :func:`_hidden_loss`."""
+    """One process's step: HF's causal-LM loss, or a base model's :func:`hidden_loss`."""
     if _is_lm(ref):
         return _reference_step(ref, batch, microbatches)[0]
-    total, count = torch.zeros(()), _count(batch["labels"])
+    total, count = torch.zeros(()), labeled(batch["labels"])
     for mb in range(microbatches):
         part = {k: v.chunk(microbatches)[mb] for k, v in batch.items()}
         labels = part.pop("labels")
-        loss = _hidden_loss(ref(**part, use_cache=False)[0], labels, count)
+        loss = hidden_loss(ref(**part, use_cache=False)[0], labels, count)
         loss.backward()
         total = total + loss.detach()
     return total
@@ -242,7 +233,7 @@ def _trains_equal(model_type: str, mesh) -> str:
             mesh=mesh,
             tensor_parallel="auto",
             timeout=30,
-            **({} if _is_lm(model) else {"loss_fn": _hidden_loss, "num_items_fn": _count}),
+            **({} if _is_lm(model) else {"loss_fn": hidden_loss, "num_items_fn": labeled}),
         )
     except (px.UnsupportedModelError, NotImplementedError, ValueError) as e:
         assert "\n" not in str(e), f"{model_type}: a refusal of more than one line: {e}"

@@ -38,6 +38,7 @@ __all__ = [
     "StepKey",
     "agree_on_step",
     "check_batch",
+    "cut_ragged",
     "digest64",
     "replica_rows",
     "split_batch",
@@ -197,7 +198,7 @@ def split_batch(
         if split is not None and k not in split:
             continue
         if k in shares:
-            parts[k] = _cut(v.to(device), shares[k], rows, num_microbatches)
+            parts[k] = cut_ragged(v.to(device), shares[k], rows, num_microbatches)
             continue
         if dp_size > 1:
             v = v[rows]
@@ -207,7 +208,7 @@ def split_batch(
     return parts
 
 
-def _cut(v: torch.Tensor, shares: torch.Tensor, rows: slice, chunks: int) -> tuple:
+def cut_ragged(v: torch.Tensor, shares: torch.Tensor, rows: slice, chunks: int = 1) -> tuple:
     """A ragged input's entries of ``rows`` in ``chunks`` microbatches of equal rows, each row
     holding its ``shares`` of the entries."""
     ends = [0, *shares.cumsum(0).tolist()]

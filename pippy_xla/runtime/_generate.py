@@ -134,7 +134,13 @@ import torch
 from torch import fx, nn
 
 from pippy_xla._native import _C
-from pippy_xla.runtime._batch import agree_on_step, digest64, replica_rows, step_key
+from pippy_xla.runtime._batch import (
+    agree_on_step,
+    cut_ragged,
+    digest64,
+    replica_rows,
+    step_key,
+)
 from pippy_xla.runtime._recompile import RecompileWatch
 from pippy_xla.runtime.failures import FailureState
 from pippy_xla.split import hf
@@ -716,15 +722,9 @@ def _take_rows(
     images: dict[str, torch.Tensor], shares: dict[str, torch.Tensor], rows: slice
 ) -> dict[str, torch.Tensor]:
     """The prompts ``rows``' images: their rows, or their shares of a ragged input."""
-    out = {}
-    for name, value in images.items():
-        if name in shares:
-            ends = shares[name].cumsum(0).tolist()
-            start = ends[rows.start - 1] if rows.start else 0
-            out[name] = value[start : ends[rows.stop - 1]]
-        else:
-            out[name] = value[rows]
-    return out
+    return {
+        k: cut_ragged(v, shares[k], rows)[0] if k in shares else v[rows] for k, v in images.items()
+    }
 
 
 def _split_rows(
