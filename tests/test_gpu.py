@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from models import MODELS, make_batch
+from models import MODELS, make_batch, needs_hf_tensor_parallel
 
 import pippy_xla as px
 from pippy_xla.testing import run_ranks
@@ -140,15 +140,11 @@ def test_nccl_generate_equals_hf():
 def _tensor_parallel_on_gpu(rank, world):
     """pp=2 x tp=2 on four ranks sharing the GPU over NCCL (tp collectives from DTensor beside the
     pipeline's transfers matched in order) against one process on the GPU: loss and every
-    gradient (gathered over tp) of one step. Tensor parallel refuses CUDA until this passes on a
-    GPU (`refuse_under_tp`); the test lifts the refusal for itself."""
+    gradient (gathered over tp) of one step."""
     from models import reference_step
     from test_pipeline import check_grads
     from torch.distributed.device_mesh import init_device_mesh
 
-    from pippy_xla.runtime import _build
-
-    _build.refuse_under_tp = lambda config, place: None
     mesh = init_device_mesh("cuda", (1, 2, 2), mesh_dim_names=("dp", "pp", "tp"))
     torch.manual_seed(0)
     model, layer_cls = MODELS["llama"](layers=2)
@@ -164,5 +160,6 @@ def _tensor_parallel_on_gpu(rank, world):
     return True
 
 
+@needs_hf_tensor_parallel
 def test_nccl_pipeline_by_tensor_parallel():
     assert run_ranks(4, _tensor_parallel_on_gpu, **NCCL) == [True] * 4

@@ -417,7 +417,7 @@ def check_plan_tp(config: PipelineConfig, place: Placement) -> None:
     made for the pipeline's tp degree (its costs are a tp rank's: see [Note: planning under
     tensor parallelism] in ``plan/profiler.py``)."""
     if place.tp_size > 1:
-        refuse_under_tp(config, place)
+        refuse_under_tp(config)
     made_for = config.plan.tp_size if config.plan is not None else place.tp_size
     if made_for != place.tp_size:
         raise ValueError(
@@ -427,15 +427,8 @@ def check_plan_tp(config: PipelineConfig, place: Placement) -> None:
         )
 
 
-def refuse_under_tp(config: PipelineConfig, place: Placement) -> None:
+def refuse_under_tp(config: PipelineConfig) -> None:
     """Raises ``NotImplementedError`` for what a tensor-parallel pipeline does not cover yet."""
-    if place.device.type != "cpu":
-        raise NotImplementedError(
-            f"tensor parallelism on {place.device} is not supported yet (issue 48): the layers' "
-            "NCCL collectives beside the pipeline's NCCL transfers have not run on a GPU yet "
-            "(transport='in_order', their CPU stand-in over gloo, is tested); use the CPU "
-            "with gloo"
-        )
     planned = config.plan.checkpoint_layers if config.plan is not None else []
     if config.compile and (config.checkpoint_layers or planned):
         raise NotImplementedError(
