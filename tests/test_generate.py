@@ -152,10 +152,39 @@ def test_generate_equal_hf_two_ranks():
     assert out == [_all_equal(FAMILIES)] * 2
 
 
-IMAGE_FAMILIES = ("llava", "llava_onevision", "idefics3", "qwen3_5_vl", "qwen3_vl")
+IMAGE_FAMILIES = (
+    "llava",
+    "llava_onevision",
+    "idefics3",
+    "gemma3",
+    "paligemma",
+    "qwen3_5_vl",
+    "qwen3_vl",
+)
 """Vision-language families whose prompts' images are a row each (HF's ``pixel_values`` and
-LLaVA-OneVision's ``image_sizes``, Idefics3's ``pixel_attention_mask``), or concatenated over
-the prompts with their grids and M-RoPE positions (Qwen3.5 with images; Qwen3-VL, DeepStack)."""
+LLaVA-OneVision's ``image_sizes``, Idefics3's ``pixel_attention_mask``; Gemma 3's and
+PaliGemma's ``token_type_ids``, which their prefill masks read), or concatenated over the
+prompts with their grids and M-RoPE positions (Qwen3.5 with images; Qwen3-VL, DeepStack)."""
+
+
+def _sharpened(model: torch.nn.Module) -> torch.nn.Module:
+    """Gemma 3 and PaliGemma as tiny random models generate tokens that depend on nothing but the
+    last prompt token: Gemma scales its embeddings by sqrt(hidden) and ties its head to them, so
+    the last token's own embedding outweighs the layers, and Gemma 3's image projection starts at
+    zeros (HF's initialization). Random projection weights and the language model's matrices
+    four times larger make the tokens depend on the images and the token types (asserted)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim >= 2 and not p.any():
+                p.normal_(0, 0.02)
+            if "language_model" in name and p.ndim >= 2 and "embed" not in name:
+                p.mul_(4)
+    return model
+
+
+TYPED = ("gemma3", "paligemma")
+"""Image families whose prefill mask reads ``token_type_ids`` (bidirectional attention over an
+image, or PaliGemma's prefix), made sensitive by :func:`_sharpened`."""
 
 
 def _image_prompts(family: str, seed: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -165,7 +194,8 @@ def _image_prompts(family: str, seed: int) -> tuple[torch.Tensor, torch.Tensor, 
         batch = qwen2_vl_batch(4 * seed, batch=4, seq=14, pad=False)  # rows of QWEN_GRIDS
     else:
         batch = family_batch(family, seed=seed, pad=False)
-        batch = {k: v[:4, :14] if k == "input_ids" else v[:4] for k, v in batch.items()}
+        per_token = ("input_ids", "token_type_ids")
+        batch = {k: v[:4, :14] if k in per_token else v[:4] for k, v in batch.items()}
     ids = batch["input_ids"]
     mask = torch.ones_like(ids)
     mask[0, :2] = 0
@@ -179,6 +209,8 @@ def _with_images(rank, world) -> dict[str, list[bool]]:
         torch.manual_seed(0)
         model, _ = MODELS[family]()
         model.eval()
+        if family in TYPED:
+            _sharpened(model)
         ref = copy.deepcopy(model)
         pipe = px.PipelineModel(
             model, num_microbatches=2, timeout=60, input_names=INPUT_NAMES[family]
@@ -197,6 +229,11 @@ def _with_images(rank, world) -> dict[str, list[bool]]:
         }
         changed = ref.generate(input_ids=ids, attention_mask=mask, **opts, **other)
         assert not torch.equal(changed, want), family  # the tokens depend on the images
+        if family in TYPED:  # and on the token types (the prefill's bidirectional blocks)
+            untyped = {k: v for k, v in images.items() if k != "token_type_ids"}
+            assert not torch.equal(
+                ref.generate(input_ids=ids, attention_mask=mask, **opts, **untyped), want
+            )
         ids, mask, images = _image_prompts(family, 3)
         with pytest.raises(ValueError, match="a row per prompt"):
             pipe.generate(ids, mask, max_new_tokens=2, pixel_values=images["pixel_values"][:1])
@@ -382,6 +419,8 @@ def _error(case: str, rank: int) -> str:
         pipe.generate(ids, attention_mask=mask, max_new_tokens=2, groups=1 + rank)
     if case == "bad_chunk":
         pipe.generate(ids, attention_mask=mask, max_new_tokens=2, prefill_chunk_size=0)
+    if case == "text_types":  # token types of a model without images
+        pipe.generate(ids, attention_mask=mask, max_new_tokens=2, token_type_ids=mask)
     raise AssertionError(f"{case}: no error")
 
 
@@ -415,7 +454,14 @@ def _errors(rank, world):
     """Each error on every rank, and the pipeline still generates afterwards; then a failure
     inside the decode schedule."""
     out = {}
-    for case in ("no_head", "too_long", "other_prompts", "other_options", "bad_chunk"):
+    for case in (
+        "no_head",
+        "too_long",
+        "other_prompts",
+        "other_options",
+        "bad_chunk",
+        "text_types",
+    ):
         try:
             _error(case, rank)
         except (ValueError, px.BatchMismatchError) as e:
@@ -437,6 +483,10 @@ def test_generate_errors_on_every_rank():
         assert o["bad_chunk"] == (
             "ValueError",
             "prefill_chunk_size must be a positive int or None, got 0",
+        )
+        assert (
+            o["text_types"][0] == "ValueError"
+            and "LlamaForCausalLM has no images" in o["text_types"][1]
         )
         for case in ("other_prompts", "other_options"):
             assert o[case][0] == "BatchMismatchError", o[case]

@@ -707,6 +707,14 @@ def _prompt_images(
     for name, value in images.items():
         if not isinstance(value, torch.Tensor) or value.ndim == 0:
             raise ValueError(f"generate's {name} must be a tensor, got {type(value).__name__}")
+    if "token_type_ids" in images and not any(
+        hasattr(m, "get_image_features") for m in model.modules()
+    ):
+        raise ValueError(
+            f"generate takes token_type_ids for a vision-language model's prefill mask (Gemma 3, "
+            f"PaliGemma); {type(model).__name__} has no images, and token types of every decode "
+            "step (GPT-2's) are not supported yet"
+        )
     ragged = hf.ragged_inputs(model, tuple(images))
     shares = ragged({"input_ids": ids, **images}) if ragged else {}
     for name, value in images.items():

@@ -277,7 +277,8 @@ _UNSUPPORTED = {"num_beams": 1, "num_return_sequences": 1}
 """[Note: images in the prefill]
 
 A vision-language model generates from prompts with images as HF's ``generate`` does: the images
-(``pixel_values`` and what the family adds: ``image_sizes``, ``pixel_attention_mask``) go into the
+(``pixel_values`` and what the family adds: ``image_sizes``, ``pixel_attention_mask``, the
+``token_type_ids`` that Gemma 3's and PaliGemma's prefill masks read) go into the
 prefill only, where the first stage runs the vision tower and scatters the features into the
 prompt's embeddings; the decode steps read the cache. The prefill runs graphs of its own,
 partitioned with those inputs among the batch inputs (made at the first ``generate`` with
@@ -291,9 +292,10 @@ the grids and ``mm_token_type_ids`` gives ``[kinds, rows, length]``, the generat
 traced with position ids of those kinds (:func:`hf.position_kinds`), and each decode step adds
 one to a group's last, as HF's loop does, so the model keeps no state per group (its
 ``rope_deltas`` is not read). The prefill graphs give every stage the prompts' token ids (Qwen3-VL's
-later layers find the image tokens in them), the decode graphs only the first. Families whose
-mask reads other inputs (``token_type_ids``) and chunked prefill (``prefill_chunk_size``) are
-refused with images for now.
+later layers find the image tokens in them), the decode graphs only the first. HF's own decode
+steps give the mask no ``token_type_ids`` (Gemma 3) or ignore them once the cache holds the
+prompt (PaliGemma), so the decode graphs without them are HF's. Chunked prefill
+(``prefill_chunk_size``) is refused with images for now.
 """
 
 PROMPT_INPUTS = (
@@ -302,6 +304,7 @@ PROMPT_INPUTS = (
     "pixel_attention_mask",
     "image_grid_thw",
     "mm_token_type_ids",
+    "token_type_ids",
 )
 """Model inputs ``generate`` takes besides the token ids, for the prefill only: the prompts'
 images (a row each, or concatenated over the batch with their grids) and what the family adds
