@@ -171,6 +171,16 @@ RULES = {
 }
 
 
+def _vocab_parallel_embedding(model) -> str | None:
+    """The input embedding's weight name where the model's plan shards it by the vocabulary
+    (``embedding_rowwise``) and the head does not share it; else ``None``."""
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    name = next(n for n, m in model.named_modules() if m is embedding)
+    untied = getattr(head, "weight", None) is not embedding.weight
+    plan = getattr(model, "tp_plan", None) or {}
+    return f"{name}.weight" if untied and plan.get(name) == "embedding_rowwise" else None
+
+
 def _tp_trains_like_one_process(rank, world, cases, steps=3, mbs=2):
     """Per case (family, schedule, mesh shape, data_parallel[, options]) and step: the loss, every
     gradient and the clipped global norm equal the reference's; after AdamW the parameters
@@ -211,11 +221,13 @@ def _tp_trains_like_one_process(rank, world, cases, steps=3, mbs=2):
         assert pp_ranks == [d * pp * tp + s * tp + tp_rank for d in [dp_rank] for s in range(pp)]
         params = dict(pipe.named_parameters())
         # Every projection the rules shard (with "auto": attention, MLP, experts) is sharded over
-        # tp: each tp rank holds 1/tp of it; norms, routers, embedding and head stay whole (but
+        # tp: each tp rank holds 1/tp of it, and so is an untied embedding the model's plan
+        # shards by the vocabulary, without replicas; norms, routers and head stay whole (but
         # for the replicas' shards of data_parallel="shard"; a rowwise bias is a replicated
         # DTensor).
+        embedding = _vocab_parallel_embedding(ref) if dp == 1 else None
         for name, p in params.items():
-            is_sharded = sharded(name)
+            is_sharded = sharded(name) or name == embedding
             parts = (tp if is_sharded else 1) * shards
             assert isinstance(p, DTensor) or not (is_sharded or dp > 1), name
             assert local_tensor(p).numel() * parts == p.numel(), name

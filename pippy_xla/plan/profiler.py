@@ -50,9 +50,10 @@ class Sharding(Protocol):
     runtime's, which applies the same HF rules as the build), it shards a copy of the model's
     decoder layers (or the stand-in's, see [Note: profiling a meta model]) and runs the model on
     the ``tp`` ranks of the first pipeline position of the first replica together, the only
-    ranks that profile (their layers' collectives pair up). The embedding and the head stay
-    whole, as in the pipeline. Saved tensors and parameters are then DTensors: bytes are counted
-    on their local tensors.
+    ranks that profile (their layers' collectives pair up). The embedding is sharded by the
+    vocabulary where the pipeline shards it (its gradient counted whole, as the step holds it)
+    and the head stays whole, as in the pipeline. Saved tensors and parameters are then
+    DTensors: bytes are counted on their local tensors.
 
     :func:`pippy_xla.plan.planner.plan` solves for the pipeline dimension with those per-rank
     costs; every tp rank of a stage holds the same shard sizes, so one rank's plan serves them
@@ -660,7 +661,7 @@ def _model_profile(
     dtype: torch.dtype,
 ) -> ModelProfile:
     """The :class:`ModelProfile` of what :func:`_measure` measured on ``batch``."""
-    static = _StaticBytes(2 + optimizer_states)
+    static = _StaticBytes(2 + optimizer_states, measured.grad_bytes)
     microbatch_size, seq_len = next(iter(batch.values())).shape
     return ModelProfile(
         layers=_layer_costs(layers, measured, static, shared_backward),
@@ -799,6 +800,7 @@ class _Measured:
     split_ckpt: _SplitCosts
     work: _WorkingSets
     hooks: _LayerHooks
+    grad_bytes: dict[int, int]  # id(param) -> its gradient's bytes, where not its shard's
 
 
 def _measure(
@@ -821,7 +823,7 @@ def _measure(
     was_training = model.training
     model.train()
     try:
-        runs, saved = _timed_runs(model, batch, hooks, repeats)
+        runs, saved, grad_bytes = _timed_runs(model, batch, hooks, repeats)
         recompute = _recompute_times(model, layers, batch, hooks, repeats)
         for h in handles:
             h.remove()
@@ -842,14 +844,17 @@ def _measure(
         # states) alive after profiling, counted in a later pipeline's peak on that rank.
         hooks.args = None
         hooks.kw.clear()
-    return _Measured(runs, recompute, saved, ckpt_saved, used, split, split_ckpt, work, hooks)
+    return _Measured(
+        runs, recompute, saved, ckpt_saved, used, split, split_ckpt, work, hooks, grad_bytes
+    )
 
 
 def _timed_runs(
     model: nn.Module, batch: dict, hooks: _LayerHooks, repeats: int
-) -> tuple[list[tuple[float, float, float, dict]], _Saved]:
-    """``repeats`` timed runs of forward and backward after a warm-up: their timestamps, and the
-    last run's saved bytes by region."""
+) -> tuple[list[tuple[float, float, float, dict]], _Saved, dict[int, int]]:
+    """``repeats`` timed runs of forward and backward after a warm-up: their timestamps, the
+    last run's saved bytes by region, and the gradients of another size than their parameter's
+    local shard (:class:`_StaticBytes`)."""
     counter, work = hooks.counter, hooks.work
     runs = []
     out = None  # the last output stays alive until the next forward returns, as a caller's would
@@ -869,10 +874,15 @@ def _timed_runs(
         loss.backward()
         work.close("prologue backward")
         t2 = time.perf_counter()
+        grad_bytes = {
+            id(p): _nbytes([p.grad])
+            for p in model.parameters()
+            if p.grad is not None and _nbytes([p.grad]) != _nbytes([p])
+        }
         model.zero_grad(set_to_none=True)
         if run > 0:  # the first run warms up
             runs.append((t0, t1, t2, dict(hooks.t)))
-    return runs, _saved_by_region(counter, hooks.kw, hooks.num)
+    return runs, _saved_by_region(counter, hooks.kw, hooks.num), grad_bytes
 
 
 def _saved_by_region(counter: SavedBytes, kw: list[torch.Tensor], num: int) -> _Saved:
@@ -990,14 +1000,18 @@ def _layer_times(
 
 @dataclass(slots=True)
 class _StaticBytes:
-    """Parameter bytes, and ``factor - 1`` times the trainable ones (gradients, optimizer
-    states)."""
+    """Parameter bytes, their gradients' and ``factor - 2`` times the trainable ones' (optimizer
+    states). A gradient is the size of the parameter's local shard, or ``grad_bytes``' where the
+    backward left it another size (a vocabulary-parallel embedding's gradient is whole until
+    the step reshards it)."""
 
     factor: int
+    grad_bytes: dict[int, int]
 
     def __call__(self, params: Sequence[torch.Tensor]) -> int:
         trainable = [p for p in params if p.requires_grad]
-        return _nbytes(params) + (self.factor - 1) * _nbytes(trainable)
+        grads = sum(self.grad_bytes.get(id(p), _nbytes([p])) for p in trainable)
+        return _nbytes(params) + grads + (self.factor - 2) * _nbytes(trainable)
 
 
 def _nbytes(params: Sequence[torch.Tensor]) -> int:

@@ -189,7 +189,9 @@ def build(
     layer_names = find_layers(model, layer_classes(model, layer_cls))
     tp_plan = None
     if place.tp_size > 1:
-        tp_plan = layer_tp_plan(model, layer_names, place.tp_size, config.tensor_parallel)
+        tp_plan = layer_tp_plan(
+            model, layer_names, place.tp_size, config.tensor_parallel, place.dp_size == 1
+        )
     layer_ranges, stages, train_schedule = _partition(model, layer_cls, config, place)
     local_stages = [stages[s] for s in train_schedule.stages_of(place.rank)]
     build_key = check_ranks_agree(stages, config, place, tp_plan)

@@ -338,7 +338,10 @@ class Generator:
         images = {k: v.to(place.device) for k, v in _take_rows(images, shares, rows).items()}
         settings = prepare_generation(self.model, ids, generation_config, kwargs)
         if images and settings.config.prefill_chunk_size is not None:
-            raise ValueError("generate with images takes no prefill_chunk_size yet")
+            raise ValueError(
+                "generate with images takes no prefill_chunk_size: the images cannot be cut into "
+                "the prompt's chunks (HF's generate refuses it alike)"
+            )
         if self.runner.tp is not None and settings.config.do_sample:
             self._same_random_state()
         self._setup()

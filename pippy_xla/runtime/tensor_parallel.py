@@ -16,18 +16,22 @@ no extra hop.
   and HF's styles (``colwise``, ``rowwise`` and their ``colwise_gather_output`` /
   ``rowwise_split_input`` variants; for experts ``packed_colwise`` and
   ``moe_tp_experts``, which all-reduce the experts' partial outputs) redistribute inside each
-  layer. pippy_xla writes no parallel layer. Rules outside the decoder layers (the embedding's
-  ``embedding_rowwise``, the head's ``colwise_gather_output``) are not applied: those modules
-  stay whole on every tp rank.
+  layer. pippy_xla writes no parallel layer. Outside the decoder layers, the input embedding's
+  ``embedding_rowwise`` is applied on the first stage where the embedding is not tied to the
+  head and there are no replicas (:data:`_EMBEDDING`); the other rules there (the head's
+  ``colwise_gather_output``) are not: those modules stay whole on every tp rank.
 - Boundaries: HF's styles give plain (local) outputs, and a decoder layer's output is replicated
   over the ``tp`` group (a ``rowwise`` projection all-reduces it), so the tensors that travel
   between stages are plain tensors, equal on every tp rank. Their gradients are replicated too
   (a ``colwise`` projection all-reduces its input's gradient in backward).
 - Gradients: a sharded parameter's gradient is a DTensor with the same placement (its local
-  shard); a parameter outside HF's rules (norms, embeddings, head) sees replicated inputs and
-  replicated output gradients, so every tp rank computes the same whole gradient and nothing is
-  reduced. A ``replicated_with_grad_allreduce`` rule (Qwen3's per-head ``q_norm`` / ``k_norm``,
-  which see only the rank's heads) marks a parameter whose gradient is partial: HF's style
+  shard), but for the vocabulary-parallel embedding's, which DTensor's backward leaves whole
+  and replicated: the step reshards it to the weight's rows after the last backward
+  (:meth:`TensorParallel.reshard_grads`; the planner counts it whole). A parameter outside HF's
+  rules (norms, a whole embedding, the head) sees replicated inputs and replicated output
+  gradients, so every tp rank computes the same whole gradient and nothing is reduced. A
+  ``replicated_with_grad_allreduce`` rule (Qwen3's per-head ``q_norm`` / ``k_norm``, which see
+  only the rank's heads) marks a parameter whose gradient is partial: HF's style
   all-reduces ``param.grad`` after every accumulation, which sums the earlier microbatches again
   at each one; here it is not installed, and the step all-reduces those gradients once, after
   the last backward (:meth:`TensorParallel.reduce_partial_grads`).
@@ -106,6 +110,12 @@ part of ``kv_a_proj_with_mqa``, which skips the sharded ``kv_b_proj``: its gradi
 tp; LongCat-Flash's identity ("zero") experts, whose input is divided by tp, which the experts'
 sum over tp restores)."""
 _REPLICATE = "replicate"
+_EMBEDDING = ("embedding_rowwise",)
+"""The input embedding's styles the pipeline applies: HF's vocabulary-parallel embedding, each tp
+rank holding rows of the vocabulary (its weight, gradient and optimizer state a ``1/tp`` share),
+the ranks' partial lookups summed by HF's style. DTensor's backward gives the weight a whole,
+replicated gradient; the step reshards it to the weight's rows
+(:meth:`TensorParallel.reshard_grads`)."""
 _DIFFERS = 1e-4
 """A whole parameter's gradient is partial when its tp ranks' sums differ by more than this
 fraction of their magnitude (rounding differs by about 1e-7; partial sums by O(1))."""
@@ -131,6 +141,7 @@ def layer_tp_plan(
     layer_names: Sequence[str],
     tp_size: int,
     rules: str | dict[str, str] = "auto",
+    embedding: bool = True,
 ) -> dict[str, str]:
     """The tensor-parallel plan over the decoder layers ``layer_names`` (every layer of the model,
     so that every rank checks the same): concrete module and parameter names -> HF style.
@@ -139,7 +150,8 @@ def layer_tp_plan(
     ``UnsupportedModelError`` for a model without a plan (``"auto"``) or without a rule that
     shards its layers, ``ValueError`` for a bad rule or a size that does not divide by
     ``tp_size``, ``NotImplementedError`` for a style not covered yet; each in one line naming
-    the module and the numbers."""
+    the module and the numbers. With ``embedding``, the plan's rule of the input embedding too,
+    where it is :data:`_EMBEDDING`'s (:func:`_embedding_rules`)."""
     name = type(model).__name__
     label = _label(rules)
     if rules == "auto":
@@ -154,9 +166,10 @@ def layer_tp_plan(
     else:
         plan = merge_tp_rules(model, rules, layer_names)
     prefixes = tuple(f"{n}." for n in layer_names)
+    expanded = expand_plan(model, plan)
     inside = {
         k: v
-        for k, v in expand_plan(model, plan).items()
+        for k, v in expanded.items()
         if k.startswith(prefixes) and v != _REPLICATE  # HF's "replicate" does nothing
     }
     if not inside:
@@ -172,7 +185,23 @@ def layer_tp_plan(
             f"does not apply yet (issue 48); covered: {list(TP_STYLES)} and {_REPLICATE!r}"
         )
     _check_divides(model, inside, tp_size, label)
-    return inside
+    return {**inside, **(_embedding_rules(model, expanded) if embedding else {})}
+
+
+def _embedding_rules(model: nn.Module, expanded: dict[str, str]) -> dict[str, str]:
+    """The plan's rules of the model's input embedding (``get_input_embeddings()``) where it is
+    an ``nn.Embedding`` with a style of :data:`_EMBEDDING`, not tied to the output head (a tied
+    weight stays whole: the head is whole on the last stage); else none."""
+    get_input = getattr(model, "get_input_embeddings", None)
+    embedding = get_input() if callable(get_input) else None
+    name = next((n for n, m in model.named_modules() if m is embedding), None)
+    if not isinstance(embedding, nn.Embedding) or expanded.get(name) not in _EMBEDDING:
+        return {}
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if getattr(head, "weight", None) is embedding.weight:
+        return {}
+    return {k: v for k, v in expanded.items() if k == name or k.startswith(f"{name}.")}
 
 
 def _label(rules: str | dict[str, str]) -> str:
@@ -222,8 +251,9 @@ def merge_tp_rules(
         if outside and style not in (own.get(key), _REPLICATE):
             raise ValueError(
                 f"tensor_parallel={{...}}: rule {key!r}: {style!r} is outside the decoder layers "
-                f"({layer_names[0]}, ...); the pipeline applies rules inside them only "
-                "(embeddings, norms and head stay whole on every tp rank): drop the rule"
+                f"({layer_names[0]}, ...); the pipeline applies rules inside them and the model's "
+                "own embedding rule only (norms and head stay whole on every tp rank): drop the "
+                "rule"
             )
     merged = own | rules if rules else {}
     _check_replicate_covers(rules, merged)
@@ -345,8 +375,9 @@ class TensorParallel:
         for module in modules:
             self._sync_from_first(module)
         self._partial_modules: list[nn.Module] = shard_layers(
-            model, self.mesh, plan, local_layer_names
+            model, self.mesh, plan, local_layer_names, modules
         )
+        self._modules = list(modules)
         """Modules whose (replicated) parameters get partial gradients over ``tp``, summed
         after a step's last backward; their parameters are looked up at each step (data
         parallelism replaces them with its own after this)."""
@@ -394,6 +425,23 @@ class TensorParallel:
                 local.copy_(summed)
             if before is not None:
                 p.grad = before if p.grad is None else before.add_(p.grad)
+        self.reshard_grads()
+
+    def reshard_grads(self) -> None:
+        """Gives every sharded parameter's gradient the parameter's own placement where the
+        backward left it otherwise (the vocabulary-parallel embedding's whole, replicated
+        gradient: each tp rank keeps its rows, no communication)."""
+        from torch.distributed.tensor import DTensor
+
+        for module in self._modules:
+            for p in module.parameters():
+                g = p.grad
+                if (
+                    isinstance(p, DTensor)
+                    and isinstance(g, DTensor)
+                    and g.placements != p.placements
+                ):
+                    p.grad = g.redistribute(p.device_mesh, p.placements)
 
     def _differing(self, params: Sequence[nn.Parameter]) -> list[bool]:
         """Whether each parameter's gradient differs over ``tp`` (a partial gradient): three
@@ -466,16 +514,29 @@ def _whole_params(
 
 
 def shard_layers(
-    model: nn.Module, tp_mesh, plan: dict[str, str], layer_names: Sequence[str]
+    model: nn.Module,
+    tp_mesh,
+    plan: dict[str, str],
+    layer_names: Sequence[str],
+    held: Sequence[nn.Module] | None = None,
 ) -> list[nn.Module]:
     """Applies the rules of ``plan`` (:func:`layer_tp_plan`'s) that fall inside the decoder
-    layers ``layer_names`` to ``model`` over the 1-D ``tp_mesh``, by HF's
+    layers ``layer_names``, and its rules outside them (the embedding's) whose module is among
+    the modules ``held`` (all with ``None``), to ``model`` over the 1-D ``tp_mesh``, by HF's
     ``apply_tensor_parallelism``. The ``replicated_with_grad_allreduce`` rules are not installed
     (see [Note: pipeline x tensor parallel]): returns their modules, whose gradients the caller
     sums."""
     prefixes = tuple(f"{n}." for n in layer_names)
-    mine = {k: v for k, v in plan.items() if k.startswith(prefixes)}
     named = dict(model.named_modules())
+    mine_ids = None if held is None else {id(m) for h in held for m in h.modules()}
+
+    def applies(key: str) -> bool:
+        if key.startswith(prefixes) or mine_ids is None:
+            return True
+        module = named.get(key) or named.get(key.rpartition(".")[0])
+        return module is not None and id(module) in mine_ids
+
+    mine = {k: v for k, v in plan.items() if applies(k)}
     partial = [named[k] for k, v in mine.items() if v == _PARTIAL_GRAD and k in named]
     apply = tensor_parallel_api().apply
     apply(model, tp_mesh, {k: v for k, v in mine.items() if v != _PARTIAL_GRAD})
@@ -526,6 +587,7 @@ class LayerSharding:
         self._group_name = groups.tp_group.group_name
         self._timeout_ms = int(timeout * 1000)
         self._rules = rules
+        self._embedding = groups.dp_size == 1  # as the build's (see _EMBEDDING)
         self.size: int = groups.tp_size
         """The tensor-parallel degree."""
         self.rank: int = groups.tp_rank
@@ -538,7 +600,7 @@ class LayerSharding:
         """Shards ``model``'s decoder layers ``layer_names`` in place over the ``tp`` ranks, as
         the pipeline's build does (their values tp rank 0's; layers on ``meta`` stay there); a
         collective over the ``tp`` ranks."""
-        plan = layer_tp_plan(model, layer_names, self.size, self._rules)
+        plan = layer_tp_plan(model, layer_names, self.size, self._rules, self._embedding)
         copy_from_first(model, self._group_name, self._timeout_ms)
         shard_layers(model, self._mesh, plan, layer_names)
 

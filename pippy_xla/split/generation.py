@@ -295,7 +295,7 @@ one to a group's last, as HF's loop does, so the model keeps no state per group 
 later layers find the image tokens in them), the decode graphs only the first. HF's own decode
 steps give the mask no ``token_type_ids`` (Gemma 3) or ignore them once the cache holds the
 prompt (PaliGemma), so the decode graphs without them are HF's. Chunked prefill
-(``prefill_chunk_size``) is refused with images for now.
+(``prefill_chunk_size``) is refused with images, as HF's ``generate`` refuses it.
 """
 
 PROMPT_INPUTS = (
