@@ -513,27 +513,43 @@ QWEN_GRIDS = [[], [(1, 4, 4)], [(1, 2, 4), (1, 4, 4)], [(1, 4, 2)]]
 """The images of :func:`qwen2_vl_batch`'s rows, in turn: none, one, two of other sizes, one."""
 
 
-def qwen2_vl_batch(seed: int, batch: int = 8, seq: int = 20, pad: bool = True) -> dict:
+QWEN_VIDEO_GRIDS = [[(2, 4, 4)], [], [(2, 2, 2), (2, 2, 2)], [(2, 2, 4)]]
+"""The videos of :func:`qwen2_vl_batch`'s rows with ``videos``, after their images: 2 temporal
+patches (4 frames) each (as :data:`QWEN_GRIDS`, 4 rows' worth, so a batch's halves hold the
+same: the reference's microbatches are its chunks)."""
+
+
+def qwen2_vl_batch(
+    seed: int, batch: int = 8, seq: int = 20, pad: bool = True, videos: bool = False
+) -> dict:
     """Rows with 0, 1 or 2 images of several grids (``(t, h, w)`` patches, merged 2 x 2 into
     ``t * h * w / 4`` tokens after a vision-start token): their patches concatenated in row
-    order, their grids, and ``mm_token_type_ids`` (1 on image tokens)."""
+    order, their grids, and ``mm_token_type_ids`` (1 on image tokens). With ``videos``, rows
+    also hold 0-2 videos after their images (:data:`QWEN_VIDEO_GRIDS`), in
+    ``pixel_values_videos`` and ``video_grid_thw`` (``mm_token_type_ids`` 2 on their tokens)."""
     out = make_batch(seed, batch, seq, pad)
     ids = out["input_ids"].clamp(max=IMAGE_TOKEN - 3)
-    grids = []
+    kinds = [(IMAGE_TOKEN, QWEN_GRIDS, "pixel_values", "image_grid_thw")]
+    if videos:
+        kinds.append((IMAGE_TOKEN - 1, QWEN_VIDEO_GRIDS, "pixel_values_videos", "video_grid_thw"))
+    grids = {token: [] for token, *_ in kinds}
     for r in range(batch):
         at = 1
-        for t, h, w in QWEN_GRIDS[(r + seed) % len(QWEN_GRIDS)]:
-            ids[r, at] = IMAGE_TOKEN - 2
-            ids[r, at + 1 : at + 1 + t * h * w // 4] = IMAGE_TOKEN
-            at += 1 + t * h * w // 4
-            grids.append([t, h, w])
+        for token, rows, _, _ in kinds:
+            for t, h, w in rows[(r + seed) % len(rows)]:
+                ids[r, at] = IMAGE_TOKEN - 2
+                ids[r, at + 1 : at + 1 + t * h * w // 4] = token
+                at += 1 + t * h * w // 4
+                grids[token].append([t, h, w])
     out["input_ids"] = ids
-    out["labels"] = ids.masked_fill((out["attention_mask"] == 0) | (ids == IMAGE_TOKEN), -100)
+    media = (ids == IMAGE_TOKEN) | (ids == IMAGE_TOKEN - 1)
+    out["labels"] = ids.masked_fill((out["attention_mask"] == 0) | media, -100)
     g = torch.Generator().manual_seed(seed)
-    patches = sum(t * h * w for t, h, w in grids)
-    out["pixel_values"] = torch.randn(patches, 3 * 2 * 2 * 2, generator=g)
-    out["image_grid_thw"] = torch.tensor(grids)
-    out["mm_token_type_ids"] = (ids == IMAGE_TOKEN).long()
+    for token, _, pixels, grid in kinds:
+        patches = sum(t * h * w for t, h, w in grids[token])
+        out[pixels] = torch.randn(patches, 3 * 2 * 2 * 2, generator=g)
+        out[grid] = torch.tensor(grids[token]).reshape(-1, 3)
+    out["mm_token_type_ids"] = (ids == IMAGE_TOKEN).long() + 2 * (ids == IMAGE_TOKEN - 1).long()
     return out
 
 
@@ -582,6 +598,7 @@ INPUT_NAMES = {
 }
 for _family in ("qwen3_5_vl", "qwen3_vl", "glm4v"):  # Qwen2-VL's image format
     INPUT_NAMES[_family] = INPUT_NAMES["qwen2_vl"]
+INPUT_NAMES["qwen2_vl_video"] = (*INPUT_NAMES["qwen2_vl"], "pixel_values_videos", "video_grid_thw")
 """The batch inputs of families whose batch holds more than token ids and a mask."""
 
 
@@ -594,6 +611,8 @@ def family_batch(family: str, seed: int, **kw) -> dict:
         return make_batch(seed, **kw)
     if INPUT_NAMES[family] == INPUT_NAMES["qwen2_vl"]:
         return qwen2_vl_batch(seed, **kw)
+    if family == "qwen2_vl_video":
+        return qwen2_vl_batch(seed, videos=True, **kw)
     row, tokens = IMAGES.get(family, ((3, IMAGE_SIDE, IMAGE_SIDE), PATCHES))
     out = image_batch(seed, row=row, tokens=tokens, **kw)
     rows = out["input_ids"].shape[0]
@@ -633,6 +652,7 @@ MODELS = {
     "llava_onevision": llava_onevision,
     "idefics3": idefics3,
     "qwen2_vl": qwen2_vl,
+    "qwen2_vl_video": qwen2_vl,
     "qwen3_5_vl": qwen3_5_vl,
     "qwen3_vl": qwen3_vl,
     "glm4v": glm4v,

@@ -41,6 +41,7 @@ STACKS = {
     "llava_onevision": ((Qwen2DecoderLayer,), "model.language_model.layers."),
     "idefics3": ((LlamaDecoderLayer,), "model.text_model.layers."),
     "qwen2_vl": ((Qwen2VLDecoderLayer,), "model.language_model.layers."),
+    "qwen2_vl_video": ((Qwen2VLDecoderLayer,), "model.language_model.layers."),
     "qwen3_5_vl": ((Qwen3_5DecoderLayer,), "model.language_model.layers."),
     "qwen3_vl": ((Qwen3VLTextDecoderLayer,), "model.language_model.layers."),
     "glm4v": ((Glm4vTextDecoderLayer,), "model.language_model.layers."),
@@ -83,6 +84,8 @@ NOTES = {
     "idefics3": "pixel attention mask, pixel-shuffle connector, features as a list per image",
     "qwen2_vl": "images concatenated over the batch (0-2 a row), 3-D rotary positions (M-RoPE) "
     "recomputed on every stage",
+    "qwen2_vl_video": "videos besides the images (pixel_values_videos, video_grid_thw: 0-2 a "
+    "row), their features scattered after the images'",
     "qwen3_5_vl": "Qwen2-VL's images and M-RoPE (4 position rows) before linear-attention and "
     "attention layers",
     "qwen3_vl": "DeepStack: features of two vision layers added into the first two text layers "
@@ -114,6 +117,7 @@ FOUR_RANKS = [
     ("llava_onevision", "1f1b", 4),
     ("idefics3", "gpipe", 4),
     ("qwen2_vl", "zbh1", 4),
+    ("qwen2_vl_video", "1f1b", 4),
     ("qwen3_5_vl", "1f1b", 4),
     ("qwen3_vl", "1f1b", 4),
     ("glm4v", "gpipe", 4),

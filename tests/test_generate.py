@@ -158,6 +158,7 @@ IMAGE_FAMILIES = (
     "idefics3",
     "gemma3",
     "paligemma",
+    "qwen2_vl_video",
     "qwen3_5_vl",
     "qwen3_vl",
 )
@@ -192,6 +193,8 @@ def _image_prompts(family: str, seed: int) -> tuple[torch.Tensor, torch.Tensor, 
     images (Qwen's format: 0, 1, 2 and 1 images, the first row's none)."""
     if INPUT_NAMES[family] == INPUT_NAMES["qwen2_vl"]:
         batch = qwen2_vl_batch(4 * seed, batch=4, seq=14, pad=False)  # rows of QWEN_GRIDS
+    elif family == "qwen2_vl_video":  # and of QWEN_VIDEO_GRIDS
+        batch = qwen2_vl_batch(4 * seed, batch=4, seq=16, pad=False, videos=True)
     else:
         batch = family_batch(family, seed=seed, pad=False)
         per_token = ("input_ids", "token_type_ids")
@@ -216,19 +219,20 @@ def _with_images(rank, world) -> dict[str, list[bool]]:
             model, num_microbatches=2, timeout=60, input_names=INPUT_NAMES[family]
         )
         equal = []
-        for seed, groups in ((3, None), (4, 1)):  # other images: the same prefill graphs
+        # Other images: the same prefill graphs. A group a row: rows holding a video but no
+        # image, or neither, take the graphs of what they hold.
+        rounds = ((3, None), (4, 1), *([(3, 4)] if family == "qwen2_vl_video" else []))
+        for seed, groups in rounds:
             ids, mask, images = _image_prompts(family, seed)
             opts = {"max_new_tokens": 4, "do_sample": False}
             want = ref.generate(input_ids=ids, attention_mask=mask, **opts, **images)
             got = pipe.generate(ids, mask, groups=groups, **opts, **images)
             equal.append(torch.equal(got, want))
         g = torch.Generator().manual_seed(5)
-        other = {
-            k: torch.randn(v.shape, generator=g) if v.is_floating_point() else v
-            for k, v in images.items()
-        }
-        changed = ref.generate(input_ids=ids, attention_mask=mask, **opts, **other)
-        assert not torch.equal(changed, want), family  # the tokens depend on the images
+        for name in [k for k, v in images.items() if v.is_floating_point()]:
+            other = {**images, name: torch.randn(images[name].shape, generator=g)}
+            changed = ref.generate(input_ids=ids, attention_mask=mask, **opts, **other)
+            assert not torch.equal(changed, want), (family, name)  # the tokens depend on each
         if family in TYPED:  # and on the token types (the prefill's bidirectional blocks)
             untyped = {k: v for k, v in images.items() if k != "token_type_ids"}
             assert not torch.equal(
@@ -250,7 +254,8 @@ def test_generate_with_images_equal_hf_two_ranks():
     and with one; images of other than a row per prompt, and chunked prefill with images, are
     refused on every rank."""
     out = run_ranks(2, _with_images, timeout=600)
-    assert out == [{f: [True, True] for f in IMAGE_FAMILIES}] * 2
+    want = {f: [True] * (3 if f == "qwen2_vl_video" else 2) for f in IMAGE_FAMILIES}
+    assert out == [want] * 2
 
 
 def _meta_built(rank, world) -> bool:

@@ -531,7 +531,9 @@ class Generator:
         )
         logits: dict[int, torch.Tensor] = {}
         parts = _split_rows(self.model, inputs, rows)
-        stages, last = self._prefill_stages(images), len(self.stages) - 1
+        held = _held_images(self.model, inputs, parts, images)
+        stages = [self._prefill_stages(names) for names in held]  # made before the schedule
+        last = len(self.stages) - 1
 
         def forward(stage: int, mb: int, received: list[torch.Tensor]):
             c, g = divmod(mb, n)  # chunk-major: each group's chunks reach a stage in order
@@ -541,12 +543,9 @@ class Generator:
                 "attention_mask": parts["attention_mask"][g][:, :e],  # as HF's chunked prefill
                 "position_ids": parts["position_ids"][g][..., s:e],
             }
-            # A group whose rows hold no image (none of the images concatenated over the
-            # prompts) runs the graphs without images, as HF's generate would be called.
-            with_images = bool(images) and all(parts[k][g].shape[0] for k in images)
-            graph = (stages if with_images else self.stages)[stage]
-            batch.update((k, parts[k][g]) for k in images if with_images)
-            run = graph.module if with_images else self._module("prefill", stage)
+            graph = stages[g][stage]
+            batch.update((k, parts[k][g]) for k in held[g])
+            run = graph.module if held[g] else self._module("prefill", stage)
             out = run(*(batch[k] for k in graph.batch_inputs), *received, caches[stage][g])
             if stage != last:
                 return out
@@ -736,6 +735,24 @@ def _take_rows(
     return {
         k: cut_ragged(v, shares[k], rows)[0] if k in shares else v[rows] for k, v in images.items()
     }
+
+
+def _held_images(
+    model: nn.Module,
+    inputs: dict[str, torch.Tensor],
+    parts: dict[str, tuple[torch.Tensor, ...]],
+    images: tuple[str, ...],
+) -> list[tuple[str, ...]]:
+    """Each group's image inputs: a row input always; one concatenated over the prompts (see
+    [Note: images in the prefill]) where the group's rows hold some of it (images but no video,
+    say), and none where they hold none of those, as HF's ``generate`` would be called."""
+    ragged = hf.ragged_inputs(model, tuple(inputs))
+    concatenated = set(ragged(inputs)) if ragged else set()
+    held = []
+    for g in range(len(parts["input_ids"])):
+        names = tuple(k for k in images if k not in concatenated or parts[k][g].shape[0])
+        held.append(names if not concatenated or concatenated & set(names) else ())
+    return held
 
 
 def _split_rows(

@@ -286,8 +286,9 @@ images, for the inputs it names), and every decode step the graphs without them.
 images travel with the row: a group of rows, a replica's share. Images concatenated over the
 prompts (Qwen2-VL's format: ``pixel_values`` of every image's patches, ``image_grid_thw``) are
 cut at the groups' rows by each row's image tokens, as training cuts them (see [Note: images
-concatenated over a batch] in ``hf.py``), and a group whose rows hold none runs the graphs
-without images. Their M-RoPE positions are HF's: ``_prepare_position_ids_for_generation`` with
+concatenated over a batch] in ``hf.py``); a group takes the graphs of the inputs its rows
+hold (videos but no image, say), and a group whose rows hold none runs the graphs without
+images. Their M-RoPE positions are HF's: ``_prepare_position_ids_for_generation`` with
 the grids and ``mm_token_type_ids`` gives ``[kinds, rows, length]``, the generation graphs are
 traced with position ids of those kinds (:func:`hf.position_kinds`), and each decode step adds
 one to a group's last, as HF's loop does, so the model keeps no state per group (its
@@ -303,6 +304,8 @@ PROMPT_INPUTS = (
     "image_sizes",
     "pixel_attention_mask",
     "image_grid_thw",
+    "pixel_values_videos",
+    "video_grid_thw",
     "mm_token_type_ids",
     "token_type_ids",
 )
@@ -310,9 +313,9 @@ PROMPT_INPUTS = (
 images (a row each, or concatenated over the batch with their grids) and what the family adds
 (see [Note: images in the prefill])."""
 
-POSITION_INPUTS = ("image_grid_thw", "mm_token_type_ids")
+POSITION_INPUTS = ("image_grid_thw", "video_grid_thw", "mm_token_type_ids")
 """The prompt inputs HF's ``_prepare_position_ids_for_generation`` reads for M-RoPE's positions
-(the images' grids and each token's modality)."""
+(the images' and videos' grids and each token's modality)."""
 
 
 def prepare_generation(

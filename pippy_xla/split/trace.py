@@ -335,7 +335,7 @@ class _Tracer(fx.Tracer):
     def _same_meta_as_first(self, node: fx.Node) -> bool:
         for shape in _SAMPLE_SHAPES:
             try:
-                first = self._sample_for(node.args[0], shape)
+                first = self._meta_sample(node.args[0], shape)
                 out = self._sample_for(node, shape)
             except _NoSample:
                 out = self._masked_sample(node, shape)
@@ -348,6 +348,17 @@ class _Tracer(fx.Tracer):
                 return False
         return True
 
+    def _meta_sample(self, arg: Any, shape: tuple[int, int]) -> Any:
+        """``arg``'s sample, or, where it has none and keeps its first argument's metadata
+        (marked before it: the image features scattered before the video features), that
+        argument's. Raises ``_NoSample``."""
+        try:
+            return self._sample_for(arg, shape)
+        except _NoSample:
+            if isinstance(arg, fx.Node) and arg.meta.get(SELF_META):
+                return self._meta_sample(arg.args[0], shape)
+            raise
+
     def _masked_sample(self, node: fx.Node, shape: tuple[int, int]) -> torch.Tensor | None:
         """The metadata of ``x.masked_scatter(mask, source)`` or ``x.masked_fill(mask, value)``
         from ``x``'s and ``mask``'s samples alone (``x`` broadcast with ``mask``, in ``x``'s
@@ -356,7 +367,10 @@ class _Tracer(fx.Tracer):
         if node.target.rstrip("_") not in ("masked_scatter", "masked_fill") or len(node.args) < 2:
             return None
         try:
-            first, mask = (self._sample_for(a, shape) for a in node.args[:2])
+            first, mask = (
+                self._meta_sample(node.args[0], shape),
+                self._sample_for(node.args[1], shape),
+            )
         except _NoSample:
             return None
         if not (isinstance(first, torch.Tensor) and isinstance(mask, torch.Tensor)):
