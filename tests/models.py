@@ -520,13 +520,20 @@ same: the reference's microbatches are its chunks)."""
 
 
 def qwen2_vl_batch(
-    seed: int, batch: int = 8, seq: int = 20, pad: bool = True, videos: bool = False
+    seed: int,
+    batch: int = 8,
+    seq: int = 20,
+    pad: bool = True,
+    videos: bool = False,
+    frames: bool = False,
 ) -> dict:
     """Rows with 0, 1 or 2 images of several grids (``(t, h, w)`` patches, merged 2 x 2 into
     ``t * h * w / 4`` tokens after a vision-start token): their patches concatenated in row
     order, their grids, and ``mm_token_type_ids`` (1 on image tokens). With ``videos``, rows
     also hold 0-2 videos after their images (:data:`QWEN_VIDEO_GRIDS`), in
-    ``pixel_values_videos`` and ``video_grid_thw`` (``mm_token_type_ids`` 2 on their tokens)."""
+    ``pixel_values_videos`` and ``video_grid_thw`` (``mm_token_type_ids`` 2 on their tokens),
+    a video's tokens in one run, or with ``frames`` a run per temporal patch, each after its
+    own vision-start token (Qwen3-VL's and Qwen3.5's layout, whose timestamps part the frames)."""
     out = make_batch(seed, batch, seq, pad)
     ids = out["input_ids"].clamp(max=IMAGE_TOKEN - 3)
     kinds = [(IMAGE_TOKEN, QWEN_GRIDS, "pixel_values", "image_grid_thw")]
@@ -537,9 +544,11 @@ def qwen2_vl_batch(
         at = 1
         for token, rows, _, _ in kinds:
             for t, h, w in rows[(r + seed) % len(rows)]:
-                ids[r, at] = IMAGE_TOKEN - 2
-                ids[r, at + 1 : at + 1 + t * h * w // 4] = token
-                at += 1 + t * h * w // 4
+                runs = t if frames and token != IMAGE_TOKEN else 1
+                for _ in range(runs):
+                    ids[r, at] = IMAGE_TOKEN - 2
+                    ids[r, at + 1 : at + 1 + t * h * w // 4 // runs] = token
+                    at += 1 + t * h * w // 4 // runs
                 grids[token].append([t, h, w])
     out["input_ids"] = ids
     media = (ids == IMAGE_TOKEN) | (ids == IMAGE_TOKEN - 1)
@@ -598,8 +607,14 @@ INPUT_NAMES = {
 }
 for _family in ("qwen3_5_vl", "qwen3_vl", "glm4v"):  # Qwen2-VL's image format
     INPUT_NAMES[_family] = INPUT_NAMES["qwen2_vl"]
-INPUT_NAMES["qwen2_vl_video"] = (*INPUT_NAMES["qwen2_vl"], "pixel_values_videos", "video_grid_thw")
+for _family in ("qwen2_vl_video", "qwen3_vl_video"):  # videos besides the images
+    INPUT_NAMES[_family] = (*INPUT_NAMES["qwen2_vl"], "pixel_values_videos", "video_grid_thw")
 """The batch inputs of families whose batch holds more than token ids and a mask."""
+
+
+VIDEO_FRAMES = {"qwen2_vl_video": False, "qwen3_vl_video": True}
+"""The families trained with videos besides their images, and whether a video's tokens come a
+run per frame (:func:`qwen2_vl_batch`'s ``frames``: Qwen3-VL's layout)."""
 
 
 def family_batch(family: str, seed: int, **kw) -> dict:
@@ -611,8 +626,11 @@ def family_batch(family: str, seed: int, **kw) -> dict:
         return make_batch(seed, **kw)
     if INPUT_NAMES[family] == INPUT_NAMES["qwen2_vl"]:
         return qwen2_vl_batch(seed, **kw)
-    if family == "qwen2_vl_video":
-        return qwen2_vl_batch(seed, videos=True, **kw)
+    if family in VIDEO_FRAMES:
+        frames = VIDEO_FRAMES[family]
+        return qwen2_vl_batch(
+            seed, videos=True, frames=frames, **{"seq": 26 if frames else 20, **kw}
+        )
     row, tokens = IMAGES.get(family, ((3, IMAGE_SIDE, IMAGE_SIDE), PATCHES))
     out = image_batch(seed, row=row, tokens=tokens, **kw)
     rows = out["input_ids"].shape[0]
@@ -653,6 +671,7 @@ MODELS = {
     "idefics3": idefics3,
     "qwen2_vl": qwen2_vl,
     "qwen2_vl_video": qwen2_vl,
+    "qwen3_vl_video": qwen3_vl,
     "qwen3_5_vl": qwen3_5_vl,
     "qwen3_vl": qwen3_vl,
     "glm4v": glm4v,

@@ -42,6 +42,7 @@ STACKS = {
     "idefics3": ((LlamaDecoderLayer,), "model.text_model.layers."),
     "qwen2_vl": ((Qwen2VLDecoderLayer,), "model.language_model.layers."),
     "qwen2_vl_video": ((Qwen2VLDecoderLayer,), "model.language_model.layers."),
+    "qwen3_vl_video": ((Qwen3VLTextDecoderLayer,), "model.language_model.layers."),
     "qwen3_5_vl": ((Qwen3_5DecoderLayer,), "model.language_model.layers."),
     "qwen3_vl": ((Qwen3VLTextDecoderLayer,), "model.language_model.layers."),
     "glm4v": ((Glm4vTextDecoderLayer,), "model.language_model.layers."),
@@ -88,6 +89,8 @@ NOTES = {
     "row), their features scattered after the images'",
     "qwen3_5_vl": "Qwen2-VL's images and M-RoPE (4 position rows) before linear-attention and "
     "attention layers",
+    "qwen3_vl_video": "videos besides the images, a run of tokens per frame, DeepStack features "
+    "of both joined",
     "qwen3_vl": "DeepStack: features of two vision layers added into the first two text layers "
     "(sent across the boundaries), interleaved M-RoPE",
     "glm4v": "its own vision tower over Qwen2-VL's image format, M-RoPE on half of each head",
@@ -118,6 +121,7 @@ FOUR_RANKS = [
     ("idefics3", "gpipe", 4),
     ("qwen2_vl", "zbh1", 4),
     ("qwen2_vl_video", "1f1b", 4),
+    ("qwen3_vl_video", "gpipe", 4),
     ("qwen3_5_vl", "1f1b", 4),
     ("qwen3_vl", "1f1b", 4),
     ("glm4v", "gpipe", 4),

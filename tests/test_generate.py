@@ -9,6 +9,7 @@ import torch
 from models import (
     INPUT_NAMES,
     MODELS,
+    VIDEO_FRAMES,
     VOCAB,
     family_batch,
     llama,
@@ -159,6 +160,7 @@ IMAGE_FAMILIES = (
     "gemma3",
     "paligemma",
     "qwen2_vl_video",
+    "qwen3_vl_video",
     "qwen3_5_vl",
     "qwen3_vl",
 )
@@ -193,8 +195,9 @@ def _image_prompts(family: str, seed: int) -> tuple[torch.Tensor, torch.Tensor, 
     images (Qwen's format: 0, 1, 2 and 1 images, the first row's none)."""
     if INPUT_NAMES[family] == INPUT_NAMES["qwen2_vl"]:
         batch = qwen2_vl_batch(4 * seed, batch=4, seq=14, pad=False)  # rows of QWEN_GRIDS
-    elif family == "qwen2_vl_video":  # and of QWEN_VIDEO_GRIDS
-        batch = qwen2_vl_batch(4 * seed, batch=4, seq=16, pad=False, videos=True)
+    elif family in VIDEO_FRAMES:  # and of QWEN_VIDEO_GRIDS
+        frames = VIDEO_FRAMES[family]
+        batch = qwen2_vl_batch(4 * seed, 4, 18 if frames else 16, False, True, frames)
     else:
         batch = family_batch(family, seed=seed, pad=False)
         per_token = ("input_ids", "token_type_ids")
@@ -221,7 +224,7 @@ def _with_images(rank, world) -> dict[str, list[bool]]:
         equal = []
         # Other images: the same prefill graphs. A group a row: rows holding a video but no
         # image, or neither, take the graphs of what they hold.
-        rounds = ((3, None), (4, 1), *([(3, 4)] if family == "qwen2_vl_video" else []))
+        rounds = ((3, None), (4, 1), *([(3, 4)] if family in VIDEO_FRAMES else []))
         for seed, groups in rounds:
             ids, mask, images = _image_prompts(family, seed)
             opts = {"max_new_tokens": 4, "do_sample": False}
@@ -254,7 +257,7 @@ def test_generate_with_images_equal_hf_two_ranks():
     and with one; images of other than a row per prompt, and chunked prefill with images, are
     refused on every rank."""
     out = run_ranks(2, _with_images, timeout=600)
-    want = {f: [True] * (3 if f == "qwen2_vl_video" else 2) for f in IMAGE_FAMILIES}
+    want = {f: [True] * (3 if f in VIDEO_FRAMES else 2) for f in IMAGE_FAMILIES}
     assert out == [want] * 2
 
 

@@ -664,13 +664,20 @@ def _placeholder_sample(row: tuple[int, ...] | None, shape: tuple[int, int]) -> 
     return torch.ones((shape[0], *row), device="meta")
 
 
-def _method_leaf(tracer: fx.Tracer, ref: str, method: str, used: list[str] | None) -> Any:
+def _method_leaf(
+    tracer: fx.Tracer, owner: nn.Module, ref: str, method: str, used: list[str] | None
+) -> Any:
     """A feature method's stand-in while tracing: one :func:`hf.call_features` node, whose
     ``used`` modules and parameters the stage holds (see [Note: encoders of other modalities]);
     with ``used`` ``None``, a position method's: one :func:`hf.call_positions` node (see [Note:
-    multimodal positions])."""
+    multimodal positions]). Called on values that are not traced (a sample's run of another
+    feature method that calls this one: Qwen3-VL's video features are its image features), the
+    method itself."""
 
     def leaf(*args: Any, **kwargs: Any) -> Any:
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+        if not any(isinstance(v, fx.Proxy) for v in leaves):
+            return getattr(type(owner), method)(owner, *args, **kwargs)
         head: tuple[Any, ...] = (tracer.create_proxy("get_attr", ref, (), {}), method)
         if used is None:
             return tracer.create_proxy("call_function", hf.call_positions, (*head, *args), kwargs)
@@ -697,7 +704,7 @@ def _feature_leaves(root: _Root, tracer: fx.Tracer, layer_cls: tuple[type[nn.Mod
             leaves = [(m, used) for m in hf.FEATURE_METHODS]
             for method, reads in [*leaves, *((m, None) for m in hf.POSITION_METHODS)]:
                 if callable(getattr(type(owner), method, None)):
-                    vars(owner)[method] = _method_leaf(tracer, ref, method, reads)
+                    vars(owner)[method] = _method_leaf(tracer, owner, ref, method, reads)
                     patched.append((owner, method))
         yield
     finally:
