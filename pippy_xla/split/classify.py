@@ -210,12 +210,34 @@ def _check_boundaries(
         for v in values:
             if known_non_tensor(root, v):
                 users = [u.name for u in v.users if _home_after(nodes.get(u), s)]
+                fixed = [
+                    _describe(p)
+                    for p, meta in producers(v)
+                    if not (nodes[p].replicable or (meta and nodes[p].metarep))
+                ]
+                why = f"; it is computed from {', '.join(fixed)}, not from the batch inputs alone"
+                kind = _KINDS[_value_kind(root, v)]
                 raise ValueError(
-                    f"{v.format_node()} is not a tensor but would cross the boundary between "
-                    f"stages {s} and {s + 1} (used by {users}); only tensors can be sent. Choose "
-                    "layer_ranges that keep its producer and users on one stage, or make the "
-                    "value recomputable from the batch inputs."
+                    f"{_describe(v)} ({kind}) is not a tensor but would cross "
+                    f"the boundary between stages {s} and {s + 1} (used by {users})"
+                    f"{why if fixed else ''}; only tensors can be sent. Choose layer_ranges that "
+                    "keep its producer and users on one stage, or make the value recomputable "
+                    "from the batch inputs."
                 )
+
+
+_KINDS = {"meta": "a size, dtype or device", "tuple": "a tuple of tensors"}
+
+
+def _describe(node: fx.Node) -> str:
+    """How an error names a traced value: the module, method or function that computes it."""
+    if node.op == "call_module":
+        return f"the output of {node.target.removeprefix(ROOT_PREFIX)}"
+    if node.op == "call_method":
+        return f"the value of .{node.target}() ({node.name})"
+    if node.op == "placeholder":
+        return f"the input {node.target}"
+    return f"the value of {getattr(node.target, '__name__', node.target)}() ({node.name})"
 
 
 def producers(node: fx.Node) -> list[tuple[fx.Node, bool]]:
