@@ -377,10 +377,11 @@ class TensorParallel:
         self._partial_modules: list[nn.Module] = shard_layers(
             model, self.mesh, plan, local_layer_names, modules
         )
-        self._modules = list(modules)
         """Modules whose (replicated) parameters get partial gradients over ``tp``, summed
         after a step's last backward; their parameters are looked up at each step (data
         parallelism replaces them with its own after this)."""
+        self._modules = list(modules)
+        """The local stage modules, whose gradients :meth:`reshard_grads` places."""
         self._whole = _whole_params(model, local_layer_names, self._partial_modules)
         """``(module, name)`` of the other parameters left whole inside this rank's layers,
         checked for partial gradients each step (:meth:`reduce_partial_grads`)."""

@@ -336,6 +336,9 @@ class _Tracer(fx.Tracer):
         for shape in _SAMPLE_SHAPES:
             try:
                 first = self._meta_sample(node.args[0], shape)
+            except _NoSample:
+                return False
+            try:
                 out = self._sample_for(node, shape)
             except _NoSample:
                 out = self._masked_sample(node, shape)
