@@ -1100,7 +1100,15 @@ def _profiled_and_held_under_tp(rank, world):
         with torch.device("meta"):
             meta, _ = build()
         kw = dict(microbatch_size=2, seq_len=16, repeats=1, tensor_parallel=sharding)
-        static = [profile_model(m, layer_cls, **kw).layers[0].static_bytes for m in (meta, model)]
+        profiles = [profile_model(m, layer_cls, **kw) for m in (meta, model)]
+        static = [p.layers[0].static_bytes for p in profiles]
+        # The prologue (the embedding): sharded by the vocabulary where untied (Mixtral), its
+        # gradient whole as the step holds it; whole where the head shares it (Qwen3).
+        whole = model.get_input_embeddings().weight
+        tied = model.get_output_embeddings().weight is whole
+        shard = whole.numel() * whole.element_size() // (1 if tied else 2)
+        prologue = [p.prologue.static_bytes for p in profiles]
+        assert prologue == [3 * shard + shard * (1 if tied else 2)] * 2, (family, prologue, shard)
         want = sum(
             p.numel() * p.element_size() // (2 if _is_proj(name) else 1)
             for name, p in model.named_parameters()
@@ -1121,7 +1129,8 @@ def _profiled_and_held_under_tp(rank, world):
 def test_a_layer_profiled_under_tp_costs_a_ranks_share():
     """Qwen3 and Mixtral at tp=2: a decoder layer's profiled static bytes, meta-built or real,
     are 4x (parameters, gradients, AdamW) what a rank of the pipeline holds of it: half of each
-    sharded projection (experts included), the rest (norms, router) whole."""
+    sharded projection (experts included), the rest (norms, router) whole; the prologue's are
+    the embedding's: half of it 3x and its whole gradient where it is sharded (untied)."""
     out = run_ranks(2, _profiled_and_held_under_tp)
     for rank, per_family in enumerate(out):
         for family, (meta, real, held, want) in per_family.items():
