@@ -607,12 +607,12 @@ INPUT_NAMES = {
 }
 for _family in ("qwen3_5_vl", "qwen3_vl", "glm4v"):  # Qwen2-VL's image format
     INPUT_NAMES[_family] = INPUT_NAMES["qwen2_vl"]
-for _family in ("qwen2_vl_video", "qwen3_vl_video"):  # videos besides the images
+for _family in ("qwen2_vl_video", "qwen3_vl_video", "qwen3_5_vl_video"):  # and videos
     INPUT_NAMES[_family] = (*INPUT_NAMES["qwen2_vl"], "pixel_values_videos", "video_grid_thw")
 """The batch inputs of families whose batch holds more than token ids and a mask."""
 
 
-VIDEO_FRAMES = {"qwen2_vl_video": False, "qwen3_vl_video": True}
+VIDEO_FRAMES = {"qwen2_vl_video": False, "qwen3_vl_video": True, "qwen3_5_vl_video": True}
 """The families trained with videos besides their images, and whether a video's tokens come a
 run per frame (:func:`qwen2_vl_batch`'s ``frames``: Qwen3-VL's layout)."""
 
@@ -672,6 +672,7 @@ MODELS = {
     "qwen2_vl": qwen2_vl,
     "qwen2_vl_video": qwen2_vl,
     "qwen3_vl_video": qwen3_vl,
+    "qwen3_5_vl_video": qwen3_5_vl,
     "qwen3_5_vl": qwen3_5_vl,
     "qwen3_vl": qwen3_vl,
     "glm4v": glm4v,

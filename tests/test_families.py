@@ -43,6 +43,7 @@ STACKS = {
     "qwen2_vl": ((Qwen2VLDecoderLayer,), "model.language_model.layers."),
     "qwen2_vl_video": ((Qwen2VLDecoderLayer,), "model.language_model.layers."),
     "qwen3_vl_video": ((Qwen3VLTextDecoderLayer,), "model.language_model.layers."),
+    "qwen3_5_vl_video": ((Qwen3_5DecoderLayer,), "model.language_model.layers."),
     "qwen3_5_vl": ((Qwen3_5DecoderLayer,), "model.language_model.layers."),
     "qwen3_vl": ((Qwen3VLTextDecoderLayer,), "model.language_model.layers."),
     "glm4v": ((Glm4vTextDecoderLayer,), "model.language_model.layers."),
@@ -91,6 +92,7 @@ NOTES = {
     "attention layers",
     "qwen3_vl_video": "videos besides the images, a run of tokens per frame, DeepStack features "
     "of both joined",
+    "qwen3_5_vl_video": "Qwen3-VL's video layout before linear-attention and attention layers",
     "qwen3_vl": "DeepStack: features of two vision layers added into the first two text layers "
     "(sent across the boundaries), interleaved M-RoPE",
     "glm4v": "its own vision tower over Qwen2-VL's image format, M-RoPE on half of each head",

@@ -162,6 +162,7 @@ IMAGE_FAMILIES = (
     "qwen2_vl_video",
     "qwen3_vl_video",
     "qwen3_5_vl",
+    "qwen3_5_vl_video",
     "qwen3_vl",
 )
 """Vision-language families whose prompts' images are a row each (HF's ``pixel_values`` and
