@@ -260,7 +260,12 @@ def _regression(rank, world):
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(8, 32, generator=g), torch.randn(8, 1, generator=g)
     loss = pipe.run_train(input=x, labels=y)
-    ref_loss = _squares(ref(x), y, _rows(y))
+    return _equal_to_one_process(loss, _squares(ref(x), y, _rows(y)), pipe, ref)
+
+
+def _equal_to_one_process(loss, ref_loss, pipe, ref) -> float:
+    """The pipeline's ``loss`` and gradients against the one-process ``ref_loss``'s (backward
+    here); the loss."""
     ref_loss.backward()
     assert float(loss) == pytest.approx(float(ref_loss), rel=1e-6)
     for name, p in pipe.named_parameters():
@@ -292,11 +297,7 @@ def _base_model(rank, world):
     loss = pipe.run_train(**batch)
     labels = batch.pop("labels")
     ref_loss = hidden_loss(ref(**batch).last_hidden_state, labels, labeled(labels))
-    ref_loss.backward()
-    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-6)
-    for name, p in pipe.named_parameters():
-        torch.testing.assert_close(p.grad, ref.get_parameter(name).grad, **GRAD_TOL, msg=name)
-    return float(loss)
+    return _equal_to_one_process(loss, ref_loss, pipe, ref)
 
 
 def test_a_base_model_trains_on_its_last_hidden_states_with_a_loss_fn():

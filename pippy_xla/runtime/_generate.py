@@ -530,8 +530,8 @@ class Generator:
             lambda: _C.forward_schedule(stage_rank, num_ranks, n * len(ends)),
         )
         logits: dict[int, torch.Tensor] = {}
-        parts = _split_rows(self.model, inputs, rows)
-        held = _held_images(self.model, inputs, parts, images)
+        parts, concatenated = _split_rows(self.model, inputs, rows)
+        held = _held_images(parts, concatenated, images)
         stages = [self._prefill_stages(names) for names in held]  # made before the schedule
         last = len(self.stages) - 1
 
@@ -738,16 +738,12 @@ def _take_rows(
 
 
 def _held_images(
-    model: nn.Module,
-    inputs: dict[str, torch.Tensor],
-    parts: dict[str, tuple[torch.Tensor, ...]],
-    images: tuple[str, ...],
+    parts: dict[str, tuple[torch.Tensor, ...]], concatenated: set[str], images: tuple[str, ...]
 ) -> list[tuple[str, ...]]:
-    """Each group's image inputs: a row input always; one concatenated over the prompts (see
-    [Note: images in the prefill]) where the group's rows hold some of it (images but no video,
-    say), and none where they hold none of those, as HF's ``generate`` would be called."""
-    ragged = hf.ragged_inputs(model, tuple(inputs))
-    concatenated = set(ragged(inputs)) if ragged else set()
+    """Each group's image inputs (of its ``parts``): a row input always; one ``concatenated`` over
+    the prompts (see [Note: images in the prefill]) where the group's rows hold some of it
+    (images but no video, say), and none where they hold none of those, as HF's ``generate``
+    would be called."""
     held = []
     for g in range(len(parts["input_ids"])):
         names = tuple(k for k in images if k not in concatenated or parts[k][g].shape[0])
@@ -757,9 +753,10 @@ def _held_images(
 
 def _split_rows(
     model: nn.Module, inputs: dict[str, torch.Tensor], rows: list[int]
-) -> dict[str, tuple[torch.Tensor, ...]]:
+) -> tuple[dict[str, tuple[torch.Tensor, ...]], set[str]]:
     """``inputs`` split into groups of ``rows`` prompts: position ids on their rows' dim (M-RoPE's
-    is the second), a ragged image input by its rows' shares, the rest by rows."""
+    is the second), a ragged image input by its rows' shares, the rest by rows; and the names of
+    the ragged inputs."""
     ragged = hf.ragged_inputs(model, tuple(inputs))
     shares = ragged(inputs) if ragged else {}
     out = {}
@@ -771,7 +768,7 @@ def _split_rows(
             out[name] = value.split(sizes)
         else:
             out[name] = value.split(rows)
-    return out
+    return out, set(shares)
 
 
 def _check_prompts(

@@ -380,8 +380,13 @@ class TensorParallel:
         """Modules whose (replicated) parameters get partial gradients over ``tp``, summed
         after a step's last backward; their parameters are looked up at each step (data
         parallelism replaces them with its own after this)."""
-        self._modules = list(modules)
-        """The local stage modules, whose gradients :meth:`reshard_grads` places."""
+        named = dict(model.named_modules())
+        held = {id(m) for module in modules for m in module.modules()}
+        self._vocab_parallel = [
+            named[k] for k, v in plan.items() if v in _EMBEDDING and id(named.get(k)) in held
+        ]
+        """The local vocabulary-parallel embedding (or none), whose gradient
+        :meth:`reshard_grads` places."""
         self._whole = _whole_params(model, local_layer_names, self._partial_modules)
         """``(module, name)`` of the other parameters left whole inside this rank's layers,
         checked for partial gradients each step (:meth:`reduce_partial_grads`)."""
@@ -429,12 +434,12 @@ class TensorParallel:
         self.reshard_grads()
 
     def reshard_grads(self) -> None:
-        """Gives every sharded parameter's gradient the parameter's own placement where the
-        backward left it otherwise (the vocabulary-parallel embedding's whole, replicated
-        gradient: each tp rank keeps its rows, no communication)."""
+        """Gives the vocabulary-parallel embedding's gradient, which the backward leaves whole
+        and replicated, the weight's own placement (each tp rank keeps its rows, no
+        communication)."""
         from torch.distributed.tensor import DTensor
 
-        for module in self._modules:
+        for module in self._vocab_parallel:
             for p in module.parameters():
                 g = p.grad
                 if (
