@@ -46,7 +46,8 @@ def cache_param(sig: inspect.Signature) -> str | None:
 def tensor_parallel_api() -> SimpleNamespace:
     """HF's tensor-parallel entry points that the pipeline applies: ``expand_plan(model, plan)``
     (``*`` in a plan's keys expanded to the layer indices), ``styles`` (HF's style names),
-    ``wildcard(name)`` (a name's layer index replaced by ``*``) and ``apply(model, mesh, plan)``.
+    ``wildcard(name)`` (a name's layer index replaced by ``*``), ``apply(model, mesh, plan)`` and
+    ``colwise`` (the class of HF's ``colwise`` styles, for a style HF registers no name for).
     Raises ``NotImplementedError`` (one line) on a transformers release without them."""
     try:
         from transformers.distributed.mixin import DistributedMixin
@@ -54,7 +55,10 @@ def tensor_parallel_api() -> SimpleNamespace:
             ALL_PARALLEL_STYLES,
             replace_layer_number_by_wildcard,
         )
-        from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+        from transformers.distributed.tensor_parallel import (
+            ColwiseParallel,
+            apply_tensor_parallelism,
+        )
 
         expand = DistributedMixin._expand_parallel_plan
     except (ImportError, AttributeError) as e:
@@ -70,4 +74,5 @@ def tensor_parallel_api() -> SimpleNamespace:
         styles=ALL_PARALLEL_STYLES,
         wildcard=replace_layer_number_by_wildcard,
         apply=apply_tensor_parallelism,
+        colwise=ColwiseParallel,
     )

@@ -171,14 +171,18 @@ RULES = {
 }
 
 
-def _vocab_parallel_embedding(model) -> str | None:
-    """The input embedding's weight name where the model's plan shards it by the vocabulary
-    (``embedding_rowwise``) and the head does not share it; else ``None``."""
+def _vocab_parallel(model) -> set[str]:
+    """The weight names of the input embedding and the head where the model's plan shards them
+    by the vocabulary (``embedding_rowwise``, ``colwise_gather_output``) and they are not tied
+    to each other."""
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    name = next(n for n, m in model.named_modules() if m is embedding)
-    untied = getattr(head, "weight", None) is not embedding.weight
+    if getattr(head, "weight", None) is embedding.weight:
+        return set()
     plan = getattr(model, "tp_plan", None) or {}
-    return f"{name}.weight" if untied and plan.get(name) == "embedding_rowwise" else None
+    styles = {embedding: "embedding_rowwise", head: "colwise_gather_output"}
+    return {
+        f"{n}.weight" for n, m in model.named_modules() if m in styles and plan.get(n) == styles[m]
+    }
 
 
 def _tp_trains_like_one_process(rank, world, cases, steps=3, mbs=2):
@@ -221,13 +225,12 @@ def _tp_trains_like_one_process(rank, world, cases, steps=3, mbs=2):
         assert pp_ranks == [d * pp * tp + s * tp + tp_rank for d in [dp_rank] for s in range(pp)]
         params = dict(pipe.named_parameters())
         # Every projection the rules shard (with "auto": attention, MLP, experts) is sharded over
-        # tp: each tp rank holds 1/tp of it, and so is an untied embedding the model's plan
-        # shards by the vocabulary, without replicas; norms, routers and head stay whole (but
-        # for the replicas' shards of data_parallel="shard"; a rowwise bias is a replicated
-        # DTensor).
-        embedding = _vocab_parallel_embedding(ref) if dp == 1 else None
+        # tp: each tp rank holds 1/tp of it, and so do an untied embedding and head the model's
+        # plan shards by the vocabulary, without replicas; norms and routers stay whole (but for
+        # the replicas' shards of data_parallel="shard"; a rowwise bias is a replicated DTensor).
+        vocabulary = _vocab_parallel(ref) if dp == 1 else set()
         for name, p in params.items():
-            is_sharded = sharded(name) or name == embedding
+            is_sharded = sharded(name) or name in vocabulary
             parts = (tp if is_sharded else 1) * shards
             assert isinstance(p, DTensor) or not (is_sharded or dp > 1), name
             assert local_tensor(p).numel() * parts == p.numel(), name

@@ -224,7 +224,8 @@ def _hf_own(model_type: str, tp_mesh) -> str | None:
 
 
 def _trains_equal(model_type: str, mesh) -> str:
-    """One step of the pipeline equal to one process's: ``"equal"``, or the refusal."""
+    """One step of the pipeline equal to one process's: ``"equal"`` (saying which of the
+    embedding and the head were sharded by the vocabulary), or the refusal."""
     ref, model = tiny_model(model_type, seed=0), tiny_model(model_type, seed=0)
     try:
         pipe = px.PipelineModel(
@@ -247,7 +248,23 @@ def _trains_equal(model_type: str, mesh) -> str:
     idle = {n for n in params if ref.get_parameter(n).grad is None}
     assert all(params[n].grad is None for n in idle), f"{model_type}: {sorted(idle)}"
     check_grads([(n, p) for n, p in params.items() if n not in idle], ref, model_type, GRAD_TOL)
-    return "equal"
+    return "equal" + _by_vocabulary(ref, params)
+
+
+def _by_vocabulary(ref, params: dict) -> str:
+    """Which of the input embedding and the head this rank holds sharded by the vocabulary (a
+    DTensor: their plan's rule applied), as the table says it (:func:`_merged` joins the
+    ranks')."""
+    from torch.distributed.tensor import DTensor
+
+    names = {id(m): n for n, m in ref.named_modules()}
+    modules = {"embedding": ref.get_input_embeddings(), "head": ref.get_output_embeddings()}
+    sharded = [
+        what
+        for what, m in modules.items()
+        if isinstance(params.get(f"{names.get(id(m))}.weight"), DTensor)
+    ]
+    return f" ({' and '.join(sharded)} by the vocabulary)" if sharded else ""
 
 
 def _sweep(rank, world, model_types):
@@ -271,6 +288,22 @@ def _sweep(rank, world, model_types):
     return rows
 
 
+def _merged(out: list[list[tuple]]) -> list[tuple]:
+    """The rows every rank found, each stage's ranks naming what they hold by the vocabulary (the
+    first stage the embedding, the last the head) merged into one ``equal (...)``."""
+    merged = []
+    for rows in zip(*out, strict=True):
+        bare = {(t, styles, re.sub(r" \(.*by the vocabulary\)$", "", r)) for t, styles, r in rows}
+        assert len(bare) == 1, f"the ranks' results differ: {rows}"
+        (model_type, styles, result), held = bare.pop(), set()
+        for _, _, r in rows:
+            held.update(re.findall(r"(embedding|head)(?= and| by the vocabulary)", r))
+        parts = [what for what in ("embedding", "head") if what in held]
+        result += f" ({' and '.join(parts)} by the vocabulary)" if parts else ""
+        merged.append((model_type, styles, result))
+    return merged
+
+
 def _table(rows) -> str:
     tested = f"transformers {transformers.__version__}"
     lines = [TABLE_BEGIN, "", f"| config ({tested}) | styles in its plan | pp=2 x tp=2 |"]
@@ -281,10 +314,8 @@ def _table(rows) -> str:
 
 @needs_hf_tensor_parallel
 def test_every_config_with_a_tensor_parallel_plan_trains_equal_or_is_refused():
-    out = run_ranks(4, _sweep, planned(), timeout=900)
-    assert all(rows == out[0] for rows in out), "the ranks' results differ"
-    rows = out[0]
-    kinds = {r[2].split(":")[0] for r in rows}
+    rows = _merged(run_ranks(4, _sweep, planned(), timeout=900))
+    kinds = {r[2].split(":")[0].split(" (")[0] for r in rows}
     assert kinds <= {"equal", "refused", "not built", "HF's own tensor-parallel forward fails"}
     text = DOCS.read_text()
     begin, end = text.index(TABLE_BEGIN), text.index(TABLE_END) + len(TABLE_END)
@@ -294,4 +325,6 @@ def test_every_config_with_a_tensor_parallel_plan_trains_equal_or_is_refused():
         DOCS.write_text(text[:begin] + table + text[end:])
     elif pinned is None or pinned.group(1) == transformers.__version__:
         assert text[begin:end] == table, "the docs' sweep table is stale: PIPPY_WRITE_README=1"
-    assert sum(r[2] == "equal" for r in rows) >= 0.4 * len(rows), rows
+    assert sum(r[2].startswith("equal") for r in rows) >= 0.4 * len(rows), rows
+    # Untied heads under HF's colwise_gather_output are sharded by the vocabulary, and train equal.
+    assert sum("head by the vocabulary" in r[2] for r in rows) >= 0.2 * len(rows), rows

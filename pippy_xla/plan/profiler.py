@@ -50,9 +50,11 @@ class Sharding(Protocol):
     runtime's, which applies the same HF rules as the build), it shards a copy of the model's
     decoder layers (or the stand-in's, see [Note: profiling a meta model]) and runs the model on
     the ``tp`` ranks of the first pipeline position of the first replica together, the only
-    ranks that profile (their layers' collectives pair up). The embedding is sharded by the
-    vocabulary where the pipeline shards it (its gradient counted whole, as the step holds it)
-    and the head stays whole, as in the pipeline. Saved tensors and parameters are then
+    ranks that profile (their layers' collectives pair up). The embedding and the head are
+    sharded by the vocabulary where the pipeline shards them (the embedding's gradient counted
+    whole, as the step holds it), and the model runs under the sharding's ``loss_context`` (the
+    head's logits and their loss a tp rank's shard: see [Note: the vocabulary-parallel head] in
+    ``runtime/tensor_parallel.py``), as in the pipeline. Saved tensors and parameters are then
     DTensors: bytes are counted on their local tensors.
 
     :func:`pippy_xla.plan.planner.plan` solves for the pipeline dimension with those per-rank
@@ -81,6 +83,10 @@ class Sharding(Protocol):
 
     def gather(self, value: object) -> list:
         """``value`` of every profiling rank, in tp-rank order (a collective over them)."""
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """The context the sharded model runs in (a vocabulary-parallel head's loss over its
+        shards), after :meth:`shard`."""
 
 
 class SavedBytes:
@@ -607,7 +613,9 @@ def profile_model(
     model, layers, shared_backward = _profiled_model(model, layer_cls, device, tensor_parallel)
     vocab_size = _config_vocab_size(model) if vocab_size is None else vocab_size
     batch = profile_batch(input_names, *shape, vocab_size, next(model.parameters()).device)
-    measured = _measure(model, layer_cls, layers, batch, repeats)
+    context = tensor_parallel.loss_context() if tensor_parallel else contextlib.nullcontext()
+    with context:  # a vocabulary-parallel head's loss over its shards, as the pipeline's
+        measured = _measure(model, layer_cls, layers, batch, repeats)
     prof = _model_profile(measured, layers, batch, shared_backward, optimizer_states, dtype)
     prof.tp_size = tp_size
     if cache:

@@ -143,6 +143,7 @@ from pippy_xla.runtime._batch import (
 )
 from pippy_xla.runtime._recompile import RecompileWatch
 from pippy_xla.runtime.failures import FailureState
+from pippy_xla.runtime.tensor_parallel import whole_tensor
 from pippy_xla.split import hf
 from pippy_xla.split.emit import StageGraph
 from pippy_xla.split.generation import (
@@ -550,7 +551,7 @@ class Generator:
             if stage != last:
                 return out
             if c == len(ends) - 1:
-                logits[g] = out[0][:, -1]
+                logits[g] = whole_tensor(out[0][:, -1])
             return []
 
         signature = self._signature("generate", rows, length, ends)
@@ -619,7 +620,7 @@ class Generator:
             out = self._module("decode", stage)(*own, *received, caches[stage][g])
             if stage != last:
                 return out
-            tokens, stop = samplers[g].next(out[0][:, -1])
+            tokens, stop = samplers[g].next(whole_tensor(out[0][:, -1]))
             drawn[j].append(tokens)
             if stop and not stopped_at[j] and not state.stopped[g]:
                 stopped_at[j] = t + 1

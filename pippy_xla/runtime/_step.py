@@ -29,6 +29,7 @@ from pippy_xla.runtime._recompile import RecompileWatch
 from pippy_xla.runtime._ties import add_back_grads, combine_among, set_aside_grads
 from pippy_xla.runtime.data_parallel import local_tensor
 from pippy_xla.runtime.failures import FailureState
+from pippy_xla.runtime.tensor_parallel import vocabulary_parallel_loss, whole_tensor
 from pippy_xla.split.partition import StageGraph
 
 if TYPE_CHECKING:  # the runtime reads the config it is given; config.py sits above the wings
@@ -55,6 +56,7 @@ def stage_forward(
     watch: RecompileWatch | None = None,
     added_losses: dict[int, torch.Tensor] | None = None,
     added_scale: float = 1.0,
+    sharded_loss: bool = False,
 ) -> StageForward:
     """The callable the engine runs for each forward action of one step.
 
@@ -71,6 +73,9 @@ def stage_forward(
         added_losses: filled on the last stage with the detached terms the model adds to its
             loss, scaled (see [Note: added loss terms per microbatch]).
         added_scale: the added terms' weight in a microbatch's loss.
+        sharded_loss: whether ``loss_fn`` takes the logits of a vocabulary-parallel head as
+            they are (sharded: the model's own loss); other readers get them whole (see [Note:
+            the vocabulary-parallel head]).
     """
     last = len(stages) - 1
     # Each local stage's batch arguments, per microbatch, made in one pass before the step (see
@@ -87,11 +92,13 @@ def stage_forward(
         out = modules[stage](*own[mb], *inputs) if own else modules[stage](*inputs)
         if stage != last:
             return out
+        head = out[0]
         if logits is not None:
-            logits[mb] = out[0]
+            logits[mb] = whole_tensor(head)
         if labels is None:
             return []
-        loss = loss_fn(out[0], labels[mb], num_items)
+        loss = loss_fn(head if sharded_loss else whole_tensor(head), labels[mb], num_items)
+        loss = local_tensor(loss)  # the sharded loss: a replicated DTensor
         if stages[last].added_loss:
             added = out[1] * added_scale
             loss = loss + added
@@ -241,6 +248,9 @@ class StepRunner:
         """Explanations of the recompilations seen after each mode's first step."""
         self._last_parts: torch.Tensor | None = None
         """The last step's ``[total, aux]`` (read on demand: no device sync per step)."""
+        self._sharded_head = self.tp is not None and self.tp.sharded_head
+        """Whether this rank's steps run under :func:`vocabulary_parallel_loss` (see [Note: the
+        vocabulary-parallel head])."""
         self._holds_last = len(self.stages) - 1 in self.runners
         """Whether this rank runs the last stage (the loss, and the only use of the labels)."""
         self._reads = {n for i in self.runners for n in self.stages[i].batch_inputs}
@@ -535,6 +545,7 @@ class StepRunner:
             watch=self.watch,
             added_losses=added,
             added_scale=self.added_weight / (self.config.num_microbatches * self.place.dp_size),
+            sharded_loss=self.loss_fn is self._own_loss,
         )
 
     def _run(self, engine: _C.Engine, forward: StageForward, signature: int, start: int) -> int:
@@ -551,7 +562,8 @@ class StepRunner:
             grads_ready = self._reduce_stage
         if self.dp is not None and self.dp.sharded:
             self.failures.watched("data-parallel all-gather", self.dp.unshard)
-        with donation:
+        loss_parallel = vocabulary_parallel_loss() if self._sharded_head else nullcontext()
+        with donation, loss_parallel:
             self.step_spans.append(("PRE", -1, -1, start, time.time_ns()))
             self.failures.run_step(engine, signature, forward, grads_ready)
         end = time.time_ns()

@@ -18,8 +18,10 @@ no extra hop.
   ``moe_tp_experts``, which all-reduce the experts' partial outputs) redistribute inside each
   layer. pippy_xla writes no parallel layer. Outside the decoder layers, the input embedding's
   ``embedding_rowwise`` is applied on the first stage where the embedding is not tied to the
-  head and there are no replicas (:data:`_EMBEDDING`); the other rules there (the head's
-  ``colwise_gather_output``) are not: those modules stay whole on every tp rank.
+  head and there are no replicas (:data:`_EMBEDDING`), and so is the head's
+  ``colwise_gather_output`` on the last stage, as a vocabulary-parallel head whose logits are
+  not gathered (:data:`_VOCAB_HEAD`, see [Note: the vocabulary-parallel head]); the norms
+  stay whole on every tp rank.
 - Boundaries: HF's styles give plain (local) outputs, and a decoder layer's output is replicated
   over the ``tp`` group (a ``rowwise`` projection all-reduces it), so the tensors that travel
   between stages are plain tensors, equal on every tp rank. Their gradients are replicated too
@@ -28,7 +30,7 @@ no extra hop.
   shard), but for the vocabulary-parallel embedding's, which DTensor's backward leaves whole
   and replicated: the step reshards it to the weight's rows after the last backward
   (:meth:`TensorParallel.reshard_grads`; the planner counts it whole). A parameter outside HF's
-  rules (norms, a whole embedding, the head) sees replicated inputs and replicated output
+  rules (norms, a whole embedding, a whole head) sees replicated inputs and replicated output
   gradients, so every tp rank computes the same whole gradient and nothing is reduced. A
   ``replicated_with_grad_allreduce`` rule (Qwen3's per-head ``q_norm`` / ``k_norm``, which see
   only the rank's heads) marks a parameter whose gradient is partial: HF's style
@@ -73,8 +75,9 @@ no extra hop.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -94,6 +97,8 @@ __all__ = [
     "layer_tp_plan",
     "merge_tp_rules",
     "shard_layers",
+    "vocabulary_parallel_loss",
+    "whole_tensor",
 ]
 
 _COLWISE = ("colwise", "colwise_gather_output")
@@ -116,6 +121,14 @@ rank holding rows of the vocabulary (its weight, gradient and optimizer state a 
 the ranks' partial lookups summed by HF's style. DTensor's backward gives the weight a whole,
 replicated gradient; the step reshards it to the weight's rows
 (:meth:`TensorParallel.reshard_grads`)."""
+_HEAD = ("colwise_gather_output", "colwise")
+"""The output head's styles in a model's plan (the model class's ``_tp_plan``, HF's
+``{"lm_head": "colwise_gather_output"}``) that the pipeline applies as :data:`_VOCAB_HEAD`."""
+_VOCAB_HEAD = "vocab_parallel_head"
+"""The pipeline's own name, in a plan, for the vocabulary-parallel head: HF's ``ColwiseParallel``
+(each tp rank holding rows of the vocabulary) with the logits left a DTensor sharded by the
+vocabulary, not gathered; the model's own loss takes them under torch's ``loss_parallel`` and
+everything else that reads logits gathers them (see [Note: the vocabulary-parallel head])."""
 _DIFFERS = 1e-4
 """A whole parameter's gradient is partial when its tp ranks' sums differ by more than this
 fraction of their magnitude (rounding differs by about 1e-7; partial sums by O(1))."""
@@ -141,7 +154,7 @@ def layer_tp_plan(
     layer_names: Sequence[str],
     tp_size: int,
     rules: str | dict[str, str] = "auto",
-    embedding: bool = True,
+    vocabulary: bool = True,
 ) -> dict[str, str]:
     """The tensor-parallel plan over the decoder layers ``layer_names`` (every layer of the model,
     so that every rank checks the same): concrete module and parameter names -> HF style.
@@ -150,8 +163,9 @@ def layer_tp_plan(
     ``UnsupportedModelError`` for a model without a plan (``"auto"``) or without a rule that
     shards its layers, ``ValueError`` for a bad rule or a size that does not divide by
     ``tp_size``, ``NotImplementedError`` for a style not covered yet; each in one line naming
-    the module and the numbers. With ``embedding``, the plan's rule of the input embedding too,
-    where it is :data:`_EMBEDDING`'s (:func:`_embedding_rules`)."""
+    the module and the numbers. With ``vocabulary``, the plan's rules of the input embedding and
+    of the head too, where they shard them by the vocabulary (:func:`_embedding_rules`,
+    :func:`_head_rules`)."""
     name = type(model).__name__
     label = _label(rules)
     if rules == "auto":
@@ -185,7 +199,9 @@ def layer_tp_plan(
             f"does not apply yet (issue 48); covered: {list(TP_STYLES)} and {_REPLICATE!r}"
         )
     _check_divides(model, inside, tp_size, label)
-    return {**inside, **(_embedding_rules(model, expanded) if embedding else {})}
+    if not vocabulary:
+        return inside
+    return {**inside, **_embedding_rules(model, expanded), **_head_rules(model, expanded, tp_size)}
 
 
 def _embedding_rules(model: nn.Module, expanded: dict[str, str]) -> dict[str, str]:
@@ -202,6 +218,67 @@ def _embedding_rules(model: nn.Module, expanded: dict[str, str]) -> dict[str, st
     if getattr(head, "weight", None) is embedding.weight:
         return {}
     return {k: v for k, v in expanded.items() if k == name or k.startswith(f"{name}.")}
+
+
+def _head_rules(model: nn.Module, expanded: dict[str, str], tp_size: int) -> dict[str, str]:
+    """``{head: _VOCAB_HEAD}`` where the plan gives the output head (``get_output_embeddings()``,
+    an ``nn.Linear``) a style of :data:`_HEAD`, its weight is not the input embedding's (a tied
+    head stays whole, as the embedding does) and the vocabulary divides by ``tp_size``; else
+    none (the head stays whole on every tp rank)."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    name = next((n for n, m in model.named_modules() if m is head), None)
+    if not isinstance(head, nn.Linear) or expanded.get(name) not in _HEAD:
+        return {}
+    get_input = getattr(model, "get_input_embeddings", None)
+    embedding = get_input() if callable(get_input) else None
+    if getattr(embedding, "weight", None) is head.weight or head.out_features % tp_size:
+        return {}
+    return {name: _VOCAB_HEAD}
+
+
+"""[Note: the vocabulary-parallel head]
+
+Where the model's plan shards the head by the vocabulary (``lm_head: colwise_gather_output``),
+the last stage's tp ranks each hold ``1/tp`` of its rows (weight, gradient, optimizer state),
+through HF's own ``ColwiseParallel`` with its output left a DTensor sharded on the vocabulary
+dim (:data:`_VOCAB_HEAD`): the logits are never gathered for the loss. Whatever the model's
+forward does to them between the head and its loss (Gemma 2's soft-capping, a scale) runs on
+that DTensor with DTensor's own rules, so an op across the vocabulary would be computed right
+(gathering), not on a shard. The model's own loss (HF's ``loss_function``: a cross entropy of
+the shifted labels) takes the sharded logits under torch's ``loss_parallel``
+(:func:`vocabulary_parallel_loss`), which computes the log-softmax and the picked log-probability
+over the shards with two all-reduces of a row's max and sum, in forward and in backward: the
+step runs its engine inside it, so both are. Everything else that reads logits gets them whole
+(:func:`whole_tensor`, one all-gather): a loss of the user's own (``loss_fn``), ``run_eval``'s
+logits and ``generate``'s last position. The profiler shards the head the same way and runs its
+model under the same context (:meth:`LayerSharding.loss_context`), so a plan counts a tp rank's
+share of the logits. A tied head and a vocabulary that does not divide by ``tp`` stay whole, and
+so does the head with replicas (``dp`` > 1), as the embedding does.
+"""
+
+
+def whole_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t`` whole: a DTensor gathered (the vocabulary-parallel head's logits, see [Note: the
+    vocabulary-parallel head]), else ``t`` itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+@contextlib.contextmanager
+def vocabulary_parallel_loss() -> Iterator[None]:
+    """torch's ``loss_parallel`` while inside: a cross entropy of logits sharded by the
+    vocabulary, and its backward, computed over the shards. torch's context manager leaves its
+    op handlers installed when its block raises; this one removes them either way."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    context = loss_parallel()
+    context.__enter__()
+    try:
+        yield
+    finally:
+        context.__exit__(None, None, None)
 
 
 def _label(rules: str | dict[str, str]) -> str:
@@ -227,7 +304,7 @@ def merge_tp_rules(
     a module whole (HF's way to drop a rule), and an empty dict applies no rule. Raises
     ``ValueError`` (one line, naming the rule) for a style HF does not know, a key that names
     nothing in the model, and a rule outside the decoder layers that changes the model's own
-    (those modules stay whole: see [Note: pipeline x tensor parallel])."""
+    other than to ``"replicate"`` (see [Note: pipeline x tensor parallel])."""
     hf = tensor_parallel_api()
     name = type(model).__name__
     own = dict(getattr(model, "tp_plan", None) or {})
@@ -252,8 +329,8 @@ def merge_tp_rules(
             raise ValueError(
                 f"tensor_parallel={{...}}: rule {key!r}: {style!r} is outside the decoder layers "
                 f"({layer_names[0]}, ...); the pipeline applies rules inside them and the model's "
-                "own embedding rule only (norms and head stay whole on every tp rank): drop the "
-                "rule"
+                "own embedding and head rules only ('replicate' keeps them whole; norms stay "
+                "whole on every tp rank): drop the rule"
             )
     merged = own | rules if rules else {}
     _check_replicate_covers(rules, merged)
@@ -387,6 +464,11 @@ class TensorParallel:
         ]
         """The local vocabulary-parallel embedding (or none), whose gradient
         :meth:`reshard_grads` places."""
+        self.sharded_head: bool = any(
+            v == _VOCAB_HEAD and id(named.get(k)) in held for k, v in plan.items()
+        )
+        """Whether this rank holds the vocabulary-parallel head (see [Note: the
+        vocabulary-parallel head]): its steps run under :func:`vocabulary_parallel_loss`."""
         self._whole = _whole_params(model, local_layer_names, self._partial_modules)
         """``(module, name)`` of the other parameters left whole inside this rank's layers,
         checked for partial gradients each step (:meth:`reduce_partial_grads`)."""
@@ -544,9 +626,25 @@ def shard_layers(
 
     mine = {k: v for k, v in plan.items() if applies(k)}
     partial = [named[k] for k, v in mine.items() if v == _PARTIAL_GRAD and k in named]
-    apply = tensor_parallel_api().apply
-    apply(model, tp_mesh, {k: v for k, v in mine.items() if v != _PARTIAL_GRAD})
+    hf = tensor_parallel_api()
+    own = (_PARTIAL_GRAD, _VOCAB_HEAD)  # not HF's to apply
+    hf.apply(model, tp_mesh, {k: v for k, v in mine.items() if v not in own})
+    for key in (k for k, v in mine.items() if v == _VOCAB_HEAD):
+        _vocabulary_parallel_head(hf, named[key], tp_mesh)
     return partial
+
+
+def _vocabulary_parallel_head(hf, head: nn.Linear, tp_mesh) -> None:
+    """HF's ``ColwiseParallel`` applied to ``head`` as HF's ``apply_tensor_parallelism`` applies
+    a style, its output a DTensor sharded by the vocabulary (see [Note: the
+    vocabulary-parallel head])."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    style = hf.colwise(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False)
+    for name, _ in list(head.named_parameters(recurse=False)):
+        style.shard_param(head, name, tp_mesh)
+    style.install_forward(head, tp_mesh)
+    head._is_hooked = True
 
 
 def copy_from_first(module: nn.Module, group_name: str, timeout_ms: int) -> None:
@@ -593,7 +691,8 @@ class LayerSharding:
         self._group_name = groups.tp_group.group_name
         self._timeout_ms = int(timeout * 1000)
         self._rules = rules
-        self._embedding = groups.dp_size == 1  # as the build's (see _EMBEDDING)
+        self._vocabulary = groups.dp_size == 1  # as the build's (see _EMBEDDING, _VOCAB_HEAD)
+        self._sharded_head = False
         self.size: int = groups.tp_size
         """The tensor-parallel degree."""
         self.rank: int = groups.tp_rank
@@ -606,9 +705,15 @@ class LayerSharding:
         """Shards ``model``'s decoder layers ``layer_names`` in place over the ``tp`` ranks, as
         the pipeline's build does (their values tp rank 0's; layers on ``meta`` stay there); a
         collective over the ``tp`` ranks."""
-        plan = layer_tp_plan(model, layer_names, self.size, self._rules, self._embedding)
+        plan = layer_tp_plan(model, layer_names, self.size, self._rules, self._vocabulary)
         copy_from_first(model, self._group_name, self._timeout_ms)
         shard_layers(model, self._mesh, plan, layer_names)
+        self._sharded_head = _VOCAB_HEAD in plan.values()
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """The context the sharded model's steps run in: :func:`vocabulary_parallel_loss` where
+        :meth:`shard` sharded the head, as the pipeline's steps run."""
+        return vocabulary_parallel_loss() if self._sharded_head else contextlib.nullcontext()
 
     def gather(self, value: object) -> list:
         """``value`` of every ``tp`` rank of this rank's stage, in tp-rank order."""
