@@ -1,5 +1,6 @@
 """Pipeline x tensor parallel on 4 CPU ranks (gloo), one model and one global batch: pp=4
-(pipeline only), pp=2 x tp=2 (``tensor_parallel="auto"`` on a 3-D mesh) and HF's own tensor
+(pipeline only), pp=2 x tp=2 (``tensor_parallel="auto"`` on a 3-D mesh: the head sharded by
+the vocabulary; and the same with the head whole, ``{"lm_head": "replicate"}``) and HF's own tensor
 parallel alone (tp=4: ``from_pretrained(dir, distributed_config=DistributedConfig(tp_size=4))``,
 the whole batch on every rank, HF's plan including its row-sharded embedding and gathered head).
 
@@ -14,6 +15,9 @@ step's loss of every layout is checked equal to pp=4's (``LOSS_RTOL_FIRST``,
 - per rank, ``anon_mib``: the peak of its anonymous resident memory (``RssAnon``, sampled every
   2 ms) during the timed steps, minus its value before the model was built (parameters,
   gradients, AdamW state, activations, communication buffers, as the OS sees them);
+  ``tracked_peak_mib``: the peak of the bytes live in torch's CPU allocator during the timed
+  steps (pippy_xla's counting allocator, installed before the model is built: exact, and free of
+  what the C library keeps after a free);
   ``state_mib``: the exact bytes of its local parameters, gradients and AdamW state.
 
 The 4 ranks share the machine's cores: step times include contention and compare layouts on this
@@ -46,8 +50,13 @@ from _common import (
 LAYOUTS = [
     ("pp=4", 4, 1, "pippy_xla"),
     ("pp=2 x tp=2", 2, 2, "pippy_xla"),
+    ("pp=2 x tp=2, head whole", 2, 2, "pippy_xla"),
     ("HF tp=4", 1, 4, "hf"),
 ]
+RULES = {"pp=2 x tp=2, head whole": {"lm_head": "replicate"}}
+"""A layout's ``tensor_parallel`` rules merged over the model's plan (else ``"auto"``): HF's
+``"replicate"`` keeps the head whole on every tp rank, for the vocabulary-parallel head's
+comparison."""
 
 # Before the first optimizer step the layouts' losses differ by float rounding only: fp32 sums
 # of the same products in another order (tp's all-reduces, microbatch losses summed), ~1e-7
@@ -67,7 +76,7 @@ def _config(args):
     return config
 
 
-def _build(args, path: str, pp: int, tp: int, runner: str):
+def _build(args, path: str, name: str, pp: int, tp: int, runner: str):
     """The layout's model on this rank and a function computing the loss with gradients."""
     import torch
     from transformers import LlamaForCausalLM
@@ -101,7 +110,7 @@ def _build(args, path: str, pp: int, tp: int, runner: str):
         layer_cls=LlamaDecoderLayer,
         num_microbatches=args.microbatches,
         mesh=mesh,
-        tensor_parallel="auto" if tp > 1 else None,
+        tensor_parallel=RULES.get(name, "auto") if tp > 1 else None,
     )
     pipe.load_pretrained(path)
     return pipe, lambda batch: pipe.run_train(**batch)
@@ -124,11 +133,14 @@ def _rank(rank, world, args, path: str, layout):
     import torch
     import torch.distributed as dist
 
-    _, pp, tp, runner = layout
+    from pippy_xla import _C
+
+    name, pp, tp, runner = layout
     batch = token_batch(args.batch, args.seq, args.vocab)
     _import_all(runner)
+    _C.memory_tracker_install()
     base = proc_memory()["RssAnon"]
-    model, train = _build(args, path, pp, tp, runner)
+    model, train = _build(args, path, name, pp, tp, runner)
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=args.lr)
 
@@ -143,12 +155,15 @@ def _rank(rank, world, args, path: str, layout):
 
     warm = [step() for _ in range(args.warmup)]
     memory: dict = {}
+    _C.memory_reset_peak()
     with Phase("steps", memory):
         timed = [step() for _ in range(args.steps)]
+    tracked = _C.memory_stats()
     return {
         "step_s": [t for t, _ in timed],
         "losses": [loss for _, loss in warm + timed],
         "anon_bytes": memory["steps"]["anon_peak_bytes"] - base,
+        "tracked_peak_bytes": tracked.peak_bytes,
         "state_bytes": state_bytes(params, opt),
     }
 
@@ -199,6 +214,9 @@ def main() -> None:
                 "losses": per_rank[0]["losses"],
                 "anon_mib_per_rank": [round(r["anon_bytes"] / 2**20, 1) for r in per_rank],
                 "state_mib_per_rank": [round(r["state_bytes"] / 2**20, 1) for r in per_rank],
+                "tracked_peak_mib_per_rank": [
+                    round(r["tracked_peak_bytes"] / 2**20, 1) for r in per_rank
+                ],
             }
             # Every rank of a layout reports the same loss (a pipeline's from its last stage).
             for r in per_rank:
@@ -208,7 +226,8 @@ def main() -> None:
     for name, row in layouts.items():
         print(
             f"{name:12s} step {row['step_s_median']:.3f} s  loss {row['losses'][-1]:.5f}  "
-            f"peak anon MiB {row['anon_mib_per_rank']}  state MiB {row['state_mib_per_rank']}"
+            f"peak anon MiB {row['anon_mib_per_rank']}  tracked peak MiB "
+            f"{row['tracked_peak_mib_per_rank']}  state MiB {row['state_mib_per_rank']}"
         )
     import accelerate
     import transformers

@@ -207,7 +207,7 @@ def layer_tp_plan(
 def _embedding_rules(model: nn.Module, expanded: dict[str, str]) -> dict[str, str]:
     """The plan's rules of the model's input embedding (``get_input_embeddings()``) where it is
     an ``nn.Embedding`` with a style of :data:`_EMBEDDING`, not tied to the output head (a tied
-    weight stays whole: the head is whole on the last stage); else none."""
+    weight stays whole, on the first stage and on the last); else none."""
     get_input = getattr(model, "get_input_embeddings", None)
     embedding = get_input() if callable(get_input) else None
     name = next((n for n, m in model.named_modules() if m is embedding), None)
