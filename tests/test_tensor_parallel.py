@@ -171,15 +171,18 @@ RULES = {
 }
 
 
-def _vocab_parallel(model) -> set[str]:
-    """The weight names of the input embedding and the head where the model's plan shards them
-    by the vocabulary (``embedding_rowwise``, ``colwise_gather_output``) and they are not tied
-    to each other."""
+def _vocab_parallel(model, replicas: bool) -> set[str]:
+    """The weight names of the head, and of the input embedding without ``replicas``, where the
+    model's plan shards them by the vocabulary (``colwise_gather_output``,
+    ``embedding_rowwise``) and they are not tied to each other."""
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     if getattr(head, "weight", None) is embedding.weight:
         return set()
     plan = getattr(model, "tp_plan", None) or {}
-    styles = {embedding: "embedding_rowwise", head: "colwise_gather_output"}
+    styles = {
+        head: "colwise_gather_output",
+        **({} if replicas else {embedding: "embedding_rowwise"}),
+    }
     return {
         f"{n}.weight" for n, m in model.named_modules() if m in styles and plan.get(n) == styles[m]
     }
@@ -225,10 +228,11 @@ def _tp_trains_like_one_process(rank, world, cases, steps=3, mbs=2):
         assert pp_ranks == [d * pp * tp + s * tp + tp_rank for d in [dp_rank] for s in range(pp)]
         params = dict(pipe.named_parameters())
         # Every projection the rules shard (with "auto": attention, MLP, experts) is sharded over
-        # tp: each tp rank holds 1/tp of it, and so do an untied embedding and head the model's
-        # plan shards by the vocabulary, without replicas; norms and routers stay whole (but for
-        # the replicas' shards of data_parallel="shard"; a rowwise bias is a replicated DTensor).
-        vocabulary = _vocab_parallel(ref) if dp == 1 else set()
+        # tp: each tp rank holds 1/tp of it, and so do an untied head the model's plan shards by
+        # the vocabulary and, without replicas, the embedding; norms and routers stay whole (but
+        # for the replicas' shards of data_parallel="shard"; a rowwise bias is a replicated
+        # DTensor).
+        vocabulary = _vocab_parallel(ref, replicas=dp > 1)
         for name, p in params.items():
             is_sharded = sharded(name) or name in vocabulary
             parts = (tp if is_sharded else 1) * shards
@@ -302,6 +306,7 @@ def _tp_trains_like_one_process(rank, world, cases, steps=3, mbs=2):
             ("mixtral_router_loss", "interleaved", (1, 2, 2), "replicate"),
             ("mixtral_router_loss", "zbv", (1, 2, 2), "replicate"),
             ("qwen3_tied", "1f1b", (2, 1, 2), "shard"),
+            ("llama", "1f1b", (2, 1, 2), "shard"),  # the head by the vocabulary, with replicas
         ),
     ],
     ids=["1f1b-zbh1", "interleaved-zbv-dp"],

@@ -18,9 +18,9 @@ no extra hop.
   ``moe_tp_experts``, which all-reduce the experts' partial outputs) redistribute inside each
   layer. pippy_xla writes no parallel layer. Outside the decoder layers, the input embedding's
   ``embedding_rowwise`` is applied on the first stage where the embedding is not tied to the
-  head and there are no replicas (:data:`_EMBEDDING`), and so is the head's
-  ``colwise_gather_output`` on the last stage, as a vocabulary-parallel head whose logits are
-  not gathered (:data:`_VOCAB_HEAD`, see [Note: the vocabulary-parallel head]); the norms
+  head and there are no replicas (:data:`_EMBEDDING`), and the head's ``colwise_gather_output``
+  on the last stage where it is untied, as a vocabulary-parallel head whose logits are not
+  gathered (:data:`_VOCAB_HEAD`, see [Note: the vocabulary-parallel head]); the norms
   stay whole on every tp rank.
 - Boundaries: HF's styles give plain (local) outputs, and a decoder layer's output is replicated
   over the ``tp`` group (a ``rowwise`` projection all-reduces it), so the tensors that travel
@@ -154,7 +154,7 @@ def layer_tp_plan(
     layer_names: Sequence[str],
     tp_size: int,
     rules: str | dict[str, str] = "auto",
-    vocabulary: bool = True,
+    embedding: bool = True,
 ) -> dict[str, str]:
     """The tensor-parallel plan over the decoder layers ``layer_names`` (every layer of the model,
     so that every rank checks the same): concrete module and parameter names -> HF style.
@@ -163,9 +163,9 @@ def layer_tp_plan(
     ``UnsupportedModelError`` for a model without a plan (``"auto"``) or without a rule that
     shards its layers, ``ValueError`` for a bad rule or a size that does not divide by
     ``tp_size``, ``NotImplementedError`` for a style not covered yet; each in one line naming
-    the module and the numbers. With ``vocabulary``, the plan's rules of the input embedding and
-    of the head too, where they shard them by the vocabulary (:func:`_embedding_rules`,
-    :func:`_head_rules`)."""
+    the module and the numbers. With the plan's rule of the head too, where it shards it by the
+    vocabulary (:func:`_head_rules`), and with ``embedding`` the input embedding's
+    (:func:`_embedding_rules`)."""
     name = type(model).__name__
     label = _label(rules)
     if rules == "auto":
@@ -199,9 +199,11 @@ def layer_tp_plan(
             f"does not apply yet (issue 48); covered: {list(TP_STYLES)} and {_REPLICATE!r}"
         )
     _check_divides(model, inside, tp_size, label)
-    if not vocabulary:
-        return inside
-    return {**inside, **_embedding_rules(model, expanded), **_head_rules(model, expanded, tp_size)}
+    return {
+        **inside,
+        **(_embedding_rules(model, expanded) if embedding else {}),
+        **_head_rules(model, expanded, tp_size),
+    }
 
 
 def _embedding_rules(model: nn.Module, expanded: dict[str, str]) -> dict[str, str]:
@@ -253,8 +255,9 @@ step runs its engine inside it, so both are. Everything else that reads logits g
 (:func:`whole_tensor`, one all-gather): a loss of the user's own (``loss_fn``), ``run_eval``'s
 logits and ``generate``'s last position. The profiler shards the head the same way and runs its
 model under the same context (:meth:`LayerSharding.loss_context`), so a plan counts a tp rank's
-share of the logits. A tied head and a vocabulary that does not divide by ``tp`` stay whole, and
-so does the head with replicas (``dp`` > 1), as the embedding does.
+share of the logits. A tied head and a vocabulary that does not divide by ``tp`` stay whole. With
+replicas (``dp`` > 1) FSDP2 shards the head's tp shards again, as it does the layers' (the
+embedding stays whole there: see :data:`_EMBEDDING`).
 """
 
 
@@ -691,7 +694,7 @@ class LayerSharding:
         self._group_name = groups.tp_group.group_name
         self._timeout_ms = int(timeout * 1000)
         self._rules = rules
-        self._vocabulary = groups.dp_size == 1  # as the build's (see _EMBEDDING, _VOCAB_HEAD)
+        self._embedding = groups.dp_size == 1  # as the build's (see _EMBEDDING)
         self._sharded_head = False
         self.size: int = groups.tp_size
         """The tensor-parallel degree."""
@@ -705,7 +708,7 @@ class LayerSharding:
         """Shards ``model``'s decoder layers ``layer_names`` in place over the ``tp`` ranks, as
         the pipeline's build does (their values tp rank 0's; layers on ``meta`` stay there); a
         collective over the ``tp`` ranks."""
-        plan = layer_tp_plan(model, layer_names, self.size, self._rules, self._vocabulary)
+        plan = layer_tp_plan(model, layer_names, self.size, self._rules, self._embedding)
         copy_from_first(model, self._group_name, self._timeout_ms)
         shard_layers(model, self._mesh, plan, layer_names)
         self._sharded_head = _VOCAB_HEAD in plan.values()
