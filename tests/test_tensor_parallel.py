@@ -594,7 +594,7 @@ def _refusals(rank, world, tmp, docs_block):
             "layer_cls": type(odd.model.layers[0]),
             "mesh": _mesh(1, 1, 4),
         },
-        "uncovered style": {"tensor_parallel": {"model.layers.*.mlp.down_proj": "packed_rowwise"}},
+        "uncovered style": {"tensor_parallel": {"model.layers.*.mlp.down_proj": "all_reduce"}},
         "plan": {
             "plan": px.Plan(
                 schedule="1f1b",
@@ -658,7 +658,7 @@ def test_docs_block_checkpoints_across_layouts_and_refusals(tmp_path):
     assert "layers.0.mlp.gate_proj.weight (colwise) has size 130 in dim 0" in e["intermediate"]
     assert "does not divide by tp=4" in e["intermediate"]
     assert "NotImplementedError" in e["uncovered style"]
-    assert "['packed_rowwise']" in e["uncovered style"]
+    assert "['all_reduce']" in e["uncovered style"]
     # A plan made without tp (its costs a whole layer's) for a tp=2 pipeline.
     assert "ValueError: the plan was made for tensor-parallel degree tp=1" in e["plan"]
     assert "this pipeline has tp=2" in e["plan"]

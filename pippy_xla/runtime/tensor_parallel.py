@@ -14,7 +14,7 @@ no extra hop.
   this rank's decoder layers are expanded by HF (``_expand_parallel_plan``) and applied by HF
   (``apply_tensor_parallelism``): parameters become DTensors sharded over the ``tp`` dimension,
   and HF's styles (``colwise``, ``rowwise`` and their ``colwise_gather_output`` /
-  ``rowwise_split_input`` variants; for experts ``packed_colwise`` and
+  ``rowwise_split_input`` variants; for experts ``packed_colwise``, ``packed_rowwise`` and
   ``moe_tp_experts``, which all-reduce the experts' partial outputs) redistribute inside each
   layer. pippy_xla writes no parallel layer. Outside the decoder layers, the input embedding's
   ``embedding_rowwise`` is applied on the first stage where the embedding is not tied to the
@@ -104,6 +104,9 @@ __all__ = [
 _COLWISE = ("colwise", "colwise_gather_output")
 _ROWWISE = ("rowwise", "rowwise_split_input")
 _PACKED_COLWISE = ("packed_colwise",)
+_PACKED_ROWWISE = ("packed_rowwise",)
+"""Experts whose fused gate and up projections are packed along their last dim (Aria's
+``(experts, hidden, 2 x intermediate)``): each half sharded there, strided."""
 _PARTIAL_GRAD = "replicated_with_grad_allreduce"
 _MOE = ("moe_tp_experts",)
 _LOCAL = ("local_params",)
@@ -132,7 +135,16 @@ everything else that reads logits gathers them (see [Note: the vocabulary-parall
 _DIFFERS = 1e-4
 """A whole parameter's gradient is partial when its tp ranks' sums differ by more than this
 fraction of their magnitude (rounding differs by about 1e-7; partial sums by O(1))."""
-TP_STYLES = (*_COLWISE, *_ROWWISE, *_PACKED_COLWISE, *_MOE, *_LOCAL, *_OUTPUT, _PARTIAL_GRAD)
+TP_STYLES = (
+    *_COLWISE,
+    *_ROWWISE,
+    *_PACKED_COLWISE,
+    *_PACKED_ROWWISE,
+    *_MOE,
+    *_LOCAL,
+    *_OUTPUT,
+    _PARTIAL_GRAD,
+)
 """The HF tensor-parallel styles a pipeline applies (those its tests cover); a plan with another
 style inside the decoder layers is refused at build."""
 
@@ -378,6 +390,8 @@ def _sharded_dim(style: str, param: torch.Tensor) -> tuple[int, int] | None:
         return (-1, 1) if param.ndim > 1 else None  # a rowwise bias is replicated
     if style in _PACKED_COLWISE:
         return (param.ndim - 2, 2) if param.ndim > 1 else (-1, 1)
+    if style in _PACKED_ROWWISE:
+        return (-1, 2) if param.ndim > 1 else None  # HF replicates a packed 1-D parameter
     return None
 
 
