@@ -66,6 +66,13 @@ def _gemma4_kv_sharing():
     return tiny("gemma4_text", **overrides)[0]
 
 
+def _gemma3n():
+    # As Gemma 3n's checkpoints are: the last layers reuse the keys and values of earlier ones.
+    kinds = ["sliding_attention", "full_attention"] * 2
+    per_layer = {"vocab_size_per_layer_input": 256, "hidden_size_per_layer_input": 16}
+    return tiny("gemma3n_text", layer_types=kinds, num_kv_shared_layers=2, **per_layer)[0]
+
+
 # name: (the model as the README's list names it, or None for a wrong argument; its builder,
 # layer_cls, options).
 REFUSED = {
@@ -85,6 +92,14 @@ REFUSED = {
     "gemma4_kv_sharing": (
         "`Gemma4ForCausalLM`, `num_kv_shared_layers` > 0",
         _gemma4_kv_sharing,
+        None,
+        {},
+    ),
+    "gemma3n": (
+        "`Gemma3nForCausalLM` (its checkpoints have `num_kv_shared_layers` > 0; with 0, a "
+        "`ValueError`: its rotary module reads a stack of AltUp projections, which would cross "
+        "a boundary)",
+        _gemma3n,
         None,
         {},
     ),
@@ -128,6 +143,7 @@ def test_unsupported_models_are_refused_at_construction():
     assert (
         "shares keys and values between layers (num_kv_shared_layers=2)" in why["gemma4_kv_sharing"]
     )
+    assert "Gemma3nForCausalLM shares keys and values between layers" in why["gemma3n"]
     # The README's list of unsupported models is this test's output (PIPPY_WRITE_README=1).
     listing = _unsupported_list(why)
     text = README.read_text()
