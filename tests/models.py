@@ -285,6 +285,23 @@ TINY_FAMILIES = {
         "hidden_size_per_layer_input": 8,
         "vocab_size_per_layer_input": VOCAB,
     },
+    # Hyper-connections (4 copies of the hidden state through the layers), hashed n-gram
+    # embeddings inside layer 1, a sparse attention whose indexer selects token blocks, experts.
+    "qwen4_exp_text": {
+        **_LINEAR,
+        **_MOE,
+        "shared_expert_intermediate_size": 32,
+        "hc_lowrank": 16,
+        "ple_layer_ids": [1],
+        "ple_embed_dim": 32,
+        "ngram_vocab_size_base": 256,
+        "split_ngram_parts": 4,
+        "indexer_n_heads": 2,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": 16,
+        "indexer_budget": 8,
+        "indexer_compress_ratio": 4,
+    },
 }
 
 

@@ -2,8 +2,9 @@
 ranks): one training step (two microbatches, ``1f1b``) equal to one process (the loss and every
 gradient), or refused at construction in one line. Before the pipeline, HF's own tensor
 parallelism (``apply_tensor_parallelism`` of the plan's rules inside the decoder layers, no
-pipeline) runs a forward and backward on each pair of tp ranks: a plan HF's own forward fails on
-is reported as such, not run. The table in ``docs/tensor_parallel.md`` is this test's output
+pipeline) runs a forward and backward on each pair of tp ranks, its loss against one process's:
+a plan HF's own tensor parallelism fails on, or computes another loss with, is reported as such,
+not run. The table in ``docs/tensor_parallel.md`` is this test's output
 (``PIPPY_WRITE_README=1``) for the transformers release CI pins; on another release the table is
 not compared."""
 
@@ -204,8 +205,9 @@ def _line(e: BaseException, width: int = 90) -> str:
 
 def _hf_own(model_type: str, tp_mesh) -> str | None:
     """HF's own tensor parallelism of the whole tiny model over ``tp_mesh``: a forward and
-    backward; the error in one line, or ``None``."""
-    model = tiny_model(model_type, seed=0)
+    backward, its loss against one process's; the error or the difference in one line, or
+    ``None``."""
+    model, ref = tiny_model(model_type, seed=0), tiny_model(model_type, seed=0)
     hf = tensor_parallel_api()
     # The rules inside the decoder layers (those the pipeline finds), those it applies.
     try:
@@ -217,9 +219,12 @@ def _hf_own(model_type: str, tp_mesh) -> str | None:
     batch = make_batch(seed=0, batch=2)
     try:
         hf.apply(model, tp_mesh, plan)
-        _reference(model, batch, 1)  # forward and backward
+        loss = _reference(model, batch, 1)  # forward and backward
     except Exception as e:  # noqa: BLE001  (reported in the table)
         return _line(e)
+    want = _reference(ref, batch, 1)
+    if not torch.allclose(loss, want, **LOSS_TOL):
+        return f"its loss {float(loss):.6f} differs from one process's {float(want):.6f}"
     return None
 
 
@@ -283,7 +288,7 @@ def _sweep(rank, world, model_types):
         except NotBuilt as e:
             result = f"not built: {e}"
         if failed is not None and result is None:
-            result = f"HF's own tensor-parallel forward fails: {failed}"
+            result = f"HF's own tensor parallelism fails: {failed}"
         rows.append((model_type, ", ".join(styles), result))
     return rows
 
@@ -316,7 +321,7 @@ def _table(rows) -> str:
 def test_every_config_with_a_tensor_parallel_plan_trains_equal_or_is_refused():
     rows = _merged(run_ranks(4, _sweep, planned(), timeout=900))
     kinds = {r[2].split(":")[0].split(" (")[0] for r in rows}
-    assert kinds <= {"equal", "refused", "not built", "HF's own tensor-parallel forward fails"}
+    assert kinds <= {"equal", "refused", "not built", "HF's own tensor parallelism fails"}
     text = DOCS.read_text()
     begin, end = text.index(TABLE_BEGIN), text.index(TABLE_END) + len(TABLE_END)
     pinned = re.search(r"config \(transformers ([^)]*)\)", text[begin:end])

@@ -593,31 +593,29 @@ def profile_model(
     ``2 + optimizer_states`` (parameters, gradients, AdamW state). Transient bytes are each region's
     largest working set during forward and backward (the peak of live tensor bytes on top of what
     the region starts with and leaves behind: see :class:`_WorkingSets`); on CPU this installs the
-    counting allocator for the rest of the process.
-    Results are cached in memory per (model config, shape, dtype, inputs, tp degree).
+    counting allocator for the rest of the process. Results are cached in memory per (model config,
+    shape, dtype, inputs, tp degree).
 
     A model built on ``meta`` is profiled through a stand-in (see [Note: profiling a meta
     model]) on ``device`` (default: the CPU), so a model that fits on no single device can be
     planned; a real model is profiled where it is (``device`` is ignored). With
     ``tensor_parallel`` (``pippy_xla.LayerSharding(mesh)``) the layers are sharded over ``tp`` on
-    a copy, a collective ([Note: planning under tensor parallelism]).
-    """
+    a copy, run under its ``loss_context``, a collective ([Note: planning under tensor
+    parallelism])."""
     _refuse_non_token_inputs(model, input_names)
     dtype = next(model.parameters()).dtype
     layer_cls = layer_classes(model, layer_cls)
     shape = (microbatch_size, seq_len)
-    tp_size = tensor_parallel.size if tensor_parallel is not None else 1
-    key = _cache_key(model, layer_cls, shape, dtype, repeats, input_names, tp_size)
+    tp = tensor_parallel.size if tensor_parallel is not None else 1
+    key = _cache_key(model, layer_cls, shape, dtype, repeats, input_names, tp)
     if cache and key in _CACHE:
         return _CACHE[key]
     model, layers, shared_backward = _profiled_model(model, layer_cls, device, tensor_parallel)
     vocab_size = _config_vocab_size(model) if vocab_size is None else vocab_size
     batch = profile_batch(input_names, *shape, vocab_size, next(model.parameters()).device)
-    context = tensor_parallel.loss_context() if tensor_parallel else contextlib.nullcontext()
-    with context:  # a vocabulary-parallel head's loss over its shards, as the pipeline's
+    with getattr(tensor_parallel, "loss_context", contextlib.nullcontext)():
         measured = _measure(model, layer_cls, layers, batch, repeats)
-    prof = _model_profile(measured, layers, batch, shared_backward, optimizer_states, dtype)
-    prof.tp_size = tp_size
+    prof = _model_profile(measured, layers, batch, shared_backward, optimizer_states, dtype, tp)
     if cache:
         _CACHE[key] = prof
     return prof
@@ -667,8 +665,10 @@ def _model_profile(
     shared_backward: dict[int, int],
     optimizer_states: int,
     dtype: torch.dtype,
+    tp_size: int,
 ) -> ModelProfile:
-    """The :class:`ModelProfile` of what :func:`_measure` measured on ``batch``."""
+    """The :class:`ModelProfile` of what :func:`_measure` measured on ``batch``, a tp rank's of
+    ``tp_size``."""
     static = _StaticBytes(2 + optimizer_states, measured.grad_bytes)
     microbatch_size, seq_len = next(iter(batch.values())).shape
     return ModelProfile(
@@ -681,6 +681,7 @@ def _model_profile(
         microbatch_size=microbatch_size,
         seq_len=seq_len,
         dtype=str(dtype),
+        tp_size=tp_size,
     )
 
 

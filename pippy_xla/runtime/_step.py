@@ -56,7 +56,6 @@ def stage_forward(
     watch: RecompileWatch | None = None,
     added_losses: dict[int, torch.Tensor] | None = None,
     added_scale: float = 1.0,
-    sharded_loss: bool = False,
 ) -> StageForward:
     """The callable the engine runs for each forward action of one step.
 
@@ -73,9 +72,6 @@ def stage_forward(
         added_losses: filled on the last stage with the detached terms the model adds to its
             loss, scaled (see [Note: added loss terms per microbatch]).
         added_scale: the added terms' weight in a microbatch's loss.
-        sharded_loss: whether ``loss_fn`` takes the logits of a vocabulary-parallel head as
-            they are (sharded: the model's own loss); other readers get them whole (see [Note:
-            the vocabulary-parallel head]).
     """
     last = len(stages) - 1
     # Each local stage's batch arguments, per microbatch, made in one pass before the step (see
@@ -92,13 +88,11 @@ def stage_forward(
         out = modules[stage](*own[mb], *inputs) if own else modules[stage](*inputs)
         if stage != last:
             return out
-        head = out[0]
-        if logits is not None:
-            logits[mb] = whole_tensor(head)
+        if logits is not None:  # whole: see [Note: the vocabulary-parallel head]
+            logits[mb] = whole_tensor(out[0])
         if labels is None:
             return []
-        loss = loss_fn(head if sharded_loss else whole_tensor(head), labels[mb], num_items)
-        loss = local_tensor(loss)  # the sharded loss: a replicated DTensor
+        loss = loss_fn(out[0], labels[mb], num_items)
         if stages[last].added_loss:
             added = out[1] * added_scale
             loss = loss + added
@@ -539,14 +533,23 @@ class StepRunner:
             microbatches=microbatches,
             labels=microbatches.get("labels"),
             num_items=num_items,
-            loss_fn=self.loss_fn,
+            loss_fn=self._vocabulary_loss() if self._sharded_head else self.loss_fn,
             losses=losses,
             logits=logits,
             watch=self.watch,
             added_losses=added,
             added_scale=self.added_weight / (self.config.num_microbatches * self.place.dp_size),
-            sharded_loss=self.loss_fn is self._own_loss,
         )
+
+    def _vocabulary_loss(self) -> Callable:
+        """``loss_fn`` given a vocabulary-parallel head's logits (a DTensor): the model's own loss
+        takes them sharded (the step runs under ``loss_parallel``), its replicated loss made a
+        plain tensor; a loss of one's own gets them whole (see [Note: the vocabulary-parallel
+        head])."""
+        loss_fn = self.loss_fn
+        if loss_fn is self._own_loss:
+            return lambda logits, labels, n: local_tensor(loss_fn(logits, labels, n))
+        return lambda logits, labels, n: loss_fn(whole_tensor(logits), labels, n)
 
     def _run(self, engine: _C.Engine, forward: StageForward, signature: int, start: int) -> int:
         """Runs one step of ``engine`` for the batch of ``signature``, in a step that began at

@@ -563,11 +563,46 @@ def _fx_patches_reverted() -> Any:
         patcher.reapply_all_patches()
 
 
+@contextlib.contextmanager
 def _on_meta(mod: nn.Module) -> Any:
-    """``mod`` with ``meta`` stand-ins of its parameters and buffers inside the block."""
+    """``mod`` with ``meta`` stand-ins of its parameters and buffers inside the block, its ops'
+    meta kernels as lenient as the CPU's (:class:`_CpuMetaRules`), and ``nonzero`` on ``meta``
+    taking every element for nonzero (torch's ``meta_nonzero_assume_all_nonzero``): a module is
+    sampled for the metadata of its output, which a data-dependent count inside it (an MoE's hit
+    experts, a sparse attention's selected tokens: Inkling-2's, Qwen4-Exp's) does not change."""
     tensors = {**dict(mod.named_parameters()), **dict(mod.named_buffers())}
     meta = {k: torch.empty_like(t, device="meta") for k, t in tensors.items()}
-    return torch.nn.utils.stateless._reparametrize_module(mod, meta)
+    assume = torch.fx.experimental._config.patch(meta_nonzero_assume_all_nonzero=True)
+    with torch.nn.utils.stateless._reparametrize_module(mod, meta), _CpuMetaRules(), assume:
+        yield
+
+
+class _CpuMetaRules(torch.utils._python_dispatch.TorchDispatchMode):
+    """Ops whose ``meta`` kernel checks a rule of another device's kernel, run on ``meta`` with the
+    CPU kernel's rule: torch's ``_grouped_mm`` meta kernel takes bf16 inputs only (CUDA's rule),
+    where the CPU kernel takes fp32 too (HF's MoE experts call it in fp32 on the CPU, so a sample
+    of such a decoder layer on ``meta`` failed where the layer runs). Its output's metadata comes
+    from bf16 stand-ins of the inputs, in the dtype the CPU kernel gives (``out_dtype``, else the
+    inputs')."""
+
+    _BF16_ONLY = (torch.ops.aten._grouped_mm.default,)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+        kwargs = kwargs or {}
+        first = args[0] if args else None
+        if func in self._BF16_ONLY and _is_meta(first) and first.dtype != torch.bfloat16:
+            bound = func._schema.arguments
+            named = {a.name: v for a, v in zip(bound, args, strict=False)} | kwargs
+            dtype = named.get("out_dtype") or first.dtype
+            args, kwargs = torch.utils._pytree.tree_map_only(
+                torch.Tensor,
+                lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t,
+                (args, {k: v for k, v in kwargs.items() if k != "out_dtype"}),
+            )
+            if len(args) > 4:  # out_dtype given by position
+                args = args[:4]
+            return func(*args, **kwargs).to(dtype)
+        return func(*args, **kwargs)
 
 
 """[Note: features of several layers]
