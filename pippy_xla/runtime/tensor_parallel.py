@@ -218,37 +218,43 @@ def layer_tp_plan(
     }
 
 
+def _vocabulary_modules(model: nn.Module) -> tuple[tuple[str, nn.Module] | None, ...]:
+    """``(name, module)`` of the model's input embedding and of its output head
+    (``get_input_embeddings()``, ``get_output_embeddings()``), each ``None`` where it has none
+    or the head shares the embedding's weight (tied: both stay whole, on the first stage and on
+    the last)."""
+    found = []
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        get = getattr(model, getter, None)
+        module = get() if callable(get) else None
+        name = next((n for n, m in model.named_modules() if m is module), None)
+        found.append((name, module) if name is not None else None)
+    embedding, head = found
+    weights = [getattr(m, "weight", None) for _, m in filter(None, found)]
+    tied = len(weights) == 2 and weights[0] is weights[1] and weights[0] is not None
+    return (None, None) if tied else (embedding, head)
+
+
 def _embedding_rules(model: nn.Module, expanded: dict[str, str]) -> dict[str, str]:
-    """The plan's rules of the model's input embedding (``get_input_embeddings()``) where it is
-    an ``nn.Embedding`` with a style of :data:`_EMBEDDING`, not tied to the output head (a tied
-    weight stays whole, on the first stage and on the last); else none."""
-    get_input = getattr(model, "get_input_embeddings", None)
-    embedding = get_input() if callable(get_input) else None
-    name = next((n for n, m in model.named_modules() if m is embedding), None)
-    if not isinstance(embedding, nn.Embedding) or expanded.get(name) not in _EMBEDDING:
+    """The plan's rules of the model's untied input embedding (:func:`_vocabulary_modules`)
+    where it is an ``nn.Embedding`` with a style of :data:`_EMBEDDING`; else none."""
+    embedding = _vocabulary_modules(model)[0]
+    if embedding is None or not isinstance(embedding[1], nn.Embedding):
         return {}
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
-    if getattr(head, "weight", None) is embedding.weight:
+    name = embedding[0]
+    if expanded.get(name) not in _EMBEDDING:
         return {}
     return {k: v for k, v in expanded.items() if k == name or k.startswith(f"{name}.")}
 
 
 def _head_rules(model: nn.Module, expanded: dict[str, str], tp_size: int) -> dict[str, str]:
-    """``{head: _VOCAB_HEAD}`` where the plan gives the output head (``get_output_embeddings()``,
-    an ``nn.Linear``) a style of :data:`_HEAD`, its weight is not the input embedding's (a tied
-    head stays whole, as the embedding does) and the vocabulary divides by ``tp_size``; else
-    none (the head stays whole on every tp rank)."""
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
-    name = next((n for n, m in model.named_modules() if m is head), None)
-    if not isinstance(head, nn.Linear) or expanded.get(name) not in _HEAD:
+    """``{head: _VOCAB_HEAD}`` where the plan gives the model's untied output head
+    (:func:`_vocabulary_modules`, an ``nn.Linear``) a style of :data:`_HEAD` and the vocabulary
+    divides by ``tp_size``; else none (the head stays whole on every tp rank)."""
+    head = _vocabulary_modules(model)[1]
+    if head is None or not isinstance(head[1], nn.Linear) or expanded.get(head[0]) not in _HEAD:
         return {}
-    get_input = getattr(model, "get_input_embeddings", None)
-    embedding = get_input() if callable(get_input) else None
-    if getattr(embedding, "weight", None) is head.weight or head.out_features % tp_size:
-        return {}
-    return {name: _VOCAB_HEAD}
+    return {} if head[1].out_features % tp_size else {head[0]: _VOCAB_HEAD}
 
 
 """[Note: the vocabulary-parallel head]
