@@ -84,6 +84,8 @@ OVERRIDES = {
         "mamba_d_state": 16,
         "mamba_chunk_size": 16,
     },
+    # Its n-gram embeddings inside a layer (HF's embedding_colwise), as its checkpoints have.
+    "qwen4_exp_text": {"ple_layer_ids": [1], "split_ngram_parts": 4},
 }
 
 

@@ -15,13 +15,13 @@ no extra hop.
   (``apply_tensor_parallelism``): parameters become DTensors sharded over the ``tp`` dimension,
   and HF's styles (``colwise``, ``rowwise`` and their ``colwise_gather_output`` /
   ``rowwise_split_input`` variants; for experts ``packed_colwise``, ``packed_rowwise`` and
-  ``moe_tp_experts``, which all-reduce the experts' partial outputs) redistribute inside each
-  layer. pippy_xla writes no parallel layer. Outside the decoder layers, the input embedding's
-  ``embedding_rowwise`` is applied on the first stage where the embedding is not tied to the
-  head and there are no replicas (:data:`_EMBEDDING`), and the head's ``colwise_gather_output``
-  on the last stage where it is untied, as a vocabulary-parallel head whose logits are not
-  gathered (:data:`_VOCAB_HEAD`, see [Note: the vocabulary-parallel head]); the norms
-  stay whole on every tp rank.
+  ``moe_tp_experts``, which all-reduce the experts' partial outputs; ``embedding_colwise`` for an
+  embedding inside a layer) redistribute inside each layer. pippy_xla writes no parallel layer.
+  Outside the decoder layers, the input embedding's ``embedding_rowwise`` is applied on the
+  first stage where the embedding is not tied to the head and there are no replicas
+  (:data:`_EMBEDDING`), and the head's ``colwise_gather_output`` on the last stage where it is
+  untied, as a vocabulary-parallel head whose logits are not gathered (:data:`_VOCAB_HEAD`, see
+  [Note: the vocabulary-parallel head]); the norms stay whole on every tp rank.
 - Boundaries: HF's styles give plain (local) outputs, and a decoder layer's output is replicated
   over the ``tp`` group (a ``rowwise`` projection all-reduces it), so the tensors that travel
   between stages are plain tensors, equal on every tp rank. Their gradients are replicated too
@@ -108,6 +108,9 @@ _PACKED_ROWWISE = ("packed_rowwise",)
 """Experts whose fused gate and up projections are packed along their last dim (Aria's
 ``(experts, hidden, 2 x intermediate)``): each half sharded there, strided."""
 _PARTIAL_GRAD = "replicated_with_grad_allreduce"
+_INNER_EMBEDDING = ("embedding_colwise",)
+"""An embedding inside the decoder layers sharded by its width (Qwen4-Exp's n-gram embeddings),
+each tp rank looking up its columns, HF's style gathering them."""
 _MOE = ("moe_tp_experts",)
 _LOCAL = ("local_params",)
 """A module whose own parameters another rule shards (attention sinks, ``colwise``) and whose
@@ -140,6 +143,7 @@ TP_STYLES = (
     *_ROWWISE,
     *_PACKED_COLWISE,
     *_PACKED_ROWWISE,
+    *_INNER_EMBEDDING,
     *_MOE,
     *_LOCAL,
     *_OUTPUT,
@@ -398,6 +402,8 @@ def _sharded_dim(style: str, param: torch.Tensor) -> tuple[int, int] | None:
         return (param.ndim - 2, 2) if param.ndim > 1 else (-1, 1)
     if style in _PACKED_ROWWISE:
         return (-1, 2) if param.ndim > 1 else None  # HF replicates a packed 1-D parameter
+    if style in _INNER_EMBEDDING:
+        return (1, 1) if param.ndim > 1 else None
     return None
 
 
