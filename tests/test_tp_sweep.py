@@ -230,9 +230,9 @@ def _hf_own(model_type: str, tp_mesh) -> str | None:
     return None
 
 
-def _trains_equal(model_type: str, mesh) -> str:
-    """One step of the pipeline equal to one process's: ``"equal"`` (saying which of the
-    embedding and the head were sharded by the vocabulary), or the refusal."""
+def _trains_equal(model_type: str, mesh) -> tuple[str, tuple[str, ...]]:
+    """One step of the pipeline equal to one process's: ``"equal"`` and which of the embedding
+    and the head this rank holds sharded by the vocabulary, or the refusal and none."""
     ref, model = tiny_model(model_type, seed=0), tiny_model(model_type, seed=0)
     try:
         pipe = px.PipelineModel(
@@ -245,7 +245,7 @@ def _trains_equal(model_type: str, mesh) -> str:
         )
     except (px.UnsupportedModelError, NotImplementedError, ValueError) as e:
         assert "\n" not in str(e), f"{model_type}: a refusal of more than one line: {e}"
-        return f"refused: {_line(e)}"
+        return f"refused: {_line(e)}", ()
     batch = make_batch(seed=0, batch=4)
     loss = pipe.run_train(**batch)
     ref_loss = _reference(ref, batch, 2)
@@ -255,27 +255,25 @@ def _trains_equal(model_type: str, mesh) -> str:
     idle = {n for n in params if ref.get_parameter(n).grad is None}
     assert all(params[n].grad is None for n in idle), f"{model_type}: {sorted(idle)}"
     check_grads([(n, p) for n, p in params.items() if n not in idle], ref, model_type, GRAD_TOL)
-    return "equal" + _by_vocabulary(ref, params)
+    return "equal", _by_vocabulary(ref, params)
 
 
-def _by_vocabulary(ref, params: dict) -> str:
+def _by_vocabulary(ref, params: dict) -> tuple[str, ...]:
     """Which of the input embedding and the head this rank holds sharded by the vocabulary (a
-    DTensor: their plan's rule applied), as the table says it (:func:`_merged` joins the
-    ranks')."""
+    DTensor: their plan's rule applied; :func:`_merged` joins the ranks')."""
     from torch.distributed.tensor import DTensor
 
     names = {id(m): n for n, m in ref.named_modules()}
     modules = {"embedding": ref.get_input_embeddings(), "head": ref.get_output_embeddings()}
-    sharded = [
+    return tuple(
         what
         for what, m in modules.items()
         if isinstance(params.get(f"{names.get(id(m))}.weight"), DTensor)
-    ]
-    return f" ({' and '.join(sharded)} by the vocabulary)" if sharded else ""
+    )
 
 
 def _sweep(rank, world, model_types):
-    """Per model type: ``(model_type, styles, result)``."""
+    """Per model type: ``(model_type, styles, result, held by the vocabulary)``."""
     from torch.distributed.device_mesh import init_device_mesh
 
     transformers.logging.set_verbosity_error()
@@ -283,28 +281,26 @@ def _sweep(rank, world, model_types):
     rows = []
     for model_type in model_types:
         styles = sorted(set(CONFIG_MAPPING[model_type].base_model_tp_plan.values()))
-        failed = None
+        failed, held = None, ()
         try:
             failed = _hf_own(model_type, mesh["tp"])
-            result = _trains_equal(model_type, mesh) if failed is None else None
+            result, held = _trains_equal(model_type, mesh) if failed is None else (None, ())
         except NotBuilt as e:
             result = f"not built: {e}"
         if failed is not None and result is None:
             result = f"HF's own tensor parallelism fails: {failed}"
-        rows.append((model_type, ", ".join(styles), result))
+        rows.append((model_type, ", ".join(styles), result, held))
     return rows
 
 
 def _merged(out: list[list[tuple]]) -> list[tuple]:
     """The rows every rank found, each stage's ranks naming what they hold by the vocabulary (the
-    first stage the embedding, the last the head) merged into one ``equal (...)``."""
+    first stage the embedding, the last the head) joined into one ``equal (...)``."""
     merged = []
     for rows in zip(*out, strict=True):
-        bare = {(t, styles, re.sub(r" \(.*by the vocabulary\)$", "", r)) for t, styles, r in rows}
+        bare = {r[:3] for r in rows}
         assert len(bare) == 1, f"the ranks' results differ: {rows}"
-        (model_type, styles, result), held = bare.pop(), set()
-        for _, _, r in rows:
-            held.update(re.findall(r"(embedding|head)(?= and| by the vocabulary)", r))
+        (model_type, styles, result), held = bare.pop(), {w for r in rows for w in r[3]}
         parts = [what for what in ("embedding", "head") if what in held]
         result += f" ({' and '.join(parts)} by the vocabulary)" if parts else ""
         merged.append((model_type, styles, result))

@@ -591,17 +591,13 @@ class _CpuMetaRules(torch.utils._python_dispatch.TorchDispatchMode):
         kwargs = kwargs or {}
         first = args[0] if args else None
         if func in self._BF16_ONLY and _is_meta(first) and first.dtype != torch.bfloat16:
-            bound = func._schema.arguments
-            named = {a.name: v for a, v in zip(bound, args, strict=False)} | kwargs
-            dtype = named.get("out_dtype") or first.dtype
-            args, kwargs = torch.utils._pytree.tree_map_only(
-                torch.Tensor,
-                lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t,
-                (args, {k: v for k, v in kwargs.items() if k != "out_dtype"}),
+            named = dict(zip((a.name for a in func._schema.arguments), args, strict=False))
+            named |= kwargs
+            dtype = named.pop("out_dtype", None) or first.dtype
+            named = torch.utils._pytree.tree_map_only(
+                torch.Tensor, lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t, named
             )
-            if len(args) > 4:  # out_dtype given by position
-                args = args[:4]
-            return func(*args, **kwargs).to(dtype)
+            return func(**named).to(dtype)
         return func(*args, **kwargs)
 
 
