@@ -229,7 +229,7 @@ def tiny(model_type: str, attn: str | None = None, layers: int = 4, **overrides)
     return model, decoder_layers(model)
 
 
-# Families the issues named, each with what sets it apart (see the README's families table).
+# Families the issues named, each with what sets it apart (see the table of docs/families.md).
 _WINDOW = {"sliding_window": 3}
 _MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 _LINEAR = {
