@@ -7,15 +7,26 @@ the pipeline uses that moved between them are reached through this module:
 - ``create_causal_mask`` and the other mask factories: 5.24 wraps them in a deprecation decorator
   (``past_key_values`` renamed ``cache``), so the module whose globals they read is the wrapped
   function's (:func:`mask_factory_globals`), and the cache is passed under the factory's or the
-  layer's own parameter name (:func:`cache_param`);
+  layer's own parameter name (:func:`cache_param`), which 5.25's decorator hides behind the
+  deprecated alias it adds to the visible signature;
 - tensor parallelism applies HF's tensor-parallel API (``transformers.distributed.parallel_utils``,
   ``apply_tensor_parallelism``, ``DistributedMixin._expand_parallel_plan``), which 5.23 introduced:
-  an older release gets a one-line error (:func:`tensor_parallel_api`).
+  an older release gets a one-line error (:func:`tensor_parallel_api`);
+- MoE experts: up to 5.24 the configs' ``base_model_tp_plan`` shard them (``packed_colwise`` /
+  ``rowwise`` parameters under ``moe_tp_experts``); 5.25 drops those rules from every config but
+  Llama 4's and deprecates ``moe_tp_experts`` (removal announced for 5.28), pointing to expert
+  parallelism instead: the configs' ``base_model_ep_plan`` (``grouped_gemm`` parameters under
+  ``ep_dispatch_experts``) with ``ep_implementation="all_reduce"``, the same masking and
+  all-reduce over ranks that share a batch. The pipeline applies that plan over the tp ranks
+  where the tp plan leaves the experts whole (``ep_plan`` and ``apply_experts`` of
+  :func:`tensor_parallel_api`; ``expert_parallel.py``, unchanged from 5.23 to 5.25).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
+import warnings
 from types import SimpleNamespace
 from typing import Any
 
@@ -29,27 +40,43 @@ def mask_factory_globals(fn: Any) -> dict[str, Any]:
     return inspect.unwrap(fn).__globals__
 
 
-def cache_param(sig: inspect.Signature) -> str | None:
-    """The parameter through which a layer or a mask factory takes the cache:
+def cache_param(fn: Any) -> str | None:
+    """The parameter through which a layer's forward or a mask factory ``fn`` takes the cache:
     ``past_key_values``, or the first one annotated as a ``Cache`` (GPT-NeoX's and Falcon's
     ``layer_past``; transformers 5.24's ``cache``, the layers' and the mask factories' new name,
     where the old one stays a deprecated alias of the factories: passing the cache under it
-    beside the traced ``cache=None`` left the masks without the cache)."""
-    if CACHE_ARG in sig.parameters:
+    beside the traced ``cache=None`` left the masks without the cache).
+
+    The names are those of the function's own signature, under HF's decorators: transformers
+    5.25 adds the alias to the mask factories' (and a few encoder-decoder layers') visible
+    signature (``deprecate_kwarg(..., expose_in_signature=True)``, ``utils/deprecation.py``),
+    where it is no parameter of the function and the cache must not go."""
+    params = inspect.signature(inspect.unwrap(fn)).parameters
+    if CACHE_ARG in params:
         return CACHE_ARG
-    for p in sig.parameters.values():
+    for p in params.values():
         if p.kind is not p.VAR_KEYWORD and "Cache" in str(p.annotation):
             return p.name
     return None
 
 
+EP_IMPLEMENTATION = "all_reduce"
+"""HF's expert-parallel implementation for a group of ranks that share one batch (a stage's tp
+ranks): each rank runs its own experts on the whole batch, the routes to other ranks' experts
+masked, and an all-reduce sums the outputs (``AllReduceEP``, ``ep_size == tp_size``)."""
+
+
 def tensor_parallel_api() -> SimpleNamespace:
     """HF's tensor-parallel entry points that the pipeline applies: ``expand_plan(model, plan)``
     (``*`` in a plan's keys expanded to the layer indices), ``styles`` (HF's style names),
-    ``wildcard(name)`` (a name's layer index replaced by ``*``), ``apply(model, mesh, plan)`` and
-    ``colwise`` (the class of HF's ``colwise`` styles, for a style HF registers no name for).
+    ``wildcard(name)`` (a name's layer index replaced by ``*``), ``apply(model, mesh, plan)``,
+    ``colwise`` (the class of HF's ``colwise`` styles, for a style HF registers no name for),
+    ``ep_plan(model)`` (the model's expert-parallel plan, ``{}`` without one) and
+    ``apply_experts(model, mesh, plan)`` (HF's expert parallelism of ``plan``'s expanded rules
+    over the ranks of ``mesh``, which share their batch: :data:`EP_IMPLEMENTATION`).
     Raises ``NotImplementedError`` (one line) on a transformers release without them."""
     try:
+        from transformers.distributed.expert_parallel import apply_expert_parallelism
         from transformers.distributed.mixin import DistributedMixin
         from transformers.distributed.parallel_utils import (
             ALL_PARALLEL_STYLES,
@@ -69,10 +96,63 @@ def tensor_parallel_api() -> SimpleNamespace:
             f"(transformers.distributed.parallel_utils); this is transformers "
             f"{transformers.__version__}: upgrade it, or use a mesh without a 'tp' dim"
         ) from e
+
+    def apply_experts(model: Any, mesh: Any, plan: dict[str, str]) -> None:
+        # Parameters first: HF's implementation reads the experts' local count, which sharding
+        # their parameters sets, when its module rule is applied (LongCat-Flash's plan names
+        # the module first).
+        params = dict(model.named_parameters())
+        ordered = sorted(plan.items(), key=lambda item: item[0] not in params)
+        apply_expert_parallelism(
+            model, mesh, mesh, dict(ordered), ep_implementation=EP_IMPLEMENTATION
+        )
+
     return SimpleNamespace(
         expand_plan=expand,
         styles=ALL_PARALLEL_STYLES,
         wildcard=replace_layer_number_by_wildcard,
         apply=apply_tensor_parallelism,
         colwise=ColwiseParallel,
+        ep_plan=lambda model: dict(getattr(model, "ep_plan", None) or {}),
+        apply_experts=apply_experts,
     )
+
+
+def tested_releases() -> str | None:
+    """The transformers releases pippy_xla is tested with: the range ``pyproject.toml`` declares
+    (CI runs the suite on its newest release and the ``compat`` tests on its oldest), read from
+    the installed package's metadata; ``None`` when pippy_xla runs uninstalled."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    try:
+        requires = metadata.requires("pippy_xla") or []
+    except metadata.PackageNotFoundError:
+        return None
+    for line in requires:
+        req = Requirement(line)
+        if req.name == "transformers" and req.marker is None:
+            return str(req.specifier)
+    return None
+
+
+@functools.cache
+def warn_if_untested(version: str) -> bool:
+    """Warns (once per process and release) when transformers ``version`` is outside
+    :func:`tested_releases`: a newer release is allowed, since most keep working, but the
+    pipeline reaches into HF internals that two releases in a row changed (5.24, 5.25), so the
+    user is told which releases were tested. Returns whether ``version`` is outside the range."""
+    from packaging.specifiers import SpecifierSet
+
+    spec = tested_releases()
+    if spec is None or SpecifierSet(spec).contains(version, prereleases=True):
+        return False
+    warnings.warn(
+        f"transformers {version} is not among the releases pippy_xla is tested with ({spec}): "
+        "it may fail where the pipeline uses HF internals (pippy_xla/hf_compat.py); if it does, "
+        f"install a tested one: pip install 'transformers{spec}'",
+        UserWarning,
+        stacklevel=3,
+    )
+    return True

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,6 +34,7 @@ from pippy_xla import checkpoint
 from pippy_xla._native import _C
 from pippy_xla._report import Report
 from pippy_xla.config import LossFn, PipelineConfig
+from pippy_xla.hf_compat import warn_if_untested
 from pippy_xla.runtime._build import build
 from pippy_xla.runtime._exit import release_at_exit
 from pippy_xla.runtime._generate import Generator
@@ -99,6 +101,8 @@ class PipelineModel:
     ) -> None:
         self.pipeline_config = PipelineConfig.from_options(config, options)
         """How this pipeline was configured."""
+        if "transformers" in sys.modules:  # an HF model: see hf_compat.warn_if_untested
+            warn_if_untested(sys.modules["transformers"].__version__)
         self._wrapper = checkpoint.wrapper_of(model)  # PEFT's PeftModel, say
         # The whole model's, the same on every rank: a rank's own stages may train nothing.
         self._trains = any(p.requires_grad for p in model.parameters())

@@ -43,8 +43,11 @@ from pippy_xla.testing import run_ranks
 FAMILIES = {
     "llama": lambda: MODELS["llama"](layers=2),
     "qwen3_tied": lambda: tiny("qwen3", layers=2, tie_word_embeddings=True),
-    # Experts under HF's packed_colwise / rowwise / moe_tp_experts, router losses on.
+    # Experts under HF's packed_colwise / rowwise / moe_tp_experts, router losses on (up to
+    # transformers 5.24; from 5.25 whole experts per tp rank, by the model's expert-parallel plan).
     "mixtral_router_loss": MODELS["mixtral_router_loss"],
+    # Experts and per-head q/k norms (the user's Qwen3-MoE at pp=2 x tp=2).
+    "qwen3_moe": lambda: MODELS["qwen3_moe"](layers=2),
     # No HF plan of its own: sharded by a dict of rules only.
     "opt": lambda: MODELS["opt"](layers=2),
     # HF's colwise_gather_output / rowwise_split_input: OLMo 2 on attention (q/k norms over the
@@ -130,6 +133,12 @@ def _check_hsdp_shards(mesh, params, where: str) -> None:
 def _build(family: str, seed: int):
     torch.manual_seed(seed)
     return FAMILIES[family]()
+
+
+def _is_expert(name: str) -> bool:
+    """Whether ``name`` is a parameter of an MoE layer's experts (not its router, not its shared
+    experts)."""
+    return ".experts." in name
 
 
 def _is_proj(name: str) -> bool:
@@ -281,7 +290,8 @@ def _tp_trains_like_one_process(rank, world, cases, steps=3, mbs=2):
         if len(dps) > 1 and data_parallel == "shard":
             _check_hsdp_shards(mesh, params, where0)
         held = sum(local_tensor(p).numel() for n, p in params.items() if sharded(n))
-        checked.append((family, shape, losses, sorted(params), held))
+        experts = sum(local_tensor(p).nbytes for n, p in params.items() if _is_expert(n))
+        checked.append((family, shape, losses, sorted(params), held, experts))
     return checked
 
 
@@ -297,6 +307,7 @@ def _tp_trains_like_one_process(rank, world, cases, steps=3, mbs=2):
             ("olmo2", "1f1b", (1, 2, 2), "replicate"),
             ("glm4", "gpipe", (1, 2, 2), "replicate"),
             ("phi3", "1f1b", (1, 2, 2), "replicate"),
+            ("qwen3_moe", "1f1b", (1, 2, 2), "replicate"),
             ("glm4_moe_lite", "1f1b", (1, 2, 2), "replicate", {"rules": "mla"}),
             ("granite_swa", "1f1b", (1, 2, 2), "replicate", {"rules": "sinks"}),
         ),
@@ -339,6 +350,18 @@ def _check_layouts(cases, out) -> None:
         parts = pp * tp * (dps[-1] if mode == "shard" else 1)
         total = sum(p.numel() for n, p in model.named_parameters() if sharded(n))
         assert total and all(r[4] * parts == total for r in runs), ([r[4] for r in runs], total)
+        # The experts' bytes: each replica's ranks hold every expert byte once (under "shard" a
+        # 1/dp_shard share), and no rank more than 1/tp of them (1/(tp x dp_shard)), whichever
+        # way the release's plan shards them (each expert's columns up to transformers 5.24,
+        # whole experts from 5.25, where the configs' tp plans leave them out: see
+        # pippy_xla/hf_compat.py). Experts left whole on every tp rank (5.25 before the fix:
+        # the largest rank held 0.42 of the tiny Qwen3-MoE's layers' bytes instead of 0.25) are
+        # held tp times over: the first assertion fails.
+        shards = dps[-1] if mode == "shard" else 1
+        experts = sum(p.nbytes for n, p in model.named_parameters() if _is_expert(n))
+        held = [r[5] for r in runs]
+        assert sum(held) * shards == experts * dp, (family, held, experts)
+        assert max(held) * tp * shards <= experts, (family, held, experts)
 
 
 @pytest.mark.parametrize(

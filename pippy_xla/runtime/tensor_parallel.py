@@ -17,6 +17,9 @@ no extra hop.
   ``rowwise_split_input`` variants; for experts ``packed_colwise``, ``packed_rowwise`` and
   ``moe_tp_experts``, which all-reduce the experts' partial outputs; ``embedding_colwise`` for an
   embedding inside a layer) redistribute inside each layer. pippy_xla writes no parallel layer.
+  Experts on which the tp plan sets no rule (transformers 5.25 dropped them from the configs'
+  plans, see ``hf_compat.py``) are sharded by the model's expert-parallel plan instead
+  (:data:`_EXPERTS`): each tp rank holds ``1/tp`` of the experts, whole.
   Outside the decoder layers, the input embedding's ``embedding_rowwise`` is applied on the
   first stage where the embedding is not tied to the head and there are no replicas
   (:data:`_EMBEDDING`), and the head's ``colwise_gather_output`` on the last stage where it is
@@ -120,6 +123,13 @@ _OUTPUT = ("mla_kv_a_proj", "moe_identity_expert")
 part of ``kv_a_proj_with_mqa``, which skips the sharded ``kv_b_proj``: its gradient summed over
 tp; LongCat-Flash's identity ("zero") experts, whose input is divided by tp, which the experts'
 sum over tp restores)."""
+_EXPERTS = ("grouped_gemm", "ep_dispatch_experts")
+"""HF's expert-parallel styles, from the model's ``ep_plan``, for experts on which the tp plan
+sets no rule, at them or around them (:func:`_expert_rules`): the experts' parameters sharded by
+expert (dim 0), each tp rank running its own experts on the batch the stage's tp ranks share,
+the routes to the others' masked, the outputs summed over tp (HF's ``apply_expert_parallelism``
+with the tp ranks as the expert group and its all-reduce implementation; the input and routing
+weights' gradients summed over tp in backward)."""
 _REPLICATE = "replicate"
 _EMBEDDING = ("embedding_rowwise",)
 """The input embedding's styles the pipeline applies: HF's vocabulary-parallel embedding, each tp
@@ -202,7 +212,10 @@ def layer_tp_plan(
         for k, v in expanded.items()
         if k.startswith(prefixes) and v != _REPLICATE  # HF's "replicate" does nothing
     }
-    if not inside:
+    # Experts the tp plan leaves whole, by the model's expert-parallel plan (an empty plan, a
+    # dict of rules {}, applies nothing).
+    experts = _expert_rules(model, plan, prefixes, label) if plan else {}
+    if not inside and not experts:
         raise UnsupportedModelError(
             f"{label}: {name}'s tp plan {plan} has no rule that shards its decoder layers "
             f"({layer_names[0]}, ...); nothing to shard over tp={tp_size}"
@@ -214,12 +227,41 @@ def layer_tp_plan(
             f"{label}: {name}'s tp plan uses style(s) {odd} (e.g. {where}), which the pipeline "
             f"does not apply yet (issue 48); covered: {list(TP_STYLES)} and {_REPLICATE!r}"
         )
+    inside |= experts
     _check_divides(model, inside, tp_size, label)
     return {
         **inside,
         **(_embedding_rules(model, expanded) if embedding else {}),
         **_head_rules(model, expanded, tp_size),
     }
+
+
+def _expert_rules(
+    model: nn.Module, plan: dict[str, str], prefixes: tuple[str, ...], label: str
+) -> dict[str, str]:
+    """The model's expert-parallel rules (:data:`_EXPERTS`, expanded) inside the decoder layers
+    (``prefixes``) of the experts modules (``ep_dispatch_experts``) on which the tp ``plan``
+    (keys with ``*``) sets no rule: none at the module, under it or above it. Raises
+    ``NotImplementedError`` for another style among them that is not a partial gradient's."""
+    hf = tensor_parallel_api()
+    ep = hf.ep_plan(model)
+
+    def related(key: str, root: str) -> bool:
+        return key == root or key.startswith(f"{root}.") or root.startswith(f"{key}.")
+
+    roots = [k for k, v in ep.items() if v == "ep_dispatch_experts"]
+    free = [r for r in roots if not any(related(k, r) for k in plan)]
+    rules = {k: v for k, v in ep.items() if any(k == r or k.startswith(f"{r}.") for r in free)}
+    if not rules:
+        return {}
+    odd = sorted({v for v in rules.values() if v not in (*_EXPERTS, _PARTIAL_GRAD)})
+    if odd:
+        raise NotImplementedError(
+            f"{label}: {type(model).__name__}'s expert-parallel plan, which shards the experts "
+            f"its tp plan leaves whole, uses style(s) {odd}, which the pipeline does not apply "
+            f"yet (issue 48); covered: {list(_EXPERTS)} and {_PARTIAL_GRAD!r}"
+        )
+    return {k: v for k, v in expand_plan(model, rules).items() if k.startswith(prefixes)}
 
 
 def _vocabulary_modules(model: nn.Module) -> tuple[tuple[str, nn.Module] | None, ...]:
@@ -404,6 +446,8 @@ def _sharded_dim(style: str, param: torch.Tensor) -> tuple[int, int] | None:
         return (-1, 2) if param.ndim > 1 else None  # HF replicates a packed 1-D parameter
     if style in _INNER_EMBEDDING:
         return (1, 1) if param.ndim > 1 else None
+    if style in _EXPERTS:
+        return 0, 1  # by expert
     return None
 
 
@@ -640,9 +684,10 @@ def shard_layers(
     """Applies the rules of ``plan`` (:func:`layer_tp_plan`'s) that fall inside the decoder
     layers ``layer_names``, and its rules outside them (the embedding's) whose module is among
     the modules ``held`` (all with ``None``), to ``model`` over the 1-D ``tp_mesh``, by HF's
-    ``apply_tensor_parallelism``. The ``replicated_with_grad_allreduce`` rules are not installed
-    (see [Note: pipeline x tensor parallel]): returns their modules, whose gradients the caller
-    sums."""
+    ``apply_tensor_parallelism``, and its expert-parallel rules (:data:`_EXPERTS`) by HF's
+    ``apply_expert_parallelism`` over the same ranks. The ``replicated_with_grad_allreduce``
+    rules are not installed (see [Note: pipeline x tensor parallel]): returns their modules,
+    whose gradients the caller sums."""
     prefixes = tuple(f"{n}." for n in layer_names)
     named = dict(model.named_modules())
     mine_ids = None if held is None else {id(m) for h in held for m in h.modules()}
@@ -656,8 +701,11 @@ def shard_layers(
     mine = {k: v for k, v in plan.items() if applies(k)}
     partial = [named[k] for k, v in mine.items() if v == _PARTIAL_GRAD and k in named]
     hf = tensor_parallel_api()
-    own = (_PARTIAL_GRAD, _VOCAB_HEAD)  # not HF's to apply
+    own = (_PARTIAL_GRAD, _VOCAB_HEAD, *_EXPERTS)  # not HF's tensor parallelism's to apply
     hf.apply(model, tp_mesh, {k: v for k, v in mine.items() if v not in own})
+    experts = {k: v for k, v in mine.items() if v in _EXPERTS}
+    if experts:
+        hf.apply_experts(model, tp_mesh, experts)
     for key in (k for k, v in mine.items() if v == _VOCAB_HEAD):
         _vocabulary_parallel_head(hf, named[key], tp_mesh)
     return partial

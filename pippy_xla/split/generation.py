@@ -151,7 +151,7 @@ def _thread_cache(gm: fx.GraphModule, layer_cls: tuple[type[nn.Module], ...]) ->
         if node.op == "call_module":
             mod = gm.get_submodule(node.target)
             if isinstance(mod, hf.MaskLeaf):
-                name = cache_param(inspect.signature(mod.fn)) or CACHE_ARG
+                name = cache_param(mod.fn) or CACHE_ARG
                 node.kwargs = {**node.kwargs, name: cache}
             elif isinstance(mod, layer_cls):
                 node.args, node.kwargs = _with_cache(mod, node.args, node.kwargs, cache)
@@ -172,7 +172,7 @@ def _with_cache(
     sig = inspect.signature(layer.forward)
     params = sig.parameters
     var_kw = next((p.name for p in params.values() if p.kind is p.VAR_KEYWORD), None)
-    name = cache_param(sig)
+    name = cache_param(layer.forward)
     if name is None and var_kw is None:
         raise UnsupportedModelError(
             f"{type(layer).__name__}.forward takes no {CACHE_ARG} (nor a parameter annotated as "
