@@ -1,8 +1,9 @@
 """What differs between the transformers releases pippy_xla supports, in one place.
 
-``pyproject.toml`` declares the oldest release; CI tests it and the newest beside the one it pins
-(``scripts/test.sh``'s compatibility pass, the tests marked ``compat``). The private entry points
-the pipeline uses that moved between them are reached through this module:
+``pyproject.toml`` declares the range of releases CI tests: the suite runs on its newest, the
+tests marked ``compat`` on its oldest (``scripts/setup.sh``, ``scripts/test.sh``); building a
+pipeline under a release outside it warns once (:func:`warn_if_untested`). The private entry
+points the pipeline uses that moved between releases are reached through this module:
 
 - ``create_causal_mask`` and the other mask factories: 5.24 wraps them in a deprecation decorator
   (``past_key_values`` renamed ``cache``), so the module whose globals they read is the wrapped

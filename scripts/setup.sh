@@ -22,12 +22,12 @@ pip=(python3 -m pip install -q --disable-pip-version-check)
 # The release pyproject.toml's range ends with (what `pip install` picks), and the rest.
 "${pip[@]}" "transformers==5.25.0" "peft==0.21.2" "trl==1.16.0" pytest pytest-xdist \
   ninja tqdm matplotlib "mypy==2.4.1" "ruff==0.17.6"
-# The other transformers releases of the compatibility pass (scripts/test.sh: the oldest that
-# pyproject.toml declares, and one between), each in .compat/transformers-<release>/ with what it
-# needs that the packages installed above do not give: pip resolves the release against this
-# environment (--dry-run --report), and what it would add or change goes into the folder, which
-# the compatibility pass puts first on PYTHONPATH. Pins beside the release keep its folder the
-# same from run to run (5.17's hub client is huggingface_hub 1.x, on httpx).
+# The other transformers release of the compatibility pass (scripts/test.sh), the oldest that
+# pyproject.toml declares, in .compat/transformers-<release>/ with what it needs that the packages
+# installed above do not give: pip resolves the release against this environment (--dry-run
+# --report), and what it would add or change goes into the folder, which the compatibility pass
+# puts first on PYTHONPATH (for 5.17: its hub client, huggingface_hub 1.x, with httpx, httpcore
+# and certifi). Pins beside the release keep its folder the same from run to run.
 compat() {
   local dir=".compat/transformers-$1" report
   [ -d "$dir" ] && return
@@ -42,7 +42,6 @@ for item in json.load(open(sys.argv[1]))['install']:
   mv "$dir.partial" "$dir"
 }
 compat 5.17.0 huggingface-hub==1.33.0 httpx==0.28.1 httpcore==1.0.9 h11==0.16.0 anyio==4.16.0
-compat 5.23.0
 # CMake and GoogleTest for the C++ unit tests (scripts/ctest.sh), from the distribution where this may
 # install packages (root with apt-get); elsewhere ctest.sh skips those tests and says why.
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
