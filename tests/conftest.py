@@ -7,12 +7,6 @@ import tempfile
 # processes that the spawn helper starts.
 sys.path.insert(0, os.path.dirname(__file__))
 
-# [Note: one inductor cache per instruction set] Inductor's on-disk caches do not tell graphs
-# compiled under one ATEN_CPU_CAPABILITY from another's (torch 2.13): after a run on this
-# machine's native AVX-512, the same tests under ATEN_CPU_CAPABILITY=avx2 replayed the cached
-# graphs and got NaN losses and a segmentation fault inside the compiled code; with a cache of
-# their own they pass. A run that names a capability therefore gets its own cache directory,
-# inherited by the ranks it starts (scripts/test.sh runs the compiled tests that way).
 # [Note: inductor compiles in the rank] By default inductor compiles its C++ kernels in a pool of
 # worker processes when a machine has 2 cores or more, and each compiling process (every rank
 # of a compiled test) starts a pool of its own: an interpreter that imports torch, for a few
@@ -20,6 +14,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 # process instead (their ranks inherit this): a compiled test on 2 ranks with a cold cache took
 # 53 s against 66 s on the 2-core CI machine.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+# [Note: one inductor cache per instruction set] Inductor's on-disk caches do not tell graphs
+# compiled under one ATEN_CPU_CAPABILITY from another's (torch 2.13): after a run on this
+# machine's native AVX-512, the same tests under ATEN_CPU_CAPABILITY=avx2 replayed the cached
+# graphs and got NaN losses and a segmentation fault inside the compiled code; with a cache of
+# their own they pass. A run that names a capability therefore gets its own cache directory,
+# inherited by the ranks it starts (scripts/test.sh runs the compiled tests that way).
 _isa = os.environ.get("ATEN_CPU_CAPABILITY")
 if _isa and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
