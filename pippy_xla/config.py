@@ -36,7 +36,7 @@ TRANSPORTS = ("auto", "shm", "process_group", "in_order")
 @dataclass(kw_only=True, slots=True)
 class PipelineConfig:
     """How a model is pipelined: schedule, microbatches, stage layout, checkpointing, loss,
-    timeouts, device, compilation, data and tensor parallelism."""
+    timeouts, device, compilation, data, tensor and expert parallelism."""
 
     num_microbatches: int
     """Microbatches per step; the batch size must be divisible by it (on a mesh: by it times the
@@ -135,6 +135,14 @@ class PipelineConfig:
     a key of the model's plan is overridden, a new one added (a model without a plan takes the
     dict alone), ``"replicate"`` keeps a module whole, ``{}`` applies no rule.
     ``None``: no tensor parallelism (a mesh's ``tp_dim``, if any, must then have size 1)."""
+    expert_parallel: int | None = None
+    """With a mesh: the expert-parallel degree ``ep``. Each stage's MoE experts are sharded over
+    ``ep`` of the ranks that run that stage (drawn from its data-parallel, and tensor-parallel,
+    ranks: HF's layout, ``ep`` a multiple of ``tp`` dividing ``dp x tp``), each holding ``E / ep``
+    experts of every MoE layer whole, by the model's own HF expert plan (``model.ep_plan``);
+    routed tokens travel to their experts' rank and back by all-to-all (see [Note: pipeline x
+    expert parallel] in ``runtime/expert_parallel.py``). ``None`` (or 1): experts are held like
+    the other weights."""
 
     def __post_init__(self) -> None:
         m = self.num_microbatches
@@ -181,6 +189,9 @@ class PipelineConfig:
         if len(set(dims)) != len(dims):
             raise ValueError(f"dp_dim, pp_dim and tp_dim must differ, got {dims}")
         self._check_tensor_parallel()
+        ep = self.expert_parallel
+        if ep is not None and (isinstance(ep, bool) or not isinstance(ep, int) or ep < 1):
+            raise ValueError(f"expert_parallel must be None or a positive int, got {ep!r}")
 
     @property
     def schedule_name(self) -> str:

@@ -20,7 +20,11 @@ points the pipeline uses that moved between releases are reached through this mo
   ``ep_dispatch_experts``) with ``ep_implementation="all_reduce"``, the same masking and
   all-reduce over ranks that share a batch. The pipeline applies that plan over the tp ranks
   where the tp plan leaves the experts whole (``ep_plan`` and ``apply_experts`` of
-  :func:`tensor_parallel_api`; ``expert_parallel.py``, unchanged from 5.23 to 5.25).
+  :func:`tensor_parallel_api`; ``expert_parallel.py``, unchanged from 5.23 to 5.25);
+- expert parallelism (``expert_parallel=``) applies the same plan through the same function
+  with ``ep_implementation="all_to_all"`` over ranks that hold different batches
+  (:func:`expert_parallel_api`); 5.17 has neither the module nor the configs' dispatch rules
+  (its plans name ``ep_router`` and ``moe_tp_experts``): refused in one line there.
 """
 
 from __future__ import annotations
@@ -61,10 +65,14 @@ def cache_param(fn: Any) -> str | None:
     return None
 
 
-EP_IMPLEMENTATION = "all_reduce"
+EP_SHARED_BATCH = "all_reduce"
 """HF's expert-parallel implementation for a group of ranks that share one batch (a stage's tp
 ranks): each rank runs its own experts on the whole batch, the routes to other ranks' experts
 masked, and an all-reduce sums the outputs (``AllReduceEP``, ``ep_size == tp_size``)."""
+EP_OWN_BATCHES = "all_to_all"
+"""HF's expert-parallel implementation for a group of ranks that hold different batches (a
+stage's data-parallel replicas, with their tp ranks): each (token, expert) pair is sent to the
+expert's rank and its output back by two all-to-alls (``AllToAllEP``)."""
 
 
 def tensor_parallel_api() -> SimpleNamespace:
@@ -73,8 +81,10 @@ def tensor_parallel_api() -> SimpleNamespace:
     ``wildcard(name)`` (a name's layer index replaced by ``*``), ``apply(model, mesh, plan)``,
     ``colwise`` (the class of HF's ``colwise`` styles, for a style HF registers no name for),
     ``ep_plan(model)`` (the model's expert-parallel plan, ``{}`` without one) and
-    ``apply_experts(model, mesh, plan)`` (HF's expert parallelism of ``plan``'s expanded rules
-    over the ranks of ``mesh``, which share their batch: :data:`EP_IMPLEMENTATION`).
+    ``apply_experts(model, mesh, plan, batch_mesh=None)`` (HF's expert parallelism of
+    ``plan``'s expanded rules over the ranks of ``mesh``; ``batch_mesh``: the ranks among them
+    that share one batch, HF's ``tp_mesh``: ``None`` when all of ``mesh`` share it,
+    :data:`EP_SHARED_BATCH`, else :data:`EP_OWN_BATCHES`).
     Raises ``NotImplementedError`` (one line) on a transformers release without them."""
     try:
         from transformers.distributed.expert_parallel import apply_expert_parallelism
@@ -98,14 +108,17 @@ def tensor_parallel_api() -> SimpleNamespace:
             f"{transformers.__version__}: upgrade it, or use a mesh without a 'tp' dim"
         ) from e
 
-    def apply_experts(model: Any, mesh: Any, plan: dict[str, str]) -> None:
+    def apply_experts(
+        model: Any, mesh: Any, plan: dict[str, str], batch_mesh: Any | None = None
+    ) -> None:
         # Parameters first: HF's implementation reads the experts' local count, which sharding
         # their parameters sets, when its module rule is applied (LongCat-Flash's plan names
         # the module first).
         params = dict(model.named_parameters())
         ordered = sorted(plan.items(), key=lambda item: item[0] not in params)
+        how = EP_SHARED_BATCH if batch_mesh is None else EP_OWN_BATCHES
         apply_expert_parallelism(
-            model, mesh, mesh, dict(ordered), ep_implementation=EP_IMPLEMENTATION
+            model, mesh, batch_mesh or mesh, dict(ordered), ep_implementation=how
         )
 
     return SimpleNamespace(
@@ -117,6 +130,22 @@ def tensor_parallel_api() -> SimpleNamespace:
         ep_plan=lambda model: dict(getattr(model, "ep_plan", None) or {}),
         apply_experts=apply_experts,
     )
+
+
+def expert_parallel_api() -> SimpleNamespace:
+    """:func:`tensor_parallel_api`'s entry points, for expert parallelism (``expert_parallel=``,
+    HF's all-to-all dispatch of ``transformers.distributed.expert_parallel``). Raises
+    ``NotImplementedError`` (one line) on a transformers release without it (before 5.23)."""
+    try:
+        return tensor_parallel_api()
+    except NotImplementedError as e:
+        import transformers
+
+        raise NotImplementedError(
+            "expert_parallel applies HF's expert parallelism with all-to-all dispatch of "
+            "transformers>=5.23 (transformers.distributed.expert_parallel); this is transformers "
+            f"{transformers.__version__}: upgrade it, or drop expert_parallel"
+        ) from e
 
 
 def tested_releases() -> str | None:

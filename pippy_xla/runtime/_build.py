@@ -30,6 +30,7 @@ from pippy_xla.runtime._recompile import RecompileWatch
 from pippy_xla.runtime._state import params_named
 from pippy_xla.runtime._ties import Tie, combine_among, local_ties, tied_names, untie_local_copies
 from pippy_xla.runtime.data_parallel import DataParallel, MeshGroups, dims_text, mesh_groups
+from pippy_xla.runtime.expert_parallel import ExpertParallel, layer_ep_plan
 from pippy_xla.runtime.failures import AbortChannel, check_mesh_usable
 from pippy_xla.runtime.ops import group_name_of
 from pippy_xla.runtime.tensor_parallel import TensorParallel, layer_tp_plan
@@ -155,6 +156,9 @@ class BuiltPipeline:
     tp: TensorParallel | None
     """The local decoder layers' sharding over the mesh's tensor-parallel dimension (``None``
     without one, or of size 1)."""
+    ep: ExpertParallel | None
+    """The local experts' sharding over their expert group (``None`` without
+    ``expert_parallel``)."""
     loss_fn: LossFn
     """The loss of one microbatch."""
     num_items_fn: Callable[[torch.Tensor], torch.Tensor]
@@ -192,9 +196,18 @@ def build(
         tp_plan = layer_tp_plan(
             model, layer_names, place.tp_size, config.tensor_parallel, place.dp_size == 1
         )
+    ep_plan = None
+    if expert_degree(config) > 1:
+        ep_plan = layer_ep_plan(
+            model,
+            layer_names,
+            config.expert_parallel,
+            place.dp_size * place.tp_size,
+            place.tp_size,
+        )
     layer_ranges, stages, train_schedule = _partition(model, layer_cls, config, place)
     local_stages = [stages[s] for s in train_schedule.stages_of(place.rank)]
-    build_key = check_ranks_agree(stages, config, place, tp_plan)
+    build_key = check_ranks_agree(stages, config, place, tp_plan, ep_plan)
     own_group(place)
     attach_transport(config, place)
     place.in_order = in_order_groups(config, place, train_schedule.stage_rank)
@@ -205,8 +218,24 @@ def build(
     ties = _tie_weights(tied, stages, local_stages, train_schedule.stage_rank, place)
     modules = {st.index: st.module for st in local_stages}
     tp = _tensor_parallel(model, tp_plan, layer_names, local_stages, place, build_key)
+    ep = None
+    if ep_plan is not None:  # [Note: pipeline x expert parallel]
+        local_layers = {st.index: [layer_names[i] for i in st.layers] for st in local_stages}
+        ep = ExpertParallel(
+            place.mesh,
+            config.expert_parallel,
+            model,
+            ep_plan,
+            local_layers,
+            place.timeout_ms,
+            place.device,
+            build_key,
+        )
     # Under tp, replicas only where there are several (FSDP2 over the tp-sharded layers).
-    dp = _replicas(modules, config, place, build_key) if tp is None or place.dp_size > 1 else None
+    dp = None
+    if tp is None or place.dp_size > 1:
+        ignored = ep.params if ep is not None else ()
+        dp = _replicas(modules, config, place, build_key, ignored)
     runners, watch = _runners(modules, config, split=train_schedule.split_backward)
     eval_schedule = _schedule("forward", place.num_ranks, config, train_schedule)
     return BuiltPipeline(
@@ -222,6 +251,7 @@ def build(
         aliases={n: names for names in tied for n in names},
         dp=dp,
         tp=tp,
+        ep=ep,
         loss_fn=loss_fn,
         num_items_fn=num_items_fn,
         label_rows=text_vocab_size(model.config) if config.loss_fn is None else None,
@@ -322,13 +352,24 @@ def _tensor_parallel(
 
 
 def _replicas(
-    modules: dict[int, nn.Module], config: PipelineConfig, place: Placement, build_key: int
+    modules: dict[int, nn.Module],
+    config: PipelineConfig,
+    place: Placement,
+    build_key: int,
+    ignored: Sequence[nn.Parameter] = (),
 ) -> DataParallel | None:
-    """With a mesh: the local stages wrapped for data parallelism over the replicas."""
+    """With a mesh: the local stages wrapped for data parallelism over the replicas (but the
+    ``ignored`` parameters: experts sharded over them)."""
     if place.mesh is None:
         return None
     return DataParallel(
-        place.mesh, config.data_parallel, modules, place.timeout_ms, place.device, build_key
+        place.mesh,
+        config.data_parallel,
+        modules,
+        place.timeout_ms,
+        place.device,
+        build_key,
+        ignored=ignored,
     )
 
 
@@ -380,11 +421,18 @@ def resolve_placement(
             f"(dp, pp, tp), mesh_dim_names=({dp}, {config.pp_dim!r}, "
             f"{config.tp_dim!r})); got no mesh"
         )
+    if mesh is None and expert_degree(config) > 1:
+        raise ValueError(
+            f"expert_parallel={config.expert_parallel} needs mesh=init_device_mesh(device_type, "
+            f"(dp, pp), mesh_dim_names=({dp}, {config.pp_dim!r})): the experts are sharded over "
+            "the data-parallel ranks of each stage; got no mesh"
+        )
     if mesh is not None:
         check_mesh_usable(mesh)
         groups = mesh_groups(mesh, config.pp_dim, config.dp_dim, group, config.tp_dim)
         group = groups.pp_group
         _check_tensor_parallel(config, groups)
+        _check_expert_parallel(config, groups)
     group = group or dist.group.WORLD
     return Placement(
         group=group,
@@ -411,6 +459,35 @@ def _check_tensor_parallel(config: PipelineConfig, groups: MeshGroups) -> None:
             f"tensor_parallel={config.tensor_parallel!r} but the mesh's dims "
             f"{groups.mesh.mesh_dim_names} have no {config.tp_dim!r}; build a mesh "
             f"({dp}, {config.pp_dim!r}, {config.tp_dim!r})"
+        )
+
+
+def expert_degree(config: PipelineConfig) -> int:
+    """The expert-parallel degree (1 without expert parallelism)."""
+    return config.expert_parallel or 1
+
+
+def _check_expert_parallel(config: PipelineConfig, groups: MeshGroups) -> None:
+    """What a mesh with ``expert_parallel`` does not cover yet is refused (the layout's own rule
+    is :func:`~pippy_xla.runtime.expert_parallel.layer_ep_plan`'s)."""
+    ep = expert_degree(config)
+    if ep == 1:
+        return
+    if len(config.dp_dims) > 1:
+        raise NotImplementedError(
+            f"expert_parallel={ep} with two data-parallel dims (HSDP, dp_dim={config.dp_dim!r}) "
+            "is not supported yet (issue 71); use one dp dim"
+        )
+    if groups.tp_size > 1:
+        raise NotImplementedError(
+            f"expert_parallel={ep} beside tensor parallelism (tp={groups.tp_size}) is not "
+            "supported yet (issue 71); use a mesh (dp, pp), or shard the experts over tp alone "
+            "(tensor_parallel='auto' without expert_parallel)"
+        )
+    if config.compile:
+        raise NotImplementedError(
+            f"expert_parallel={ep} with compile=True is not supported yet (issue 71): HF's "
+            "all-to-all dispatch reads its split sizes back to the host in every MoE layer"
         )
 
 
@@ -709,6 +786,7 @@ def check_ranks_agree(
     config: PipelineConfig,
     place: Placement,
     tp_plan: dict[str, str] | None = None,
+    ep_plan: dict[str, str] | None = None,
 ) -> int:
     """Build-time handshake: every rank of the group must have built the same stage graphs with
     the same schedule, microbatch count, inputs and tensor-parallel rules. Returns the 64-bit
@@ -726,6 +804,7 @@ def check_ranks_agree(
         list(config.input_names),
         config.transport,
         digest64(repr(tp_plan).encode()) if tp_plan else None,
+        (config.expert_parallel, digest64(repr(ep_plan).encode())) if ep_plan else None,
     )
     key = digest64(repr(mine).encode())
     rank = place.rank
@@ -739,7 +818,8 @@ def check_ranks_agree(
         if theirs != mine:
             raise RuntimeError(
                 f"[rank {rank}] rank {r} built a different pipeline: (graph digest, schedule, "
-                f"microbatches, inputs, transport, tp rules) = {theirs} here {mine}; every rank "
-                "must wrap the same model with the same arguments"
+                "microbatches, inputs, transport, tp rules, expert parallel) = "
+                f"{theirs} here {mine}; every rank must wrap the same model with the same "
+                "arguments"
             )
     return key

@@ -12,6 +12,8 @@ so ``PipelineModel.clip_grad_norm_`` computes it from every rank's share
   several ranks (its gradient already summed on every owner) only on its first owner; on a mesh,
   the local shard of a sharded (``fully_shard``) gradient, or the whole of a replicated one; on
   an HSDP mesh, whose shards repeat on every replica of the replicate dim, on its first only;
+- experts sharded by expert parallelism count on the first of their copies, their share summed
+  over the ranks that run their stage first ([Note: pipeline x expert parallel]);
 - the shares are combined over the pipeline's group (and, for sharded gradients, over the
   replicas): ``(sum_r sum_i |g_i|_p^p)^(1/p)`` for a finite ``p``, the largest for ``inf``, by
   all-reduces on C++-owned buffers (``_C.all_reduce_sum_copy``; a maximum as the sum of a
@@ -65,27 +67,36 @@ def _combine(value: torch.Tensor, norm_type: float, reduce: Reduce, rank: int, s
 
 
 def global_norm(
-    counted: Sequence[torch.Tensor],
+    parts: Sequence[tuple[Sequence[torch.Tensor], Sequence[tuple[Reduce, int, int]]]],
     norm_type: float,
     device: torch.device,
     reductions: Sequence[tuple[Reduce, int, int]],
 ) -> torch.Tensor:
-    """The ``norm_type`` norm of every rank's ``counted`` gradients (see [Note: global gradient
+    """The ``norm_type`` norm of every rank's counted gradients (see [Note: global gradient
     clipping]), on every rank.
 
     Args:
-        counted: the local gradients that count in the norm.
-        reductions: ``(reduce, rank, size)`` per group to combine the shares over, in order
-            (the pipeline's group; then the replicas, for sharded gradients).
+        parts: ``(counted, first)`` per kind of gradient: the local gradients that count in the
+            norm and the ``(reduce, rank, size)`` groups their share is combined over before
+            the others' (the replicas, for sharded gradients; the ranks of a stage, for experts
+            sharded over them).
+        reductions: ``(reduce, rank, size)`` per group to combine the parts' sum over, in order
+            (the pipeline's group; the tensor-parallel ranks).
     """
     if norm_type <= 0 and norm_type != math.inf:
         raise ValueError(f"norm_type must be positive or inf, got {norm_type}")
-    norms = [torch.linalg.vector_norm(g.detach(), norm_type).float() for g in counted]
-    stacked = torch.stack(norms) if norms else torch.zeros(0, device=device)
-    if norm_type == math.inf:
-        value = stacked.max() if norms else torch.zeros((), device=device)
-    else:
-        value = stacked.pow(norm_type).sum()
+    values = []
+    for counted, first in parts:
+        norms = [torch.linalg.vector_norm(g.detach(), norm_type).float() for g in counted]
+        stacked = torch.stack(norms) if norms else torch.zeros(0, device=device)
+        if norm_type == math.inf:
+            value = stacked.max() if norms else torch.zeros((), device=device)
+        else:
+            value = stacked.pow(norm_type).sum()
+        for reduce, rank, size in first:
+            value = _combine(value, norm_type, reduce, rank, size)
+        values.append(value)
+    value = torch.stack(values).amax() if norm_type == math.inf else torch.stack(values).sum()
     for reduce, rank, size in reductions:
         value = _combine(value, norm_type, reduce, rank, size)
     return value if norm_type == math.inf else value.pow(1.0 / norm_type)

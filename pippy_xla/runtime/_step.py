@@ -217,6 +217,7 @@ class StepRunner:
         self.ties = built.ties
         self.dp = built.dp
         self.tp = built.tp
+        self.ep = built.ep
         self.watch = built.compile_watch
         self.loss_fn = built.loss_fn
         """The loss of one microbatch (assignable between steps)."""
@@ -319,9 +320,11 @@ class StepRunner:
         self.failures.check_usable()
         place, norm_type = self.place, float(norm_type)
         scaled, counted = local_gradients(params, self.ties, place.rank)
+        experts = {id(p) for p in self.ep.params} if self.ep is not None else set()
+        dense = [p for p in params if id(p) not in experts]
         if self.tp is not None:  # a tensor replicated over tp counts once: on tp rank 0
-            mine = [p for p in params if self.tp.counts_in_norm(p)]
-            _, counted = local_gradients(mine, self.ties, place.rank)
+            dense = [p for p in dense if self.tp.counts_in_norm(p)]
+        _, counted = local_gradients(dense, self.ties, place.rank)
 
         sharded = self.dp is not None and self.dp.sharded
         if sharded and place.mesh.dp_replicate_rank != 0:  # HSDP: a shard counts on one replica
@@ -334,17 +337,19 @@ class StepRunner:
                     t, place.group_name, place.timeout_ms, where, abortable=abortable
                 )
 
+            first = [(self.dp.all_reduce_sum, place.dp_rank, place.dp_size)] if sharded else []
+            parts = [(counted, first)]
+            if self.ep is not None:  # [Note: pipeline x expert parallel]
+                parts.append(self.ep.norm_part())
             reductions = [(pipeline_sum, place.rank, place.num_ranks)]
-            if sharded:
-                reductions.append((self.dp.all_reduce_sum, place.dp_rank, place.dp_size))
             if self.tp is not None:
                 reductions.append((self.tp.all_reduce_sum, self.tp.rank, self.tp.size))
-            return global_norm(counted, norm_type, place.device, reductions)
+            return global_norm(parts, norm_type, place.device, reductions)
 
         total = self.failures.watched(
             "gradient norm all_reduce",
             norm,
-            abortable=self._abortable and not sharded and self.tp is None,
+            abortable=self._abortable and not sharded and self.tp is None and self.ep is None,
         )
         clip_(
             scaled,
@@ -585,6 +590,8 @@ class StepRunner:
         replicas (a watched collective: see [Note: watched collectives]), timed for the step's
         timings."""
         start = time.time_ns()  # the engine's clock (system time)
+        if self.ep is not None:  # [Note: pipeline x expert parallel]
+            self.failures.watched(f"expert gradient sum of stage {stage}", self.ep.reduce, stage)
         self.failures.watched(f"data-parallel reduction of stage {stage}", self.dp.reduce, stage)
         self.reduce_spans.append(("DP", stage, -1, start, time.time_ns()))
 

@@ -183,9 +183,12 @@ class DataParallel:
         timeout_ms: int,
         device: torch.device,
         build_key: int,
+        ignored: Sequence[nn.Parameter] = (),
     ) -> None:
         """``build_key``: a digest of this rank's pipeline (graphs, schedule, microbatches); the
-        replicas must agree on it and on ``mode`` before any of their tensors are exchanged."""
+        replicas must agree on it and on ``mode`` before any of their tensors are exchanged.
+        ``ignored``: parameters FSDP2 neither copies from the first replica, shards nor reduces
+        (experts sharded over the replicas, see [Note: pipeline x expert parallel])."""
         from torch.distributed._composable.replicate_with_fsdp import replicate
         from torch.distributed.fsdp import fully_shard
 
@@ -203,19 +206,26 @@ class DataParallel:
                 "microbatches, inputs or data_parallel mode differ); every rank must wrap the "
                 "same model with the same arguments"
             )
+        skip = {id(p) for p in ignored}
         for module in modules.values():
-            self._sync_from_first_replica(module)
+            self._sync_from_first_replica(module, skip)
         for module in modules.values():
             # HSDP: the 2-D (replicate, shard) mesh; plain replicate over every replica.
-            self._api(module, mesh=groups.fsdp_mesh if mode == "shard" else groups.dp_mesh)
+            self._api(
+                module,
+                mesh=groups.fsdp_mesh if mode == "shard" else groups.dp_mesh,
+                ignored_params={p for p in module.parameters() if id(p) in skip} or None,
+            )
             # The losses are already divided by the global token count: sum, never average.
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
         self.modules = dict(modules)
 
-    def _sync_from_first_replica(self, module: nn.Module) -> None:
+    def _sync_from_first_replica(self, module: nn.Module, skip: set[int]) -> None:
         with torch.no_grad():
             for name, t in [*module.named_parameters(), *module.named_buffers()]:
+                if id(t) in skip:
+                    continue
                 t = local_tensor(t.detach())  # a tensor-parallel shard: this tp rank's part
                 t.copy_(
                     _C.broadcast_copy(

@@ -88,6 +88,7 @@ from torch import nn
 from pippy_xla._native import _C
 from pippy_xla.hf_compat import tensor_parallel_api
 from pippy_xla.runtime.data_parallel import local_tensor
+from pippy_xla.runtime.expert_parallel import EXPERT_STYLES, expert_rules
 from pippy_xla.split.partition import UnsupportedModelError
 
 logger = logging.getLogger(__name__)
@@ -123,13 +124,14 @@ _OUTPUT = ("mla_kv_a_proj", "moe_identity_expert")
 part of ``kv_a_proj_with_mqa``, which skips the sharded ``kv_b_proj``: its gradient summed over
 tp; LongCat-Flash's identity ("zero") experts, whose input is divided by tp, which the experts'
 sum over tp restores)."""
-_EXPERTS = ("grouped_gemm", "ep_dispatch_experts")
+_EXPERTS = EXPERT_STYLES
 """HF's expert-parallel styles, from the model's ``ep_plan``, for experts on which the tp plan
 sets no rule, at them or around them (:func:`_expert_rules`): the experts' parameters sharded by
 expert (dim 0), each tp rank running its own experts on the batch the stage's tp ranks share,
 the routes to the others' masked, the outputs summed over tp (HF's ``apply_expert_parallelism``
 with the tp ranks as the expert group and its all-reduce implementation; the input and routing
-weights' gradients summed over tp in backward)."""
+weights' gradients summed over tp in backward). The same rules and function as expert
+parallelism's over other ranks ([Note: pipeline x expert parallel])."""
 _REPLICATE = "replicate"
 _EMBEDDING = ("embedding_rowwise",)
 """The input embedding's styles the pipeline applies: HF's vocabulary-parallel embedding, each tp
@@ -243,17 +245,7 @@ def _expert_rules(
     (``prefixes``) of the experts modules (``ep_dispatch_experts``) on which the tp ``plan``
     (keys with ``*``) sets no rule: none at the module, under it or above it. Raises
     ``NotImplementedError`` for another style among them that is not a partial gradient's."""
-    hf = tensor_parallel_api()
-    ep = hf.ep_plan(model)
-
-    def related(key: str, root: str) -> bool:
-        return key == root or key.startswith(f"{root}.") or root.startswith(f"{key}.")
-
-    roots = [k for k, v in ep.items() if v == "ep_dispatch_experts"]
-    free = [r for r in roots if not any(related(k, r) for k in plan)]
-    rules = {k: v for k, v in ep.items() if any(k == r or k.startswith(f"{r}.") for r in free)}
-    if not rules:
-        return {}
+    rules = expert_rules(model, prefixes, skip=list(plan))
     odd = sorted({v for v in rules.values() if v not in (*_EXPERTS, _PARTIAL_GRAD)})
     if odd:
         raise NotImplementedError(
@@ -261,7 +253,7 @@ def _expert_rules(
             f"its tp plan leaves whole, uses style(s) {odd}, which the pipeline does not apply "
             f"yet (issue 48); covered: {list(_EXPERTS)} and {_PARTIAL_GRAD!r}"
         )
-    return {k: v for k, v in expand_plan(model, rules).items() if k.startswith(prefixes)}
+    return rules
 
 
 def _vocabulary_modules(model: nn.Module) -> tuple[tuple[str, nn.Module] | None, ...]:

@@ -1,0 +1,301 @@
+"""Pipeline x expert parallel on a ``DeviceMesh``: each stage's MoE experts sharded over ranks
+that run that stage, whole experts per rank, by the model's own HF expert plan; routed tokens
+exchanged by HF's all-to-all.
+
+[Note: pipeline x expert parallel]
+
+``PipelineModel(model, mesh=mesh, expert_parallel=ep)`` on a ``(dp, pp)`` mesh (or ``(dp, pp,
+tp)``) shards every MoE layer's experts of a stage over ``ep`` of the ranks that run that stage.
+The mesh names no expert dim: as HF's ``DistributedConfig(ep_size=...)`` and torchtitan do, the
+expert ranks are borrowed from the dense ones.
+
+- Layout (HF's rule, ``DistributedConfig``: ``ep`` a multiple of ``tp`` dividing ``dp x tp``):
+  the ``dp x tp`` ranks of a stage, flattened with ``tp`` inner (the dense group), are cut into
+  ``efsdp = dp x tp / ep`` expert groups of ``ep`` consecutive ranks (each a whole number of tp
+  groups); rank ``i`` of an expert group holds experts ``[i E/ep, (i+1) E/ep)`` of every MoE
+  layer of its stages; the ranks at the same place of each expert group (the efsdp group) hold
+  the same experts: ``efsdp`` copies of each. On a ``(2, 2)`` mesh with ``ep=2``, ranks 0 and 2
+  (stage 0 of replicas 0 and 1) are one expert group and hold experts 0-1 and 2-3 of stage 0's
+  layers. The meshes are made once per mesh and ``ep`` by torch's ``DeviceMesh._unflatten``
+  (:func:`expert_layout`).
+- Applying: the plan's rules inside this rank's decoder layers (``grouped_gemm`` on the experts'
+  parameters, ``ep_dispatch_experts`` on the experts module: :data:`EXPERT_STYLES`, from
+  ``model.ep_plan``, :func:`expert_rules`) go to HF's ``apply_expert_parallelism`` with
+  ``ep_implementation="all_to_all"`` (``hf_compat.expert_parallel_api``): the experts'
+  parameters become DTensors ``Shard(0)`` on the expert mesh (their local tensor the rank's
+  experts), and the experts module's forward sends each (token, expert) pair to the expert's
+  rank and the output back (``AllToAllEP``, whose ``tp_mesh`` is the ranks sharing one batch:
+  the tp ranks, or one rank). The router, the shared experts and every other weight stay dense.
+  The same function shards experts over tp ranks under tensor parallelism (its ``all_reduce``
+  implementation, [Note: pipeline x tensor parallel]): one mechanism, two groups.
+- Start: the experts are copied whole from the first replica (a broadcast over ``dp``) before
+  sharding, so each rank cuts its experts out of the same tensors.
+- Schedules: every replica runs the same schedule, so the ranks of an expert group (same stage,
+  other replicas or tp ranks) reach each layer's two all-to-alls (forward) and their two
+  backward ones in the same order, microbatch by microbatch; the backward all-to-alls lie on
+  the input-gradient path, so a split backward (zero-bubble) runs them in B, and W, which only
+  accumulates weight gradients from what B recorded, communicates nothing (see [Note: split
+  backward] in ``csrc/runtime/split_backward.cpp``).
+- Gradients: an expert's gradient on its rank is complete over its expert group (the
+  all-to-all's backward brings every token's contribution; losses are already divided by the
+  global token count, [Note: pipeline x data parallel]), so FSDP2 ignores the expert parameters
+  (``ignored_params``: neither sharded nor reduced); with ``efsdp`` > 1 they are summed over the
+  efsdp group after the stage's last backward (:meth:`ExpertParallel.reduce`). The optimizer
+  sees the local experts only, so its state is theirs. The global norm counts each expert once:
+  the first copy's share summed over the stage's ranks (:meth:`ExpertParallel.norm_part`;
+  [Note: global gradient clipping] in ``_grads.py``).
+- Refused at build, on every rank alike, in one line: ``expert_parallel`` without a mesh, a mesh
+  whose dense group it does not divide, a model without an expert plan (or none that dispatches
+  experts inside its decoder layers), a style of the plan the pipeline does not apply, a number
+  of experts it does not divide, HSDP, tensor parallelism beside it (not yet) and a transformers
+  release without HF's all-to-all expert parallelism (before 5.23).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pippy_xla._native import _C
+from pippy_xla.hf_compat import expert_parallel_api
+from pippy_xla.runtime.data_parallel import local_tensor
+from pippy_xla.split.partition import UnsupportedModelError
+
+__all__ = [
+    "EXPERT_STYLES",
+    "ExpertLayout",
+    "ExpertParallel",
+    "expert_layout",
+    "expert_rules",
+    "layer_ep_plan",
+]
+
+_DISPATCH = "ep_dispatch_experts"
+EXPERT_STYLES = ("grouped_gemm", _DISPATCH)
+"""HF's expert-parallel styles the pipeline applies (from the model's ``ep_plan``): the experts'
+parameters sharded by expert (dim 0), the experts module reached through HF's dispatch."""
+
+
+def expert_rules(
+    model: nn.Module, prefixes: tuple[str, ...], skip: Sequence[str] = ()
+) -> dict[str, str]:
+    """The model's expert-parallel rules (``model.ep_plan``, expanded) inside the decoder layers
+    (``prefixes``) that belong to an experts module (an ``ep_dispatch_experts`` rule) on which no
+    key of ``skip`` (another plan's keys, with ``*``) sets a rule: none at the module, under it
+    or above it. Their styles are not checked here."""
+    hf = expert_parallel_api()
+    ep = hf.ep_plan(model)
+
+    def related(key: str, root: str) -> bool:
+        return key == root or key.startswith(f"{root}.") or root.startswith(f"{key}.")
+
+    roots = [k for k, v in ep.items() if v == _DISPATCH]
+    free = [r for r in roots if not any(related(k, r) for k in skip)]
+    rules = {k: v for k, v in ep.items() if any(k == r or k.startswith(f"{r}.") for r in free)}
+    if not rules:
+        return {}
+    return {k: v for k, v in hf.expand_plan(model, rules).items() if k.startswith(prefixes)}
+
+
+def layer_ep_plan(
+    model: nn.Module, layer_names: Sequence[str], ep: int, dense_size: int, tp_size: int
+) -> dict[str, str]:
+    """The expert-parallel plan over the decoder layers ``layer_names`` (every layer of the model,
+    so that every rank checks the same): concrete module and parameter names -> HF style.
+    ``dense_size``: the ranks that run one stage (``dp x tp``). Raises, in one line naming the
+    numbers, ``NotImplementedError`` on a transformers release without HF's all-to-all
+    dispatch, ``UnsupportedModelError`` for a model without an expert plan, without a dispatch
+    rule inside its decoder layers, or with a style the pipeline does not apply, and
+    ``ValueError`` for an ``ep`` that does not fit the ranks or the experts."""
+    label = f"expert_parallel={ep}"
+    name = type(model).__name__
+    expert_parallel_api()  # the release has HF's dispatch
+    if ep % tp_size or dense_size % ep:
+        raise ValueError(
+            f"{label}: the expert ranks are drawn from the {dense_size} ranks that run a stage "
+            f"(dp x tp, tp={tp_size}); HF's rule: ep a multiple of tp that divides dp x tp; "
+            "choose such an expert_parallel"
+        )
+    own = expert_parallel_api().ep_plan(model)
+    if not own:
+        raise UnsupportedModelError(
+            f"{label}: {name} has no HF expert-parallel plan (config.base_model_ep_plan is "
+            "empty): its experts cannot be sharded; drop expert_parallel"
+        )
+    prefixes = tuple(f"{n}." for n in layer_names)
+    rules = expert_rules(model, prefixes)
+    if not any(v == _DISPATCH for v in rules.values()):
+        raise UnsupportedModelError(
+            f"{label}: {name}'s expert-parallel plan {own} has no {_DISPATCH!r} rule inside its "
+            f"decoder layers ({layer_names[0]}, ...): nothing the pipeline can dispatch to; "
+            "drop expert_parallel"
+        )
+    odd = sorted({v for v in rules.values() if v not in EXPERT_STYLES})
+    if odd:
+        where = next(k for k, v in rules.items() if v == odd[0])
+        raise UnsupportedModelError(
+            f"{label}: {name}'s expert-parallel plan uses style(s) {odd} (e.g. {where}), which "
+            f"the pipeline does not apply yet; covered: {list(EXPERT_STYLES)}"
+        )
+    params = dict(model.named_parameters())
+    for key, style in rules.items():
+        p = params.get(key)
+        if style == "grouped_gemm" and p is not None and p.shape[0] % ep:
+            raise ValueError(
+                f"{label}: {key} holds {p.shape[0]} experts, which do not divide by "
+                f"expert_parallel={ep}; choose an expert_parallel that divides the number of "
+                "experts"
+            )
+    return rules
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertLayout:
+    """The meshes of one rank's expert groups (see [Note: pipeline x expert parallel])."""
+
+    ep_mesh: object
+    """The expert group: ``ep`` ranks running one stage, each with ``E / ep`` experts."""
+    batch_mesh: object
+    """The ranks of the expert group that share one batch (the tp ranks; one rank without tp):
+    HF's ``tp_mesh`` of ``AllToAllEP``."""
+    efsdp_mesh: object
+    """The ranks holding the same experts (``dp x tp / ep`` of them)."""
+
+    @property
+    def ep_rank(self) -> int:
+        return self.ep_mesh.get_local_rank()
+
+    @property
+    def efsdp_size(self) -> int:
+        return self.efsdp_mesh.size()
+
+
+_LAYOUTS: dict[tuple[int, int], tuple[weakref.ref, ExpertLayout]] = {}
+"""Layouts made, by ``(id(dense mesh), ep)``: a second pipeline on the same mesh reuses the
+groups of the first (torch's DTensor caches its decisions by mesh equality: equal meshes must
+not stand for other groups)."""
+
+
+def expert_layout(dense_mesh, ep: int, tp_size: int) -> ExpertLayout:
+    """The expert meshes cut out of ``dense_mesh`` (the 1-D mesh of the ranks that run a stage,
+    ``tp`` inner): ``(efsdp, ep / tp, tp)`` by torch's ``_unflatten``, the expert mesh its last
+    two dims flattened. A collective over every rank of the job (new process groups), made once
+    per mesh and ``ep``."""
+    key = (id(dense_mesh), ep)
+    held = _LAYOUTS.get(key)
+    if held is not None and held[0]() is dense_mesh:
+        return held[1]
+    efsdp = dense_mesh.size() // ep
+    cut = dense_mesh._unflatten(
+        0, (efsdp, ep // tp_size, tp_size), ("efsdp", "ep_replicas", "ep_batch")
+    )
+    ep_mesh = cut["ep_replicas", "ep_batch"]._flatten(f"ep{ep}_of_{dense_mesh.mesh_dim_names[0]}")
+    layout = ExpertLayout(ep_mesh=ep_mesh, batch_mesh=cut["ep_batch"], efsdp_mesh=cut["efsdp"])
+    _LAYOUTS[key] = (weakref.ref(dense_mesh), layout)
+    return layout
+
+
+class ExpertParallel:
+    """This rank's experts sharded over its expert group, and their gradients' reduction. See
+    [Note: pipeline x expert parallel]."""
+
+    def __init__(
+        self,
+        groups,
+        ep: int,
+        model: nn.Module,
+        plan: dict[str, str],
+        local_layers: Mapping[int, Sequence[str]],
+        timeout_ms: int,
+        device: torch.device,
+        build_key: int,
+    ) -> None:
+        """``groups``: the rank's :class:`~pippy_xla.runtime.data_parallel.MeshGroups`;
+        ``plan``: :func:`layer_ep_plan`'s; ``local_layers``: the decoder layers' names of each
+        local stage; ``build_key``: the digest of this rank's pipeline,
+        which the replicas must agree on before any expert is exchanged."""
+        self.size = ep
+        self._timeout_ms = timeout_ms
+        self._device = str(device)
+        self._dp_group_name = groups.dp_group.group_name
+        self._dp_rank, self._dp_size = groups.dp_rank, groups.dp_size
+        everyone = _C.all_gather_int64(
+            [build_key],
+            self._dp_group_name,
+            self._device,
+            timeout_ms,
+            f"[replica {groups.dp_rank}] expert-parallel build handshake",
+        )
+        if any(k != [build_key] for k in everyone):
+            raise RuntimeError(
+                f"[replica {groups.dp_rank}] the pipeline replicas built different pipelines "
+                "(model, layer ranges, schedule, microbatches, inputs or expert_parallel "
+                "differ); every rank must wrap the same model with the same arguments"
+            )
+        self.layout = expert_layout(groups.dp_mesh, ep, groups.tp_size)
+        named = dict(model.named_modules())
+        self._experts: dict[int, list[nn.Module]] = {}
+        """Each local stage's experts modules."""
+        mine: dict[str, str] = {}
+        for stage, names in local_layers.items():
+            prefixes = tuple(f"{n}." for n in names)
+            rules = {k: v for k, v in plan.items() if k.startswith(prefixes)}
+            self._experts[stage] = [named[k] for k, v in rules.items() if v == _DISPATCH]
+            mine |= rules
+        experts = [m for ms in self._experts.values() for m in ms]
+        # Every replica cuts its experts out of the first replica's (see the note's Start).
+        with torch.no_grad():
+            for module in experts:
+                for name, t in module.named_parameters():
+                    t.copy_(
+                        _C.broadcast_copy(
+                            t.detach(),
+                            0,
+                            self._dp_group_name,
+                            timeout_ms,
+                            f"expert-parallel start: broadcast of {name}",
+                        )
+                    )
+        if mine:
+            expert_parallel_api().apply_experts(
+                model, self.layout.ep_mesh, mine, self.layout.batch_mesh
+            )
+        self._efsdp_name = self.layout.efsdp_mesh.get_group().group_name
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """This rank's expert parameters (DTensors sharded by expert over the expert group),
+        now."""
+        return [p for ms in self._experts.values() for m in ms for p in m.parameters()]
+
+    def reduce(self, stage: int) -> None:
+        """Sums the gradients of local ``stage``'s experts over the ranks holding the same
+        experts (the efsdp group; nothing to do when there is one copy of each)."""
+        if self.layout.efsdp_size == 1:
+            return
+        for p in (p for m in self._experts[stage] for p in m.parameters()):
+            if p.grad is not None:
+                g = local_tensor(p.grad)
+                g.copy_(
+                    _C.all_reduce_sum_copy(
+                        g, self._efsdp_name, self._timeout_ms, "expert gradient sum over efsdp"
+                    )
+                )
+
+    def norm_part(self) -> tuple[list[torch.Tensor], list[tuple]]:
+        """The local expert gradients this rank counts in the global norm (on the first copy
+        of each, efsdp rank 0) and the reduction that combines them over the ranks that run
+        the stage (every expert once, every rank the same sum), as
+        :func:`~pippy_xla.runtime._grads.global_norm` takes a part."""
+        first = self.layout.efsdp_mesh.get_local_rank() == 0
+        counted = [local_tensor(p.grad) for p in self.params if p.grad is not None and first]
+
+        def dense_sum(t: torch.Tensor, what: str) -> torch.Tensor:
+            where = f"{what} over the experts' ranks"
+            return _C.all_reduce_sum_copy(t, self._dp_group_name, self._timeout_ms, where)
+
+        return counted, [(dense_sum, self._dp_rank, self._dp_size)]

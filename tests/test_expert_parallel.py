@@ -1,0 +1,110 @@
+"""Pipeline x expert parallel on a (dp=2, pp=2) mesh of 4 gloo ranks, ``expert_parallel=2``:
+each stage's experts sharded over its two replicas (HF's own expert plan and all-to-all
+dispatch), against one process on the global batch: the loss, the router's auxiliary loss,
+every gradient (an expert's against the reference's expert of the same index), the global
+gradient norm and the parameters after AdamW steps. Many cases run in one spawn of the ranks."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from models import MODELS, full, make_batch, reference_step
+from test_moe import TOL
+
+import pippy_xla as px
+from pippy_xla.testing import run_ranks
+
+EP = 2
+EXPERTS = 4  # the tiny MoE families' (tests/models.py)
+
+
+def _mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+
+
+def _close(actual, expected, kind, msg):
+    torch.testing.assert_close(actual, expected, **TOL[kind], msg=msg)
+
+
+def _experts_of(name: str, ep_rank: int) -> slice | None:
+    """The reference's experts that this rank's shard of parameter ``name`` holds (``None`` for
+    a dense parameter)."""
+    if ".experts." not in name:
+        return None
+    per = EXPERTS // EP
+    return slice(ep_rank * per, (ep_rank + 1) * per)
+
+
+def _case(mesh, family, schedule, mode="replicate", layers=2, steps=2, mbs=2, uneven=False):
+    """``steps`` AdamW steps of the pipeline against :func:`reference_step` on the global batch
+    (``mbs`` microbatches per replica); with ``uneven``, the routers of the first stage's
+    layer send every token to experts 2 and 3 (all logits equal: ``topk`` takes the last), so
+    one replica's experts get no token and the other's all of them. Returns the losses."""
+    dp_rank = mesh["dp"].get_local_rank()
+    torch.manual_seed(0)
+    model, layer_cls = MODELS[family](layers=layers)
+    if uneven:
+        with torch.no_grad():
+            model.model.layers[0].mlp.gate.weight.zero_()
+    ref = copy.deepcopy(model)
+    pipe = px.PipelineModel(
+        model,
+        layer_cls=layer_cls,
+        num_microbatches=mbs,
+        schedule=schedule,
+        mesh=mesh,
+        data_parallel=mode,
+        expert_parallel=EP,
+        timeout=60,
+    )
+    named = dict(pipe.named_parameters())
+    experts = [n for n in named if _experts_of(n, dp_rank) is not None]
+    assert experts, f"{family}: no experts on this rank"
+    for n in experts:  # each replica holds its half of the experts, whole
+        assert named[n].to_local().shape[0] == EXPERTS // EP, n
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3, eps=1e-6)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
+    losses = []
+    for step in range(steps):
+        where = f"{family} {schedule} {mode} uneven={uneven} step={step} dp={dp_rank}"
+        batch = make_batch(seed=step, batch=8)
+        loss = pipe.run_train(**batch)
+        ref_loss, ref_aux = reference_step(ref, batch, mbs * 2)
+        _close(loss, ref_loss, "loss", where)
+        aux = pipe.last_losses["aux"]
+        assert aux > 0, where
+        _close(torch.tensor(aux), torch.tensor(ref_aux), "loss", f"{where}: aux")
+        for name, p in named.items():
+            ref_grad = ref.get_parameter(name).grad
+            rows = _experts_of(name, dp_rank)
+            if rows is None:
+                _close(full(p.grad), ref_grad, "grad", f"{where}: {name}")
+            else:
+                _close(p.grad.to_local(), ref_grad[rows], "grad", f"{where}: {name}")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for name, p in named.items():
+            rows = _experts_of(name, dp_rank)
+            mine = full(p) if rows is None else p.to_local()
+            want = ref.get_parameter(name) if rows is None else ref.get_parameter(name)[rows]
+            _close(mine.detach(), want.detach(), "param", f"{where}: {name}")
+        losses.append(float(loss))
+    return losses
+
+
+def _cases(rank, world, cases):
+    mesh = _mesh()
+    return [_case(mesh, *case) for case in cases]
+
+
+CASES = [("qwen3_moe_router_loss", "1f1b")]
+
+
+def test_expert_parallel_equals_one_process():
+    out = run_ranks(4, _cases, CASES, timeout=600)
+    assert all(o == out[0] for o in out)
