@@ -8,12 +8,26 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
-from models import MODELS, full, make_batch, reference_step
+from models import MODELS, TINY_FAMILIES, full, make_batch, reference_step, tiny
 from test_moe import TOL
 
 import pippy_xla as px
+from pippy_xla.hf_compat import expert_parallel_api
 from pippy_xla.testing import run_ranks
+
+
+def _hf_expert_parallel() -> bool:
+    try:
+        expert_parallel_api()
+    except NotImplementedError:
+        return False
+    return True
+
+
+HF_EXPERT_PARALLEL = _hf_expert_parallel()
+"""Whether this transformers has HF's all-to-all expert parallelism (5.23 on)."""
 
 EP = 2
 EXPERTS = 4  # the tiny MoE families' (tests/models.py)
@@ -38,11 +52,14 @@ def _experts_of(name: str, ep_rank: int) -> slice | None:
     return slice(ep_rank * per, (ep_rank + 1) * per)
 
 
-def _case(mesh, family, schedule, mode="replicate", layers=2, steps=2, mbs=2, uneven=False):
+def _case(
+    mesh, family, schedule, mode="replicate", layers=2, steps=2, mbs=2, uneven=False, clip=None
+):
     """``steps`` AdamW steps of the pipeline against :func:`reference_step` on the global batch
-    (``mbs`` microbatches per replica); with ``uneven``, the routers of the first stage's
-    layer send every token to experts 2 and 3 (all logits equal: ``topk`` takes the last), so
-    one replica's experts get no token and the other's all of them. Returns the losses."""
+    (``mbs`` microbatches per replica); with ``uneven``, the router of the first layer sends
+    every token to experts 2 and 3 (its weight zero, all logits equal: ``topk`` takes the last
+    ones), so one replica's experts get no token and the other's all of them; with ``clip``,
+    the gradients are clipped to that global norm before each step. Returns the losses."""
     dp_rank = mesh["dp"].get_local_rank()
     torch.manual_seed(0)
     model, layer_cls = MODELS[family](layers=layers)
@@ -84,6 +101,11 @@ def _case(mesh, family, schedule, mode="replicate", layers=2, steps=2, mbs=2, un
                 _close(full(p.grad), ref_grad, "grad", f"{where}: {name}")
             else:
                 _close(p.grad.to_local(), ref_grad[rows], "grad", f"{where}: {name}")
+        if clip is not None:  # every expert counted once, on one of the ranks
+            norm = pipe.clip_grad_norm_(clip)
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+            assert float(ref_norm) > 2 * clip, where  # the clipping scales
+            _close(norm, ref_norm, "loss", f"{where}: norm")
         opt.step()
         ref_opt.step()
         opt.zero_grad()
@@ -97,14 +119,76 @@ def _case(mesh, family, schedule, mode="replicate", layers=2, steps=2, mbs=2, un
     return losses
 
 
+def _refused(build, *expected: str) -> str:
+    """The one-line message ``build()`` raises, checked to say ``expected``."""
+    with pytest.raises((ValueError, NotImplementedError)) as e:
+        build()
+    msg = str(e.value)
+    assert "\n" not in msg and all(x in msg for x in expected), msg
+    return msg
+
+
+def _refusals(mesh) -> list[str]:
+    """What the pipeline refuses at build, on every rank alike (no collective runs first)."""
+
+    def build(family="qwen3_moe", ep=EP, mesh=mesh, model=None, **overrides):
+        if model is None:
+            if overrides:
+                model, layer_cls = tiny(family, layers=2, **{**TINY_FAMILIES[family], **overrides})
+            else:
+                model, layer_cls = MODELS[family](layers=2)
+        else:
+            layer_cls = None
+        options = {"mesh": mesh} if mesh is not None else {}
+        return px.PipelineModel(
+            model,
+            layer_cls=layer_cls,
+            num_microbatches=2,
+            expert_parallel=ep,
+            timeout=60,
+            **options,
+        )
+
+    def odd_style():
+        model, _ = MODELS["qwen3_moe"](layers=2)
+        model.ep_plan = {**model.ep_plan, "model.layers.*.mlp.experts.down_proj": "rowwise"}
+        return build(model=model)
+
+    def without_plan():
+        model, _ = MODELS["qwen3_moe"](layers=2)
+        model.ep_plan = {}
+        return build(model=model)
+
+    return [
+        _refused(lambda: build(ep=4), "expert_parallel=4", "dp x tp"),
+        _refused(lambda: build(num_experts=3), "3 experts", "expert_parallel=2"),
+        _refused(lambda: build("llama"), "LlamaForCausalLM has no HF expert-parallel plan"),
+        _refused(without_plan, "no HF expert-parallel plan"),
+        _refused(odd_style, "['rowwise']", "does not apply"),
+        _refused(lambda: build(mesh=None), "needs mesh="),
+    ]
+
+
 def _cases(rank, world, cases):
     mesh = _mesh()
-    return [_case(mesh, *case) for case in cases]
+    if not HF_EXPERT_PARALLEL:  # transformers before 5.23: refused in one line
+        return [_refused(lambda: _case(mesh, *cases[0]), "transformers>=5.23")]
+    return [_case(mesh, *case) for case in cases] + _refusals(mesh)
 
 
-CASES = [("qwen3_moe_router_loss", "1f1b")]
+# Every kind of schedule: 1f1b, zero-bubble with the backward split (an expert's weight
+# gradient in W, its all-to-alls in B), two stages per rank (interleaved, zbv's V); dense
+# weights replicated or sharded over the replicas; tied embeddings (Qwen3-MoE's).
+CASES = [
+    ("qwen3_moe_router_loss", "1f1b", "replicate", 2, 2, 2, False, 0.05),
+    ("mixtral_router_loss", "zbh1", "shard"),
+    ("mixtral_router_loss", "interleaved", "replicate", 4),
+    ("qwen3_moe_router_loss", "zbv", "shard", 4, 1),
+    ("mixtral_router_loss", "gpipe", "replicate", 2, 1, 2, True),
+]
 
 
+@pytest.mark.compat
 def test_expert_parallel_equals_one_process():
-    out = run_ranks(4, _cases, CASES, timeout=600)
-    assert all(o == out[0] for o in out)
+    out = run_ranks(4, _cases, CASES, timeout=300)
+    assert all(o == out[0] for o in out)  # every rank the same losses and refusals
