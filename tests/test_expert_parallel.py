@@ -33,10 +33,10 @@ EP = 2
 EXPERTS = 4  # the tiny MoE families' (tests/models.py)
 
 
-def _mesh():
+def _mesh(dp=2, pp=2):
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    return init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))
 
 
 def _close(actual, expected, kind, msg):
@@ -53,14 +53,26 @@ def _experts_of(name: str, ep_rank: int) -> slice | None:
 
 
 def _case(
-    mesh, family, schedule, mode="replicate", layers=2, steps=2, mbs=2, uneven=False, clip=None
+    mesh,
+    family,
+    schedule,
+    mode="replicate",
+    layers=2,
+    steps=2,
+    mbs=2,
+    uneven=False,
+    clip=None,
+    save=None,
 ):
     """``steps`` AdamW steps of the pipeline against :func:`reference_step` on the global batch
     (``mbs`` microbatches per replica); with ``uneven``, the router of the first layer sends
     every token to experts 2 and 3 (its weight zero, all logits equal: ``topk`` takes the last
-    ones), so one replica's experts get no token and the other's all of them; with ``clip``,
-    the gradients are clipped to that global norm before each step. Returns the losses."""
+    ones), so one expert rank gets no token and the other all of them; with ``clip``, the
+    gradients are clipped to that global norm before each step; with ``save``, the model is
+    written there in HF's layout after the steps and loaded back. Returns the losses."""
+    dp_size = mesh["dp"].size()
     dp_rank = mesh["dp"].get_local_rank()
+    ep_rank = dp_rank % EP  # expert groups of EP consecutive replicas (efsdp = dp / EP copies)
     torch.manual_seed(0)
     model, layer_cls = MODELS[family](layers=layers)
     if uneven:
@@ -78,7 +90,7 @@ def _case(
         timeout=60,
     )
     named = dict(pipe.named_parameters())
-    experts = [n for n in named if _experts_of(n, dp_rank) is not None]
+    experts = [n for n in named if _experts_of(n, ep_rank) is not None]
     assert experts, f"{family}: no experts on this rank"
     for n in experts:  # each replica holds its half of the experts, whole
         assert named[n].to_local().shape[0] == EXPERTS // EP, n
@@ -86,17 +98,17 @@ def _case(
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
     losses = []
     for step in range(steps):
-        where = f"{family} {schedule} {mode} uneven={uneven} step={step} dp={dp_rank}"
+        where = f"{family} {schedule} {mode} dp={dp_rank}/{dp_size} uneven={uneven} step={step}"
         batch = make_batch(seed=step, batch=8)
         loss = pipe.run_train(**batch)
-        ref_loss, ref_aux = reference_step(ref, batch, mbs * 2)
+        ref_loss, ref_aux = reference_step(ref, batch, mbs * dp_size)
         _close(loss, ref_loss, "loss", where)
         aux = pipe.last_losses["aux"]
         assert aux > 0, where
         _close(torch.tensor(aux), torch.tensor(ref_aux), "loss", f"{where}: aux")
         for name, p in named.items():
             ref_grad = ref.get_parameter(name).grad
-            rows = _experts_of(name, dp_rank)
+            rows = _experts_of(name, ep_rank)
             if rows is None:
                 _close(full(p.grad), ref_grad, "grad", f"{where}: {name}")
             else:
@@ -111,11 +123,21 @@ def _case(
         opt.zero_grad()
         ref_opt.zero_grad()
         for name, p in named.items():
-            rows = _experts_of(name, dp_rank)
+            rows = _experts_of(name, ep_rank)
             mine = full(p) if rows is None else p.to_local()
             want = ref.get_parameter(name) if rows is None else ref.get_parameter(name)[rows]
             _close(mine.detach(), want.detach(), "param", f"{where}: {name}")
         losses.append(float(loss))
+    if save is not None:  # every expert once, from the rank holding it
+        pipe.save_pretrained(save)
+        if torch.distributed.get_rank() == 0:
+            from transformers import AutoModelForCausalLM
+
+            loaded = AutoModelForCausalLM.from_pretrained(save)
+            for name, t in ref.state_dict().items():
+                _close(loaded.state_dict()[name], t, "param", f"{family} saved: {name}")
+    ids = make_batch(seed=5)["input_ids"][:4]
+    _refused(lambda: pipe.generate(ids, max_new_tokens=2), "generate with expert_parallel=2")
     return losses
 
 
@@ -169,11 +191,14 @@ def _refusals(mesh) -> list[str]:
     ]
 
 
-def _cases(rank, world, cases):
+def _cases(rank, world, cases, efsdp_cases, save):
     mesh = _mesh()
     if not HF_EXPERT_PARALLEL:  # transformers before 5.23: refused in one line
         return [_refused(lambda: _case(mesh, *cases[0]), "transformers>=5.23")]
-    return [_case(mesh, *case) for case in cases] + _refusals(mesh)
+    out = [_case(mesh, *case, save=save if i == 0 else None) for i, case in enumerate(cases)]
+    wide = _mesh(4, 1)  # 4 replicas, expert groups of 2: two copies of each expert
+    out += [_case(wide, *case) for case in efsdp_cases]
+    return out + _refusals(mesh)
 
 
 # Every kind of schedule: 1f1b, zero-bubble with the backward split (an expert's weight
@@ -188,7 +213,11 @@ CASES = [
 ]
 
 
+# dp=4 x pp=1, expert_parallel=2: each expert's gradient summed over its two copies.
+EFSDP_CASES = [("mixtral_router_loss", "1f1b", "shard", 2, 2, 2, False, 0.05)]
+
+
 @pytest.mark.compat
-def test_expert_parallel_equals_one_process():
-    out = run_ranks(4, _cases, CASES, timeout=300)
+def test_expert_parallel_equals_one_process(tmp_path):
+    out = run_ranks(4, _cases, CASES, EFSDP_CASES, str(tmp_path / "saved"), timeout=300)
     assert all(o == out[0] for o in out)  # every rank the same losses and refusals

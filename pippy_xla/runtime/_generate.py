@@ -321,6 +321,13 @@ class Generator:
             raise ValueError(f"groups must be a positive int, got {groups!r}")
         self.failures.check_usable()
         check_can_generate(self.model)
+        if self.runner.ep is not None:
+            raise NotImplementedError(
+                f"generate with expert_parallel={self.runner.ep.size} is not supported yet "
+                "(issue 71): each replica's decode steps end with its own rows, and the experts' "
+                "all-to-alls need every replica of a stage at each step; generate with a "
+                "pipeline built without expert_parallel"
+            )
         place = self.place
         self.caches = {}
         self.decode_runs = []
