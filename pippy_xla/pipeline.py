@@ -86,7 +86,10 @@ class PipelineModel:
             as above, FSDP2 over the tp-sharded stages). With ``dp_dim=("dp_replicate",
             "dp_shard")`` the mesh's data-parallel dimension is two dims (HSDP:
             ``data_parallel="shard"`` shards over ``dp_shard`` and replicates over
-            ``dp_replicate``).
+            ``dp_replicate``). With ``expert_parallel=ep`` each stage's MoE experts are
+            sharded over ``ep`` of its replicas by the model's own HF expert plan, tokens
+            exchanged all-to-all (see [Note: pipeline x expert parallel] in
+            runtime/expert_parallel.py).
     """
 
     def __init__(

@@ -221,3 +221,9 @@ EFSDP_CASES = [("mixtral_router_loss", "1f1b", "shard", 2, 2, 2, False, 0.05)]
 def test_expert_parallel_equals_one_process(tmp_path):
     out = run_ranks(4, _cases, CASES, EFSDP_CASES, str(tmp_path / "saved"), timeout=300)
     assert all(o == out[0] for o in out)  # every rank the same losses and refusals
+
+
+@pytest.mark.parametrize("bad", [0, -2, 2.0, True, "2"])
+def test_expert_parallel_must_be_a_positive_int(bad):
+    with pytest.raises(ValueError, match="expert_parallel must be None or a positive int"):
+        px.PipelineConfig(num_microbatches=2, expert_parallel=bad)
