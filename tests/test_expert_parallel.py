@@ -33,22 +33,24 @@ EP = 2
 EXPERTS = 4  # the tiny MoE families' (tests/models.py)
 
 
-def _mesh(dp=2, pp=2):
+def _mesh(dp=2, pp=2, tp=None):
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))
+    if tp is None:
+        return init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))
+    return init_device_mesh("cpu", (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
 
 
 def _close(actual, expected, kind, msg):
     torch.testing.assert_close(actual, expected, **TOL[kind], msg=msg)
 
 
-def _experts_of(name: str, ep_rank: int) -> slice | None:
+def _experts_of(name: str, ep_rank: int, ep: int = EP) -> slice | None:
     """The reference's experts that this rank's shard of parameter ``name`` holds (``None`` for
     a dense parameter)."""
     if ".experts." not in name:
         return None
-    per = EXPERTS // EP
+    per = EXPERTS // ep
     return slice(ep_rank * per, (ep_rank + 1) * per)
 
 
@@ -63,16 +65,23 @@ def _case(
     uneven=False,
     clip=None,
     save=None,
+    ep=EP,
 ):
     """``steps`` AdamW steps of the pipeline against :func:`reference_step` on the global batch
     (``mbs`` microbatches per replica); with ``uneven``, the router of the first layer sends
     every token to experts 2 and 3 (its weight zero, all logits equal: ``topk`` takes the last
     ones), so one expert rank gets no token and the other all of them; with ``clip``, the
     gradients are clipped to that global norm before each step; with ``save``, the model is
-    written there in HF's layout after the steps and loaded back. Returns the losses."""
+    written there in HF's layout after the steps and loaded back; on a mesh with a ``tp`` dim,
+    the decoder layers are sharded by the model's tp plan too, the experts by ``ep`` of the
+    stage's dp x tp ranks. Returns the losses."""
     dp_size = mesh["dp"].size()
     dp_rank = mesh["dp"].get_local_rank()
-    ep_rank = dp_rank % EP  # expert groups of EP consecutive replicas (efsdp = dp / EP copies)
+    tp = mesh["tp"].size() if "tp" in mesh.mesh_dim_names else 1
+    tp_rank = mesh["tp"].get_local_rank() if tp > 1 else 0
+    # Expert groups of ep consecutive ranks of the stage's dp x tp (efsdp = dp x tp / ep copies).
+    ep_rank = (dp_rank * tp + tp_rank) % ep
+    options = {"tensor_parallel": "auto"} if tp > 1 else {}
     torch.manual_seed(0)
     model, layer_cls = MODELS[family](layers=layers)
     if uneven:
@@ -86,19 +95,23 @@ def _case(
         schedule=schedule,
         mesh=mesh,
         data_parallel=mode,
-        expert_parallel=EP,
+        expert_parallel=ep,
         timeout=60,
+        **options,
     )
     named = dict(pipe.named_parameters())
-    experts = [n for n in named if _experts_of(n, ep_rank) is not None]
+    experts = [n for n in named if _experts_of(n, ep_rank, ep) is not None]
     assert experts, f"{family}: no experts on this rank"
-    for n in experts:  # each replica holds its half of the experts, whole
-        assert named[n].to_local().shape[0] == EXPERTS // EP, n
+    for n in experts:  # each expert rank holds its share of the experts, whole
+        assert named[n].to_local().shape[0] == EXPERTS // ep, n
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3, eps=1e-6)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
     losses = []
     for step in range(steps):
-        where = f"{family} {schedule} {mode} dp={dp_rank}/{dp_size} uneven={uneven} step={step}"
+        where = (
+            f"{family} {schedule} {mode} dp={dp_rank}/{dp_size} tp={tp_rank}/{tp} ep={ep} "
+            f"uneven={uneven} step={step}"
+        )
         batch = make_batch(seed=step, batch=8)
         loss = pipe.run_train(**batch)
         ref_loss, ref_aux = reference_step(ref, batch, mbs * dp_size)
@@ -108,7 +121,7 @@ def _case(
         _close(torch.tensor(aux), torch.tensor(ref_aux), "loss", f"{where}: aux")
         for name, p in named.items():
             ref_grad = ref.get_parameter(name).grad
-            rows = _experts_of(name, ep_rank)
+            rows = _experts_of(name, ep_rank, ep)
             if rows is None:
                 _close(full(p.grad), ref_grad, "grad", f"{where}: {name}")
             else:
@@ -123,7 +136,7 @@ def _case(
         opt.zero_grad()
         ref_opt.zero_grad()
         for name, p in named.items():
-            rows = _experts_of(name, ep_rank)
+            rows = _experts_of(name, ep_rank, ep)
             mine = full(p) if rows is None else p.to_local()
             want = ref.get_parameter(name) if rows is None else ref.get_parameter(name)[rows]
             _close(mine.detach(), want.detach(), "param", f"{where}: {name}")
@@ -137,7 +150,7 @@ def _case(
             for name, t in ref.state_dict().items():
                 _close(loaded.state_dict()[name], t, "param", f"{family} saved: {name}")
     ids = make_batch(seed=5)["input_ids"][:4]
-    _refused(lambda: pipe.generate(ids, max_new_tokens=2), "generate with expert_parallel=2")
+    _refused(lambda: pipe.generate(ids, max_new_tokens=2), f"generate with expert_parallel={ep}")
     return losses
 
 
@@ -191,13 +204,15 @@ def _refusals(mesh) -> list[str]:
     ]
 
 
-def _cases(rank, world, cases, efsdp_cases, save):
+def _cases(rank, world, cases, efsdp_cases, tp_cases, save):
     mesh = _mesh()
     if not HF_EXPERT_PARALLEL:  # transformers before 5.23: refused in one line
         return [_refused(lambda: _case(mesh, *cases[0]), "transformers>=5.23")]
     out = [_case(mesh, *case, save=save if i == 0 else None) for i, case in enumerate(cases)]
     wide = _mesh(4, 1)  # 4 replicas, expert groups of 2: two copies of each expert
     out += [_case(wide, *case) for case in efsdp_cases]
+    with_tp = _mesh(2, 1, 2)  # 2 replicas x 2 tp ranks of one stage
+    out += [_case(with_tp, *case[:-1], ep=case[-1]) for case in tp_cases]
     return out + _refusals(mesh)
 
 
@@ -217,9 +232,19 @@ CASES = [
 EFSDP_CASES = [("mixtral_router_loss", "1f1b", "shard", 2, 2, 2, False, 0.05)]
 
 
+# dp=2 x pp=1 x tp=2, the layers sharded by the tp plan too: expert groups drawn from dp x tp
+# (HF's rule: ep a multiple of tp dividing dp x tp), the batch sliced over each tp group by HF's
+# dispatch; ep=2 (each tp group an expert group, two copies of each expert) and ep=4 (one).
+TP_CASES = [
+    ("qwen3_moe_router_loss", "1f1b", "replicate", 2, 2, 2, False, 0.05, None, 2),
+    ("mixtral_router_loss", "1f1b", "shard", 2, 1, 2, False, None, None, 4),
+]
+
+
 @pytest.mark.compat
 def test_expert_parallel_equals_one_process(tmp_path):
-    out = run_ranks(4, _cases, CASES, EFSDP_CASES, str(tmp_path / "saved"), timeout=300)
+    save = str(tmp_path / "saved")
+    out = run_ranks(4, _cases, CASES, EFSDP_CASES, TP_CASES, save, timeout=300)
     assert all(o == out[0] for o in out)  # every rank the same losses and refusals
 
 

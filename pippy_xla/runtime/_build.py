@@ -194,7 +194,12 @@ def build(
     tp_plan = None
     if place.tp_size > 1:
         tp_plan = layer_tp_plan(
-            model, layer_names, place.tp_size, config.tensor_parallel, place.dp_size == 1
+            model,
+            layer_names,
+            place.tp_size,
+            config.tensor_parallel,
+            place.dp_size == 1,
+            experts=expert_degree(config) == 1,
         )
     ep_plan = None
     if expert_degree(config) > 1:
@@ -217,7 +222,8 @@ def build(
         untie_local_copies(tied, local_stages)
     ties = _tie_weights(tied, stages, local_stages, train_schedule.stage_rank, place)
     modules = {st.index: st.module for st in local_stages}
-    tp = _tensor_parallel(model, tp_plan, layer_names, local_stages, place, build_key)
+    experts = [k for k, v in (ep_plan or {}).items() if v == "ep_dispatch_experts"]
+    tp = _tensor_parallel(model, tp_plan, layer_names, local_stages, place, build_key, experts)
     ep = None
     if ep_plan is not None:  # [Note: pipeline x expert parallel]
         local_layers = {st.index: [layer_names[i] for i in st.layers] for st in local_stages}
@@ -334,9 +340,11 @@ def _tensor_parallel(
     local_stages: Sequence[StageGraph],
     place: Placement,
     build_key: int,
+    experts: Sequence[str] = (),
 ) -> TensorParallel | None:
     """With a tensor-parallel plan: the local decoder layers sharded over the mesh's ``tp``
-    dimension (see [Note: pipeline x tensor parallel] in ``tensor_parallel.py``)."""
+    dimension (see [Note: pipeline x tensor parallel] in ``tensor_parallel.py``), but the
+    ``experts`` modules, which expert parallelism shards."""
     if plan is None:
         return None
     return TensorParallel(
@@ -348,6 +356,7 @@ def _tensor_parallel(
         place.timeout_ms,
         place.device,
         build_key,
+        apart=experts,
     )
 
 
@@ -477,12 +486,6 @@ def _check_expert_parallel(config: PipelineConfig, groups: MeshGroups) -> None:
         raise NotImplementedError(
             f"expert_parallel={ep} with two data-parallel dims (HSDP, dp_dim={config.dp_dim!r}) "
             "is not supported yet (issue 71); use one dp dim"
-        )
-    if groups.tp_size > 1:
-        raise NotImplementedError(
-            f"expert_parallel={ep} beside tensor parallelism (tp={groups.tp_size}) is not "
-            "supported yet (issue 71); use a mesh (dp, pp), or shard the experts over tp alone "
-            "(tensor_parallel='auto' without expert_parallel)"
         )
     if config.compile:
         raise NotImplementedError(

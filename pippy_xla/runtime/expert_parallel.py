@@ -47,8 +47,13 @@ expert ranks are borrowed from the dense ones.
 - Refused at build, on every rank alike, in one line: ``expert_parallel`` without a mesh, a mesh
   whose dense group it does not divide, a model without an expert plan (or none that dispatches
   experts inside its decoder layers), a style of the plan the pipeline does not apply, a number
-  of experts it does not divide, HSDP, tensor parallelism beside it (not yet) and a transformers
-  release without HF's all-to-all expert parallelism (before 5.23).
+  of experts it does not divide, HSDP and compiled stages (not yet), and a transformers release
+  without HF's all-to-all expert parallelism (before 5.23).
+- Tensor parallelism beside it: the tp plan keeps no rule on the experts modules (HF drops tp
+  rules on what its ep plan covers), the tp ranks' partial-gradient check skips them, and HF's
+  dispatch slices each tp group's shared batch over its ranks before the all-to-all (a token is
+  computed once) and gathers the outputs back. The global norm counts each expert once: the
+  experts' part is summed over ``dp`` first, and over ``tp`` with the tp-replicated rest.
 """
 
 from __future__ import annotations
@@ -236,7 +241,11 @@ class ExpertParallel:
                 "(model, layer ranges, schedule, microbatches, inputs or expert_parallel "
                 "differ); every rank must wrap the same model with the same arguments"
             )
-        self.layout = expert_layout(groups.dp_mesh, ep, groups.tp_size)
+        dense = groups.dp_mesh
+        if groups.tp_mesh is not None:  # the stage's dp x tp ranks, tp inner
+            dims = (*groups.dp_mesh.mesh_dim_names, *groups.tp_mesh.mesh_dim_names)
+            dense = groups.mesh[dims]._flatten()
+        self.layout = expert_layout(dense, ep, groups.tp_size)
         named = dict(model.named_modules())
         self._experts: dict[int, list[nn.Module]] = {}
         """Each local stage's experts modules."""

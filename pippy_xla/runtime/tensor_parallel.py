@@ -183,6 +183,7 @@ def layer_tp_plan(
     tp_size: int,
     rules: str | dict[str, str] = "auto",
     embedding: bool = True,
+    experts: bool = True,
 ) -> dict[str, str]:
     """The tensor-parallel plan over the decoder layers ``layer_names`` (every layer of the model,
     so that every rank checks the same): concrete module and parameter names -> HF style.
@@ -193,7 +194,9 @@ def layer_tp_plan(
     ``tp_size``, ``NotImplementedError`` for a style not covered yet; each in one line naming
     the module and the numbers. With the plan's rule of the head too, where it shards it by the
     vocabulary (:func:`_head_rules`), and with ``embedding`` the input embedding's
-    (:func:`_embedding_rules`)."""
+    (:func:`_embedding_rules`). Without ``experts`` (expert parallelism shards them over other
+    ranks, [Note: pipeline x expert parallel]) the experts modules of the model's expert plan
+    get no rule, as HF drops tp rules on the modules its ep plan covers."""
     name = type(model).__name__
     label = _label(rules)
     if rules == "auto":
@@ -214,9 +217,14 @@ def layer_tp_plan(
         for k, v in expanded.items()
         if k.startswith(prefixes) and v != _REPLICATE  # HF's "replicate" does nothing
     }
-    # Experts the tp plan leaves whole, by the model's expert-parallel plan (an empty plan, a
-    # dict of rules {}, applies nothing).
-    experts = _expert_rules(model, plan, prefixes, label) if plan else {}
+    if experts:
+        # Experts the tp plan leaves whole, by the model's expert-parallel plan (an empty plan, a
+        # dict of rules {}, applies nothing).
+        experts = _expert_rules(model, plan, prefixes, label) if plan else {}
+    else:
+        roots = [k for k, v in expert_rules(model, prefixes).items() if v == EXPERT_STYLES[1]]
+        inside = {k: v for k, v in inside.items() if not _under(k, roots)}
+        experts = {}
     if not inside and not experts:
         raise UnsupportedModelError(
             f"{label}: {name}'s tp plan {plan} has no rule that shards its decoder layers "
@@ -236,6 +244,11 @@ def layer_tp_plan(
         **(_embedding_rules(model, expanded) if embedding else {}),
         **_head_rules(model, expanded, tp_size),
     }
+
+
+def _under(key: str, roots: Sequence[str]) -> bool:
+    """Whether ``key`` names one of the modules ``roots`` or something inside one."""
+    return any(key == r or key.startswith(f"{r}.") for r in roots)
 
 
 def _expert_rules(
@@ -495,11 +508,14 @@ class TensorParallel:
         timeout_ms: int,
         device: torch.device,
         build_key: int,
+        apart: Sequence[str] = (),
     ) -> None:
         """``groups``: the rank's :class:`~pippy_xla.runtime.data_parallel.MeshGroups`;
         ``plan``: :func:`layer_tp_plan`'s; ``modules``: the local stage modules (their values are
         copied from tp rank 0 before sharding); ``build_key``: the digest of this rank's
-        pipeline, which the tp ranks must agree on before any tensor is exchanged."""
+        pipeline, which the tp ranks must agree on before any tensor is exchanged; ``apart``:
+        modules another dimension shards after this (experts under expert parallelism), whose
+        parameters are not checked for partial gradients over ``tp``."""
         self.mesh = groups.tp_mesh
         self._dim = self.mesh.mesh_dim_names[0]
         self.rank: int = groups.tp_rank
@@ -534,7 +550,8 @@ class TensorParallel:
         )
         """Whether this rank holds the vocabulary-parallel head (see [Note: the
         vocabulary-parallel head]): its steps run under :func:`vocabulary_parallel_loss`."""
-        self._whole = _whole_params(model, local_layer_names, self._partial_modules)
+        others = [named[k] for k in apart if k in named]
+        self._whole = _whole_params(model, local_layer_names, [*self._partial_modules, *others])
         """``(module, name)`` of the other parameters left whole inside this rank's layers,
         checked for partial gradients each step (:meth:`reduce_partial_grads`)."""
         self._warned: set[tuple[int, str]] = set()
@@ -651,11 +668,12 @@ def _whole_params(
     model: nn.Module, layer_names: Sequence[str], partial: Sequence[nn.Module]
 ) -> list[tuple[nn.Module, str]]:
     """``(module, name)`` of the trainable parameters inside the decoder layers ``layer_names``
-    that no rule sharded (plain tensors) and that are not in the ``partial`` modules."""
+    that no rule sharded (plain tensors) and that are not in the ``partial`` modules (nor
+    under them)."""
     from torch.distributed.tensor import DTensor
 
     named = dict(model.named_modules())
-    skip = {id(m) for m in partial}
+    skip = {id(m) for p in partial for m in p.modules()}
     return [
         (module, name)
         for layer in layer_names
