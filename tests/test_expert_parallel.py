@@ -7,6 +7,7 @@ gradient norm and the parameters after AdamW steps. Many cases run in one spawn 
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -204,11 +205,84 @@ def _refusals(mesh) -> list[str]:
     ]
 
 
+def _checkpoints(mesh, tmp: str) -> list[str]:
+    """A step of ``expert_parallel=2`` on ``mesh`` saved (DCP, with AdamW's state) and loaded
+    into the same layout, into the same mesh without expert parallelism and into dp=4 x pp=1
+    with ``expert_parallel=4``: the next step equal to one process's; the reference's HF
+    checkpoint read by ``load_pretrained`` under ``expert_parallel=2`` (each rank its experts)
+    equal to it. Returns what was checked."""
+    family = "mixtral_router_loss"
+    torch.manual_seed(0)
+    ref, layer_cls = MODELS[family](layers=2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
+
+    def pipeline(mesh, ep):
+        torch.manual_seed(1)  # other weights than the reference's: the load must set them all
+        model, _ = MODELS[family](layers=2)
+        options = {} if ep is None else {"expert_parallel": ep}
+        # 4 microbatches of 2 rows in all (the router loss is per microbatch), as the reference's
+        mbs = 4 // mesh["dp"].size()
+        return px.PipelineModel(
+            model, layer_cls=layer_cls, num_microbatches=mbs, mesh=mesh, timeout=60, **options
+        )
+
+    def check(pipe, ep, where):
+        ep_rank = pipe.mesh["dp"].get_local_rank() % ep if ep else 0
+        for name, p in pipe.named_parameters():
+            rows = _experts_of(name, ep_rank, ep) if ep else None
+            mine = full(p) if rows is None else p.to_local()
+            want = ref.get_parameter(name) if rows is None else ref.get_parameter(name)[rows]
+            _close(mine.detach(), want.detach(), "param", f"{where}: {name}")
+
+    def step(pipe, opt, seed):
+        batch = make_batch(seed=seed, batch=8)
+        if pipe is not None:
+            pipe.run_train(**batch)
+            opt.step()
+            opt.zero_grad()
+        return batch
+
+    if torch.distributed.get_rank() == 0:  # the model's own layout (experts fused)
+        from safetensors.torch import save_file
+
+        os.makedirs(f"{tmp}-hf")
+        save_file(ref.state_dict(), f"{tmp}-hf/model.safetensors", metadata={"format": "pt"})
+        ref.config.save_pretrained(f"{tmp}-hf")
+        loaded = type(ref).from_pretrained(f"{tmp}-hf")  # HF reads it as the reference
+        for name, t in ref.state_dict().items():
+            _close(loaded.state_dict()[name], t, "param", f"from_pretrained: {name}")
+    torch.distributed.barrier()
+    saver = pipeline(mesh, EP)
+    saver.load_pretrained(f"{tmp}-hf")
+    check(saver, EP, "load_pretrained")
+    opt = torch.optim.AdamW(saver.parameters(), lr=1e-3, eps=1e-6)
+    reference_step(ref, step(saver, opt, 0), 4)
+    ref_opt.step()
+    ref_opt.zero_grad()
+    saver.save(tmp, opt, step=1)
+    reference_step(ref, step(None, None, 1), 4)
+    ref_opt.step()
+    checked = ["load_pretrained"]
+    for where, layout, ep in (
+        ("same", mesh, EP),
+        ("no ep", mesh, None),
+        ("4x1 ep=4", _mesh(4, 1), 4),
+    ):
+        pipe = pipeline(layout, ep)
+        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3, eps=1e-6)
+        assert pipe.load(tmp, opt) == 1, where
+        step(pipe, opt, 1)
+        check(pipe, ep, f"loaded into {where}")
+        checked.append(where)
+    return checked
+
+
 def _cases(rank, world, cases, efsdp_cases, tp_cases, save):
     mesh = _mesh()
     if not HF_EXPERT_PARALLEL:  # transformers before 5.23: refused in one line
         return [_refused(lambda: _case(mesh, *cases[0]), "transformers>=5.23")]
-    out = [_case(mesh, *case, save=save if i == 0 else None) for i, case in enumerate(cases)]
+    out = [_checkpoints(mesh, f"{save}-dcp")]
+    out += [_case(mesh, *case, save=save if i == 0 else None) for i, case in enumerate(cases)]
     wide = _mesh(4, 1)  # 4 replicas, expert groups of 2: two copies of each expert
     out += [_case(wide, *case) for case in efsdp_cases]
     with_tp = _mesh(2, 1, 2)  # 2 replicas x 2 tp ranks of one stage
