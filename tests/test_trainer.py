@@ -299,7 +299,7 @@ def test_pipeline_trainer_equals_the_trainer_for_other_families_and_schedules(
     want, want_eval = _logs(reference), reference.evaluate()["eval_loss"]
     out = run_ranks(2, _family_run, str(tmp_path), family, schedule, microbatches, timeout=300)
     for logs, eval_loss in out:
-        assert len(logs) == len(want) == 2
+        assert len(logs) == len(want) == 2 and all(g["grad_norm"] for g in logs)
         for step, (got, ref) in enumerate(zip(logs, want, strict=True)):
             for key in LOGGED:
                 assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), (step, key)
@@ -848,3 +848,47 @@ def test_trl_trainers_with_their_own_losses_log_as_trl_does(tmp_path):
             for got, ref in zip(logs, want[kind], strict=True):
                 for k in OWN_LOGGED[kind]:
                     assert got[k] == pytest.approx(ref[k], rel=1e-5, abs=1e-6), (kind, k, got, ref)
+
+
+def _experts_run(rank, world, directory):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    model, layer_cls = mixtral(layers=2)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    trainer = px.PipelineTrainer(
+        model=model,
+        args=_args(f"{directory}/experts", per_device_train_batch_size=2, max_steps=2),
+        train_dataset=_Rows(2, seed=100),
+        layer_cls=layer_cls,
+        pipeline=px.PipelineConfig(num_microbatches=2, expert_parallel=2),
+        mesh=mesh,
+    )
+    trainer.train()
+    trainer.save_model(f"{directory}/experts-model")
+    return _logs(trainer)
+
+
+def test_pipeline_trainer_with_expert_parallel_trains_as_one_process(tmp_path):
+    """dp=2 x pp=2 with ``expert_parallel=2`` (each stage's experts sharded over its two
+    replicas): the logs (loss, clipped gradient norm, learning rate) and the saved weights equal
+    the Trainer's in one process with the global batch."""
+    from transformers import AutoModelForCausalLM, Trainer
+
+    torch.manual_seed(0)
+    reference = Trainer(
+        model=mixtral(layers=2)[0],
+        args=_args(str(tmp_path / "reference"), max_steps=2),
+        train_dataset=_Rows(2, seed=100),
+    )
+    reference.train()
+    want = _logs(reference)
+    for logs in run_ranks(4, _experts_run, str(tmp_path), timeout=300):
+        assert len(logs) == len(want) == 2 and all(g["grad_norm"] for g in logs)
+        for step, (got, ref) in enumerate(zip(logs, want, strict=True)):
+            for key in LOGGED:
+                assert got[key] == pytest.approx(ref[key], rel=2e-6, abs=1e-7), (step, key)
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "experts-model")
+    trained = dict(reference.model.named_parameters())
+    for name, p in saved.named_parameters():
+        torch.testing.assert_close(p, trained[name], rtol=1e-5, atol=2e-5, msg=name)
