@@ -195,8 +195,9 @@ def _weight_map(path: Path) -> tuple[dict[str, Path], Path]:
 def load_pretrained(pipe: Checkpointable, path: str | os.PathLike) -> None:
     """Loads this rank's stage from a HF safetensors checkpoint directory.
 
-    Only the local stage's tensors are read (one at a time, from the shards the index names), so a
-    rank's host memory stays near its stage's size. Values are converted to the dtype of the
+    Only the local stage's tensors are read (one at a time, from the shards the index names), and
+    of a tensor sharded over ranks (experts, FSDP2 or tp shards) only the rank's slice, so a
+    rank's host memory stays near its share's size. Values are converted to the dtype of the
     pipeline's tensors (build the model in the dtype you want). Tied weights are found under any
     of their names.
 
@@ -240,7 +241,30 @@ def _load_pretrained(pipe: Checkpointable, path: str | os.PathLike) -> None:
         for file, entries in sorted(by_file.items()):
             with _open_safetensors(file) as f:
                 for _, key, target in entries:
-                    assign(target, f.get_tensor(key))
+                    _read_into(target, f, key)
+
+
+def _read_into(target: torch.Tensor, f, key: str) -> None:
+    """Copies the stored tensor ``key`` of the open safetensors file ``f`` into ``target``; of a
+    DTensor sharded plainly (``Shard`` / ``Replicate`` placements: expert, FSDP2 or tp shards),
+    only this rank's slice is read, so a rank's host memory holds its shard, not the whole
+    tensor."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    plain = isinstance(target, DTensor) and target.dim() > 0
+    plain = plain and target.device_mesh.get_coordinate() is not None
+    plain = plain and all(
+        type(p) is Replicate or (type(p) is Shard and p.dim >= 0) for p in target.placements
+    )
+    if not plain:
+        assign(target, f.get_tensor(key))
+        return
+    shape, offset = compute_local_shape_and_global_offset(
+        target.shape, target.device_mesh, target.placements
+    )
+    rows = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+    target.to_local().copy_(f.get_slice(key)[rows])
 
 
 def _text(e: BaseException) -> str:
