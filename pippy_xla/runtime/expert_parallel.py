@@ -255,8 +255,16 @@ class ExpertParallel:
             rules = {k: v for k, v in plan.items() if k.startswith(prefixes)}
             self._experts[stage] = [named[k] for k, v in rules.items() if v == _DISPATCH]
             mine |= rules
-        experts = [m for ms in self._experts.values() for m in ms]
-        # Every replica cuts its experts out of the first replica's (see the note's Start).
+        self._start([m for ms in self._experts.values() for m in ms])
+        if mine:
+            expert_parallel_api().apply_experts(
+                model, self.layout.ep_mesh, mine, self.layout.batch_mesh
+            )
+        self._efsdp_name = self.layout.efsdp_mesh.get_group().group_name
+
+    def _start(self, experts: Sequence[nn.Module]) -> None:
+        """Every replica cuts its experts out of the first replica's (see the note's Start): the
+        ``experts`` modules' parameters broadcast over ``dp``, before sharding."""
         with torch.no_grad():
             for module in experts:
                 for name, t in module.named_parameters():
@@ -265,15 +273,10 @@ class ExpertParallel:
                             t.detach(),
                             0,
                             self._dp_group_name,
-                            timeout_ms,
+                            self._timeout_ms,
                             f"expert-parallel start: broadcast of {name}",
                         )
                     )
-        if mine:
-            expert_parallel_api().apply_experts(
-                model, self.layout.ep_mesh, mine, self.layout.batch_mesh
-            )
-        self._efsdp_name = self.layout.efsdp_mesh.get_group().group_name
 
     @property
     def params(self) -> list[nn.Parameter]:
