@@ -851,28 +851,41 @@ def test_trl_trainers_with_their_own_losses_log_as_trl_does(tmp_path):
 
 
 def _experts_run(rank, world, directory):
+    """Two steps with ``expert_parallel=2`` on dp=2 x pp=2, saving at each; then a new trainer
+    resumed from the checkpoint of step 1 (the experts' shards and their AdamW state through
+    DCP): its step 2 logs what the uninterrupted run logged."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    torch.manual_seed(0)
-    model, layer_cls = mixtral(layers=2)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
-    trainer = px.PipelineTrainer(
-        model=model,
-        args=_args(f"{directory}/experts", per_device_train_batch_size=2, max_steps=2),
-        train_dataset=_Rows(2, seed=100),
-        layer_cls=layer_cls,
-        pipeline=px.PipelineConfig(num_microbatches=2, expert_parallel=2),
-        mesh=mesh,
-    )
-    trainer.train()
-    trainer.save_model(f"{directory}/experts-model")
-    return _logs(trainer)
+
+    def trainer(out):
+        torch.manual_seed(0)
+        model, layer_cls = mixtral(layers=2)
+        return px.PipelineTrainer(
+            model=model,
+            args=_args(
+                out, per_device_train_batch_size=2, max_steps=2, save_strategy="steps", save_steps=1
+            ),
+            train_dataset=_Rows(2, seed=100),
+            layer_cls=layer_cls,
+            pipeline=px.PipelineConfig(num_microbatches=2, expert_parallel=2),
+            mesh=mesh,
+        )
+
+    whole = trainer(f"{directory}/experts")
+    whole.train()
+    whole.save_model(f"{directory}/experts-model")
+    again = trainer(f"{directory}/again")
+    again.train(resume_from_checkpoint=f"{directory}/experts/checkpoint-1")
+    assert _logs(again) == _logs(whole), (_logs(again), _logs(whole))
+    return _logs(whole)
 
 
 def test_pipeline_trainer_with_expert_parallel_trains_as_one_process(tmp_path):
     """dp=2 x pp=2 with ``expert_parallel=2`` (each stage's experts sharded over its two
     replicas): the logs (loss, clipped gradient norm, learning rate) and the saved weights equal
-    the Trainer's in one process with the global batch."""
+    the Trainer's in one process with the global batch; resuming from its checkpoint logs the
+    same."""
     from transformers import AutoModelForCausalLM, Trainer
 
     torch.manual_seed(0)
