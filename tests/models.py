@@ -769,6 +769,29 @@ def reference_step(
     return total, added_total
 
 
+def shared_reference_step(ref: nn.Module, batch: dict, num_microbatches: int, opt=None):
+    """:func:`reference_step` computed once for every rank of a multi-rank test, on rank 0:
+    returns its loss and ``{name: gradient}`` (``None`` where the reference gets none), after
+    ``opt`` (``ref``'s optimizer) stepped and zeroed on rank 0. The reference is the same on
+    every rank; each rank computing it cost a 4-rank test four whole models' steps beside the
+    pipeline's one. Only rank 0's ``ref`` is trained: the other ranks' stays as built."""
+    import torch.distributed as dist
+
+    out: list = [None]
+    if dist.get_rank() == 0:
+        loss, _ = reference_step(ref, batch, num_microbatches)
+        grads = {
+            n: None if p.grad is None else p.grad.detach().clone()
+            for n, p in ref.named_parameters(remove_duplicate=False)  # tied: every name
+        }
+        if opt is not None:
+            opt.step()
+            opt.zero_grad()
+        out = [(loss, grads)]
+    dist.broadcast_object_list(out, src=0)
+    return out[0]
+
+
 def pipeline(model: nn.Module, layer_cls: type[nn.Module], schedule="1f1b", mbs=2, **options):
     """The model pipelined with ``schedule`` (its default stages per rank), ``mbs``
     microbatches and a short timeout (60 s; compiled stages 600 s: a peer's first receive waits

@@ -10,6 +10,8 @@ not compared."""
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
 import re
 from pathlib import Path
@@ -67,9 +69,15 @@ _RECURRENT = {
     "mamba_num_heads": 8,
     "mamba_head_dim": 16,
     "chunk_size": 16,
+    "mamba_n_heads": 8,
+    "mamba_d_head": 16,
+    "mamba_d_ssm": 128,
+    "mamba_d_state": 16,
+    "mamba_chunk_size": 16,
 }
-"""Linear-attention and Mamba sizes, where a config has them (their reference PyTorch kernels
-took 9-25 s a step at the defaults' sizes)."""
+"""Linear-attention and Mamba sizes, where a config has them, under each of the names configs
+give them (their reference PyTorch kernels took 9-25 s a step at the defaults' sizes: Bamba's
+tiny build at its default Mamba sizes was a third of the sweep's time)."""
 _RANDOM = ("dropout", "pdrop", "jitter")
 # What the generic sizes miss, per config (fields their defaults leave to a checkpoint).
 OVERRIDES = {
@@ -78,12 +86,6 @@ OVERRIDES = {
     "gemma3n_text": {"num_kv_shared_layers": 0},
     "longcat_flash": {"num_hidden_layers": 4},  # two decoder layers of two attention blocks
     "kimi_linear": {"linear_head_dim": 16, "linear_num_heads": 4},  # as _RECURRENT
-    "granitemoehybrid": {
-        "mamba_n_heads": 8,
-        "mamba_d_head": 16,
-        "mamba_d_state": 16,
-        "mamba_chunk_size": 16,
-    },
     # Its n-gram embeddings inside a layer (HF's embedding_colwise), as its checkpoints have.
     "qwen4_exp_text": {"ple_layer_ids": [1], "split_ngram_parts": 4},
 }
@@ -161,21 +163,30 @@ def tiny_config(model_type: str):
 def tiny_model(model_type: str, seed: int):
     """The tiny causal LM of ``model_type`` (or its base model, a stack of layers without a
     head, where it has no causal LM of its own), its values from ``seed``; ``NotBuilt`` if
-    neither builds."""
+    neither builds. A copy of one build: the sweep takes four models of a config."""
+    built = _built(model_type, seed)
+    if isinstance(built, NotBuilt):
+        raise built
+    return copy.deepcopy(built)
+
+
+@functools.lru_cache(maxsize=1)
+def _built(model_type: str, seed: int):
+    """:func:`tiny_model`'s build, or the ``NotBuilt`` it raises (one config at a time)."""
     if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         auto = AutoModelForCausalLM
     elif model_type in MODEL_MAPPING_NAMES:
         auto = AutoModel
     else:
-        raise NotBuilt("no model class of its own (a part of a composite model)")
+        return NotBuilt("no model class of its own (a part of a composite model)")
     try:
         config = tiny_config(model_type)
         with torch.device("meta"):
             size = sum(p.numel() for p in auto.from_config(config).parameters())
     except Exception as e:  # noqa: BLE001  (the row says why)
-        raise NotBuilt(f"its tiny config does not build ({_line(e)})") from e
+        return NotBuilt(f"its tiny config does not build ({_line(e)})")
     if size > MAX_PARAMS:
-        raise NotBuilt(f"not tiny with the generic sizes ({size:,} parameters)")
+        return NotBuilt(f"not tiny with the generic sizes ({size:,} parameters)")
     torch.manual_seed(seed)
     return auto.from_config(config)
 
@@ -184,8 +195,17 @@ def _is_lm(model) -> bool:
     return type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
 
 
-def _reference(ref, batch: dict, microbatches: int):
-    """One process's step: HF's causal-LM loss, or a base model's :func:`hidden_loss`."""
+def _reference(ref, batch: dict, microbatches: int, backward: bool = True):
+    """One process's step: HF's causal-LM loss, or a base model's :func:`hidden_loss` (its
+    forward only without ``backward``)."""
+    if not backward:
+        assert microbatches == 1
+        with torch.no_grad():
+            if _is_lm(ref):  # HF's loss of the whole batch, with what the model adds to it
+                return ref(**batch, use_cache=False).loss
+            part = dict(batch)
+            labels = part.pop("labels")
+            return hidden_loss(ref(**part, use_cache=False)[0], labels, labeled(labels))
     if _is_lm(ref):
         return _reference_step(ref, batch, microbatches)[0]
     total, count = torch.zeros(()), labeled(batch["labels"])
@@ -224,7 +244,7 @@ def _hf_own(model_type: str, tp_mesh) -> str | None:
         loss = _reference(model, batch, 1)  # forward and backward
     except Exception as e:  # noqa: BLE001  (reported in the table)
         return _line(e)
-    want = _reference(ref, batch, 1)
+    want = _reference(ref, batch, 1, backward=False)
     if not torch.allclose(loss, want, **LOSS_TOL):
         return f"its loss {float(loss):.6f} differs from one process's {float(want):.6f}"
     return None

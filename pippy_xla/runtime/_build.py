@@ -191,25 +191,7 @@ def build(
     loss_fn = config.loss_fn if config.loss_fn is not None else default_loss(model)
     num_items_fn = config.num_items_fn or default_num_items(model)
     layer_names = find_layers(model, layer_classes(model, layer_cls))
-    tp_plan = None
-    if place.tp_size > 1:
-        tp_plan = layer_tp_plan(
-            model,
-            layer_names,
-            place.tp_size,
-            config.tensor_parallel,
-            place.dp_size == 1,
-            experts=expert_degree(config) == 1,
-        )
-    ep_plan = None
-    if expert_degree(config) > 1:
-        ep_plan = layer_ep_plan(
-            model,
-            layer_names,
-            config.expert_parallel,
-            place.dp_size * place.tp_size,
-            place.tp_size,
-        )
+    tp_plan, ep_plan = _plans(model, layer_names, config, place)
     layer_ranges, stages, train_schedule = _partition(model, layer_cls, config, place)
     local_stages = [stages[s] for s in train_schedule.stages_of(place.rank)]
     build_key = check_ranks_agree(stages, config, place, tp_plan, ep_plan)
@@ -224,19 +206,7 @@ def build(
     modules = {st.index: st.module for st in local_stages}
     experts = [k for k, v in (ep_plan or {}).items() if v == "ep_dispatch_experts"]
     tp = _tensor_parallel(model, tp_plan, layer_names, local_stages, place, build_key, experts)
-    ep = None
-    if ep_plan is not None:  # [Note: pipeline x expert parallel]
-        local_layers = {st.index: [layer_names[i] for i in st.layers] for st in local_stages}
-        ep = ExpertParallel(
-            place.mesh,
-            config.expert_parallel,
-            model,
-            ep_plan,
-            local_layers,
-            place.timeout_ms,
-            place.device,
-            build_key,
-        )
+    ep = _expert_parallel(model, ep_plan, layer_names, local_stages, config, place, build_key)
     # Under tp, replicas only where there are several (FSDP2 over the tp-sharded layers).
     dp = None
     if tp is None or place.dp_size > 1:
@@ -264,6 +234,58 @@ def build(
         ragged=ragged_inputs(model, config.input_names),
         abort=_abort_channel(place),
         compile_watch=watch,
+    )
+
+
+def _plans(
+    model: nn.Module, layer_names: list[str], config: PipelineConfig, place: Placement
+) -> tuple[dict[str, str] | None, dict[str, str] | None]:
+    """The decoder layers' tensor-parallel rules (under tp) and expert-parallel rules (under
+    ``expert_parallel``), each checked against the model and the mesh; ``None`` where unused."""
+    tp_plan = ep_plan = None
+    if place.tp_size > 1:
+        tp_plan = layer_tp_plan(
+            model,
+            layer_names,
+            place.tp_size,
+            config.tensor_parallel,
+            place.dp_size == 1,
+            experts=expert_degree(config) == 1,
+        )
+    if expert_degree(config) > 1:
+        ep_plan = layer_ep_plan(
+            model,
+            layer_names,
+            config.expert_parallel,
+            place.dp_size * place.tp_size,
+            place.tp_size,
+        )
+    return tp_plan, ep_plan
+
+
+def _expert_parallel(
+    model: nn.Module,
+    ep_plan: dict[str, str] | None,
+    layer_names: list[str],
+    local_stages: list,
+    config: PipelineConfig,
+    place: Placement,
+    build_key: int,
+) -> ExpertParallel | None:
+    """This rank's experts sharded over its expert group ([Note: pipeline x expert parallel]);
+    ``None`` without ``expert_parallel``."""
+    if ep_plan is None:
+        return None
+    local_layers = {st.index: [layer_names[i] for i in st.layers] for st in local_stages}
+    return ExpertParallel(
+        place.mesh,
+        config.expert_parallel,
+        model,
+        ep_plan,
+        local_layers,
+        place.timeout_ms,
+        place.device,
+        build_key,
     )
 
 

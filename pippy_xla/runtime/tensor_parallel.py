@@ -199,17 +199,7 @@ def layer_tp_plan(
     get no rule, as HF drops tp rules on the modules its ep plan covers."""
     name = type(model).__name__
     label = _label(rules)
-    if rules == "auto":
-        plan = dict(getattr(model, "tp_plan", None) or {})
-        if not plan:
-            layers = layer_names[0].rpartition(".")[0]
-            raise UnsupportedModelError(
-                f"{label}: {name} has no HF tensor-parallel plan (config.base_model_tp_plan is "
-                f"empty); pass HF rules, tensor_parallel={{'{layers}.*.<module>': 'colwise', "
-                "...}, or use a mesh without a 'tp' dim (or of size 1)"
-            )
-    else:
-        plan = merge_tp_rules(model, rules, layer_names)
+    plan = _model_or_merged_plan(model, layer_names, rules, label)
     prefixes = tuple(f"{n}." for n in layer_names)
     expanded = expand_plan(model, plan)
     inside = {
@@ -249,6 +239,25 @@ def layer_tp_plan(
 def _under(key: str, roots: Sequence[str]) -> bool:
     """Whether ``key`` names one of the modules ``roots`` or something inside one."""
     return any(key == r or key.startswith(f"{r}.") for r in roots)
+
+
+def _model_or_merged_plan(
+    model: nn.Module, layer_names: Sequence[str], rules: str | dict[str, str], label: str
+) -> dict[str, str]:
+    """The model's own tp plan (``rules="auto"``; refused in one line without one) or ``rules``
+    merged over it (:func:`merge_tp_rules`)."""
+    if rules != "auto":
+        return merge_tp_rules(model, rules, layer_names)
+    plan = dict(getattr(model, "tp_plan", None) or {})
+    if not plan:
+        layers = layer_names[0].rpartition(".")[0]
+        raise UnsupportedModelError(
+            f"{label}: {type(model).__name__} has no HF tensor-parallel plan "
+            "(config.base_model_tp_plan is empty); pass HF rules, "
+            f"tensor_parallel={{'{layers}.*.<module>': 'colwise', ...}}, or use a mesh without "
+            "a 'tp' dim (or of size 1)"
+        )
+    return plan
 
 
 def _expert_rules(
