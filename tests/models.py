@@ -769,27 +769,47 @@ def reference_step(
     return total, added_total
 
 
-def shared_reference_step(ref: nn.Module, batch: dict, num_microbatches: int, opt=None):
-    """:func:`reference_step` computed once for every rank of a multi-rank test, on rank 0:
-    returns its loss and ``{name: gradient}`` (``None`` where the reference gets none), after
-    ``opt`` (``ref``'s optimizer) stepped and zeroed on rank 0. The reference is the same on
-    every rank; each rank computing it cost a 4-rank test four whole models' steps beside the
-    pipeline's one. Only rank 0's ``ref`` is trained: the other ranks' stays as built."""
+def on_first_rank(fn, *args):
+    """``fn(*args)`` computed on rank 0 only, its result (tensors included) broadcast to every rank.
+
+    [Note: one reference per multi-rank test] The one-process reference is the same on every
+    rank; each rank computing it cost a 4-rank test four whole models' steps beside the
+    pipeline's one. Only rank 0's reference model is then trained: the other ranks' stays as
+    built, and what they check comes from rank 0."""
     import torch.distributed as dist
 
-    out: list = [None]
-    if dist.get_rank() == 0:
-        loss, _ = reference_step(ref, batch, num_microbatches)
-        grads = {
-            n: None if p.grad is None else p.grad.detach().clone()
-            for n, p in ref.named_parameters(remove_duplicate=False)  # tied: every name
-        }
+    out = [fn(*args) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(out, src=0)
+    return out[0]
+
+
+def grads_of(ref: nn.Module) -> dict[str, torch.Tensor | None]:
+    """Every parameter's gradient by name, tied ones under each name (``None``: none)."""
+    return {
+        n: None if p.grad is None else p.grad.detach().clone()
+        for n, p in ref.named_parameters(remove_duplicate=False)
+    }
+
+
+def params_of(ref: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's value by name, tied ones under each name."""
+    return {n: p.detach().clone() for n, p in ref.named_parameters(remove_duplicate=False)}
+
+
+def shared_reference_step(ref: nn.Module, batch: dict, num_microbatches: int, opt=None):
+    """:func:`reference_step` on rank 0 for every rank ([Note: one reference per multi-rank
+    test]): its loss, its added part and ``{name: gradient}``, then ``opt`` (``ref``'s
+    optimizer) stepped and zeroed, and ``{name: value}`` after that step."""
+
+    def step():
+        loss, added = reference_step(ref, batch, num_microbatches)
+        grads = grads_of(ref)
         if opt is not None:
             opt.step()
             opt.zero_grad()
-        out = [(loss, grads)]
-    dist.broadcast_object_list(out, src=0)
-    return out[0]
+        return loss, added, grads, params_of(ref)
+
+    return on_first_rank(step)
 
 
 def pipeline(model: nn.Module, layer_cls: type[nn.Module], schedule="1f1b", mbs=2, **options):

@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from models import MODELS, full, make_batch, pipeline, reference_step
+from models import MODELS, full, make_batch, pipeline, shared_reference_step
 from tolerances import assert_close_compiled
 
 import pippy_xla as px
@@ -59,7 +59,9 @@ def _case(
         batch = make_batch(seed=step)
         where = f"{family} {schedule} mbs={mbs} compile={compile_} mesh={mesh_shape} step={step}"
         loss = pipe.run_train(**batch)
-        ref_loss, ref_aux = reference_step(ref, batch, mbs * replicas)
+        ref_loss, ref_aux, grads, values = shared_reference_step(
+            ref, batch, mbs * replicas, ref_opt
+        )
         _close(loss, ref_loss, "loss", compile_, where)
         parts = pipe.last_losses
         assert parts["aux"] > 0, where
@@ -68,16 +70,13 @@ def _case(
         assert parts["main"] + parts["aux"] == pytest.approx(parts["total"], rel=1e-6), where
         routers = 0
         for name, p in pipe.named_parameters():
-            grad = ref.get_parameter(name).grad
-            _close(full(p.grad), grad, "grad", compile_, f"{where}: {name}")
+            _close(full(p.grad), grads[name], "grad", compile_, f"{where}: {name}")
             routers += ".gate." in name or name.endswith(".gate.weight")
         assert routers > 0, where  # this rank's routers got their share of the aux gradient
         opt.step()
-        ref_opt.step()
         opt.zero_grad()
-        ref_opt.zero_grad()
         for name, p in pipe.named_parameters():
-            _close(full(p), ref.get_parameter(name), "param", compile_, f"{where}: {name}")
+            _close(full(p), values[name], "param", compile_, f"{where}: {name}")
         seen.append(parts["aux"])
     return seen
 

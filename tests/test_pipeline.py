@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from models import MODELS, full, make_batch
+from models import MODELS, full, grads_of, make_batch, on_first_rank, params_of
 
 import pippy_xla as px
 from pippy_xla.testing import run_ranks
@@ -32,14 +32,15 @@ def _build(family, seed=0, **kw):
 
 
 def check_grads(named, ref, where, tol=GRAD_TOL):
-    """Every ``(name, parameter)`` of ``named`` has a gradient equal to ``ref``'s (gathered if a
-    DTensor: a data- or tensor-parallel shard); at least one is checked."""
+    """Every ``(name, parameter)`` of ``named`` has a gradient equal to ``ref``'s (a model, or
+    its gradients by name: :func:`models.grads_of`), gathered if a DTensor (a data- or
+    tensor-parallel shard); at least one is checked."""
     n = 0
     for name, p in named:
         assert p.grad is not None, f"{where}: {name} got no gradient"
         torch.testing.assert_close(
             full(p.grad),
-            ref.get_parameter(name).grad,
+            ref[name] if isinstance(ref, dict) else ref.get_parameter(name).grad,
             **tol,
             msg=lambda m, name=name: f"{where}: grad {name}\n{m}",
         )
@@ -71,20 +72,17 @@ def _train_equal(
         for step in range(steps):
             batch = make_batch(seed=step)
             loss = pipe.run_train(**batch)
-            ref_loss = ref(**batch, use_cache=False).loss
-            ref_loss.backward()
+            ref_loss, grads, values = on_first_rank(_reference, ref, batch, ref_opt)
             where = f"{family} {schedule} ranks={world} mbs={mbs} step={step} rank={rank}"
-            torch.testing.assert_close(loss, ref_loss.detach(), **LOSS_TOL, msg=where)
-            check_grads(pipe.named_parameters(), ref, where)
+            torch.testing.assert_close(loss, ref_loss, **LOSS_TOL, msg=where)
+            check_grads(pipe.named_parameters(), grads, where)
             assert pipe.stash_live_bytes == 0, where
             opt.step()
-            ref_opt.step()
             opt.zero_grad()
-            ref_opt.zero_grad()
             for name, p in pipe.named_parameters():
                 torch.testing.assert_close(
                     p,
-                    ref.get_parameter(name),
+                    values[name],
                     **PARAM_TOL,
                     msg=lambda m, name=name, where=where: f"{where}: param {name}\n{m}",
                 )
@@ -92,6 +90,18 @@ def _train_equal(
                 _tune(pipe, schedule, world, mbs)
         checked.append((mbs, sorted(n for n, _ in pipe.named_parameters())))
     return checked
+
+
+def _reference(ref, batch: dict, opt) -> tuple:
+    """One process's step on the whole batch, run on the first rank for every rank: the loss,
+    the gradients, and the values after ``opt``'s step ([Note: one reference per multi-rank
+    test] in ``models.py``)."""
+    loss = ref(**batch, use_cache=False).loss
+    loss.backward()
+    grads = grads_of(ref)
+    opt.step()
+    opt.zero_grad()
+    return loss.detach(), grads, params_of(ref)
 
 
 def _tune(pipe, schedule, world, mbs):
