@@ -24,9 +24,12 @@ from models import (
     MODELS,
     VOCAB,
     full,
+    grads_of,
     llama,
     make_batch,
     needs_hf_tensor_parallel,
+    on_first_rank,
+    params_of,
     reference_step,
     tiny,
 )
@@ -197,6 +200,24 @@ def _vocab_parallel(model, replicas: bool) -> set[str]:
     }
 
 
+def _reference_clipped(ref, batch: dict, microbatches: int, opt) -> tuple:
+    """One process's step on the first rank for every rank ([Note: one reference per multi-rank
+    test] in ``models.py``): the loss, the gradients, the global norm clipped to 0.5, the values
+    after ``opt``'s step."""
+    loss, _ = reference_step(ref, batch, microbatches)
+    grads = grads_of(ref)
+    norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    opt.step()
+    opt.zero_grad()
+    return loss.detach(), grads, norm, params_of(ref)
+
+
+def _reference_eval(ref, batch: dict) -> torch.Tensor:
+    """One process's loss of ``batch``, without gradients (on the first rank for every rank)."""
+    with torch.no_grad():
+        return ref(**batch, use_cache=False).loss
+
+
 def _tp_trains_like_one_process(rank, world, cases, steps=3, mbs=2):
     """Per case (family, schedule, mesh shape, data_parallel[, options]) and step: the loss, every
     gradient and the clipped global norm equal the reference's; after AdamW the parameters
@@ -255,24 +276,23 @@ def _tp_trains_like_one_process(rank, world, cases, steps=3, mbs=2):
             batch = make_batch(seed=step, batch=rows)
             loss = pipe.run_train(**batch)
             # Router losses per microbatch: mbs per replica.
-            ref_loss, _ = reference_step(ref, batch, mbs * dp)
+            ref_loss, grads, ref_norm, values = on_first_rank(
+                _reference_clipped, ref, batch, mbs * dp, ref_opt
+            )
             where = f"{where0} step={step}"
             torch.testing.assert_close(
-                loss, ref_loss.detach(), **LOSS_TOL, msg=f"{where}: loss {loss} vs {ref_loss}"
+                loss, ref_loss, **LOSS_TOL, msg=f"{where}: loss {loss} vs {ref_loss}"
             )
-            check_grads(params.items(), ref, where, GRAD_TOL)
+            check_grads(params.items(), grads, where, GRAD_TOL)
             # Norms over the tp shards and the stages, replicated tensors and ties once.
             norm = pipe.clip_grad_norm_(0.5)
-            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
             torch.testing.assert_close(norm, ref_norm, **LOSS_TOL, msg=f"{where}: norm")
             opt.step()
-            ref_opt.step()
             opt.zero_grad()
-            ref_opt.zero_grad()
             for name, p in params.items():
                 torch.testing.assert_close(
                     full(p).detach(),
-                    ref.get_parameter(name).detach(),
+                    values[name],
                     **PARAM_TOL,
                     msg=lambda m, name=name, where=where: f"{where}: param {name}\n{m}",
                 )
@@ -284,9 +304,8 @@ def _tp_trains_like_one_process(rank, world, cases, steps=3, mbs=2):
                 assert pipe.engine.schedule.table() == tuned.table()
         if not getattr(ref.config, "output_router_logits", False):  # one term per batch
             out = pipe.run_eval(**make_batch(seed=9, batch=rows))
-            with torch.no_grad():
-                ref_out = ref(**make_batch(seed=9, batch=rows), use_cache=False)
-            torch.testing.assert_close(out.loss, ref_out.loss, **LOSS_TOL, msg=f"{where0} eval")
+            ref_eval = on_first_rank(_reference_eval, ref, make_batch(seed=9, batch=rows))
+            torch.testing.assert_close(out.loss, ref_eval, **LOSS_TOL, msg=f"{where0} eval")
         if len(dps) > 1 and data_parallel == "shard":
             _check_hsdp_shards(mesh, params, where0)
         held = sum(local_tensor(p).numel() for n, p in params.items() if sharded(n))
