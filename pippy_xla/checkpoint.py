@@ -16,11 +16,13 @@ Two formats, both keyed by the original model's parameter names:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -81,6 +83,8 @@ class Checkpointable(Protocol):
     def all_state_names(self) -> set[str]: ...
     def non_persistent_names(self) -> set[str]: ...
     def checkpoint_name(self, key: str) -> str: ...
+    @property
+    def checkpoint_conversion(self) -> Any: ...
     def in_pretrained(self, name: str) -> bool: ...
     def checkpoint_state(self) -> dict[str, torch.Tensor]: ...
 
@@ -216,12 +220,26 @@ def load_pretrained(pipe: Checkpointable, path: str | os.PathLike) -> None:
     collective(pipe, "load_pretrained", _load_pretrained, pipe, path, refusals=_REFUSALS)
 
 
+@dataclass(slots=True)
+class _Merged:
+    """Tensors of the model that one HF weight converter makes of several checkpoint keys (see
+    :func:`pippy_xla.hf_compat.checkpoint_conversion`): Mixtral's ``experts.gate_up_proj`` of
+    every expert's ``w1`` and ``w3``."""
+
+    name: str
+    """HF's name of the group: its converter's first target."""
+    sources: dict[str, list[str]] = field(default_factory=dict)
+    """The checkpoint's keys by the converter's source pattern they matched, in key order."""
+    targets: dict[str, tuple[str, torch.Tensor]] = field(default_factory=dict)
+    """This rank's tensors among the targets: HF's name -> (the model's name, the tensor)."""
+
+
 def _load_pretrained(pipe: Checkpointable, path: str | os.PathLike) -> None:
     try:
-        by_file = _pretrained_entries(pipe, Path(path))
+        by_file, merged = _pretrained_entries(pipe, Path(path))
         failure = None
     except (KeyError, ValueError, OSError) as e:
-        by_file, failure = {}, e
+        by_file, merged, failure = {}, [], e
     # Every rank checks its part before any rank writes a tensor: one rank's bad key or file is
     # an error on every rank, and no rank is left half-loaded.
     reports: list = [None] * dist.get_world_size(pipe.checkpoint_group)
@@ -237,18 +255,19 @@ def _load_pretrained(pipe: Checkpointable, path: str | os.PathLike) -> None:
             f"[rank {pipe.rank}] nothing loaded: rank {rank} of the pipeline cannot load its part "
             f"of {path}: {kind}: {text}"
         )
+    stored, _ = _weight_map(Path(path))
     with torch.no_grad():
         for file, entries in sorted(by_file.items()):
             with _open_safetensors(file) as f:
                 for _, key, target in entries:
                     _read_into(target, f, key)
+        for group in merged:
+            _read_merged(pipe.checkpoint_conversion, group, stored)
 
 
-def _read_into(target: torch.Tensor, f, key: str) -> None:
-    """Copies the stored tensor ``key`` of the open safetensors file ``f`` into ``target``; of a
-    DTensor sharded plainly (``Shard`` / ``Replicate`` placements: expert, FSDP2 or tp shards),
-    only this rank's slice is read, so a rank's host memory holds its shard, not the whole
-    tensor."""
+def _local_rows(target: torch.Tensor) -> tuple[slice, ...] | None:
+    """This rank's slice of ``target``, a DTensor sharded plainly (``Shard`` / ``Replicate``
+    placements: expert, FSDP2 or tp shards); ``None`` where it is read whole."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -258,13 +277,59 @@ def _read_into(target: torch.Tensor, f, key: str) -> None:
         type(p) is Replicate or (type(p) is Shard and p.dim >= 0) for p in target.placements
     )
     if not plain:
-        assign(target, f.get_tensor(key))
-        return
+        return None
     shape, offset = compute_local_shape_and_global_offset(
         target.shape, target.device_mesh, target.placements
     )
-    rows = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
-    target.to_local().copy_(f.get_slice(key)[rows])
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+
+
+def _read_into(target: torch.Tensor, f, key: str) -> None:
+    """Copies the stored tensor ``key`` of the open safetensors file ``f`` into ``target``; of a
+    plainly sharded DTensor (:func:`_local_rows`) only this rank's slice is read, so a rank's
+    host memory holds its shard, not the whole tensor."""
+    rows = _local_rows(target)
+    if rows is None:
+        assign(target, f.get_tensor(key))
+    else:
+        target.to_local().copy_(f.get_slice(key)[rows])
+
+
+def _open_all(stack: contextlib.ExitStack, group: _Merged, stored: dict[str, Path]) -> dict:
+    """Every file holding one of ``group``'s keys, open (closed with ``stack``)."""
+    files = {stored[k] for keys in group.sources.values() for k in keys}
+    return {file: stack.enter_context(_open_safetensors(file)) for file in sorted(files)}
+
+
+def _read_merged(conversion, group: _Merged, stored: dict[str, Path]) -> None:
+    """Reads ``group``'s checkpoint keys and copies what HF's converter makes of them into its
+    targets. Of a single target sharded on dim 0 (experts under expert parallelism, FSDP2), only
+    the sources of this rank's rows are read where each source is one row (one expert's tensor,
+    the ``tensor_idx``-th of its pattern's list, as HF's ``DtensorShardOperation`` reads them):
+    the converter then stacks this rank's experts only; other sharded targets are converted whole
+    and sliced."""
+    (_, target), *others = group.targets.values()
+    rows = None if others else _local_rows(target)
+    sources: dict[str, list[torch.Tensor]] = {}
+    with contextlib.ExitStack() as stack:
+        opened = _open_all(stack, group, stored)
+        for pattern, keys in group.sources.items():
+            sources[pattern] = []
+            for i, key in enumerate(keys):
+                f = opened[stored[key]]
+                one_row = rows is not None and len(f.get_slice(key).get_shape()) == target.dim() - 1
+                if one_row and not rows[0].start <= i % target.shape[0] < rows[0].stop:
+                    continue  # another rank's expert
+                sources[pattern].append(f.get_tensor(key))
+    values = conversion.convert(group.name, sources)
+    for hf_name, (_, tensor) in group.targets.items():
+        value = values[hf_name]
+        if rows is None:
+            assign(tensor, value)
+            continue
+        if value.shape[0] != tensor.shape[0]:  # already this rank's rows of dim 0
+            rows = (slice(None), *rows[1:])
+        tensor.to_local().copy_(value[rows])
 
 
 def _text(e: BaseException) -> str:
@@ -272,37 +337,84 @@ def _text(e: BaseException) -> str:
     return str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
 
 
+def _split_keys(
+    pipe: Checkpointable, stored: dict[str, Path]
+) -> tuple[dict[str, str], dict[str, tuple[_Merged, str]]]:
+    """The checkpoint's keys as the model names them: ``{name: key}`` of the keys read as they
+    are, and ``{name: (group, HF's name)}`` of the tensors HF's weight converters make of
+    several keys (see :func:`pippy_xla.hf_compat.checkpoint_conversion`)."""
+    from pippy_xla.hf_compat import key_order
+
+    conversion = pipe.checkpoint_conversion
+    keys: dict[str, str] = {}
+    groups: dict[str, _Merged] = {}
+    for key in stored if conversion is None else sorted(stored, key=key_order):
+        name, pattern = (key, None) if conversion is None else conversion.rename(key)
+        if pattern is None:
+            keys[pipe.checkpoint_name(key)] = key
+        else:
+            groups.setdefault(name, _Merged(name)).sources.setdefault(pattern, []).append(key)
+    made = {
+        pipe.checkpoint_name(t): (group, t)
+        for group in groups.values()
+        for t in conversion.targets(group.name, next(iter(group.sources)))
+    }
+    return keys, made
+
+
 def _pretrained_entries(
     pipe: Checkpointable, path: Path
-) -> dict[Path, list[tuple[str, str, torch.Tensor]]]:
-    """This rank's tensors in the safetensors checkpoint at ``path``, by file, checked (every
-    key known, every local tensor present with the model's shape, every file whole) without
-    reading any tensor's values."""
+) -> tuple[dict[Path, list[tuple[str, str, torch.Tensor]]], list[_Merged]]:
+    """This rank's tensors in the safetensors checkpoint at ``path``: those stored as they are,
+    by file, and those HF's weight converters make of several keys; checked (every key known,
+    every local tensor present with the model's shape, every file whole) without reading any
+    tensor's values."""
 
     stored, listing = _weight_map(path)
-    keys = {pipe.checkpoint_name(k): k for k in stored}  # the model's name -> the file's key
-    files = {name: stored[k] for name, k in keys.items()}
+    keys, made = _split_keys(pipe, stored)
+    first = {
+        name: keys.get(name) or next(iter(made[name][0].sources.values()))[0]
+        for name in (*keys, *made)
+    }  # the model's name -> a file's key
     known = pipe.all_state_names()
     ignored = pipe.non_persistent_names()
-    unexpected = sorted(k for k in files if k not in known and k not in ignored)
+    unexpected = sorted(k for k in first if k not in known and k not in ignored)
     if unexpected:
-        shown = ", ".join(f"'{keys[k]}' (in {files[k].name})" for k in unexpected[:8])
+        shown = ", ".join(f"'{first[k]}' (in {stored[first[k]].name})" for k in unexpected[:8])
         raise KeyError(
             f"[rank {pipe.rank}] the checkpoint {path} holds {len(unexpected)} key(s) that belong "
             f"to no tensor of the model: {shown}; is it a checkpoint of this model class and "
             "config?"
         )
     by_file: dict[Path, list[tuple[str, str, torch.Tensor]]] = {}
+    merged: dict[int, _Merged] = {}
     for name, target in pipe.state_dict(keep_vars=True).items():
         if not pipe.in_pretrained(name):
             continue  # an adapter's tensor: no pretrained checkpoint holds it
-        alias = next((k for k in pipe.aliases(name) if k in files), None)
+        alias = next((k for k in pipe.aliases(name) if k in first), None)
         if alias is None:
             raise KeyError(
                 f"[rank {pipe.rank}] the checkpoint {path} has no tensor '{name}' (looked in "
                 f"{listing.name})"
             )
-        by_file.setdefault(files[alias], []).append((name, keys[alias], target))
+        if alias in keys:
+            by_file.setdefault(stored[keys[alias]], []).append((name, keys[alias], target))
+        else:
+            group, hf_name = made[alias]
+            group.targets[hf_name] = (name, target)
+            merged[id(group)] = group
+    _check_shapes(pipe, by_file, list(merged.values()), stored)
+    return by_file, list(merged.values())
+
+
+def _check_shapes(
+    pipe: Checkpointable,
+    by_file: dict[Path, list[tuple[str, str, torch.Tensor]]],
+    merged: list[_Merged],
+    stored: dict[str, Path],
+) -> None:
+    """Raises a ValueError naming the key (or the converted tensor) whose shape is not the
+    model's; a converted tensor's shape is that of HF's conversion run on meta tensors."""
     for file, entries in sorted(by_file.items()):
         with _open_safetensors(file) as f:
             for name, key, target in entries:
@@ -312,7 +424,31 @@ def _pretrained_entries(
                         f"[rank {pipe.rank}] '{key}' in {file.name} has shape {shape}, the "
                         f"model's '{name}' has {tuple(target.shape)}"
                     )
-    return by_file
+    for group in merged:
+        with contextlib.ExitStack() as stack:
+            opened = _open_all(stack, group, stored)
+            sources = {
+                pattern: [
+                    torch.empty(opened[stored[k]].get_slice(k).get_shape(), device="meta")
+                    for k in keys
+                ]
+                for pattern, keys in group.sources.items()
+            }
+        try:
+            values = pipe.checkpoint_conversion.convert(group.name, sources)
+        except Exception as e:  # noqa: BLE001  (HF's operations raise what they raise)
+            raise ValueError(
+                f"[rank {pipe.rank}] cannot convert {sum(map(len, group.sources.values()))} "
+                f"checkpoint key(s) into '{group.name}' as HF does: {e}"
+            ) from e
+        for hf_name, (name, target) in group.targets.items():
+            shape = tuple(values[hf_name].shape) if hf_name in values else None
+            if shape != tuple(target.shape):
+                raise ValueError(
+                    f"[rank {pipe.rank}] HF's conversion of the checkpoint's keys into "
+                    f"'{hf_name}' has shape {shape}, the model's '{name}' has "
+                    f"{tuple(target.shape)}"
+                )
 
 
 def _shards(tensors: dict[str, torch.Tensor], max_bytes: int | None) -> list[list[str]]:

@@ -24,11 +24,16 @@ points the pipeline uses that moved between releases are reached through this mo
 - expert parallelism (``expert_parallel=``) applies the same plan through the same function
   with ``ep_implementation="all_to_all"`` over ranks that hold different batches
   (:func:`expert_parallel_api`); 5.17 has neither the module nor the configs' dispatch rules
-  (its plans name ``ep_router`` and ``moe_tp_experts``): refused in one line there.
+  (its plans name ``ep_router`` and ``moe_tp_experts``): refused in one line there;
+- checkpoint keys: HF's weight conversions (``transformers.conversion_mapping``,
+  ``transformers.core_model_loading``: ``WeightRenaming`` and ``WeightConverter``, the same from
+  5.17 to 5.25) rename older layouts' keys and merge the per-expert tensors that
+  ``save_pretrained`` writes into the fused experts of the model (:func:`checkpoint_conversion`).
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import warnings
@@ -146,6 +151,68 @@ def expert_parallel_api() -> SimpleNamespace:
             "transformers>=5.23 (transformers.distributed.expert_parallel); this is transformers "
             f"{transformers.__version__}: upgrade it, or drop expert_parallel"
         ) from e
+
+
+def checkpoint_conversion(model: Any) -> SimpleNamespace | None:
+    """HF's conversion of a checkpoint's keys and tensors to the model's, as ``from_pretrained``
+    applies it (``convert_and_load_state_dict_in_model``; the same in transformers 5.17 and 5.25):
+
+    - ``rename(key)``: ``(name, pattern)``, the model's name of the checkpoint key ``key`` (HF's
+      ``WeightRenaming``s applied, then at most one ``WeightConverter``) and, where a converter
+      matched, its source pattern (else ``None``). The keys a converter merges (Mixtral's
+      ``experts.3.w1.weight``) share the name of its first target (``experts.gate_up_proj``);
+    - ``targets(name, pattern)``: the model's names the converter of ``pattern`` makes from the
+      keys named ``name`` (several for a one-to-many converter: a fused ``qkv`` split);
+    - ``convert(name, sources)``: ``{name: tensor}`` of those targets, from ``sources``
+      (``{pattern: [tensor, ...]}``, each list in the checkpoint keys' order, :func:`key_order`),
+      by the converter's operations (``WeightConverter.convert``).
+
+    ``None`` for a model that is no ``PreTrainedModel`` or that HF converts nothing of."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (
+            WeightConverter,
+            WeightRenaming,
+            rename_source_key,
+        )
+    except ImportError:  # pragma: no cover - transformers is optional for non-HF models
+        return None
+    if not isinstance(model, PreTrainedModel):
+        return None
+    mapping = get_model_conversion_mapping(model)
+    renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
+    converters = [t for t in mapping if isinstance(t, WeightConverter)]
+    if not renamings and not converters:
+        return None
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+
+    def targets(name: str, pattern: str) -> list[str]:
+        first, *_ = patterns = by_pattern[pattern].target_patterns
+        return [name.replace(first, t) for t in patterns]
+
+    def convert(name: str, sources: dict[str, list[Any]]) -> dict[str, Any]:
+        # A fresh converter per target, as from_pretrained makes one (it collects tensors).
+        converter = copy.deepcopy(by_pattern[next(iter(sources))])
+        for pattern, tensors in sources.items():
+            for tensor in tensors:
+                converter.add_tensor(name, name, pattern, tensor)
+        out = converter.convert(name, model=model, config=model.config)
+        return {k: v[0] if isinstance(v, list) else v for k, v in out.items()}
+
+    return SimpleNamespace(
+        rename=lambda key: rename_source_key(key, renamings, converters),
+        targets=targets,
+        convert=convert,
+    )
+
+
+def key_order(key: str) -> Any:
+    """The order in which ``from_pretrained`` collects a converter's source tensors: the keys'
+    natural order (``experts.2`` before ``experts.10``; ``dot_natural_key``, 5.17 and 5.25)."""
+    from transformers.core_model_loading import dot_natural_key
+
+    return dot_natural_key(key)
 
 
 def tested_releases() -> str | None:

@@ -22,8 +22,9 @@ import functools
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,14 +35,13 @@ from pippy_xla import checkpoint
 from pippy_xla._native import _C
 from pippy_xla._report import Report
 from pippy_xla.config import LossFn, PipelineConfig
-from pippy_xla.hf_compat import warn_if_untested
+from pippy_xla.hf_compat import checkpoint_conversion, warn_if_untested
 from pippy_xla.runtime._build import build
 from pippy_xla.runtime._exit import release_at_exit
 from pippy_xla.runtime._generate import Generator
 from pippy_xla.runtime._state import StageState
 from pippy_xla.runtime._step import EvalOutput, StepRunner
 from pippy_xla.runtime.failures import FailureState
-from pippy_xla.split.hf import checkpoint_key_renamer
 from pippy_xla.split.partition import LayerCls, StageGraph
 
 if TYPE_CHECKING:
@@ -296,9 +296,11 @@ class PipelineModel:
 
     def checkpoint_name(self, key: str) -> str:
         """The model's name of the HF checkpoint key ``key`` (HF's renamings of older layouts
-        applied, as ``from_pretrained`` applies them; a PEFT model's base checkpoint keys named
+        and its weight converters' target names applied, as ``from_pretrained`` applies them
+        (see :attr:`checkpoint_conversion`); a PEFT model's base checkpoint keys named
         as the ``PeftModel`` names them)."""
-        key = key if self._renamer is None else self._renamer(key)
+        conversion = self.checkpoint_conversion
+        key = key if conversion is None else conversion.rename(key)[0]
         if self._wrapper is not None:
             key = self._wrapper.model_name(key, self.all_state_names)
         return key
@@ -323,11 +325,14 @@ class PipelineModel:
         return self._wrapper is None or self._wrapper.base_name(name) is not None
 
     @functools.cached_property
-    def _renamer(self) -> Callable[[str], str] | None:
-        """HF's key renamings for this model, looked up when a checkpoint is first read: HF
-        builds its conversion table at the first lookup in a process (40-70 ms of regular
-        expressions, which every rank of a job that never reads a checkpoint would pay)."""
-        return checkpoint_key_renamer(self._generator.model)
+    def checkpoint_conversion(self) -> SimpleNamespace | None:
+        """HF's conversion of checkpoint keys and tensors for this model (its renamings of older
+        layouts and the converters that merge per-expert tensors into fused experts:
+        :func:`pippy_xla.hf_compat.checkpoint_conversion`), looked up when a checkpoint is first
+        read: HF builds its conversion table at the first lookup in a process (40-70 ms of
+        regular expressions, which every rank of a job that never reads a checkpoint would
+        pay)."""
+        return checkpoint_conversion(self._generator.model)
 
     def non_persistent_names(self) -> set[str]:
         """Buffers of the model that state dicts leave out (such as rotary ``inv_freq``)."""

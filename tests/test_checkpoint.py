@@ -71,6 +71,39 @@ def test_load_pretrained_from_hf_shards_equals_from_pretrained(tmp_path, family,
     assert all(len(names) < len(index["weight_map"]) for names in out)
 
 
+def _load_experts(rank, world, family, path):
+    pipe = _meta_pipe(family, num_microbatches=2)
+    pipe.load_pretrained(path)
+    with torch.device("meta"):
+        cls = type(MODELS[family]()[0])
+    hf = cls.from_pretrained(path).state_dict()
+    for name, t in pipe.state_dict().items():
+        assert torch.equal(t, hf[name]), name
+    return sorted(pipe.state_dict())
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_load_pretrained_merges_experts_as_from_pretrained(tmp_path, family):
+    # HF keeps an MoE's experts fused in memory (experts.gate_up_proj, [E, 2I, H]) but writes a
+    # key per expert (experts.0.w1.weight), as checkpoints on the Hub hold them: the pipeline
+    # merges them with HF's own converters, across shard files.
+    from safetensors import safe_open
+
+    model = _hf_reference(family)
+    model.save_pretrained(tmp_path, max_shard_size="40KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    keys = set(index["weight_map"])
+    assert any(".experts.3." in k for k in keys) and not any(".experts.gate" in k for k in keys)
+    files = {f for k, f in index["weight_map"].items() if ".layers.0." in k and ".experts." in k}
+    assert len(files) > 1  # one layer's experts in several files
+    with safe_open(tmp_path / next(iter(files)), "pt") as f:
+        assert any(".experts." in k for k in f.keys())
+    out = run_ranks(2, _load_experts, family, str(tmp_path))
+    fused = {k for k in model.state_dict() if k.endswith(".experts.gate_up_proj")}
+    assert fused and fused <= set().union(*map(set, out))
+
+
 def _bad_checkpoints(rank, world, paths):
     pipe = _meta_pipe("llama", num_microbatches=2)
     before = {k: v.clone() for k, v in pipe.state_dict().items()}

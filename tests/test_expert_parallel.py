@@ -209,8 +209,9 @@ def _checkpoints(mesh, tmp: str) -> list[str]:
     """A step of ``expert_parallel=2`` on ``mesh`` saved (DCP, with AdamW's state) and loaded
     into the same layout, into the same mesh without expert parallelism and into dp=4 x pp=1
     with ``expert_parallel=4``: the next step equal to one process's; the reference's HF
-    checkpoint read by ``load_pretrained`` under ``expert_parallel=2`` (each rank its experts)
-    equal to it. Returns what was checked."""
+    checkpoint read by ``load_pretrained`` under ``expert_parallel=2`` (each rank its experts),
+    in the model's fused layout and in HF's ``save_pretrained`` layout (a key per expert, merged
+    as ``from_pretrained`` merges them), equal to it. Returns what was checked."""
     family = "mixtral_router_loss"
     torch.manual_seed(0)
     ref, layer_cls = MODELS[family](layers=2)
@@ -251,8 +252,14 @@ def _checkpoints(mesh, tmp: str) -> list[str]:
         loaded = type(ref).from_pretrained(f"{tmp}-hf")  # HF reads it as the reference
         for name, t in ref.state_dict().items():
             _close(loaded.state_dict()[name], t, "param", f"from_pretrained: {name}")
+        ref.save_pretrained(f"{tmp}-hf-experts")  # HF's own layout: a key per expert
     torch.distributed.barrier()
     saver = pipeline(mesh, EP)
+    saver.load_pretrained(f"{tmp}-hf-experts")
+    check(saver, EP, "load_pretrained of a key per expert")
+    with torch.no_grad():
+        for p in saver.parameters():
+            p.zero_()
     saver.load_pretrained(f"{tmp}-hf")
     check(saver, EP, "load_pretrained")
     opt = torch.optim.AdamW(saver.parameters(), lr=1e-3, eps=1e-6)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pippy_xla.hf_compat import mask_factory_globals
+from pippy_xla.hf_compat import checkpoint_conversion, mask_factory_globals
 
 __all__ = [
     "FEATURE_METHODS",
@@ -427,21 +427,11 @@ def input_rows(model: nn.Module, input_names: Sequence[str]) -> dict[str, tuple[
 def checkpoint_key_renamer(model: nn.Module) -> Callable[[str], str] | None:
     """HF's renaming of a checkpoint's keys to the model's names (``save_pretrained`` writes
     some models in an older layout: Llava's ``language_model.model.*`` for
-    ``model.language_model.*``), as ``from_pretrained`` applies it; ``None`` when the model has
-    no renamings (weight conversions that merge tensors are not applied: their keys stay
-    unknown, and loading says so)."""
-    try:
-        from transformers import PreTrainedModel
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightRenaming, rename_source_key
-    except ImportError:  # pragma: no cover - transformers is optional for non-HF models
-        return None
-    if not isinstance(model, PreTrainedModel):
-        return None
-    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
-    if not renamings:
-        return None
-    return lambda key: rename_source_key(key, renamings, [])[0]
+    ``model.language_model.*``; per-expert keys named as the fused experts they are merged
+    into), as ``from_pretrained`` applies it (:func:`pippy_xla.hf_compat.checkpoint_conversion`);
+    ``None`` when the model has no conversions."""
+    conversion = checkpoint_conversion(model)
+    return None if conversion is None else lambda key: conversion.rename(key)[0]
 
 
 def text_vocab_size(config: Any) -> int | None:
