@@ -7,8 +7,8 @@ import copy
 
 import pytest
 import torch
-from models import MODELS, full, make_batch
-from test_pipeline import ADAM, LOSS_TOL, PARAM_TOL, check_grads
+from models import MODELS, full, make_batch, on_first_rank
+from test_pipeline import ADAM, LOSS_TOL, PARAM_TOL, check_grads, whole_batch_step
 
 import pippy_xla as px
 from pippy_xla.testing import run_ranks
@@ -26,16 +26,24 @@ def _build(family: str, seed: int):
 
 
 def _assert_params_equal(pipe, ref, where: str) -> int:
+    """``pipe``'s parameters equal ``ref``'s (a model, or its values by name)."""
     n = 0
     for name, p in pipe.named_parameters():
         torch.testing.assert_close(
             full(p).detach(),
-            ref.get_parameter(name).detach(),
+            ref[name] if isinstance(ref, dict) else ref.get_parameter(name).detach(),
             **PARAM_TOL,
             msg=lambda m, name=name: f"{where}: param {name}\n{m}",
         )
         n += 1
     return n
+
+
+def _reference_eval(ref, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """One process's loss and logits of ``batch`` (on the first rank for every rank)."""
+    with torch.no_grad():
+        out = ref(**batch, use_cache=False)
+    return out.loss, out.logits
 
 
 def _mesh_trains_like_one_process(rank, world, schedule, families, transport, steps=3, mbs=2):
@@ -75,16 +83,13 @@ def _mesh_trains_like_one_process(rank, world, schedule, families, transport, st
             for step in range(steps):
                 batch = make_batch(seed=step, batch=8)
                 loss = pipe.run_train(**batch)
-                ref_loss = ref(**batch, use_cache=False).loss
-                ref_loss.backward()
+                ref_loss, grads, values = on_first_rank(whole_batch_step, ref, batch, ref_opt)
                 where = f"{where0} step={step}"
-                torch.testing.assert_close(loss, ref_loss.detach(), **LOSS_TOL, msg=where)
-                check_grads(params.items(), ref, where)
+                torch.testing.assert_close(loss, ref_loss, **LOSS_TOL, msg=where)
+                check_grads(params.items(), grads, where)
                 opt.step()
-                ref_opt.step()
                 opt.zero_grad()
-                ref_opt.zero_grad()
-                _assert_params_equal(pipe, ref, where)
+                _assert_params_equal(pipe, values, where)
                 losses.append(float(loss))
                 if step == 0 and px.schedule_info(schedule).list_scheduled:
                     # The replicas average their measured costs: one order on every rank (the
@@ -92,11 +97,11 @@ def _mesh_trains_like_one_process(rank, world, schedule, families, transport, st
                     tuned = pipe.tune_schedule()
                     assert pipe.engine.schedule.table() == tuned.table()
             out = pipe.run_eval(**make_batch(seed=9, batch=8))
-            ref_out = ref(**make_batch(seed=9, batch=8), use_cache=False)
-            torch.testing.assert_close(out.loss, ref_out.loss.detach(), **LOSS_TOL)
+            ref_loss, ref_logits = on_first_rank(_reference_eval, ref, make_batch(seed=9, batch=8))
+            torch.testing.assert_close(out.loss, ref_loss, **LOSS_TOL)
             if pipe.is_last:  # this replica's half of the batch
                 half = slice(4 * dp_rank, 4 * dp_rank + 4)
-                torch.testing.assert_close(out.logits, ref_out.logits[half].detach(), **PARAM_TOL)
+                torch.testing.assert_close(out.logits, ref_logits[half], **PARAM_TOL)
             checked.append((family, mode, losses, sorted(params)))
     return checked
 

@@ -72,7 +72,7 @@ def _train_equal(
         for step in range(steps):
             batch = make_batch(seed=step)
             loss = pipe.run_train(**batch)
-            ref_loss, grads, values = on_first_rank(_reference, ref, batch, ref_opt)
+            ref_loss, grads, values = on_first_rank(whole_batch_step, ref, batch, ref_opt)
             where = f"{family} {schedule} ranks={world} mbs={mbs} step={step} rank={rank}"
             torch.testing.assert_close(loss, ref_loss, **LOSS_TOL, msg=where)
             check_grads(pipe.named_parameters(), grads, where)
@@ -92,7 +92,7 @@ def _train_equal(
     return checked
 
 
-def _reference(ref, batch: dict, opt) -> tuple:
+def whole_batch_step(ref, batch: dict, opt) -> tuple:
     """One process's step on the whole batch, run on the first rank for every rank: the loss,
     the gradients, and the values after ``opt``'s step ([Note: one reference per multi-rank
     test] in ``models.py``)."""
