@@ -104,6 +104,46 @@ def test_load_pretrained_merges_experts_as_from_pretrained(tmp_path, family):
     assert fused and fused <= set().union(*map(set, out))
 
 
+def _bad_experts(rank, world, paths):
+    pipe = _meta_pipe("mixtral", num_microbatches=2)
+    before = {k: v.clone() for k, v in pipe.state_dict().items()}
+    errors = {}
+    for what, path in paths.items():
+        with pytest.raises(ValueError) as e:
+            pipe.load_pretrained(path)
+        errors[what] = str(e.value)
+        assert all(torch.equal(v, before[k]) for k, v in pipe.state_dict().items()), what
+    return errors
+
+
+@pytest.mark.compat
+def test_load_pretrained_refuses_experts_that_do_not_merge(tmp_path):
+    # An expert missing or mis-shaped: HF's conversion (run on meta tensors while checking)
+    # does not make the model's shape, and nothing is loaded on any rank.
+    from safetensors.torch import load_file, save_file
+
+    _hf_reference("mixtral").save_pretrained(tmp_path / "hf")
+    sd = load_file(tmp_path / "hf" / "model.safetensors")
+    paths = {}
+    for what in ("missing", "shape"):
+        bad = dict(sd)
+        if what == "missing":
+            del bad["model.layers.3.block_sparse_moe.experts.2.w2.weight"]  # rank 1's stage
+        else:
+            bad["model.layers.0.block_sparse_moe.experts.1.w1.weight"] = torch.zeros(3, 64)
+        (tmp_path / what).mkdir()
+        save_file(bad, str(tmp_path / what / "model.safetensors"), metadata={"format": "pt"})
+        paths[what] = str(tmp_path / what)
+    out = run_ranks(2, _bad_experts, paths)
+    assert "'model.layers.3.mlp.experts.down_proj' has shape (3, 64, 64)" in out[1]["missing"]
+    assert "nothing loaded: rank 1 of the pipeline" in out[0]["missing"]
+    assert (
+        "cannot convert 8 checkpoint key(s) into 'model.layers.0.mlp.experts.gate_up_proj'"
+        in (out[0]["shape"])
+    )
+    assert "nothing loaded: rank 0 of the pipeline" in out[1]["shape"]
+
+
 def _bad_checkpoints(rank, world, paths):
     pipe = _meta_pipe("llama", num_microbatches=2)
     before = {k: v.clone() for k, v in pipe.state_dict().items()}
