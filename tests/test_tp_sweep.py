@@ -17,10 +17,21 @@ import re
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import transformers
-from models import _TINY, VOCAB, hidden_loss, labeled, make_batch, needs_hf_tensor_parallel
+from models import (
+    _TINY,
+    VOCAB,
+    grads_of,
+    hidden_loss,
+    labeled,
+    make_batch,
+    needs_hf_tensor_parallel,
+    on_first_rank,
+)
 from models import reference_step as _reference_step
 from test_pipeline import LOSS_TOL, check_grads
+from torch.distributed.tensor import DTensor
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModel, AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
@@ -229,7 +240,8 @@ def _hf_own(model_type: str, tp_mesh) -> str | None:
     """HF's own tensor parallelism of the whole tiny model over ``tp_mesh``: a forward and
     backward, its loss against one process's; the error or the difference in one line, or
     ``None``."""
-    model, ref = tiny_model(model_type, seed=0), tiny_model(model_type, seed=0)
+    model = tiny_model(model_type, seed=0)
+    ref = tiny_model(model_type, seed=0) if dist.get_rank() == 0 else None  # before the plan's
     hf = tensor_parallel_api()
     # The rules inside the decoder layers (those the pipeline finds), those it applies.
     try:
@@ -243,8 +255,9 @@ def _hf_own(model_type: str, tp_mesh) -> str | None:
         hf.apply(model, tp_mesh, plan)
         loss = _reference(model, batch, 1)  # forward and backward
     except Exception as e:  # noqa: BLE001  (reported in the table)
-        return _line(e)
-    want = _reference(ref, batch, 1, backward=False)
+        return _line(e)  # on every rank alike
+    # One process's loss, on rank 0 for every rank ([Note: one reference per multi-rank test]).
+    want = on_first_rank(_reference, ref, batch, 1, False)
     if not torch.allclose(loss, want, **LOSS_TOL):
         return f"its loss {float(loss):.6f} differs from one process's {float(want):.6f}"
     return None
@@ -253,7 +266,10 @@ def _hf_own(model_type: str, tp_mesh) -> str | None:
 def _trains_equal(model_type: str, mesh) -> tuple[str, tuple[str, ...]]:
     """One step of the pipeline equal to one process's: ``"equal"`` and which of the embedding
     and the head this rank holds sharded by the vocabulary, or the refusal and none."""
-    ref, model = tiny_model(model_type, seed=0), tiny_model(model_type, seed=0)
+    model = tiny_model(model_type, seed=0)
+    held = {w: _name_of(model, m) for w, m in _vocabulary_modules(model).items()}
+    # Copied before the pipeline is built: building it changes what the model's copies share.
+    ref = tiny_model(model_type, seed=0) if dist.get_rank() == 0 else None
     try:
         pipe = px.PipelineModel(
             model,
@@ -268,28 +284,31 @@ def _trains_equal(model_type: str, mesh) -> tuple[str, tuple[str, ...]]:
         return f"refused: {_line(e)}", ()
     batch = make_batch(seed=0, batch=4)
     loss = pipe.run_train(**batch)
-    ref_loss = _reference(ref, batch, 2)
+    ref_loss, grads = on_first_rank(_reference_grads, ref, batch)
     torch.testing.assert_close(loss, ref_loss, **LOSS_TOL, msg=f"{model_type}: loss")
     # A parameter one process gives no gradient (an indexer's top-k) gets none here either.
     params = dict(pipe.named_parameters())
-    idle = {n for n in params if ref.get_parameter(n).grad is None}
+    idle = {n for n in params if grads[n] is None}
     assert all(params[n].grad is None for n in idle), f"{model_type}: {sorted(idle)}"
-    check_grads([(n, p) for n, p in params.items() if n not in idle], ref, model_type, GRAD_TOL)
-    return "equal", _by_vocabulary(ref, params)
+    check_grads([(n, p) for n, p in params.items() if n not in idle], grads, model_type, GRAD_TOL)
+    # Which of the embedding and the head this rank holds sharded by the vocabulary (a DTensor:
+    # their plan's rule applied; :func:`_merged` joins the ranks').
+    return "equal", tuple(w for w, n in held.items() if isinstance(params.get(n), DTensor))
 
 
-def _by_vocabulary(ref, params: dict) -> tuple[str, ...]:
-    """Which of the input embedding and the head this rank holds sharded by the vocabulary (a
-    DTensor: their plan's rule applied; :func:`_merged` joins the ranks')."""
-    from torch.distributed.tensor import DTensor
+def _reference_grads(ref, batch: dict):
+    """One process's step of ``ref``: its loss and every gradient by name."""
+    return _reference(ref, batch, 2), grads_of(ref)
 
-    names = {id(m): n for n, m in ref.named_modules()}
-    modules = {"embedding": ref.get_input_embeddings(), "head": ref.get_output_embeddings()}
-    return tuple(
-        what
-        for what, m in modules.items()
-        if isinstance(params.get(f"{names.get(id(m))}.weight"), DTensor)
-    )
+
+def _vocabulary_modules(model) -> dict:
+    return {"embedding": model.get_input_embeddings(), "head": model.get_output_embeddings()}
+
+
+def _name_of(model, module) -> str:
+    """``module``'s weight's name in ``model`` (``""`` for none)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    return f"{names[id(module)]}.weight" if id(module) in names else ""
 
 
 def _sweep(rank, world, model_types):
