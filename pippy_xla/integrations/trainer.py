@@ -179,6 +179,39 @@ def _check_args(trainer, config, mesh) -> None:
         raise ValueError(f"{type(trainer).__name__} cannot run " + "; ".join(problems))
 
 
+ON_DTENSORS = ("adamw_torch_fused", "adamw_torch", "sgd", "adagrad", "rmsprop")
+"""HF's ``optim`` names tested on a pipeline whose parameters are DTensors (tensor parallel,
+data-parallel replicas, expert parallel): torch's optimizers, over HF's groups split by mesh
+(see [Note: optimizer groups by mesh]). Any other ``optim`` is refused there."""
+
+
+def _check_optimizer(trainer) -> None:
+    """One line, on every rank alike, for an ``optim`` not known to run on this pipeline's
+    DTensor parameters (a mesh with ``tp`` or ``dp`` above 1): HF's Adafactor keeps its factored
+    state in plain tensors of a parameter's whole shape, which DTensor's ops refuse beside a
+    DTensor gradient; the others (bitsandbytes', GaLore's, LOMO's, ...) are untested there. An
+    optimizer of the caller's own (``optimizers=``, ``optimizer_cls_and_kwargs=``) is theirs."""
+    pipe, args = trainer.pipe, trainer.args
+    if pipe.tp_size == 1 and pipe.dp_size == 1:
+        return
+    if trainer.optimizer is not None or getattr(trainer, "optimizer_cls_and_kwargs", None):
+        return
+    optim = str(getattr(args.optim, "value", args.optim))
+    if optim in ON_DTENSORS:
+        return
+    why = (
+        "HF's Adafactor keeps its factored state in plain tensors of the whole shape, which "
+        "DTensor's ops refuse beside a DTensor gradient"
+        if optim == "adafactor"
+        else "untested on DTensor parameters"
+    )
+    raise ValueError(
+        f"{type(trainer).__name__} cannot run optim={optim!r} on a mesh whose parameters are "
+        f"DTensors (tp={pipe.tp_size}, dp={pipe.dp_size}): {why}; use one of "
+        f"{', '.join(ON_DTENSORS)}"
+    )
+
+
 def PipelineTrainer(*args: Any, **kwargs: Any):  # noqa: N802  (a class, made on first use)
     """``transformers.Trainer`` whose steps run on a :class:`~pippy_xla.PipelineModel` built from
     ``model``: ``PipelineTrainer(model=hf_model, args=TrainingArguments(...), train_dataset=...,
@@ -280,6 +313,7 @@ def _init(self, *args, layer_cls=None, pipeline=None, mesh=None, **kwargs) -> No
         names = tuple(n for n in config.input_names if n != "attention_mask")
         config = dataclasses.replace(config, input_names=(*names, "position_ids"))
     self.pipe = PipelineModel(self.model, layer_cls=layer_cls, config=config, mesh=mesh)
+    _check_optimizer(self)
     self._calls = None
     if not _own_loss(self):  # the trainer calls the model: see [Note: a trainer's own loss ...]
         self._calls = ModelCalls(self.pipe, self.model, getattr(self, "temperature", 1.0))
@@ -480,7 +514,9 @@ def _wrap_model(self, model, training=True, dataloader=None) -> nn.Module:
 
 
 def _create_optimizer(self, model=None):
-    """HF's optimizer and weight-decay rule over this rank's parameters that require grad."""
+    """HF's optimizer (``args.optim``, or the trainer's ``optimizer_cls_and_kwargs``) and
+    weight-decay rule over this rank's parameters that require grad, each of HF's groups split by
+    the parameters' device mesh: see [Note: optimizer groups by mesh]."""
     if self.optimizer is None:
         decay = set(self.get_decay_parameter_names(self.model))
         named = [(n, p) for n, p in self.pipe.named_parameters() if p.requires_grad]
@@ -488,9 +524,42 @@ def _create_optimizer(self, model=None):
             {"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
             {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
         ]
-        cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, self.model)
-        self.optimizer = cls([g for g in groups if g["params"]], **kwargs)
+        cls, kwargs = getattr(self, "optimizer_cls_and_kwargs", None) or (
+            self.get_optimizer_cls_and_kwargs(self.args, self.model)
+        )
+        self.optimizer = cls(_by_mesh(groups), **kwargs)
     return self.optimizer
+
+
+def _by_mesh(groups: list[dict]) -> list[dict]:
+    """[Note: optimizer groups by mesh] torch's fused and foreach optimizers (HF's default
+    ``adamw_torch_fused``; ``adamw_torch``, ``sgd``, ``adagrad`` and ``rmsprop`` wherever torch
+    picks foreach: on GPUs, or with ``foreach=True``) sort a param group's tensors by device and
+    dtype only (``Optimizer._group_tensors_by_device_and_dtype``) and update each such list in one
+    call (``torch._fused_adamw_``, ``torch._foreach_*``). DTensor's dispatch refuses a call whose
+    lists mix DTensors with plain tensors of more than one element ("got mixed torch.Tensor and
+    DTensor", ``OpDispatcher._try_replicate_spec_for_scalar_tensor``). On a tensor-parallel mesh
+    without replicas a stage's parameters are DTensors where the plan shards them (projections,
+    their biases, an untied embedding and head) and plain tensors where it leaves them whole
+    (norms, a tied embedding), and HF's two weight-decay groups mix them as soon as one group
+    holds both kinds: Qwen2's sharded q/k/v biases beside its norms in the group without decay
+    (OLMo 2's and Llama's groups each hold one kind, by chance; a tied embedding beside sharded
+    projections would mix the other group). Each group is split by mesh (``None``: plain
+    tensors), HF's own rule in its ``create_optimizer`` (transformers 5.25, for expert
+    parallelism). The update is the same: each of these optimizers updates a parameter from its
+    own gradient and state, the split groups keep HF's options, and HF's learning-rate schedules
+    set every group alike. With replicas every parameter is already a DTensor (FSDP2: the whole
+    ones on the ``dp`` mesh, the sharded ones on ``(dp, tp)``), which torch 2.13's fused step
+    took in one group too; split by mesh all the same. Empty groups are dropped."""
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    for group in groups:
+        by_mesh: dict = {}
+        for p in group["params"]:
+            by_mesh.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+        out.extend({**group, "params": params} for params in by_mesh.values())
+    return out
 
 
 def _batch(self, inputs: dict) -> dict:
