@@ -37,7 +37,9 @@ HF's; ``PipelineTrainer`` is ``pipelined(Trainer)``.
   ``accelerator.autocast()`` instead (without it they trained in fp32, silently: seen against
   TRL's ``SFTTrainer``, whose losses differed by 1e-5 relative until then).
 - The optimizer is HF's (``TrainingArguments.optim``, its weight-decay groups by HF's rule on the
-  model's names) over this rank's parameters that require grad.
+  model's names) over this rank's parameters that require grad, each group split by device mesh
+  (see [Note: optimizer groups by mesh]); where the parameters are DTensors (``tp`` or ``dp``
+  above 1) an ``optim`` not tested there is refused at construction (:func:`_check_optimizer`).
 - Every rank is given the same batches: accelerate's data loaders are prepared as for one
   process (no ``BatchSamplerShard``), with the same seeded sampler, so the ranks see what one
   process with the same seed sees. On a mesh (``mesh=``, as ``PipelineModel`` takes it) each
