@@ -262,15 +262,17 @@ TENSOR_PARALLEL = {
     "qwen2-adamw": ("qwen2", (1, 2, 2), "adamw_torch", 1e-3),
     "qwen2-foreach": ("qwen2", (1, 2, 2), "foreach", 1e-3),
     "qwen2-sgd": ("qwen2", (1, 2, 2), "sgd", 1.0),
+    "qwen3-tied": ("qwen3_tied", (1, 2, 2), "adamw_torch_fused", 1e-3),
     "llama": ("llama", (1, 2, 2), "adamw_torch_fused", 1e-3),
     "llama-adagrad": ("llama", (1, 2, 2), "adagrad", 1e-3),
     "llama-rmsprop": ("llama", (1, 2, 2), "rmsprop", 1e-3),
     "qwen2-dp": ("qwen2", (2, 1, 2), "adamw_torch_fused", 1e-3),
     "qwen2-dp-foreach": ("qwen2", (2, 1, 2), "foreach", 1e-3),
 }
-"""The Trainer on tensor-parallel meshes with each optimizer: Qwen2's sharded q/k/v biases sit
-beside its whole norms in HF's group without weight decay (see [Note: optimizer groups by
-mesh]); Llama has no bias."""
+"""The Trainer on tensor-parallel meshes with each optimizer (see [Note: optimizer groups by
+mesh]): Qwen2's sharded q/k/v biases sit beside its whole norms in HF's group without weight
+decay, a tied Qwen3's whole embedding (2 layers) beside its sharded projections in the group with
+it; Llama's groups each hold one kind."""
 
 
 def _tp_case(directory: str, name: str, replicas: int = 1) -> tuple:
@@ -289,7 +291,10 @@ def _tp_case(directory: str, name: str, replicas: int = 1) -> tuple:
     else:
         options["optim"] = optim
     torch.manual_seed(0)
-    model, layer_cls = getattr(models, family)()
+    if family == "qwen3_tied":
+        model, layer_cls = models.tiny("qwen3", layers=2, tie_word_embeddings=True)
+    else:
+        model, layer_cls = getattr(models, family)()
     return model, layer_cls, _args(f"{directory}/{name}", **options), kwargs
 
 
@@ -332,7 +337,8 @@ def test_pipeline_trainer_on_tensor_parallel_meshes_with_each_optimizer_trains_a
     AdamW, ``adamw_torch``, foreach AdamW, SGD, Adagrad and RMSprop: the logs (loss, clipped
     gradient norm, learning rate), the eval loss and the saved weights equal the Trainer's in one
     process on the global batch, for Qwen2 (its sharded biases and whole norms in one of HF's
-    groups: the fused step failed on DTensors mixed with tensors before) and Llama (no bias).
+    groups: the fused step failed on DTensors mixed with tensors before), a tied Qwen3 (its whole
+    embedding beside sharded projections: failed alike) and Llama (no bias).
     Adafactor is refused on such a mesh, in one line."""
     from transformers import AutoModelForCausalLM, Trainer
 

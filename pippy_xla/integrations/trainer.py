@@ -544,9 +544,9 @@ def _by_mesh(groups: list[dict]) -> list[dict]:
     without replicas a stage's parameters are DTensors where the plan shards them (projections,
     their biases, an untied embedding and head) and plain tensors where it leaves them whole
     (norms, a tied embedding), and HF's two weight-decay groups mix them as soon as one group
-    holds both kinds: Qwen2's sharded q/k/v biases beside its norms in the group without decay
-    (OLMo 2's and Llama's groups each hold one kind, by chance; a tied embedding beside sharded
-    projections would mix the other group). Each group is split by mesh (``None``: plain
+    holds both kinds: Qwen2's sharded q/k/v biases beside its norms in the group without decay,
+    a tied (whole) embedding beside sharded projections in the group with it (Qwen3; OLMo 2's and
+    Llama's groups each hold one kind, by chance). Each group is split by mesh (``None``: plain
     tensors), HF's own rule in its ``create_optimizer`` (transformers 5.25, for expert
     parallelism). The update is the same: each of these optimizers updates a parameter from its
     own gradient and state, the split groups keep HF's options, and HF's learning-rate schedules
