@@ -47,8 +47,14 @@ expert ranks are borrowed from the dense ones.
 - Refused at build, on every rank alike, in one line: ``expert_parallel`` without a mesh, a mesh
   whose dense group it does not divide, a model without an expert plan (or none that dispatches
   experts inside its decoder layers), a style of the plan the pipeline does not apply, a number
-  of experts it does not divide, HSDP and compiled stages (not yet), and a transformers release
-  without HF's all-to-all expert parallelism (before 5.23).
+  of experts it does not divide, HSDP and compiled stages (not yet), a ``tp`` dim beside a
+  parameter left dense (not yet), and a transformers release without HF's all-to-all expert
+  parallelism (before 5.23).
+- Parameters of an experts module that the plan keeps whole (:data:`LEFT_DENSE`) stay dense:
+  data parallelism holds them and sums their gradients over ``dp``, which is the sum over every
+  rank that computed some of the stage's (token, expert) pairs. Under a ``tp`` dim HF's dispatch
+  slices the batch over the tp ranks too, so their gradients would need a sum over ``tp`` that
+  the tp ranks' check skips inside experts modules: refused there.
 - Tensor parallelism beside it: the tp plan keeps no rule on the experts modules (HF drops tp
   rules on what its ep plan covers), the tp ranks' partial-gradient check skips them, and HF's
   dispatch slices each tp group's shared batch over its ranks before the all-to-all (a token is
@@ -83,6 +89,14 @@ _DISPATCH = "ep_dispatch_experts"
 EXPERT_STYLES = ("grouped_gemm", _DISPATCH)
 """HF's expert-parallel styles the pipeline applies (from the model's ``ep_plan``): the experts'
 parameters sharded by expert (dim 0), the experts module reached through HF's dispatch."""
+LEFT_DENSE = ("replicated_with_grad_allreduce",)
+"""HF's expert-parallel styles the pipeline leaves to data parallelism: a parameter of an experts
+module kept whole on every rank (MuseSpark's ``post_expert_norm``, applied on the expert's rank
+to the expert outputs of the tokens it received), whose gradient on a rank covers the (token,
+expert) pairs that rank computed. Each pair is computed on exactly one rank of the stage's dense
+group, so the sum over ``dp`` that data parallelism makes of every dense gradient is HF's
+all-reduce (see [Note: pipeline x expert parallel]); HF's own style, which all-reduces over the
+expert group, is not installed."""
 
 
 def expert_rules(
@@ -139,12 +153,19 @@ def layer_ep_plan(
             f"decoder layers ({layer_names[0]}, ...): nothing the pipeline can dispatch to; "
             "drop expert_parallel"
         )
-    odd = sorted({v for v in rules.values() if v not in EXPERT_STYLES})
+    odd = sorted({v for v in rules.values() if v not in (*EXPERT_STYLES, *LEFT_DENSE)})
     if odd:
         where = next(k for k, v in rules.items() if v == odd[0])
         raise UnsupportedModelError(
             f"{label}: {name}'s expert-parallel plan uses style(s) {odd} (e.g. {where}), which "
-            f"the pipeline does not apply yet; covered: {list(EXPERT_STYLES)}"
+            f"the pipeline does not apply yet; covered: {[*EXPERT_STYLES, *LEFT_DENSE]}"
+        )
+    dense = next((k for k, v in rules.items() if v in LEFT_DENSE), None)
+    if dense is not None and tp_size > 1:
+        raise UnsupportedModelError(
+            f"{label}: {name}'s expert-parallel plan keeps {dense} whole "
+            f"({rules[dense]}), whose gradient a tp dim of {tp_size} would leave partial: not "
+            "supported yet beside tensor parallelism; use a mesh without a 'tp' dim"
         )
     params = dict(model.named_parameters())
     for key, style in rules.items():
@@ -249,12 +270,19 @@ class ExpertParallel:
         named = dict(model.named_modules())
         self._experts: dict[int, list[nn.Module]] = {}
         """Each local stage's experts modules."""
+        self._sharded: dict[int, list[tuple[nn.Module, str]]] = {}
+        """Each local stage's expert parameters sharded by expert: (module, parameter name)."""
         mine: dict[str, str] = {}
         for stage, names in local_layers.items():
             prefixes = tuple(f"{n}." for n in names)
             rules = {k: v for k, v in plan.items() if k.startswith(prefixes)}
             self._experts[stage] = [named[k] for k, v in rules.items() if v == _DISPATCH]
-            mine |= rules
+            self._sharded[stage] = [
+                (named[k.rpartition(".")[0]], k.rpartition(".")[2])
+                for k, v in rules.items()
+                if v != _DISPATCH and v not in LEFT_DENSE and k.rpartition(".")[0] in named
+            ]
+            mine |= {k: v for k, v in rules.items() if v not in LEFT_DENSE}
         self._start([m for ms in self._experts.values() for m in ms])
         if mine:
             expert_parallel_api().apply_experts(
@@ -278,18 +306,25 @@ class ExpertParallel:
                         )
                     )
 
+    def _params_of(self, stage: int) -> list[nn.Parameter]:
+        """Local ``stage``'s expert parameters sharded by expert, now (not those the plan keeps
+        whole: :data:`LEFT_DENSE`)."""
+        return [
+            m._parameters[n] for m, n in self._sharded[stage] if m._parameters.get(n) is not None
+        ]
+
     @property
     def params(self) -> list[nn.Parameter]:
         """This rank's expert parameters (DTensors sharded by expert over the expert group),
         now."""
-        return [p for ms in self._experts.values() for m in ms for p in m.parameters()]
+        return [p for stage in self._sharded for p in self._params_of(stage)]
 
     def reduce(self, stage: int) -> None:
         """Sums the gradients of local ``stage``'s experts over the ranks holding the same
         experts (the efsdp group; nothing to do when there is one copy of each)."""
         if self.layout.efsdp_size == 1:
             return
-        for p in (p for m in self._experts[stage] for p in m.parameters()):
+        for p in self._params_of(stage):
             if p.grad is not None:
                 g = local_tensor(p.grad)
                 g.copy_(

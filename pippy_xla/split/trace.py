@@ -462,6 +462,9 @@ class _Tracer(fx.Tracer):
             return _positions_sample(node.target, args, kwargs)
         if node.op == "call_function" and node.target is hf.call_features:
             return _features_sample(node.target, args, kwargs)
+        if node.op == "call_function" and node.target is hf.call_recording:
+            with _on_meta(args[0]):  # a layer, as its call_module is sampled below
+                return node.target(*args, **kwargs)
         if node.op == "call_function":
             return node.target(*args, **kwargs)
         if node.op == "call_method" and node.target == "to" and _is_meta(args[0]):
