@@ -56,8 +56,9 @@ def dispatched() -> list[str]:
     return out
 
 
-# What the generic sizes leave without a single MoE layer in two decoder layers: dense first
-# layers (left to checkpoints), one dense layer kept where the release's default has several.
+# What the generic sizes leave without a single MoE layer in two decoder layers (dense first
+# layers, left to checkpoints: one dense layer kept where the release's default has several), or
+# with rotary sizes its own code does not run with.
 OVERRIDES = {
     "bailing_hybrid": {"first_k_dense_replace": 1},
     "beam": {"mlp_layer_types": ["dense", "sparse"]},
@@ -66,6 +67,24 @@ OVERRIDES = {
     "flint": {"mlp_only_layers": [0]},
     "gemma4_text": {"enable_moe_block": True, "top_k_experts": 2},
     "glm_moe_dsa": {"first_k_dense_replace": 1},
+    # Rotary sizes that fit the generic heads (half of each head rotary, as the checkpoints have).
+    "glm4v_moe_text": {
+        "rope_parameters": {
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+            "rope_type": "default",
+            "mrope_section": [2, 1, 1],
+        }
+    },
+    "hy_v4_vl_text": {
+        "rope_parameters": {
+            "rope_theta": 10000.0,
+            "rope_type": "default",
+            "mrope_section": [2, 1, 1],
+        }
+    },
+    "mistral4": {"head_dim": 16},
+    "zaya": {"num_experts_per_tok": 1},  # the only value its config takes
 }
 
 
@@ -109,22 +128,24 @@ class OneProcessFails(Exception):
     """The tiny model's loss fails in one process, without expert parallelism (one line)."""
 
 
-def _router(model_type: str, rows: dict) -> tuple[str, torch.Tensor]:
+def _router(model_type: str, batch: dict) -> tuple[str, list[torch.Tensor] | str]:
     """Whether the sweep turns the router's loss on (``"on"``; ``"none"`` where the config has no
     ``output_router_logits`` or the model no head; ``"off"`` and why where HF's loss fails with
-    it on one process) and one process's loss of ``rows`` with that setting."""
+    it on one process) and one process's loss of each replica's rows of ``batch`` with that
+    setting (the error's line where that fails). Computed on rank 0 for every rank."""
     built = tiny_model(model_type, seed=0)  # a base model has no loss of its own to add to
     has = _is_lm(built) and getattr(built.config, "output_router_logits", None) is not None
     router = "none"
-    if has:
+    for on in [True, False] if has else [False]:
         try:
-            return "on", _reference(_model(model_type, True), rows, 1, backward=False)
+            model = _model(model_type, on)
+            rows = [_rows(batch, r) for r in range(EP)]
+            return "on" if on else router, [_reference(model, r, 1, backward=False) for r in rows]
         except Exception as e:  # noqa: BLE001  (the row says why)
+            if not on:
+                return router, _line(e)
             router = f"off (on, one process fails: {_line(e, 60)})"
-    try:
-        return router, _reference(_model(model_type, False), rows, 1, backward=False)
-    except Exception as e:  # noqa: BLE001  (the row says why)
-        raise OneProcessFails(_line(e)) from e
+    raise AssertionError("unreachable")
 
 
 def _hf_own(model_type: str, mesh) -> tuple[str, str | None]:
@@ -133,8 +154,12 @@ def _hf_own(model_type: str, mesh) -> tuple[str, str | None]:
     its own rows: a forward and backward, its loss against one process's on the same rows; the
     error or the difference in one line, or ``None`` (also where the pipeline refuses the model:
     its row says why)."""
-    rows = _rows(_batch(), mesh["dp"].get_local_rank())
-    router, want = _router(model_type, rows)
+    tiny_model(model_type, seed=0)  # NotBuilt on every rank alike, before the broadcast
+    batch, replica = _batch(), mesh["dp"].get_local_rank()
+    router, wants = on_first_rank(_router, model_type, batch)
+    if isinstance(wants, str):
+        raise OneProcessFails(wants)
+    rows, want = _rows(batch, replica), wants[replica]
     model = _model(model_type, router == "on")
     try:
         plan = layer_ep_plan(model, px.find_layers(model, None), EP, EP, 1)
