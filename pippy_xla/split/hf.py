@@ -56,6 +56,7 @@ __all__ = [
     "is_rotary_module",
     "LossMarker",
     "make_mask_leaves",
+    "mark_masks_read_outside",
     "MaskLeaf",
     "ModuleRef",
     "patch_loss_function",
@@ -122,9 +123,16 @@ class MaskLeaf(nn.Module):
         super().__init__()
         self.fn = fn
         self.config = config
+        self.read_outside = False
+        """Whether the model's code outside the layers reads the mask (see [Note: masks read
+        outside the layers]): a ``None`` at run time is then the mask built as under a
+        compiler."""
 
     def forward(self, **kwargs: Any) -> Any:
-        return self.fn(config=self.config, **kwargs)
+        out = self.fn(config=self.config, **kwargs)
+        if out is None and self.read_outside:  # See [Note: masks read outside the layers]
+            return self._compiled(**kwargs)
+        return out
 
     def sample(self, **kwargs: Any) -> Any:
         """The mask of a sample batch on the ``meta`` device: the factory's, or where it reads
@@ -133,16 +141,21 @@ class MaskLeaf(nn.Module):
         try:
             return self.forward(**kwargs)
         except RuntimeError:
-            names = mask_factory_globals(self.fn)
-            saved = names.get("is_tracing", _ABSENT)
-            names["is_tracing"] = lambda *args, **kw: True
-            try:
-                return self.forward(**kwargs)
-            finally:
-                if saved is _ABSENT:
-                    del names["is_tracing"]
-                else:
-                    names["is_tracing"] = saved
+            return self._compiled(**kwargs)
+
+    def _compiled(self, **kwargs: Any) -> Any:
+        """The factory's mask as it builds it under a compiler (``is_tracing``): without the
+        shortcuts that read its inputs' values (``None`` for an all-ones mask)."""
+        names = mask_factory_globals(self.fn)
+        saved = names.get("is_tracing", _ABSENT)
+        names["is_tracing"] = lambda *args, **kw: True
+        try:
+            return self.fn(config=self.config, **kwargs)
+        finally:
+            if saved is _ABSENT:
+                del names["is_tracing"]
+            else:
+                names["is_tracing"] = saved
 
     def extra_repr(self) -> str:
         return f"fn={self.fn.__module__}.{self.fn.__qualname__}"
@@ -177,6 +190,43 @@ def find_configs(model: nn.Module) -> list[Any]:
         if _is_config(cfg) and not any(cfg is c for c in configs):
             configs.append(cfg)
     return configs
+
+
+"""[Note: masks read outside the layers]
+
+A mask factory returns ``None`` where the batch needs no mask (no padding: sdpa's ``is_causal``,
+a recurrent layer's unmasked states), which every layer takes. The trace samples the factory on
+``meta``, where it cannot read the values and builds the mask (a tensor): code of the model
+outside the layers that reads it (Qwen4-Exp's ``torch.where(conv_mask.bool(), ...)`` over its
+n-gram ids) is then traced for a tensor, and a microbatch without padding gave it ``None``. A
+leaf whose output reaches anything but a layer (a call of a leaf module, a layer recording its
+outputs, an item of a dict of masks that goes only there) is marked after the trace
+(:func:`mark_masks_read_outside`) and returns, instead of ``None``, the mask the factory builds
+under a compiler: the same values (the padding mask itself, all ones), where only those models
+pay for it.
+"""
+
+
+def mark_masks_read_outside(graph: Any) -> None:
+    """Marks the :class:`MaskLeaf` modules of ``graph`` (its owning module's) whose output the
+    model's code outside the layers reads (see [Note: masks read outside the layers])."""
+    import operator
+
+    root = graph.owning_module
+
+    def inside(user: Any) -> bool:
+        if user.op == "call_module" or user.target in (call_recording, call_positions):
+            return True
+        if user.op == "call_function" and user.target is operator.getitem:
+            return all(inside(u) for u in user.users)
+        return False
+
+    for node in graph.nodes:
+        if node.op != "call_module":
+            continue
+        leaf = root.get_submodule(node.target)
+        if isinstance(leaf, MaskLeaf) and not all(inside(u) for u in node.users):
+            leaf.read_outside = True
 
 
 def make_mask_leaves(model: nn.Module) -> nn.ModuleDict:

@@ -107,6 +107,7 @@ def traced_root(
             with_labels = False
             continue
         graph.owning_module = root
+        hf.mark_masks_read_outside(graph)
         return root, graph
 
 
