@@ -123,6 +123,10 @@ class PipelineConfig:
     mesh's order: the replicas are every rank of both (see [Note: pipeline x data parallel])."""
     tp_dim: str = "tp"
     """The mesh's tensor-parallel dimension (a 3-D mesh ``(dp, pp, tp)``)."""
+    cp_dim: str = "cp"
+    """The mesh's context-parallel dimension: a mesh ``(cp, pp)`` or ``(cp,)`` shares every row's
+    tokens over its ``cp`` ranks, attention exact across the shares (see [Note: pipeline x context
+    parallel] in ``runtime/context_parallel.py``)."""
     tensor_parallel: str | dict[str, str] | None = None
     """With a mesh that has a ``tp_dim``: ``"auto"`` applies the model's own HF tensor-parallel
     plan (``model.tp_plan``: ``config.base_model_tp_plan`` and the model class's own) to each
@@ -185,9 +189,9 @@ class PipelineConfig:
                 f"data_parallel must be one of {DATA_PARALLEL_MODES}, got {self.data_parallel!r}"
             )
         self._check_dp_dim()
-        dims = (*self.dp_dims, self.pp_dim, self.tp_dim)
+        dims = (*self.dp_dims, self.pp_dim, self.tp_dim, self.cp_dim)
         if len(set(dims)) != len(dims):
-            raise ValueError(f"dp_dim, pp_dim and tp_dim must differ, got {dims}")
+            raise ValueError(f"dp_dim, pp_dim and tp_dim must differ, and cp_dim too; got {dims}")
         self._check_tensor_parallel()
         ep = self.expert_parallel
         if ep is not None and (isinstance(ep, bool) or not isinstance(ep, int) or ep < 1):

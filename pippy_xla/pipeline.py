@@ -89,7 +89,10 @@ class PipelineModel:
             ``dp_replicate``). With ``expert_parallel=ep`` each stage's MoE experts are
             sharded over ``ep`` of its replicas by the model's own HF expert plan, tokens
             exchanged all-to-all (see [Note: pipeline x expert parallel] in
-            runtime/expert_parallel.py).
+            runtime/expert_parallel.py). Or a mesh ``("cp", "pp")`` (or ``("cp",)``): every
+            row's tokens shared over the ``cp`` ranks of each stage, attention exact across the
+            shares through HF's attention interface (see [Note: pipeline x context parallel]
+            in runtime/context_parallel.py).
     """
 
     def __init__(
@@ -198,6 +201,17 @@ class PipelineModel:
     def dp_size(self) -> int:
         """How many pipeline replicas train together (1 without a mesh)."""
         return self._place.dp_size
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's coordinate on the mesh's context-parallel dimension (0 without one): it
+        holds chunks ``cp_rank`` and ``2 cp_size - 1 - cp_rank`` of every row's ``2 cp_size``."""
+        return self._place.cp.rank if self._place.cp is not None else 0
+
+    @property
+    def cp_size(self) -> int:
+        """How many ranks share every row's tokens (1 without context parallelism)."""
+        return self._place.cp.size if self._place.cp is not None else 1
 
     @property
     def tp_rank(self) -> int:
@@ -366,6 +380,7 @@ class PipelineModel:
         PEFT ``PeftModel`` writes what ``PeftModel.save_pretrained`` writes (the adapters only),
         or with ``merge_adapters=True`` the base model with the adapters merged, in HF's layout
         (see [Note: PEFT models in the pipeline] in ``integrations/peft.py``)."""
+        self._refuse_under_cp("save_pretrained")
         if self._wrapper is not None:
             self._wrapper.save(self, path, max_shard_size, merge_adapters)
         elif merge_adapters:
@@ -394,6 +409,7 @@ class PipelineModel:
         """Saves parameters, buffers, optimizer and learning-rate scheduler state and ``step``
         with ``torch.distributed.checkpoint``, atomically; a collective. See
         :func:`pippy_xla.checkpoint.save`."""
+        self._refuse_under_cp("save")
         return checkpoint.save(self, directory, optimizer, step, scheduler)
 
     def load(
@@ -407,6 +423,7 @@ class PipelineModel:
         into this pipeline, ``optimizer`` and ``scheduler``; returns its step (``None`` with
         ``missing_ok`` when there is none yet); a collective. See
         :func:`pippy_xla.checkpoint.load`."""
+        self._refuse_under_cp("load")
         return checkpoint.load(self, directory, optimizer, scheduler, missing_ok)
 
     # ----------------------------------------------------------------------------- running
@@ -476,6 +493,7 @@ class PipelineModel:
         ``dp`` prompts), each replica generates for its share of the rows (the tp ranks of a
         stage for the same rows) and every rank returns the whole batch, padded with
         ``pad_token_id`` as HF pads (see [Note: generation on a mesh])."""
+        self._refuse_under_cp("generate")
         return self._generator.generate(
             input_ids, attention_mask, generation_config, kwargs, groups
         )
@@ -535,7 +553,16 @@ class PipelineModel:
                 ``"1f1b"``, or a :class:`pippy_xla.Schedule` given as is).
             RuntimeError: no training step has run with the current schedule.
         """
+        self._refuse_under_cp("tune_schedule")
         return self._runner.tune_schedule(self._report.stage_costs)
+
+    def _refuse_under_cp(self, what: str) -> None:
+        """What a context-parallel pipeline does not cover yet (issue 72), refused in one line."""
+        if self._place.cp is not None:
+            raise NotImplementedError(
+                f"{what} is not supported yet under context parallelism (issue 72); train and "
+                "evaluate on the cp mesh, save and generate from a pipeline without a cp dim"
+            )
 
     @property
     def shm_peers(self) -> int:

@@ -25,10 +25,12 @@ import torch.distributed as dist
 from torch import nn
 
 from pippy_xla._native import _C
+from pippy_xla.runtime import context_parallel
 from pippy_xla.runtime._batch import RowShares, digest64
 from pippy_xla.runtime._recompile import RecompileWatch
 from pippy_xla.runtime._state import params_named
 from pippy_xla.runtime._ties import Tie, combine_among, local_ties, tied_names, untie_local_copies
+from pippy_xla.runtime.context_parallel import ContextParallel
 from pippy_xla.runtime.data_parallel import DataParallel, MeshGroups, dims_text, mesh_groups
 from pippy_xla.runtime.expert_parallel import ExpertParallel, layer_ep_plan
 from pippy_xla.runtime.failures import AbortChannel, check_mesh_usable
@@ -93,6 +95,9 @@ class Placement:
     in_order: _C.InOrderGroups | None = None
     """The up, down and header groups where transfers are matched in posting order (see
     :func:`in_order_groups`); ``None`` where they are matched by tag."""
+    cp: ContextParallel | None = None
+    """The tokens' shares over the mesh's context-parallel dimension, on a mesh with one
+    (``mesh`` is then ``None``: see [Note: pipeline x context parallel])."""
 
     def engine(self, schedule: _C.Schedule) -> _C.Engine:
         """A C++ engine running ``schedule`` on this placement."""
@@ -228,7 +233,7 @@ def build(
         dp=dp,
         tp=tp,
         ep=ep,
-        loss_fn=loss_fn,
+        loss_fn=loss_fn if place.cp is None else place.cp.loss_fn,
         num_items_fn=num_items_fn,
         label_rows=text_vocab_size(model.config) if config.loss_fn is None else None,
         ragged=ragged_inputs(model, config.input_names),
@@ -241,7 +246,9 @@ def _plans(
     model: nn.Module, layer_names: list[str], config: PipelineConfig, place: Placement
 ) -> tuple[dict[str, str] | None, dict[str, str] | None]:
     """The decoder layers' tensor-parallel rules (under tp) and expert-parallel rules (under
-    ``expert_parallel``), each checked against the model and the mesh; ``None`` where unused."""
+    ``expert_parallel``), each checked against the model and the mesh; ``None`` where unused.
+    With a cp dim, the model is checked for context parallelism first."""
+    _context_parallel(model, layer_names, config, place)
     tp_plan = ep_plan = None
     if place.tp_size > 1:
         tp_plan = layer_tp_plan(
@@ -261,6 +268,19 @@ def _plans(
             place.tp_size,
         )
     return tp_plan, ep_plan
+
+
+def _context_parallel(
+    model: nn.Module, layer_names: list[str], config: PipelineConfig, place: Placement
+) -> None:
+    """With a cp dim: the model checked for context parallelism, ``position_ids`` made a stage
+    input (the tokens' global positions) and the loss over labels shifted before the split
+    made ready, to replace the model's own (see [Note: pipeline x context parallel])."""
+    if place.cp is None:
+        return
+    place.cp.prepare(model, [model.get_submodule(n) for n in layer_names])
+    if "position_ids" not in config.input_names:
+        config.input_names = (*config.input_names, "position_ids")
 
 
 def _expert_parallel(
@@ -458,7 +478,14 @@ def resolve_placement(
             f"(dp, pp), mesh_dim_names=({dp}, {config.pp_dim!r})): the experts are sharded over "
             "the data-parallel ranks of each stage; got no mesh"
         )
-    if mesh is not None:
+    cp = None
+    if mesh is not None and config.cp_dim in (mesh.mesh_dim_names or ()):
+        check_mesh_usable(mesh)
+        context_parallel.check_options(config)
+        group = context_parallel.pipeline_group(mesh, config.pp_dim, config.cp_dim)
+        device = resolve_device(config.device, group)
+        cp = ContextParallel(mesh, config.cp_dim, int(config.timeout * 1000), device)
+    elif mesh is not None:
         check_mesh_usable(mesh)
         groups = mesh_groups(mesh, config.pp_dim, config.dp_dim, group, config.tp_dim)
         group = groups.pp_group
@@ -473,6 +500,7 @@ def resolve_placement(
         num_ranks=dist.get_world_size(group),
         device=resolve_device(config.device, group),
         timeout_ms=int(config.timeout * 1000),
+        cp=cp,
     )
 
 

@@ -129,6 +129,11 @@ _TP_CAUSE = (
     "of step) than its tp peers; every rank must get the same whole batch"
 )
 
+_CP_CAUSE = (
+    "a rank on the mesh's context-parallel dimension was given another batch (or another kind "
+    "of step) than its cp peers; every rank must get the same whole batch"
+)
+
 _HOOKS = ("_backward_hooks", "_backward_pre_hooks", "_forward_hooks", "_forward_pre_hooks")
 
 
@@ -218,6 +223,9 @@ class StepRunner:
         self.dp = built.dp
         self.tp = built.tp
         self.ep = built.ep
+        self.cp = built.place.cp
+        if self.cp is not None:  # [Note: pipeline x context parallel]
+            self.cp.attach([self.stages[i].module for i in self.runners])
         self.watch = built.compile_watch
         self.loss_fn = built.loss_fn
         """The loss of one microbatch (assignable between steps)."""
@@ -277,6 +285,9 @@ class StepRunner:
                 )
             if self.ties:
                 self.failures.watched("tied-weight gradient sum", self._sum_tied_grads)
+            if self.cp is not None:  # [Note: pipeline x context parallel]
+                params = [p for i in self.runners for p in self.stages[i].module.parameters()]
+                self.failures.watched("context-parallel gradient sum", self.cp.reduce_grads, params)
         finally:
             add_back_grads(self.ties, earlier)
         loss = self._reduce_loss(losses, added)
@@ -457,6 +468,8 @@ class StepRunner:
         splits more inputs (the last stage's, with the labels) does not hold the others back."""
         self.failures.check_usable()
         place = self.place
+        if self.cp is not None:  # the tokens' positions; see [Note: pipeline x context parallel]
+            batch = self.cp.complete(batch)
         batch = check_batch(
             batch,
             input_names=self.config.input_names,
@@ -473,6 +486,8 @@ class StepRunner:
         gather = self.gather_ints
         if self.tp is not None:
             gather = self.checked_gather(key, [self.tp_check])
+        if self.cp is not None:
+            gather = self.checked_gather(key, [(self.cp, "context-parallel", _CP_CAUSE)])
         agree_on_step(key, contents, batch, place.rank, gather)
         with self.failures.guard("batch split"):  # its peers are on their way to the engine
             microbatches = split_batch(
@@ -484,6 +499,8 @@ class StepRunner:
                 split=self._reads,
                 ragged=self.ragged,
             )
+            if self.cp is not None:
+                self.cp.shard(microbatches, batch)
         return batch, microbatches, key.signature
 
     def checked_gather(
@@ -532,7 +549,7 @@ class StepRunner:
         num_items = None
         if labels is not None and self._holds_last:  # only the loss needs the token count
             num_items = self.num_items_fn(labels).to(self.place.device)
-        return stage_forward(
+        forward = stage_forward(
             self.stages,
             {s: direct_forward(m) for s, m in self.runners.items()},
             microbatches=microbatches,
@@ -545,6 +562,15 @@ class StepRunner:
             added_losses=added,
             added_scale=self.added_weight / (self.config.num_microbatches * self.place.dp_size),
         )
+        if self.cp is None:
+            return forward
+        cp = self.cp
+
+        def forward_on_shares(stage: int, mb: int, inputs: list[torch.Tensor]):
+            cp.microbatch = mb  # whose whole mask the stage's mask leaves read
+            return forward(stage, mb, inputs)
+
+        return forward_on_shares
 
     def _vocabulary_loss(self) -> Callable:
         """``loss_fn`` given a vocabulary-parallel head's logits (a DTensor): the model's own loss
@@ -618,6 +644,13 @@ class StepRunner:
             f"[rank {place.rank}] loss broadcast",
             abortable=self._abortable,
         )
+        if self.cp is not None:  # each cp rank's loss is its tokens' share
+            total = self.failures.watched(
+                "loss all_reduce over cp ranks",
+                self.cp.all_reduce_sum,
+                total,
+                f"[rank {place.rank}] loss all_reduce over cp",
+            )
         if self.dp is not None:
             total = self.failures.watched(
                 "loss all_reduce over replicas",
