@@ -31,22 +31,47 @@ def _close(actual, expected, kind, msg, worst):
     worst[kind] = max(worst.get(kind, 0.0), float((actual - expected).abs().max()))
 
 
-def _case(mesh, make, schedule, worst, steps=2, mbs=2, **model_kw):
+def _packed(seed: int) -> dict:
+    """Rows of several documents each (positions restart at 0), no attention mask: HF's mask
+    factories find the documents from the positions."""
+    batch = make_batch(seed=seed, batch=4, seq=SEQ, pad=False)
+    del batch["attention_mask"]
+    starts = ([0, 5, 11], [0, 9], [0], [0, 2, 3, 12])
+    positions = torch.zeros(4, SEQ, dtype=torch.long)
+    for row, cuts in enumerate(starts):
+        for a, b in zip(cuts, [*cuts[1:], SEQ], strict=False):
+            positions[row, a:b] = torch.arange(b - a)
+    return {**batch, "position_ids": positions}
+
+
+def _padded(seed: int) -> dict:
+    batch = make_batch(seed=seed, batch=4, seq=SEQ)  # rows 0 and 3 right-padded
+    assert (batch["attention_mask"] == 0).any()
+    return batch
+
+
+def _case(mesh, make, schedule, worst, steps=2, mbs=2, batches=_padded, inputs=None, **model_kw):
     """``steps`` AdamW steps of the pipeline on ``mesh`` against one process on the whole batch
     (``mbs`` microbatches of rows in both); returns the losses."""
     torch.manual_seed(0)
     model, layer_cls = make(**model_kw)
     ref = copy.deepcopy(model)
+    options = {"input_names": inputs} if inputs else {}
     pipe = px.PipelineModel(
-        model, layer_cls=layer_cls, num_microbatches=mbs, schedule=schedule, mesh=mesh, timeout=60
+        model,
+        layer_cls=layer_cls,
+        num_microbatches=mbs,
+        schedule=schedule,
+        mesh=mesh,
+        timeout=60,
+        **options,
     )
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3, eps=1e-6)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
     losses = []
     for step in range(steps):
         where = f"{type(model).__name__} {schedule} {mesh.mesh_dim_names} step={step}"
-        batch = make_batch(seed=step, batch=4, seq=SEQ)  # rows 0 and 3 right-padded
-        assert (batch["attention_mask"] == 0).any()
+        batch = batches(step)
         loss = pipe.run_train(**batch)
         ref_loss, _, ref_grads, ref_params = shared_reference_step(ref, batch, mbs, ref_opt)
         _close(loss, ref_loss, "loss", where, worst)
@@ -98,6 +123,9 @@ def _cases(rank, world):
         "llama 1f1b": _case(cp_pp, llama, "1f1b", worst, layers=2),
         "qwen2 zbh1 (sliding window)": _case(cp_pp, qwen2, "zbh1", worst, layers=2),
         "mistral eager 1f1b": _case(cp_pp, mistral, "1f1b", worst, attn="eager", layers=2),
+        "llama packed": _case(
+            cp_pp, llama, "1f1b", worst, steps=1, batches=_packed, inputs=["input_ids"], layers=2
+        ),
     }
     # A ("cp",) mesh: one stage, every token's attention over 4 shares (4 key/value heads).
     cp4 = _mesh((4,), ("cp",))

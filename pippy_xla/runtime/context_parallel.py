@@ -180,7 +180,7 @@ class ContextParallel:
         self.size: int = self.mesh.size()
         self._timeout_ms = timeout_ms
         self._device = str(device)
-        self._full: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._full: list[tuple[torch.Tensor | None, torch.Tensor]] = []
         """Per microbatch of the running step: its whole ``attention_mask`` and
         ``position_ids``, which the mask leaves read."""
         self.microbatch = 0
@@ -288,8 +288,8 @@ class ContextParallel:
         embeds = kwargs.get("inputs_embeds")
         if embeds is not None:  # read for its shape, dtype and device only
             b, _, *rest = embeds.shape
-            kwargs["inputs_embeds"] = embeds[:, :1].expand(b, mask.shape[1], *rest)
-        if isinstance(kwargs.get("attention_mask"), torch.Tensor):
+            kwargs["inputs_embeds"] = embeds[:, :1].expand(b, positions.shape[-1], *rest)
+        if mask is not None and isinstance(kwargs.get("attention_mask"), torch.Tensor):
             kwargs["attention_mask"] = mask.to(kwargs["attention_mask"].device)
         if kwargs.get("position_ids") is not None:
             kwargs["position_ids"] = positions.to(kwargs["position_ids"].device)
@@ -327,9 +327,9 @@ class ContextParallel:
         """This rank's tokens of every microbatch (in place), the labels shifted on the whole
         row first; the whole masks and positions kept for the mask leaves."""
         m = len(next(iter(microbatches.values())))
-        self._full = list(
-            zip(batch["attention_mask"].chunk(m), batch["position_ids"].chunk(m), strict=True)
-        )
+        masks = batch.get("attention_mask")
+        masks = masks.chunk(m) if masks is not None else [None] * m
+        self._full = list(zip(masks, batch["position_ids"].chunk(m), strict=True))
         for k, parts in microbatches.items():
             if k == "labels":
                 parts = tuple(_shift(p) for p in parts)
