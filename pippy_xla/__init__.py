@@ -8,6 +8,7 @@ from pippy_xla.integrations import PipelineTrainer, pipelined
 from pippy_xla.pipeline import EvalOutput, PipelineModel, balanced_ranges
 from pippy_xla.plan import Plan, PlanInfeasibleError, plan
 from pippy_xla.runtime import ops  # noqa: F401  (registers the ops' fake kernels and autograd)
+from pippy_xla.runtime.expert_parallel import ExpertSharding
 from pippy_xla.runtime.tensor_parallel import LayerSharding
 from pippy_xla.split import (
     Fingerprint,
@@ -36,6 +37,7 @@ __all__ = [
     "BatchMismatchError",
     "EvalOutput",
     "Fingerprint",
+    "ExpertSharding",
     "LayerSharding",
     "PipelineConfig",
     "PipelineError",

@@ -67,6 +67,10 @@ class ModelProfile:
     tp_size: int = 1
     """The tensor-parallel degree the decoder layers were profiled at: their costs are a tp
     rank's (see [Note: planning under tensor parallelism] in :mod:`pippy_xla.plan.profiler`)."""
+    ep_size: int = 1
+    """The expert-parallel degree the decoder layers were profiled at: a rank's share of each MoE
+    layer's experts, and the all-to-all in its time (see [Note: planning under expert
+    parallelism] in :mod:`pippy_xla.runtime.expert_parallel`)."""
 
     def problem(
         self,

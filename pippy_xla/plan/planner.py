@@ -120,6 +120,10 @@ class Plan:
     """The tensor-parallel degree it was made for: its costs are a tp rank's, and a pipeline
     with another ``tp`` refuses it (see [Note: planning under tensor parallelism] in
     :mod:`pippy_xla.plan.profiler`)."""
+    ep_size: int = 1
+    """The expert-parallel degree it was made for: its MoE layers' costs are an expert rank's, and
+    a pipeline with another ``expert_parallel`` refuses it (see [Note: planning under expert
+    parallelism] in :mod:`pippy_xla.runtime.expert_parallel`)."""
     meta: dict = field(default_factory=dict)
     """Free-form provenance (model name, dtype, ...)."""
 
@@ -157,6 +161,7 @@ class Plan:
             f"{self.bottleneck_time * scale:.3f} {unit}/microbatch, simulated step "
             f"{self.step_time * scale:.3f} {unit}; checkpointed layers {self.checkpoint_layers}"
             + (f"; per tp rank of {self.tp_size}" if self.tp_size > 1 else "")
+            + (f"; experts over {self.ep_size} ranks" if self.ep_size > 1 else "")
         )
         return "\n".join(rows)
 
@@ -292,6 +297,7 @@ def plan(
     repeats: int = 5,
     input_names: Sequence[str] = ("input_ids", "attention_mask"),
     tensor_parallel: Sharding | None = None,
+    expert_parallel: Sharding | None = None,
 ) -> Plan:
     """Chooses layers and checkpointed layers per stage for ``model`` under ``memory_limit``.
 
@@ -307,18 +313,17 @@ def plan(
             ``"gpipe"``, ``"interleaved"``, ``"zbh1"``); it sets what each rank holds when.
         chunks: stages per rank (default: the schedule's, 2 for ``"interleaved"``); several
             split the layers into equal ranges, and the plan chooses the checkpointed layers.
-        allow_checkpoint: False plans layer ranges only.
-        profile: a precomputed :func:`profile_model` result (default: profile now).
-        repeats: timing runs for the profiler.
-        input_names: the batch inputs to profile with (``PipelineConfig.input_names``).
-        tensor_parallel: ``pippy_xla.LayerSharding(mesh)`` on a ``(dp, pp, tp)`` mesh: stages
-            over ``pp`` with a tp rank's costs; a collective over the mesh, the first rank's plan
-            every rank's ([Note: planning under tensor parallelism] in ``plan/profiler.py``).
+        allow_checkpoint, profile: False plans layer ranges only; a :func:`profile_model`.
+        repeats, input_names: the profiler's timing runs and batch inputs.
+        tensor_parallel, expert_parallel: ``LayerSharding(mesh)`` (``(dp, pp, tp)``) or
+            ``ExpertSharding(mesh, ep)`` (``(dp, pp)``; ``batch_size`` a replica's rows): a tp
+            or expert rank's costs; a collective, the first rank's plan every rank's.
 
     Raises:
         PlanInfeasibleError: nothing fits; the message names the smallest limit that would.
     """
     chunks, ranks = _layout(schedule, num_stages, chunks)
+    tensor_parallel = _one_sharding(tensor_parallel, expert_parallel)
 
     def make() -> Plan:
         shape = (batch_size, num_microbatches, seq_len)
@@ -375,6 +380,16 @@ def _agreed_plan(sharding: Sharding, make: Callable[[], Plan]) -> Plan:
     if error is not None:
         raise error
     raise value
+
+
+def _one_sharding(tensor_parallel: Sharding | None, expert_parallel: Sharding | None):
+    """The sharding :func:`plan` profiles under: one of them, not both (yet)."""
+    if tensor_parallel is not None and expert_parallel is not None:
+        raise NotImplementedError(
+            "plan() with both tensor_parallel= and expert_parallel= is not supported yet; plan "
+            "one of them"
+        )
+    return tensor_parallel or expert_parallel
 
 
 def _profile_for(
@@ -435,6 +450,7 @@ def _plan_from_profile(
         batch_size=shape[0],
         seq_len=shape[1],
         tp_size=profile.tp_size,
+        ep_size=profile.ep_size,
         meta={"model": model_name, "dtype": profile.dtype},
     )
     logger.info("plan:\n%s", result.table())
@@ -492,4 +508,12 @@ def evaluate(
     ck = set(checkpoint_layers)
     per_stage = [[k for k in range(a, b) if k in ck] for a, b in layer_ranges]
     stages = evaluate_stages(problem, layer_ranges, per_stage)
-    return _make_plan(problem, stages, schedule, num_microbatches, chunks, tp_size=profile.tp_size)
+    return _make_plan(
+        problem,
+        stages,
+        schedule,
+        num_microbatches,
+        chunks,
+        tp_size=profile.tp_size,
+        ep_size=profile.ep_size,
+    )

@@ -72,6 +72,8 @@ class Sharding(Protocol):
 
     size: int
     """The tensor-parallel degree."""
+    expert_parallel: int
+    """The expert-parallel degree (1 for tensor parallelism)."""
     profiles: bool
     """Whether this rank profiles."""
     first_rank: int
@@ -537,7 +539,7 @@ def _cache_key(
     dtype,
     repeats: int,
     inputs: Sequence[str],
-    tp_size: int,
+    degrees: tuple[int, int],
 ) -> str:
     cfg = getattr(model, "config", None)
     desc = (
@@ -554,7 +556,7 @@ def _cache_key(
             str(dtype),
             repeats,
             list(inputs),
-            tp_size,
+            list(degrees),
         ]
     )
 
@@ -593,21 +595,20 @@ def profile_model(
     ``2 + optimizer_states`` (parameters, gradients, AdamW state). Transient bytes are each region's
     largest working set during forward and backward (the peak of live tensor bytes on top of what
     the region starts with and leaves behind: see :class:`_WorkingSets`); on CPU this installs the
-    counting allocator for the rest of the process. Results are cached in memory per (model config,
-    shape, dtype, inputs, tp degree).
+    counting allocator for the rest of the process. Cached per (config, shape, dtype, degrees).
 
     A model built on ``meta`` is profiled through a stand-in (see [Note: profiling a meta
     model]) on ``device`` (default: the CPU), so a model that fits on no single device can be
-    planned; a real model is profiled where it is (``device`` is ignored). With
-    ``tensor_parallel`` (``pippy_xla.LayerSharding(mesh)``) the layers are sharded over ``tp`` on
-    a copy, run under its ``loss_context``, a collective ([Note: planning under tensor
-    parallelism])."""
+    planned; a real model is profiled where it is (``device`` is ignored). ``tensor_parallel``
+    (``LayerSharding(mesh)``, or ``ExpertSharding(mesh, ep)`` for experts) shards the layers of a
+    copy, a collective ([Note: planning under tensor parallelism])."""
     _refuse_non_token_inputs(model, input_names)
     dtype = next(model.parameters()).dtype
     layer_cls = layer_classes(model, layer_cls)
     shape = (microbatch_size, seq_len)
     tp = tensor_parallel.size if tensor_parallel is not None else 1
-    key = _cache_key(model, layer_cls, shape, dtype, repeats, input_names, tp)
+    ep = getattr(tensor_parallel, "expert_parallel", 1)
+    key = _cache_key(model, layer_cls, shape, dtype, repeats, input_names, (tp, ep))
     if cache and key in _CACHE:
         return _CACHE[key]
     model, layers, shared_backward = _profiled_model(model, layer_cls, device, tensor_parallel)
@@ -616,9 +617,37 @@ def profile_model(
     with getattr(tensor_parallel, "loss_context", contextlib.nullcontext)():
         measured = _measure(model, layer_cls, layers, batch, repeats)
     prof = _model_profile(measured, layers, batch, shared_backward, optimizer_states, dtype, tp)
+    _worst_over(tensor_parallel, prof, ep)
     if cache:
         _CACHE[key] = prof
     return prof
+
+
+def _worst_over(sharding: Sharding | None, prof: ModelProfile, ep: int) -> None:
+    """``prof`` made an expert rank's of ``ep``: ``ep_size`` set and, for ``ep`` above 1, each
+    cost (times and bytes of the prologue, the epilogue and every layer) set to its largest over
+    the profiling ranks, a collective over them: each rank's experts receive the tokens the
+    router sends them, so their bytes and times differ between the ranks, and the plan holds
+    for the busiest ([Note: planning under expert parallelism] in
+    ``runtime/expert_parallel.py``)."""
+    prof.ep_size = ep
+    if sharding is None or ep == 1:
+        return
+    parts = [prof.prologue, prof.epilogue, *prof.layers]
+    mine = [
+        {
+            f: v
+            for f in dir(part)
+            if not f.startswith("_")
+            for v in [getattr(part, f)]
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
+        for part in parts
+    ]
+    every = sharding.gather(mine)
+    for k, part in enumerate(parts):
+        for field_name in mine[k]:
+            setattr(part, field_name, max(rank[k][field_name] for rank in every))
 
 
 def _profiled_model(

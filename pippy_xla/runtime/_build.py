@@ -557,6 +557,14 @@ def check_plan_tp(config: PipelineConfig, place: Placement) -> None:
             f"tp={place.tp_size}; plan with tensor_parallel=pippy_xla.LayerSharding(mesh) on "
             "the pipeline's mesh (or without it for tp=1)"
         )
+    ep = config.expert_parallel or 1
+    made_for = config.plan.ep_size if config.plan is not None else ep
+    if made_for != ep:
+        raise ValueError(
+            f"the plan was made for expert_parallel={made_for} but this pipeline has "
+            f"expert_parallel={ep}; plan with expert_parallel=pippy_xla.ExpertSharding(mesh, {ep}) "
+            "on the pipeline's mesh (or without it for none)"
+        )
 
 
 def refuse_under_tp(config: PipelineConfig) -> None:

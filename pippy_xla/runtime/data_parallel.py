@@ -309,3 +309,15 @@ def assign(target: torch.Tensor, source: torch.Tensor) -> None:
         target.to_local().copy_(part.to_local())
     else:
         target.copy_(source)
+
+
+def copy_from_first(module: nn.Module, group_name: str, timeout_ms: int) -> None:
+    """Copies the first rank's values of the group ``group_name`` (tensor parallelism's tp group,
+    the planner's expert group) into ``module``'s parameters and buffers (those not on
+    ``meta``), a broadcast over it."""
+    with torch.no_grad():
+        for name, t in [*module.named_parameters(), *module.named_buffers()]:
+            if t.device.type == "meta":
+                continue
+            what = f"start: broadcast of {name} from the group's first rank"
+            t.copy_(_C.broadcast_copy(t.detach(), 0, group_name, timeout_ms, what))

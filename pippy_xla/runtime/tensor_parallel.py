@@ -87,7 +87,7 @@ from torch import nn
 
 from pippy_xla._native import _C
 from pippy_xla.hf_compat import tensor_parallel_api
-from pippy_xla.runtime.data_parallel import local_tensor
+from pippy_xla.runtime.data_parallel import copy_from_first, local_tensor
 from pippy_xla.runtime.expert_parallel import EXPERT_STYLES, expert_rules
 from pippy_xla.split.partition import UnsupportedModelError
 
@@ -741,17 +741,6 @@ def _vocabulary_parallel_head(hf, head: nn.Linear, tp_mesh) -> None:
         style.shard_param(head, name, tp_mesh)
     style.install_forward(head, tp_mesh)
     head._is_hooked = True
-
-
-def copy_from_first(module: nn.Module, group_name: str, timeout_ms: int) -> None:
-    """Copies tp rank 0's values into ``module``'s parameters and buffers (those not on
-    ``meta``), a broadcast over the tp group ``group_name``."""
-    with torch.no_grad():
-        for name, t in [*module.named_parameters(), *module.named_buffers()]:
-            if t.device.type == "meta":
-                continue
-            what = f"tensor-parallel start: broadcast of {name}"
-            t.copy_(_C.broadcast_copy(t.detach(), 0, group_name, timeout_ms, what))
 
 
 class LayerSharding:
