@@ -131,6 +131,7 @@ def _cases(rank, world):
     cp4 = _mesh((4,), ("cp",))
     out["llama cp=4"] = _case(cp4, _llama_kv4, "1f1b", worst, steps=1)
     out["refused"] = _refusals(cp_pp)
+    torch.distributed.barrier()  # no rank leaves (and takes the store with it) before the others
     return out, worst
 
 

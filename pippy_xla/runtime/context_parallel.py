@@ -71,8 +71,8 @@ def zigzag_index(length: int, rank: int, size: int) -> torch.Tensor:
 
 
 def pipeline_group(mesh, pp_dim: str, cp_dim: str) -> dist.ProcessGroup:
-    """The pipeline's group on a mesh ``(cp, pp)``, or on a mesh ``(cp,)`` this rank alone (a
-    collective over the job: every rank makes every rank's group); other dims are refused."""
+    """The pipeline's group on a mesh ``(cp, pp)``, or on a mesh ``(cp,)`` this rank alone;
+    other dims are refused."""
     names = tuple(mesh.mesh_dim_names)
     if names not in ((cp_dim, pp_dim), (cp_dim,)):
         raise NotImplementedError(
@@ -86,11 +86,7 @@ def pipeline_group(mesh, pp_dim: str, cp_dim: str) -> dist.ProcessGroup:
         )
     if len(names) == 2:
         return mesh.get_group(pp_dim)
-    mine = None
-    for r in range(dist.get_world_size()):
-        g = dist.new_group([r])
-        mine = g if r == dist.get_rank() else mine
-    return mine
+    return dist.new_group([dist.get_rank()], use_local_synchronization=True)
 
 
 def check_options(config) -> None:
@@ -241,8 +237,7 @@ class ContextParallel:
             length = query.shape[2] * self.size
             to_natural, to_shares = self._order(length, query.device)
             q, k, v = (self._heads_to_tokens(t, to_natural) for t in (query, key, value))
-            if "position_ids" in kwargs:
-                kwargs["position_ids"] = self._full[self.microbatch][1].to(query.device)
+            kwargs.pop("position_ids", None)  # this rank's; the mask holds the whole row's
             out, _ = inner(module, q, k, v, attention_mask, **kwargs)
             return self._tokens_to_heads(out, to_shares), None
 
