@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from models import llama, make_batch, mistral, qwen2, shared_reference_step, tiny
+from models import llama, make_batch, mistral, on_first_rank, qwen2, shared_reference_step, tiny
 from test_moe import TOL
 
 import pippy_xla as px
@@ -50,13 +50,14 @@ def _padded(seed: int) -> dict:
     return batch
 
 
-def _case(mesh, make, schedule, worst, steps=2, mbs=2, batches=_padded, inputs=None, **model_kw):
-    """``steps`` AdamW steps of the pipeline on ``mesh`` against one process on the whole batch
-    (``mbs`` microbatches of rows in both); returns the losses."""
+def _case(mesh, make, schedule, worst, steps=2, mbs=2, batches=_padded, options=None, **model_kw):
+    """``steps`` AdamW steps of the pipeline on ``mesh`` (``options`` for ``PipelineModel``)
+    against one process on the whole batch (``mbs`` microbatches of rows in both), then
+    ``run_eval``'s loss; returns the losses."""
     torch.manual_seed(0)
     model, layer_cls = make(**model_kw)
     ref = copy.deepcopy(model)
-    options = {"input_names": inputs} if inputs else {}
+    options = options or {}
     pipe = px.PipelineModel(
         model,
         layer_cls=layer_cls,
@@ -83,6 +84,9 @@ def _case(mesh, make, schedule, worst, steps=2, mbs=2, batches=_padded, inputs=N
         for name, p in named.items():
             _close(p.detach(), ref_params[name], "param", f"{where}: {name}", worst)
         losses.append(round(float(loss), 5))
+    batch = batches(steps)
+    ref_eval = on_first_rank(lambda: ref(**batch, use_cache=False).loss.detach())
+    _close(pipe.run_eval(**batch).loss, ref_eval, "loss", f"{where}: run_eval", worst)
     return losses
 
 
@@ -121,10 +125,19 @@ def _cases(rank, world):
     worst: dict[str, float] = {}
     out = {
         "llama 1f1b": _case(cp_pp, llama, "1f1b", worst, layers=2),
-        "qwen2 zbh1 (sliding window)": _case(cp_pp, qwen2, "zbh1", worst, layers=2),
+        "qwen2 zbh1 (sliding window), checkpointed": _case(
+            cp_pp, qwen2, "zbh1", worst, options={"checkpoint_layers": [0, 1]}, layers=2
+        ),
         "mistral eager 1f1b": _case(cp_pp, mistral, "1f1b", worst, attn="eager", layers=2),
         "llama packed": _case(
-            cp_pp, llama, "1f1b", worst, steps=1, batches=_packed, inputs=["input_ids"], layers=2
+            cp_pp,
+            llama,
+            "1f1b",
+            worst,
+            steps=1,
+            batches=_packed,
+            options={"input_names": ["input_ids"]},
+            layers=2,
         ),
     }
     # A ("cp",) mesh: one stage, every token's attention over 4 shares (4 key/value heads).

@@ -238,6 +238,7 @@ class ContextParallel:
             to_natural, to_shares = self._order(length, query.device)
             q, k, v = (self._heads_to_tokens(t, to_natural) for t in (query, key, value))
             kwargs.pop("position_ids", None)  # this rank's; the mask holds the whole row's
+            _refuse_tensor_arguments(module, kwargs)
             out, _ = inner(module, q, k, v, attention_mask, **kwargs)
             return self._tokens_to_heads(out, to_shares), None
 
@@ -348,6 +349,19 @@ class ContextParallel:
         """Whether every cp rank passed the same 64-bit ``key``."""
         keys = _C.all_gather_int64([key], self.group_name, self._device, self._timeout_ms, what)
         return all(k == [key] for k in keys)
+
+
+def _refuse_tensor_arguments(module: nn.Module, kwargs: dict) -> None:
+    """A tensor the attention module hands its attention function besides query, key, value and
+    mask (a value per head, such as attention sinks, or per token) would need its own share of
+    the heads or the tokens: refused, naming it."""
+    tensors = sorted(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
+    if tensors:
+        raise NotImplementedError(
+            f"context parallelism: {type(module).__name__} passes {tensors} to its attention "
+            "function, a tensor per head or per token that the all-to-all over heads does not "
+            "split yet (issue 72)"
+        )
 
 
 def _shift(labels: torch.Tensor) -> torch.Tensor:
