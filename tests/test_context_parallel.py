@@ -117,6 +117,7 @@ def _refusals(cp_pp):
         _refusal(lambda: build(lambda: tiny("mamba", layers=2))),
         _refusal(lambda: build(llama, loss_fn=lambda logits, labels, n: logits.sum())),
         _refusal(lambda: pipe.generate(odd["input_ids"][:, :4], max_new_tokens=2)),
+        _refusal(lambda: build(llama, mesh=_mesh((2, 2), ("dp", "cp")))),
     ]
 
 
@@ -161,10 +162,11 @@ def test_context_parallel_equals_one_process():
     assert all(r == results[0] for r in results)  # every rank the same losses and refusals
     refused = results[0]["refused"]
     assert "2 x cp = 4 equal chunks, but the batch's rows have 18 tokens" in refused[0]
-    assert "2 query" not in refused[1] and "key/value heads: both must divide by cp" in refused[1]
+    assert "4 query and 2 key/value heads: both must divide by cp" in refused[1]
     assert "state runs along the sequence" in refused[2]
     assert "loss_fn is not supported yet" in refused[3]
     assert "generate is not supported yet under context parallelism" in refused[4]
+    assert "cp beside data or tensor parallelism is not supported yet" in refused[5]
     print({k: max(o[1].get(k, 0.0) for o in out) for k in ("loss", "grad", "param")})
 
 
