@@ -10,7 +10,17 @@ import copy
 
 import pytest
 import torch
-from models import llama, make_batch, mistral, on_first_rank, qwen2, shared_reference_step, tiny
+from models import (
+    grads_of,
+    llama,
+    make_batch,
+    mistral,
+    on_first_rank,
+    params_of,
+    qwen2,
+    reference_step,
+    tiny,
+)
 from test_moe import TOL
 
 import pippy_xla as px
@@ -50,12 +60,30 @@ def _padded(seed: int) -> dict:
     return batch
 
 
-def _case(mesh, make, schedule, worst, steps=2, mbs=2, batches=_padded, options=None, **model_kw):
-    """``steps`` AdamW steps of the pipeline on ``mesh`` (``options`` for ``PipelineModel``)
-    against one process on the whole batch (``mbs`` microbatches of rows in both), then
-    ``run_eval``'s loss; returns the losses."""
+def _reference_step(ref, batch, mbs, opt, clip):
+    """One process's step on rank 0 for every rank: the loss, the gradient norm (clipped to
+    ``clip``, if any), the gradients, and the parameters after ``opt``'s step."""
+
+    def step():
+        loss, _ = reference_step(ref, batch, mbs)
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip) if clip else None
+        grads = grads_of(ref)
+        opt.step()
+        opt.zero_grad()
+        return loss, norm, grads, params_of(ref)
+
+    return on_first_rank(step)
+
+
+def _case(
+    mesh, make, schedule, worst, steps=2, mbs=2, batches=_padded, options=None, clip=None, **kw
+):
+    """``steps`` AdamW steps of the pipeline on ``mesh`` (``options`` for ``PipelineModel``; the
+    gradients clipped to the global norm ``clip``, if any) against one process on the whole
+    batch (``mbs`` microbatches of rows in both), then ``run_eval``'s loss; returns the
+    losses."""
     torch.manual_seed(0)
-    model, layer_cls = make(**model_kw)
+    model, layer_cls = make(**kw)
     ref = copy.deepcopy(model)
     options = options or {}
     pipe = px.PipelineModel(
@@ -67,6 +95,11 @@ def _case(mesh, make, schedule, worst, steps=2, mbs=2, batches=_padded, options=
         timeout=60,
         **options,
     )
+    seen = set()  # the tokens per row each local decoder layer is given: this rank's share
+    for st in pipe.local_stages:
+        for m in st.module.modules():
+            if isinstance(m, layer_cls):
+                m.register_forward_hook(lambda m, args, out: seen.add(args[0].shape[1]))
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3, eps=1e-6)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
     losses = []
@@ -74,8 +107,11 @@ def _case(mesh, make, schedule, worst, steps=2, mbs=2, batches=_padded, options=
         where = f"{type(model).__name__} {schedule} {mesh.mesh_dim_names} step={step}"
         batch = batches(step)
         loss = pipe.run_train(**batch)
-        ref_loss, _, ref_grads, ref_params = shared_reference_step(ref, batch, mbs, ref_opt)
+        ref_loss, ref_norm, ref_grads, ref_params = _reference_step(ref, batch, mbs, ref_opt, clip)
         _close(loss, ref_loss, "loss", where, worst)
+        if clip:  # whole gradients on every cp rank: each counted once
+            assert float(ref_norm) > 2 * clip, where  # the clipping scales
+            _close(pipe.clip_grad_norm_(clip), ref_norm, "loss", f"{where}: norm", worst)
         named = dict(pipe.named_parameters())
         for name, p in named.items():
             _close(p.grad, ref_grads[name], "grad", f"{where}: {name}", worst)
@@ -84,6 +120,7 @@ def _case(mesh, make, schedule, worst, steps=2, mbs=2, batches=_padded, options=
         for name, p in named.items():
             _close(p.detach(), ref_params[name], "param", f"{where}: {name}", worst)
         losses.append(round(float(loss), 5))
+    assert seen == {SEQ // pipe.cp_size}, (where, seen)
     batch = batches(steps)
     ref_eval = on_first_rank(lambda: ref(**batch, use_cache=False).loss.detach())
     _close(pipe.run_eval(**batch).loss, ref_eval, "loss", f"{where}: run_eval", worst)
@@ -125,7 +162,7 @@ def _cases(rank, world):
     cp_pp = _mesh((2, 2), ("cp", "pp"))
     worst: dict[str, float] = {}
     out = {
-        "llama 1f1b": _case(cp_pp, llama, "1f1b", worst, layers=2),
+        "llama 1f1b, clipped": _case(cp_pp, llama, "1f1b", worst, clip=0.1, layers=2),
         "qwen2 zbh1 (sliding window), checkpointed": _case(
             cp_pp, qwen2, "zbh1", worst, options={"checkpoint_layers": [0, 1]}, layers=2
         ),
