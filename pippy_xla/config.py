@@ -124,9 +124,9 @@ class PipelineConfig:
     tp_dim: str = "tp"
     """The mesh's tensor-parallel dimension (a 3-D mesh ``(dp, pp, tp)``)."""
     cp_dim: str = "cp"
-    """The mesh's context-parallel dimension: a mesh ``(cp, pp)`` or ``(cp,)`` shares every row's
-    tokens over its ``cp`` ranks, attention exact across the shares (see [Note: pipeline x context
-    parallel] in ``runtime/context_parallel.py``)."""
+    """The mesh's context-parallel dimension: a mesh ``(cp, pp)``, ``(cp,)`` or ``(dp, cp, pp)``
+    shares every row's tokens over its ``cp`` ranks, attention exact across the shares (see
+    [Note: pipeline x context parallel] in ``runtime/context_parallel.py``)."""
     tensor_parallel: str | dict[str, str] | None = None
     """With a mesh that has a ``tp_dim``: ``"auto"`` applies the model's own HF tensor-parallel
     plan (``model.tp_plan``: ``config.base_model_tp_plan`` and the model class's own) to each

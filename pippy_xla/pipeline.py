@@ -89,10 +89,11 @@ class PipelineModel:
             ``dp_replicate``). With ``expert_parallel=ep`` each stage's MoE experts are
             sharded over ``ep`` of its replicas by the model's own HF expert plan, tokens
             exchanged all-to-all (see [Note: pipeline x expert parallel] in
-            runtime/expert_parallel.py). Or a mesh ``("cp", "pp")`` (or ``("cp",)``): every
-            row's tokens shared over the ``cp`` ranks of each stage, attention exact across the
-            shares through HF's attention interface (see [Note: pipeline x context parallel]
-            in runtime/context_parallel.py).
+            runtime/expert_parallel.py). Or a mesh ``("cp", "pp")`` (``("cp",)``, or
+            ``("dp", "cp", "pp")`` with replicas): every row's tokens shared over the ``cp``
+            ranks of each stage, attention exact across the shares through HF's attention
+            interface (see [Note: pipeline x context parallel] in
+            runtime/context_parallel.py).
     """
 
     def __init__(

@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 from models import (
+    full,
     grads_of,
     llama,
     make_batch,
@@ -114,11 +115,11 @@ def _case(
             _close(pipe.clip_grad_norm_(clip), ref_norm, "loss", f"{where}: norm", worst)
         named = dict(pipe.named_parameters())
         for name, p in named.items():
-            _close(p.grad, ref_grads[name], "grad", f"{where}: {name}", worst)
+            _close(full(p.grad), ref_grads[name], "grad", f"{where}: {name}", worst)
         opt.step()
         opt.zero_grad()
         for name, p in named.items():
-            _close(p.detach(), ref_params[name], "param", f"{where}: {name}", worst)
+            _close(full(p.detach()), ref_params[name], "param", f"{where}: {name}", worst)
         losses.append(round(float(loss), 5))
     assert seen == {SEQ // pipe.cp_size}, (where, seen)
     batch = batches(steps)
@@ -154,7 +155,7 @@ def _refusals(cp_pp):
         _refusal(lambda: build(lambda: tiny("mamba", layers=2))),
         _refusal(lambda: build(llama, loss_fn=lambda logits, labels, n: logits.sum())),
         _refusal(lambda: pipe.generate(odd["input_ids"][:, :4], max_new_tokens=2)),
-        _refusal(lambda: build(llama, mesh=_mesh((2, 2), ("dp", "cp")))),
+        _refusal(lambda: build(llama, mesh=_mesh((2, 2), ("cp", "tp")))),
     ]
 
 
@@ -178,6 +179,12 @@ def _cases(rank, world):
             layers=2,
         ),
     }
+    # Two replicas of a one-stage pipeline, each row's tokens over 2 cp ranks (FSDP2 over dp).
+    dp_cp = _mesh((2, 2, 1), ("dp", "cp", "pp"))
+    out["llama dp=2 x cp=2, shard"] = _case(
+        dp_cp, llama, "1f1b", worst, clip=0.1, options={"data_parallel": "shard"}, layers=2
+    )
+    out["qwen2 dp=2 x cp=2, replicate"] = _case(dp_cp, qwen2, "1f1b", worst, steps=1, layers=2)
     # A ("cp",) mesh: one stage, every token's attention over 4 shares (4 key/value heads).
     cp4 = _mesh((4,), ("cp",))
     out["llama cp=4"] = _case(cp4, _llama_kv4, "1f1b", worst, steps=1)
@@ -203,7 +210,7 @@ def test_context_parallel_equals_one_process():
     assert "state runs along the sequence" in refused[2]
     assert "loss_fn is not supported yet" in refused[3]
     assert "generate is not supported yet under context parallelism" in refused[4]
-    assert "cp beside data or tensor parallelism is not supported yet" in refused[5]
+    assert "cp beside tensor parallelism or HSDP is not supported yet" in refused[5]
     print({k: max(o[1].get(k, 0.0) for o in out) for k in ("loss", "grad", "param")})
 
 

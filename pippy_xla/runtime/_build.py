@@ -482,7 +482,7 @@ def resolve_placement(
     if mesh is not None and config.cp_dim in (mesh.mesh_dim_names or ()):
         check_mesh_usable(mesh)
         context_parallel.check_options(config)
-        group = context_parallel.pipeline_group(mesh, config.pp_dim, config.cp_dim)
+        group, groups = context_parallel.mesh_groups(mesh, config)
         device = resolve_device(config.device, group)
         cp = ContextParallel(mesh, config.cp_dim, int(config.timeout * 1000), device)
     elif mesh is not None:

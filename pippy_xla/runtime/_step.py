@@ -35,7 +35,14 @@ from pippy_xla.split.partition import StageGraph
 if TYPE_CHECKING:  # the runtime reads the config it is given; config.py sits above the wings
     from pippy_xla.config import PipelineConfig
 
-__all__ = ["EvalOutput", "StageForward", "StepRunner", "direct_forward", "stage_forward"]
+__all__ = [
+    "EvalOutput",
+    "StageForward",
+    "StepRunner",
+    "TokenSum",
+    "direct_forward",
+    "stage_forward",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +63,9 @@ def stage_forward(
     watch: RecompileWatch | None = None,
     added_losses: dict[int, torch.Tensor] | None = None,
     added_scale: float = 1.0,
+    token_sums: dict[str, TokenSum] | None = None,
+    sums: dict[int, torch.Tensor] | None = None,
+    shifted: bool = False,
 ) -> StageForward:
     """The callable the engine runs for each forward action of one step.
 
@@ -72,6 +82,11 @@ def stage_forward(
         added_losses: filled on the last stage with the detached terms the model adds to its
             loss, scaled (see [Note: added loss terms per microbatch]).
         added_scale: the added terms' weight in a microbatch's loss.
+        token_sums: sums over each microbatch's next-token labels, computed on the last stage
+            beside the loss (see [Note: token sums beside the loss]).
+        sums: filled on the last stage with each microbatch's ``token_sums``, stacked.
+        shifted: the labels are next-token labels already (context parallelism shifts them on
+            the whole row before the split).
     """
     last = len(stages) - 1
     # Each local stage's batch arguments, per microbatch, made in one pass before the step (see
@@ -99,9 +114,45 @@ def stage_forward(
             if added_losses is not None:
                 added_losses[mb] = added.detach()
         losses[mb] = loss.detach()
+        if token_sums:
+            sums[mb] = _token_sums(token_sums, out[0], labels[mb], shifted)
         return [loss]
 
     return forward
+
+
+TokenSum = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``fn(logits, next_labels) -> sum`` over one microbatch's tokens (see [Note: token sums beside
+the loss])."""
+
+
+def _token_sums(
+    fns: dict[str, TokenSum], logits: torch.Tensor, labels: torch.Tensor, shifted: bool
+) -> torch.Tensor:
+    """Each of ``fns`` on one microbatch's logits (whole, detached) and next-token labels
+    (aligned: ``logits[:, t]`` predicts ``labels[:, t]``), stacked in float32."""
+    with torch.no_grad():
+        logits = whole_tensor(logits).detach()
+        if not shifted:  # HF's causal-LM shift: position t predicts token t + 1
+            logits, labels = logits[:, :-1], labels[:, 1:]
+        return torch.stack([fn(logits, labels).float() for fn in fns.values()])
+
+
+"""[Note: token sums beside the loss]
+
+Metrics a trainer logs from the logits of a step it trains in one pass (TRL's ``SFTTrainer``
+logs the entropy and the accuracy of the next-token distribution over the label tokens) need the
+logits, which only the last stage holds, microbatch by microbatch. ``StepRunner.token_sums``
+(``PipelineModel.token_sums``; ``None`` by default) names functions of one microbatch's logits and
+its next-token labels, each a sum over the microbatch's tokens; the last stage computes them
+after the loss of each microbatch, without autograd, on the whole logits (a vocabulary-parallel
+head's gathered), with HF's causal shift (or the labels context parallelism shifted on the whole
+row). Their sums over the microbatches travel with the loss in its broadcast and are summed with
+it over the cp ranks and the replicas, so every rank reads the global batch's sums
+(``last_token_sums``) after ``run_train`` or ``run_eval``. Sums, not means: they add up over
+microbatches, cp shares and replicas; a trainer divides them as it defines its metric. Without
+``token_sums`` the step computes nothing more and the broadcast is the loss's alone.
+"""
 
 
 """[Note: calling a stage's forward]
@@ -232,6 +283,9 @@ class StepRunner:
         self.num_items_fn = built.num_items_fn
         """The whole batch's count of what ``loss_fn`` averages over (assignable between
         steps)."""
+        self.token_sums: dict[str, TokenSum] | None = None
+        """Sums over each microbatch's next-token labels computed beside the loss (assignable
+        between steps; see [Note: token sums beside the loss])."""
         self.added_weight = 1.0
         """The weight of what the model adds to ``loss_fn``'s loss (an MoE router's loss):
         0 where a loss of one's own leaves it out (assignable between steps)."""
@@ -250,7 +304,9 @@ class StepRunner:
         self.recompiles: list[str] = []
         """Explanations of the recompilations seen after each mode's first step."""
         self._last_parts: torch.Tensor | None = None
-        """The last step's ``[total, aux]`` (read on demand: no device sync per step)."""
+        """The last step's ``[total, aux, *token sums]`` (read on demand: no device sync per
+        step)."""
+        self._last_sum_names: tuple[str, ...] = ()
         self._sharded_head = self.tp is not None and self.tp.sharded_head
         """Whether this rank's steps run under :func:`vocabulary_parallel_loss` (see [Note: the
         vocabulary-parallel head])."""
@@ -274,7 +330,8 @@ class StepRunner:
         batch, microbatches, signature = self._prepare(batch, "train")
         losses: dict[int, torch.Tensor] = {}
         added: dict[int, torch.Tensor] = {}
-        forward = self._forward(batch, microbatches, losses, added, logits=None)
+        sums: dict[int, torch.Tensor] = {}
+        forward = self._forward(batch, microbatches, losses, added, sums, logits=None)
         earlier = set_aside_grads(self.ties)  # [Note: tied gradients accumulate once]
         partial = self.tp.set_aside_partial() if self.tp is not None else None
         try:
@@ -290,7 +347,7 @@ class StepRunner:
                 self.failures.watched("context-parallel gradient sum", self.cp.reduce_grads, params)
         finally:
             add_back_grads(self.ties, earlier)
-        loss = self._reduce_loss(losses, added)
+        loss = self._reduce_loss(losses, added, sums)
         self.step_spans.append(("POST", -1, -1, end, time.time_ns()))
         return loss
 
@@ -302,15 +359,16 @@ class StepRunner:
         batch, microbatches, signature = self._prepare(batch, "eval")
         losses: dict[int, torch.Tensor] = {}
         added: dict[int, torch.Tensor] = {}
+        sums: dict[int, torch.Tensor] = {}
         logits: dict[int, torch.Tensor] | None = {} if keep_logits else None
-        forward = self._forward(batch, microbatches, losses, added, logits)
+        forward = self._forward(batch, microbatches, losses, added, sums, logits)
         end = self._run(self.eval_engine, forward, signature, start)
         if self.dp is not None:
             self.dp.after_eval()
         is_last = self.place.rank == self.last_rank
         keep = is_last and logits is not None
         all_logits = torch.cat([logits[mb] for mb in sorted(logits)]) if keep else None
-        loss = self._reduce_loss(losses, added) if "labels" in batch else None
+        loss = self._reduce_loss(losses, added, sums) if "labels" in batch else None
         self.step_spans.append(("POST", -1, -1, end, time.time_ns()))
         return EvalOutput(loss=loss, logits=all_logits)
 
@@ -500,7 +558,7 @@ class StepRunner:
                 ragged=self.ragged,
             )
             if self.cp is not None:
-                self.cp.shard(microbatches, batch)
+                self.cp.shard(microbatches, batch, place.dp_rank, place.dp_size)
         return batch, microbatches, key.signature
 
     def checked_gather(
@@ -544,7 +602,7 @@ class StepRunner:
         """The :meth:`checked_gather` check of the tp ranks of this rank's stages."""
         return (self.tp, "tensor-parallel", _TP_CAUSE)
 
-    def _forward(self, batch, microbatches, losses, added, logits) -> StageForward:
+    def _forward(self, batch, microbatches, losses, added, sums, logits) -> StageForward:
         labels = batch.get("labels")
         num_items = None
         if labels is not None and self._holds_last:  # only the loss needs the token count
@@ -561,6 +619,9 @@ class StepRunner:
             watch=self.watch,
             added_losses=added,
             added_scale=self.added_weight / (self.config.num_microbatches * self.place.dp_size),
+            token_sums=self.token_sums,
+            sums=sums,
+            shifted=self.cp is not None,
         )
         if self.cp is None:
             return forward
@@ -622,18 +683,25 @@ class StepRunner:
         self.reduce_spans.append(("DP", stage, -1, start, time.time_ns()))
 
     def _reduce_loss(
-        self, losses: dict[int, torch.Tensor], added: dict[int, torch.Tensor]
+        self,
+        losses: dict[int, torch.Tensor],
+        added: dict[int, torch.Tensor],
+        sums: dict[int, torch.Tensor],
     ) -> torch.Tensor:
         """The sum of the last stage's microbatch losses, on every rank (and, with a mesh, over
-        the replicas: their shares add up to the global mean); kept for :attr:`last_losses`."""
+        the replicas: their shares add up to the global mean); kept for :attr:`last_losses`,
+        with the token sums (see [Note: token sums beside the loss])."""
         place = self.place
+        names = tuple(self.token_sums or ())
         if place.rank == self.last_rank:
             # One dtype per part: stacked, then widened once (exact), then summed in float32.
             main = torch.stack([losses[mb] for mb in sorted(losses)]).float().sum()
             aux = torch.stack([added[mb] for mb in sorted(added)]).float().sum() if added else None
             total = torch.stack([main, main.new_zeros(()) if aux is None else aux])
+            if names:
+                total = torch.cat([total, torch.stack([sums[mb] for mb in sorted(sums)]).sum(0)])
         else:
-            total = torch.zeros(2, dtype=torch.float32, device=place.device)
+            total = torch.zeros(2 + len(names), dtype=torch.float32, device=place.device)
         total = self.failures.watched(
             "loss broadcast",
             _C.broadcast_copy,
@@ -658,7 +726,7 @@ class StepRunner:
                 total,
                 f"[rank {place.rank}] loss all_reduce",
             )
-        self._last_parts = total
+        self._last_parts, self._last_sum_names = total, names
         return total[0].clone()
 
     @property
@@ -668,5 +736,14 @@ class StepRunner:
         first step."""
         if self._last_parts is None:
             return {}
-        total, aux = (float(v) for v in self._last_parts)
+        total, aux = (float(v) for v in self._last_parts[:2])
         return {"total": total, "main": total - aux, "aux": aux}
+
+    @property
+    def last_token_sums(self) -> dict[str, float]:
+        """The last step's :attr:`token_sums` over the whole (global) batch, on every rank; empty
+        before the first step or without them (see [Note: token sums beside the loss])."""
+        if self._last_parts is None:
+            return {}
+        values = self._last_parts[2:].tolist()
+        return dict(zip(self._last_sum_names, values, strict=True))

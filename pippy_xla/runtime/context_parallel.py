@@ -3,7 +3,8 @@
 [Note: pipeline x context parallel]
 
 A mesh ``("cp", "pp")`` (or ``("cp",)``: one stage) runs ``cp`` copies of the pipeline, each on a
-share of every row's tokens. Every rank is given the same whole batch.
+share of every row's tokens; ``("dp", "cp", "pp")`` runs that for each replica of data
+parallelism, on its rows. Every rank is given the same whole batch.
 
 - Layout (head-tail, "zigzag"): a row's ``S`` tokens are cut in ``2 cp`` equal chunks and cp
   rank ``i`` holds chunks ``i`` and ``2 cp - 1 - i``, in that order, so that under a causal mask
@@ -32,9 +33,14 @@ share of every row's tokens. Every rank is given the same whole batch.
   output back all-to-all. Its backward is the same two exchanges reversed (autograd through
   torch's functional ``all_to_all_single``, waited on at once); every cp rank of a stage runs
   the same schedule, so the collectives pair up microbatch by microbatch.
-- Gradients: every weight is replicated over ``cp``; each rank's gradient is its tokens' share,
-  and the shares are summed over ``cp`` once per step, after the engine's last backward (one
-  all-reduce of the stage's gradients flattened).
+- Gradients: every weight is replicated over ``cp`` (the cp ranks start from cp rank 0's
+  values); each rank's gradient is its tokens' share, and the shares are summed over ``cp`` once
+  per step, after the engine's last backward (one all-reduce of the stage's gradients
+  flattened). With replicas, FSDP2 first reduces over ``dp`` as each stage completes (see
+  [Note: pipeline x data parallel]); the cp sum then adds the reduced shards: both are sums.
+- Failures: the all-to-alls and the cp sum are the cp group's collectives, not watched ones (a
+  cp peer that dies there fails the step at the process group's timeout); the pipelines of a
+  ``(cp, pp)`` mesh fail fast each over its own pipeline group.
 """
 
 from __future__ import annotations
@@ -49,9 +55,11 @@ import torch.distributed as dist
 from torch import nn
 
 from pippy_xla._native import _C
+from pippy_xla.runtime._batch import replica_rows
+from pippy_xla.runtime.data_parallel import MeshGroups, local_tensor
 from pippy_xla.split.hf import MaskLeaf, text_vocab_size
 
-__all__ = ["ContextParallel", "check_model", "check_options", "pipeline_group", "zigzag_index"]
+__all__ = ["ContextParallel", "check_model", "check_options", "mesh_groups", "zigzag_index"]
 
 _NAMES = itertools.count()
 """Numbers the attention functions registered by pipelines of this process."""
@@ -70,23 +78,27 @@ def zigzag_index(length: int, rank: int, size: int) -> torch.Tensor:
     return torch.cat([first, last])
 
 
-def pipeline_group(mesh, pp_dim: str, cp_dim: str) -> dist.ProcessGroup:
-    """The pipeline's group on a mesh ``(cp, pp)``, or on a mesh ``(cp,)`` this rank alone;
-    other dims are refused."""
-    names = tuple(mesh.mesh_dim_names)
-    if names not in ((cp_dim, pp_dim), (cp_dim,)):
+def mesh_groups(mesh, config) -> tuple[dist.ProcessGroup, MeshGroups | None]:
+    """The pipeline's group (this rank alone on a mesh ``(cp,)``) and, on a mesh ``(dp, cp,
+    pp)``, the replicas' groups. The mesh is ``(cp, pp)``, ``(cp,)`` or ``(dp, cp, pp)``; other
+    dims are refused."""
+    names, cp, pp, dp = tuple(mesh.mesh_dim_names), config.cp_dim, config.pp_dim, config.dp_dim
+    if names not in ((cp, pp), (cp,), (dp, cp, pp)):
         raise NotImplementedError(
-            f"context parallelism runs on a mesh ({cp_dim!r}, {pp_dim!r}) or ({cp_dim!r},); the "
-            f"mesh's dims are {names} (cp beside data or tensor parallelism is not supported yet)"
+            f"context parallelism runs on a mesh ({cp!r}, {pp!r}), ({cp!r},) or ({dp!r}, {cp!r}, "
+            f"{pp!r}); the mesh's dims are {names} (cp beside tensor parallelism or HSDP is not "
+            "supported yet)"
         )
     if mesh.size() != dist.get_world_size():
         raise ValueError(
             f"the mesh spans {mesh.size()} ranks but the job has {dist.get_world_size()}; "
             "PipelineModel needs a mesh over every rank of the job"
         )
-    if len(names) == 2:
-        return mesh.get_group(pp_dim)
-    return dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    if pp in names:
+        group = mesh.get_group(pp)
+    else:
+        group = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    return group, MeshGroups(mesh, pp, dp) if dp in names else None
 
 
 def check_options(config) -> None:
@@ -169,7 +181,7 @@ class ContextParallel:
     parallel]."""
 
     def __init__(self, mesh, cp_dim: str, timeout_ms: int, device: torch.device) -> None:
-        self.mesh = mesh[cp_dim] if mesh.ndim > 1 else mesh
+        self.mesh = mesh[cp_dim]
         self.group: dist.ProcessGroup = self.mesh.get_group()
         self.group_name: str = self.group.group_name
         self.rank: int = self.mesh.get_local_rank()
@@ -210,6 +222,7 @@ class ContextParallel:
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[impl])
         for config in {id(c): c for c in _configs(model, PretrainedConfig)}.values():
             config._attn_implementation = name
+        self._copy_from_first_rank(stage_modules)
         leaves = {id(m): m for s in stage_modules for m in s.modules() if isinstance(m, MaskLeaf)}
         for leaf in leaves.values():
             leaf.register_forward_pre_hook(self._whole_sequence_mask, with_kwargs=True)
@@ -230,6 +243,16 @@ class ContextParallel:
             )
 
         return loss_fn
+
+    def _copy_from_first_rank(self, stage_modules: Sequence[nn.Module]) -> None:
+        """The cp ranks start from cp rank 0's weights and buffers (as the replicas of data
+        parallelism do), so a model initialized differently per rank trains as one."""
+        with torch.no_grad():
+            for module in stage_modules:
+                for name, t in [*module.named_parameters(), *module.named_buffers()]:
+                    what = f"context-parallel start: broadcast of {name}"
+                    t = local_tensor(t.detach())  # a data-parallel shard: this rank's part
+                    t.copy_(_C.broadcast_copy(t, 0, self.group_name, self._timeout_ms, what))
 
     def _attention_function(self, impl: str):
         def attention(module, query, key, value, attention_mask, **kwargs):
@@ -319,13 +342,15 @@ class ContextParallel:
                 )
         return batch
 
-    def shard(self, microbatches: dict[str, tuple[torch.Tensor, ...]], batch: dict) -> None:
-        """This rank's tokens of every microbatch (in place), the labels shifted on the whole
-        row first; the whole masks and positions kept for the mask leaves."""
+    def shard(self, microbatches: dict, batch: dict, dp_rank: int, dp_size: int) -> None:
+        """This rank's tokens of every microbatch of its replica's rows (in place), the labels
+        shifted on the whole row first; the whole masks and positions kept for the mask
+        leaves."""
         m = len(next(iter(microbatches.values())))
+        rows = replica_rows(len(batch["position_ids"]), dp_rank, dp_size)
         masks = batch.get("attention_mask")
-        masks = masks.chunk(m) if masks is not None else [None] * m
-        self._full = list(zip(masks, batch["position_ids"].chunk(m), strict=True))
+        masks = masks[rows].chunk(m) if masks is not None else [None] * m
+        self._full = list(zip(masks, batch["position_ids"][rows].chunk(m), strict=True))
         for k, parts in microbatches.items():
             if k == "labels":
                 parts = tuple(_shift(p) for p in parts)
@@ -334,7 +359,9 @@ class ContextParallel:
 
     def reduce_grads(self, params: Sequence[nn.Parameter]) -> None:
         """Sums the parameters' gradients over the cp ranks (one all-reduce, flattened)."""
-        grads = list({id(p): p.grad for p in params if p.grad is not None}.values())
+        grads = [
+            local_tensor(p.grad) for p in {id(p): p for p in params}.values() if p.grad is not None
+        ]
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
