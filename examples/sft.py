@@ -14,7 +14,10 @@
    added. Every rank loads the base on ``meta`` and takes its stage's weights from the checkpoint
    (``trainer.pipe.load_pretrained``).
    With ``--save-every N`` it checkpoints every N steps and a relaunch resumes from the latest
-   checkpoint in ``OUT/run`` (HF's ``get_last_checkpoint``; ``--die-at-step`` tests it).
+   checkpoint in ``OUT/run`` (HF's ``get_last_checkpoint``; ``--die-at-step`` tests it), as
+   torchrun restarts it: ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone
+   --max-restarts 1 --nproc-per-node 2 examples/sft.py --save-every 20`` (the variable: a new
+   store per attempt, see docs/checkpoints.md, "Restarts").
 4. ``trainer.save_model(OUT/model)`` writes HF's format (every stage's weights) and the tokenizer;
    rank 0 loads it with ``AutoModelForCausalLM.from_pretrained`` in one process, prints its loss on
    a held-out batch next to the pipeline's, and a greedy continuation of ``--prompt``.

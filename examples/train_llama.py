@@ -21,10 +21,13 @@ torchrun's ``--max-restarts`` recovers a job whose rank died. ``--die-at-step N`
 (``--die-rank``, the last by default) SIGKILL itself at step ``N`` of the first attempt only
 (torchrun's ``TORCHELASTIC_RESTART_COUNT`` is 0), to try it:
 
-    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 2 --rdzv-backend c10d \
-        --rdzv-endpoint HOST:29400 --max-restarts 1 examples/train_llama.py \
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 2 --nproc-per-node 2 \
+        --rdzv-backend c10d --rdzv-endpoint HOST:29400 --max-restarts 1 examples/train_llama.py \
         --resume ckpt --save-every 1 --die-at-step 20
-    # and on the second machine (or a second shell), the same with --node-rank 1
+    # and the same on the second machine (or in a second shell)
+
+(The variable gives each attempt a new store: torch's default keeps the killed attempt's keys,
+which the restarted ranks would read; docs/checkpoints.md, "Restarts".)
 """
 
 from __future__ import annotations

@@ -23,8 +23,9 @@ TINY = (
 def _two_node_job(directory: Path, *flags: str) -> list[subprocess.Popen]:
     """Starts the two torchrun agents of one job (node ranks 0 and 1, 2 ranks each)."""
     port = _free_port()
-    # This torch's agent shares its rendezvous store with the workers by default; two agents on
-    # one host then both try to serve it. A store of their own per job avoids that.
+    # A new store per attempt, as docs/checkpoints.md launches it: the agent's store, which torch
+    # shares by default, keeps the killed attempt's gloo addresses, and restarted ranks read them
+    # ([Note: torchrun's store across restarts]).
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     agents = []
@@ -77,3 +78,25 @@ def test_a_killed_rank_restarts_the_two_node_job_from_its_checkpoint(tmp_path):
     assert "resumed from" not in reference
     assert _final_loss(out) == _final_loss(reference)  # every bit of the float's repr
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-00000006"
+
+
+def test_a_job_restarted_over_the_agents_store_is_told_what_to_launch(monkeypatch, caplog):
+    """[Note: torchrun's store across restarts]: a rank that torchrun may restart over its agent's
+    store (which keeps the killed attempt's keys) logs once what to launch instead; a rank given
+    a store per attempt, or never restarted, logs nothing."""
+    from pippy_xla.runtime import failures
+
+    monkeypatch.setattr(failures, "_WARNED_STORE", False)
+    quiet = [("True", "0"), ("False", "1"), ("True", "")]  # (agent's store, max restarts)
+    for shared, restarts in quiet:
+        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", shared)
+        monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", restarts)
+        failures.warn_if_store_outlives_restarts()
+    assert not caplog.records
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+    failures.warn_if_store_outlives_restarts()
+    failures.warn_if_store_outlives_restarts()
+    (record,) = caplog.records
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in record.getMessage()
+    assert "--rdzv-backend c10d" in record.getMessage()

@@ -759,9 +759,9 @@ def test_sft_example_killed_mid_run_resumes_from_its_checkpoint_bit_for_bit(tmp_
     from safetensors.torch import load_file
     from test_materialize import ROOT, torchrun
 
-    # Without it the restarted workers' gloo connect was refused (one hung) in 4 runs of 4 under
-    # pytest, as if they read a killed worker's address from the agent's shared store; 3 of 3
-    # passed with a store of their own, as test_restart's agents use.
+    # A new store per attempt, as docs/checkpoints.md launches it. Without it the agent's store
+    # keeps the killed attempt's keys, the restarted ranks read a dead rank's gloo address and
+    # the restart fails ([Note: torchrun's store across restarts]).
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     script = ROOT / "examples" / "sft.py"
     flags = ("--steps", "6", "--save-every", "2", "--max-chars", "40000", "--seq", "64")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import queue
 import threading
 import time
@@ -314,6 +315,52 @@ def _stop_workers() -> None:
             worker.thread.join(timeout=1.0)
 
 
+"""[Note: torchrun's store across restarts]
+
+Under torchrun a rank's default store is, unless told otherwise, a TCPStore that the agent serves
+(``TORCHELASTIC_USE_AGENT_STORE=True``), and torch 2.13's agent keeps that store, keys and all,
+when ``--max-restarts`` restarts the ranks: the static rendezvous (torchrun's default) always, the
+c10d one (``--standalone``, ``--rdzv-backend c10d``) unless ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
+(``DynamicRendezvousHandler.next_rendezvous`` makes its store server at the first round only;
+``torch.distributed.rendezvous._create_c10d_store`` adds no prefix per attempt, assuming a new
+store). Process group names repeat in every attempt (the default group's ``0``, ``new_group``'s
+hash of its ranks), so gloo's rendezvous keys repeat too (``default_pg/0//cpu//0/1``: rank 1's
+address): a restarted rank that reads a peer's key before the restarted peer wrote it gets the
+killed rank's address, and its connect is refused (gloo retries 3 times and fails) or it waits out
+the group's timeout. A pipeline's abort record stays too, the killed attempt's failure. Measured
+(2 CPU cores): every restart failed so, a two-rank job of plain ``torch.distributed`` under either
+rendezvous and ``examples/sft.py`` killed mid-run (5 runs of 5). A rank cannot tell a stale key from
+a fresh one, and ``TORCHELASTIC_RESTART_COUNT`` cannot name the attempt for every rank: each agent
+counts its own restarts (an agent restarted by another node's failure counts none). With the c10d
+rendezvous and ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, each attempt's rank 0 serves a new store
+on a new ``MASTER_PORT``: nothing is stale. torch reads that variable in the agent, before any
+rank runs, so a job cannot set it for itself; a rank launched the other way logs why, once
+(:func:`warn_if_store_outlives_restarts`). ``docs/checkpoints.md`` shows the launch.
+"""
+
+_WARNED_STORE = False
+
+
+def warn_if_store_outlives_restarts() -> None:
+    """Logs, once per process, that torchrun restarts this job's ranks over a store that keeps
+    the killed attempt's keys, and what to launch instead. See [Note: torchrun's store across
+    restarts]."""
+    global _WARNED_STORE
+    restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if _WARNED_STORE or not shared or not restarts.isdigit() or int(restarts) == 0:
+        return
+    _WARNED_STORE = True
+    logger.warning(
+        "[rank %s] torchrun restarts this job (--max-restarts %s) over its agent's store, which "
+        "keeps the killed attempt's keys: restarted ranks can read a dead rank's gloo address "
+        "(connect refused, or a hang). Launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+        "and --standalone or --rdzv-backend c10d: a new store per attempt (docs/checkpoints.md)",
+        os.environ.get("RANK", "?"),
+        restarts,
+    )
+
+
 class AbortChannel:
     """The abort record of one pipeline in the job's c10d store. See [Note: failing fast]."""
 
@@ -339,6 +386,7 @@ class AbortChannel:
             self._store = None
         if self._store is not None and self.global_ranks:
             _Heartbeat.ensure(self._store, self.global_ranks[rank])
+        warn_if_store_outlives_restarts()
         self._worker: _Worker | None = None  # runs call()'s collectives, started on first use
         self._watcher: _Watcher | None = None  # run_armed()'s poller, started on first use
 
