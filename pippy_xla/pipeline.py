@@ -40,7 +40,7 @@ from pippy_xla.runtime._build import build
 from pippy_xla.runtime._exit import release_at_exit
 from pippy_xla.runtime._generate import Generator
 from pippy_xla.runtime._state import StageState
-from pippy_xla.runtime._step import EvalOutput, StepRunner
+from pippy_xla.runtime._step import EvalOutput, StepRunner, TokenSum
 from pippy_xla.runtime.failures import FailureState
 from pippy_xla.split.partition import LayerCls, StageGraph
 
@@ -439,6 +439,19 @@ class PipelineModel:
     def loss_fn(self, fn: LossFn) -> None:
         self._runner.loss_fn = fn
 
+    @property
+    def token_sums(self) -> dict[str, TokenSum] | None:
+        """Sums the last stage computes beside the loss of every microbatch, each
+        ``fn(logits, next_labels)`` (the logits whole and detached, ``logits[:, t]`` aligned with
+        the label of token ``t + 1``) summed over the microbatch's tokens; read after a step from
+        :attr:`last_token_sums`. ``None`` (the default): none. Assignable between steps, on every
+        rank alike. See [Note: token sums beside the loss] in ``runtime/_step.py``."""
+        return self._runner.token_sums
+
+    @token_sums.setter
+    def token_sums(self, fns: dict[str, TokenSum] | None) -> None:
+        self._runner.token_sums = dict(fns) if fns else None
+
     def run_train(self, **batch: torch.Tensor) -> torch.Tensor:
         """Runs forward and backward over the batch, microbatch by microbatch.
 
@@ -524,6 +537,12 @@ class PipelineModel:
         router's load-balancing loss times ``router_aux_loss_coef``; 0 for other models). See
         [Note: added loss terms per microbatch] in ``_step.py``."""
         return self._runner.last_losses
+
+    @property
+    def last_token_sums(self) -> dict[str, float]:
+        """The last step's :attr:`token_sums` over the whole batch (the global batch, with a
+        mesh) on every rank, by name; empty without them."""
+        return self._runner.last_token_sums
 
     @property
     def recompiles(self) -> list[str]:

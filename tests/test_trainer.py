@@ -657,28 +657,38 @@ def _sft_reference(args, dataset, **options):
     )
 
 
+SFT_METRICS = ("entropy", "mean_token_accuracy", "num_tokens")
+"""What TRL's ``SFTTrainer`` logs besides the Trainer's: on the pipeline, from the sums its last
+stage computes beside the loss (see [Note: token sums beside the loss])."""
+
+
 def _sft_run(rank, world, directory):
     trainer = _pipelined_sft(_sft_args(f"{directory}/sft"), _sft_data(), peft_config=_sft_config())
     trainer.train()
-    return _logs(trainer)
+    return _logs(trainer, (*LOGGED, *SFT_METRICS))
 
 
 @pytest.mark.compat
 def test_trl_sft_trainer_with_lora_on_the_pipeline_logs_as_trl_does(tmp_path):
     """TRL's ``SFTTrainer`` with ``peft_config=`` (LoRA), its defaults (bf16 autocast, gradient
     checkpointing) and dynamically padded batches, through ``px.pipelined``: the same logged
-    losses and grad norms as TRL in one process, within bf16's rounding."""
+    losses, grad norms and TRL's metrics (entropy, token accuracy, token count) as TRL in one
+    process, within bf16's rounding."""
     reference = _sft_reference(
         _sft_args(str(tmp_path / "reference")), _sft_data(), peft_config=_sft_config()
     )
     reference.train()
-    want = _logs(reference)
+    want = _logs(reference, (*LOGGED, *SFT_METRICS))
+    assert any(h["mean_token_accuracy"] > 0 for h in want)  # some label is the argmax
     for logs in run_ranks(2, _sft_run, str(tmp_path), timeout=300):
         assert len(logs) == len(want) == 3
         for got, ref in zip(logs, want, strict=True):
             assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4), (got, ref)
             assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-2), (got, ref)
             assert got["learning_rate"] == pytest.approx(ref["learning_rate"], rel=1e-6)
+            assert got["num_tokens"] == ref["num_tokens"]
+            for key in ("entropy", "mean_token_accuracy"):
+                assert got[key] == pytest.approx(ref[key], rel=1e-5), (key, got, ref)
 
 
 def _documents():
@@ -706,21 +716,25 @@ def _packed_run(rank, world, directory):
     trainer = _pipelined_sft(_packed_args(f"{directory}/packed"), _documents())
     batch = next(iter(trainer.get_train_dataloader()))
     trainer.train()
-    return _logs(trainer), batch, trainer.pipe.pipeline_config.input_names
+    return _logs(trainer, (*LOGGED, *SFT_METRICS)), batch, trainer.pipe.pipeline_config.input_names
 
 
 @pytest.mark.compat
 def test_trl_packed_completion_only_sft_on_the_pipeline_logs_as_trl_does(tmp_path):
     """TRL's ``packing=True`` with a prompt-completion dataset (completion-only loss): TRL's
     padding-free batch is one row, which the pipeline takes as rows (each packed example a row,
-    positions restarting at every document, one causal block per document); the logged losses
-    and grad norms equal TRL's in one process, whose batch is the single flattened row."""
+    positions restarting at every document, one causal block per document); the logged losses,
+    grad norms and TRL's metrics (entropy, token accuracy, token count) equal TRL's in one
+    process, whose batch is the single flattened row."""
     reference = _sft_reference(_packed_args(str(tmp_path / "reference")), _documents())
     flat = next(iter(reference.get_train_dataloader()))
     reference.train()
-    want = _logs(reference)
+    want = _logs(reference, (*LOGGED, *SFT_METRICS))
+    assert any(h["mean_token_accuracy"] > 0 for h in want)  # some label is the argmax
     for logs, batch, names in run_ranks(2, _packed_run, str(tmp_path), timeout=300):
         assert names == ("input_ids", "position_ids") and "attention_mask" not in batch
+        # The padding-free row's length, which TRL logs as num_tokens, travels with the rows.
+        assert int(batch["pippy_xla_packed_tokens"]) == flat["input_ids"].shape[1]
         # The rows hold the flattened row's tokens, labels and positions, several documents each.
         rows = batch["input_ids"].shape[0]
         assert rows == 4 and flat["input_ids"].shape[0] == 1
@@ -731,7 +745,7 @@ def test_trl_packed_completion_only_sft_on_the_pipeline_logs_as_trl_does(tmp_pat
         assert (flat["position_ids"] == 0).sum() > 2 * rows  # documents restart inside rows
         assert len(logs) == len(want) == 3
         for got, ref in zip(logs, want, strict=True):
-            for key in LOGGED:
+            for key in (*LOGGED, *SFT_METRICS):
                 assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), (key, got, ref)
 
 

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["ModelCalls", "per_token", "random_state", "set_random_state"]
+__all__ = ["SFT_SUMS", "ModelCalls", "per_token", "random_state", "set_random_state"]
 
 FIELDS = ("log_probs", "entropy", "is_top1", "log_sum_sq_probs", "mean_logits")
 """TRL's fused head's per-token fields (``FusedCausalLMOutput``), all computed."""
@@ -62,6 +62,26 @@ def per_token(logits: torch.Tensor, labels: torch.Tensor, temperature: float) ->
     return {
         k: v.masked_fill(~mask, False if v.dtype == torch.bool else 0) for k, v in fields.items()
     }
+
+
+def _entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logp = torch.log_softmax(logits[labels != -100].float(), dim=-1)
+    return -(logp.exp() * logp).sum()
+
+
+def _top1_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return (logits.argmax(-1) == labels).logical_and(labels != -100).sum()
+
+
+SFT_SUMS = {
+    "entropy": _entropy_sum,
+    "is_top1": _top1_sum,
+    "label_mask": lambda logits, labels: (labels != -100).sum(),
+}
+"""The sums over a batch of TRL's fused head's fields (at temperature 1) that TRL's
+``SFTTrainer`` logs as ``entropy`` and ``mean_token_accuracy`` (:func:`per_token`'s
+definitions: zero where the label is -100), as pipeline token sums (``pipe.token_sums``: the
+last stage computes them beside the loss, see [Note: token sums beside the loss])."""
 
 
 class ModelCalls:

@@ -26,6 +26,9 @@ HF's; ``PipelineTrainer`` is ``pipelined(Trainer)``.
   that seeded per process (TRL's ``set_seed(seed, device_specific=True)``) is seeded per replica
   (``_seed_per_replica``), and TRL's generation batch is counted over the replicas
   (``_generation_batch_per_replica``). Without data-parallel replicas for now.
+- TRL's ``SFTTrainer`` with the model's own loss logs TRL's metrics (``entropy``,
+  ``mean_token_accuracy``, ``num_tokens``) from sums its pipeline's last stage computes beside
+  the loss (``_sft_sums``, ``_log_sft_metrics``; see [Note: token sums beside the loss]).
 - ``training_step`` runs ``pipe.run_train`` on the batch; the loss's divisor is HF's
   ``num_items_in_batch``, the label tokens of the whole accumulation window (the pipeline's
   ``num_items_fn`` is set to it for the step), so a window's summed step losses, the logged loss
@@ -317,6 +320,7 @@ def _init(self, *args, layer_cls=None, pipeline=None, mesh=None, **kwargs) -> No
     self.pipe = PipelineModel(self.model, layer_cls=layer_cls, config=config, mesh=mesh)
     _check_optimizer(self)
     self._calls = None
+    self._sft_metrics = _own_loss(self) and _is_sft(type(self).compute_loss)
     if not _own_loss(self):  # the trainer calls the model: see [Note: a trainer's own loss ...]
         self._calls = ModelCalls(self.pipe, self.model, getattr(self, "temperature", 1.0))
         _route_forward(self.model, self._calls)
@@ -338,9 +342,14 @@ def _own_loss(trainer) -> bool:
     compute_loss = type(trainer).compute_loss
     if compute_loss is Trainer.compute_loss:
         return True
-    sft = getattr(sys.modules.get("trl"), "SFTTrainer", None)  # TRL's, if the trainer is
     nll = getattr(trainer.args, "loss_type", "nll") == "nll"
-    return sft is not None and compute_loss is sft.compute_loss and nll
+    return _is_sft(compute_loss) and nll
+
+
+def _is_sft(compute_loss) -> bool:
+    """Whether ``compute_loss`` is TRL's ``SFTTrainer``'s (without importing TRL)."""
+    sft = getattr(sys.modules.get("trl"), "SFTTrainer", None)  # TRL's, if the trainer is
+    return sft is not None and compute_loss is sft.compute_loss
 
 
 def _route_forward(model, calls) -> None:
@@ -436,7 +445,11 @@ class _PackedRows:
     """TRL's padding-free collator (``packing=True``) made to give rows (see [Note: the
     Trainer's loop on a pipeline]): each example a row, padded, with its ``position_ids``
     restarting at every packed document, no ``attention_mask``, and the label of every
-    document's first token ignored, as the padding-free batch has them."""
+    document's first token ignored, as the padding-free batch has them; and under
+    :attr:`TOKENS` the count of its tokens (the padding-free row's length, which TRL logs)."""
+
+    TOKENS = "pippy_xla_packed_tokens"
+    """The key of the batch's token count, which the steps take out of it."""
 
     def __init__(self, collator) -> None:
         if not dataclasses.is_dataclass(collator) or not hasattr(collator, "return_position_ids"):
@@ -449,7 +462,8 @@ class _PackedRows:
 
     def __call__(self, examples: list) -> dict:
         batch = self.collator(examples)
-        del batch["attention_mask"]  # HF's masks then follow the positions: one block per document
+        # HF's masks then follow the positions: one block per document
+        batch[self.TOKENS] = batch.pop("attention_mask").sum()
         batch["labels"][batch["position_ids"] == 0] = -100
         return batch
 
@@ -614,6 +628,7 @@ def _check_inputs(self, inputs, first: str) -> None:
 def _training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
     """``pipe.run_train`` over the batch, its loss divided by HF's count for the window; for a
     trainer's own loss, the wrapped class's step, then its gradients through the pipeline."""
+    tokens = inputs.pop(_PackedRows.TOKENS, None) if isinstance(inputs, dict) else None
     if self._calls is not None:
         with _one_process(self):
             loss = self._pipelined.training_step(self, model, inputs, num_items_in_batch)
@@ -625,11 +640,47 @@ def _training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor
     # accelerate's autocast (bf16=True) wraps the model's forward, which the stages skip
     with (
         _divided_by(self, num_items_in_batch, self.current_gradient_accumulation_steps),
+        _sft_sums(self),
         self.compute_loss_context_manager(),
         self.accelerator.autocast(),
     ):
         loss = self.pipe.run_train(**batch)
+    if self._sft_metrics:
+        _log_sft_metrics(self, "train", inputs, tokens)
     return loss.detach().to(self.args.device)
+
+
+@contextlib.contextmanager
+def _sft_sums(self):
+    """For TRL's ``SFTTrainer`` with the model's own loss: the pipeline's step computes the sums
+    of TRL's metrics beside the loss (``pipe.token_sums``, see [Note: token sums beside the
+    loss]); nothing otherwise."""
+    if not self._sft_metrics:
+        yield
+        return
+    from pippy_xla.integrations.model_calls import SFT_SUMS
+
+    self.pipe.token_sums = SFT_SUMS
+    try:
+        yield
+    finally:
+        self.pipe.token_sums = None
+
+
+def _log_sft_metrics(self, mode: str, inputs: dict, packed_tokens) -> None:
+    """What TRL's ``SFTTrainer.compute_loss`` adds to its metrics from a step, made from the
+    step's token sums (the global batch's, on every rank): ``entropy`` and
+    ``mean_token_accuracy`` over the label tokens, and in training the running count of input
+    tokens ``num_tokens`` (the attention mask's, or ``packed_tokens``: a packed batch's)."""
+    sums, metrics = self.pipe.last_token_sums, self._metrics[mode]
+    valid = sums["label_mask"]
+    metrics["entropy"].append(sums["entropy"] / valid if valid > 0 else 0.0)
+    metrics["mean_token_accuracy"].append(sums["is_top1"] / valid if valid > 0 else 0.0)
+    if mode == "train":
+        mask = inputs.get("attention_mask")
+        tokens = int(packed_tokens if packed_tokens is not None else mask.sum())
+        self._total_train_tokens += tokens // self._tp_size
+    metrics["num_tokens"] = [self._total_train_tokens]
 
 
 def _prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
@@ -641,6 +692,8 @@ def _prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None
     # (HF resets gather_function after each loop, so it is set at every step), and the loss is
     # one copy per replica, which HF repeats per_device_eval_batch_size times: a row each.
     self.gather_function = functools.partial(_one_process_gather, self.accelerator.gradient_state)
+    if isinstance(inputs, dict):
+        inputs.pop(_PackedRows.TOKENS, None)
     if self._calls is not None:
         with _one_process(self):
             return self._pipelined.prediction_step(
@@ -648,8 +701,10 @@ def _prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None
             )
     count = self._get_num_items_in_batch([inputs], self.args.device) if "labels" in inputs else None
     batch = _batch(self, inputs)
-    with _divided_by(self, count, 1), self.accelerator.autocast():
+    with _divided_by(self, count, 1), _sft_sums(self), self.accelerator.autocast():
         out = self.pipe.run_eval(**batch)
+    if self._sft_metrics and out.loss is not None:
+        _log_sft_metrics(self, "eval", inputs, None)
     loss = None if out.loss is None else out.loss.detach().to(self.args.device)
     loss = None if loss is None else loss.expand(self.pipe.dp_size)
     if prediction_loss_only:

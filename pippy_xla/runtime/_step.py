@@ -63,9 +63,6 @@ def stage_forward(
     watch: RecompileWatch | None = None,
     added_losses: dict[int, torch.Tensor] | None = None,
     added_scale: float = 1.0,
-    token_sums: dict[str, TokenSum] | None = None,
-    sums: dict[int, torch.Tensor] | None = None,
-    shifted: bool = False,
 ) -> StageForward:
     """The callable the engine runs for each forward action of one step.
 
@@ -82,11 +79,6 @@ def stage_forward(
         added_losses: filled on the last stage with the detached terms the model adds to its
             loss, scaled (see [Note: added loss terms per microbatch]).
         added_scale: the added terms' weight in a microbatch's loss.
-        token_sums: sums over each microbatch's next-token labels, computed on the last stage
-            beside the loss (see [Note: token sums beside the loss]).
-        sums: filled on the last stage with each microbatch's ``token_sums``, stacked.
-        shifted: the labels are next-token labels already (context parallelism shifts them on
-            the whole row before the split).
     """
     last = len(stages) - 1
     # Each local stage's batch arguments, per microbatch, made in one pass before the step (see
@@ -114,8 +106,6 @@ def stage_forward(
             if added_losses is not None:
                 added_losses[mb] = added.detach()
         losses[mb] = loss.detach()
-        if token_sums:
-            sums[mb] = _token_sums(token_sums, out[0], labels[mb], shifted)
         return [loss]
 
     return forward
@@ -260,6 +250,9 @@ skipped without ties, and the loss sums stack the microbatch losses once.
 class StepRunner:
     """Runs one rank's training and evaluation steps of a built pipeline."""
 
+    _last_sum_names: tuple[str, ...] = ()
+    """The names of the last step's token sums (``_last_parts[2:]``)."""
+
     def __init__(
         self, built: BuiltPipeline, config: PipelineConfig, failures: FailureState
     ) -> None:
@@ -284,8 +277,7 @@ class StepRunner:
         """The whole batch's count of what ``loss_fn`` averages over (assignable between
         steps)."""
         self.token_sums: dict[str, TokenSum] | None = None
-        """Sums over each microbatch's next-token labels computed beside the loss (assignable
-        between steps; see [Note: token sums beside the loss])."""
+        """See [Note: token sums beside the loss] (assignable between steps)."""
         self.added_weight = 1.0
         """The weight of what the model adds to ``loss_fn``'s loss (an MoE router's loss):
         0 where a loss of one's own leaves it out (assignable between steps)."""
@@ -304,9 +296,7 @@ class StepRunner:
         self.recompiles: list[str] = []
         """Explanations of the recompilations seen after each mode's first step."""
         self._last_parts: torch.Tensor | None = None
-        """The last step's ``[total, aux, *token sums]`` (read on demand: no device sync per
-        step)."""
-        self._last_sum_names: tuple[str, ...] = ()
+        """The last step's ``[total, aux, *token sums]`` (read on demand: no device sync)."""
         self._sharded_head = self.tp is not None and self.tp.sharded_head
         """Whether this rank's steps run under :func:`vocabulary_parallel_loss` (see [Note: the
         vocabulary-parallel head])."""
@@ -330,7 +320,7 @@ class StepRunner:
         batch, microbatches, signature = self._prepare(batch, "train")
         losses: dict[int, torch.Tensor] = {}
         added: dict[int, torch.Tensor] = {}
-        sums: dict[int, torch.Tensor] = {}
+        sums: list[torch.Tensor] = []
         forward = self._forward(batch, microbatches, losses, added, sums, logits=None)
         earlier = set_aside_grads(self.ties)  # [Note: tied gradients accumulate once]
         partial = self.tp.set_aside_partial() if self.tp is not None else None
@@ -359,7 +349,7 @@ class StepRunner:
         batch, microbatches, signature = self._prepare(batch, "eval")
         losses: dict[int, torch.Tensor] = {}
         added: dict[int, torch.Tensor] = {}
-        sums: dict[int, torch.Tensor] = {}
+        sums: list[torch.Tensor] = []
         logits: dict[int, torch.Tensor] | None = {} if keep_logits else None
         forward = self._forward(batch, microbatches, losses, added, sums, logits)
         end = self._run(self.eval_engine, forward, signature, start)
@@ -613,15 +603,14 @@ class StepRunner:
             microbatches=microbatches,
             labels=microbatches.get("labels"),
             num_items=num_items,
-            loss_fn=self._vocabulary_loss() if self._sharded_head else self.loss_fn,
+            loss_fn=self._summing(
+                self._vocabulary_loss() if self._sharded_head else self.loss_fn, sums
+            ),
             losses=losses,
             logits=logits,
             watch=self.watch,
             added_losses=added,
             added_scale=self.added_weight / (self.config.num_microbatches * self.place.dp_size),
-            token_sums=self.token_sums,
-            sums=sums,
-            shifted=self.cp is not None,
         )
         if self.cp is None:
             return forward
@@ -632,6 +621,19 @@ class StepRunner:
             return forward(stage, mb, inputs)
 
         return forward_on_shares
+
+    def _summing(self, loss_fn: Callable, sums: list[torch.Tensor]) -> Callable:
+        """``loss_fn``, which also appends each microbatch's :attr:`token_sums` to ``sums``
+        (``loss_fn`` itself without them): see [Note: token sums beside the loss]."""
+        fns, shifted = self.token_sums, self.cp is not None  # cp shifts on the whole row
+        if not fns:
+            return loss_fn
+
+        def loss_and_sums(logits: torch.Tensor, labels: torch.Tensor, num_items) -> torch.Tensor:
+            sums.append(_token_sums(fns, logits, labels, shifted))
+            return loss_fn(logits, labels, num_items)
+
+        return loss_and_sums
 
     def _vocabulary_loss(self) -> Callable:
         """``loss_fn`` given a vocabulary-parallel head's logits (a DTensor): the model's own loss
@@ -686,7 +688,7 @@ class StepRunner:
         self,
         losses: dict[int, torch.Tensor],
         added: dict[int, torch.Tensor],
-        sums: dict[int, torch.Tensor],
+        sums: list[torch.Tensor],
     ) -> torch.Tensor:
         """The sum of the last stage's microbatch losses, on every rank (and, with a mesh, over
         the replicas: their shares add up to the global mean); kept for :attr:`last_losses`,
@@ -699,7 +701,7 @@ class StepRunner:
             aux = torch.stack([added[mb] for mb in sorted(added)]).float().sum() if added else None
             total = torch.stack([main, main.new_zeros(()) if aux is None else aux])
             if names:
-                total = torch.cat([total, torch.stack([sums[mb] for mb in sorted(sums)]).sum(0)])
+                total = torch.cat([total, torch.stack(sums).sum(0)])
         else:
             total = torch.zeros(2 + len(names), dtype=torch.float32, device=place.device)
         total = self.failures.watched(
