@@ -174,9 +174,11 @@ class PipelineModel:
     @property
     def checkpoint_group(self) -> dist.ProcessGroup | None:
         """The ranks that save and load checkpoints together: the pipeline's group, or with a
-        mesh every rank of the mesh (the job). A property: the exit hook frees the group by
-        dropping it from the placement (see [Note: releasing the group at exit])."""
-        return dist.group.WORLD if self._place.mesh is not None else self._place.group
+        mesh every rank of the mesh (the job; the cp ranks' equal copies are saved once). A
+        property: the exit hook frees the group by dropping it from the placement (see [Note:
+        releasing the group at exit])."""
+        on_mesh = self._place.mesh is not None or self._place.cp is not None
+        return dist.group.WORLD if on_mesh else self._place.group
 
     @property
     def rank(self) -> int:
@@ -410,7 +412,6 @@ class PipelineModel:
         """Saves parameters, buffers, optimizer and learning-rate scheduler state and ``step``
         with ``torch.distributed.checkpoint``, atomically; a collective. See
         :func:`pippy_xla.checkpoint.save`."""
-        self._refuse_under_cp("save")
         return checkpoint.save(self, directory, optimizer, step, scheduler)
 
     def load(
@@ -424,7 +425,6 @@ class PipelineModel:
         into this pipeline, ``optimizer`` and ``scheduler``; returns its step (``None`` with
         ``missing_ok`` when there is none yet); a collective. See
         :func:`pippy_xla.checkpoint.load`."""
-        self._refuse_under_cp("load")
         return checkpoint.load(self, directory, optimizer, scheduler, missing_ok)
 
     # ----------------------------------------------------------------------------- running
@@ -580,8 +580,8 @@ class PipelineModel:
         """What a context-parallel pipeline does not cover yet (issue 72), refused in one line."""
         if self._place.cp is not None:
             raise NotImplementedError(
-                f"{what} is not supported yet under context parallelism (issue 72); train and "
-                "evaluate on the cp mesh, save and generate from a pipeline without a cp dim"
+                f"{what} is not supported yet under context parallelism (issue 72); save with "
+                f"save(), load it into a pipeline without a cp dim and call that one's {what}"
             )
 
     @property

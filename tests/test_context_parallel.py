@@ -159,7 +159,44 @@ def _refusals(cp_pp):
     ]
 
 
-def _cases(rank, world):
+def _checkpoint_case(cp_pp, directory, worst):
+    """A step at cp=2 x pp=2 saved (``pipe.save``, AdamW's state too) and loaded into the same
+    layout and into dp=2 x pp=2 without cp (pipelines of a model zeroed first): the next step's
+    loss and parameters equal to one process's."""
+    torch.manual_seed(0)
+    model, layer_cls = llama(layers=2)
+    ref, blank = copy.deepcopy(model), copy.deepcopy(model)
+    with torch.no_grad():
+        for p in blank.parameters():
+            p.zero_()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
+
+    def pipeline(model, mesh):
+        pipe = px.PipelineModel(
+            model, layer_cls=layer_cls, num_microbatches=2, mesh=mesh, timeout=60
+        )
+        return pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-3, eps=1e-6)
+
+    pipe, opt = pipeline(model, cp_pp)
+    pipe.run_train(**_padded(0))
+    opt.step()
+    opt.zero_grad()
+    pipe.save(directory, opt, step=1)
+    _reference_step(ref, _padded(0), 2, ref_opt, None)
+    ref_loss, _, _, ref_params = _reference_step(ref, _padded(1), 2, ref_opt, None)
+    steps = []
+    for mesh in (cp_pp, _mesh((2, 2), ("dp", "pp"))):
+        where = f"loaded on {mesh.mesh_dim_names}"
+        pipe, opt = pipeline(copy.deepcopy(blank), mesh)
+        steps.append(pipe.load(directory, opt))
+        _close(pipe.run_train(**_padded(1)), ref_loss, "loss", where, worst)
+        opt.step()
+        for name, p in pipe.named_parameters():
+            _close(full(p.detach()), ref_params[name], "param", f"{where}: {name}", worst)
+    return steps
+
+
+def _cases(rank, world, directory):
     cp_pp = _mesh((2, 2), ("cp", "pp"))
     worst: dict[str, float] = {}
     out = {
@@ -188,6 +225,7 @@ def _cases(rank, world):
     # A ("cp",) mesh: one stage, every token's attention over 4 shares (4 key/value heads).
     cp4 = _mesh((4,), ("cp",))
     out["llama cp=4"] = _case(cp4, _llama_kv4, "1f1b", worst, steps=1)
+    out["checkpoint"] = _checkpoint_case(cp_pp, directory, worst)
     out["refused"] = _refusals(cp_pp)
     torch.distributed.barrier()  # no rank leaves (and takes the store with it) before the others
     return out, worst
@@ -200,10 +238,11 @@ def _llama_kv4(**kw):
     return type(model)(cfg), layer_cls
 
 
-def test_context_parallel_equals_one_process():
-    out = run_ranks(4, _cases, timeout=300)
+def test_context_parallel_equals_one_process(tmp_path):
+    out = run_ranks(4, _cases, str(tmp_path / "ckpt"), timeout=300)
     results = [o[0] for o in out]
     assert all(r == results[0] for r in results)  # every rank the same losses and refusals
+    assert results[0]["checkpoint"] == [1, 1]
     refused = results[0]["refused"]
     assert "2 x cp = 4 equal chunks, but the batch's rows have 18 tokens" in refused[0]
     assert "4 query and 2 key/value heads: both must divide by cp" in refused[1]
