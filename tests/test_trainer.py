@@ -223,7 +223,26 @@ def _mesh_run(rank, world, directory):
             mesh=mesh,
         )
     assert "data-parallel replicas" in str(refused.value) and "\n" not in str(refused.value)
-    return _logs(trainer), metrics, trainer.state.train_batch_size
+    sft = _pipelined_sft(
+        _mesh_sft_args(f"{directory}/mesh-sft", 2), _sft_data(), eval_dataset=_sft_eval(), mesh=mesh
+    )
+    sft.train()
+    sft_logs = _logs(sft, (*LOGGED, *SFT_METRICS)), sft.evaluate()
+    return _logs(trainer), metrics, trainer.state.train_batch_size, sft_logs
+
+
+def _mesh_sft_args(out: str, replicas: int):
+    """TRL's ``SFTConfig`` for 2 steps in fp32, the global batch of 4 rows (eval 8) over
+    ``replicas``."""
+    from trl import SFTConfig
+
+    rows = dict(per_device_train_batch_size=4 // replicas, per_device_eval_batch_size=8 // replicas)
+    return SFTConfig(**_options(out, max_steps=2, bf16=False, **rows))
+
+
+def _sft_eval():
+    """12 rows for TRL's evaluation: batches of 8 and 4."""
+    return _sft_data().select(range(20, 32))
 
 
 def test_pipeline_trainer_on_a_data_x_pipeline_mesh_trains_as_one_process_with_the_global_batch(
@@ -233,13 +252,29 @@ def test_pipeline_trainer_on_a_data_x_pipeline_mesh_trains_as_one_process_with_t
     gives a DDP rank; the logs, the eval loss and ``compute_metrics`` (batches of 8 and 4 rows,
     each replica's logits gathered) and the saved weights equal the Trainer's in one process with
     the global batch (2 rows per replica: 4). A loss of the trainer's own (label smoothing) is
-    refused on the mesh, in one line."""
+    refused on the mesh, in one line. TRL's ``SFTTrainer`` (fp32, 2 steps) on the same mesh logs
+    TRL's losses and metrics (``entropy``, ``mean_token_accuracy``, ``num_tokens``: the replicas'
+    token sums added up), in training and evaluation."""
     from transformers import AutoModelForCausalLM
 
     reference = _reference(str(tmp_path / "reference"), **_metrics_options())
     want_metrics = reference.evaluate()
     want = _logs(reference)
-    for logs, metrics, per_device in run_ranks(4, _mesh_run, str(tmp_path), timeout=300):
+    sft = _sft_reference(
+        _mesh_sft_args(str(tmp_path / "sft"), 1), _sft_data(), eval_dataset=_sft_eval()
+    )
+    sft.train()
+    want_sft, want_sft_eval = _logs(sft, (*LOGGED, *SFT_METRICS)), sft.evaluate()
+    assert want_sft_eval["eval_mean_token_accuracy"] > 0  # some label is the argmax
+    for logs, metrics, per_device, (sft_logs, sft_eval) in run_ranks(
+        4, _mesh_run, str(tmp_path), timeout=300
+    ):
+        for got, ref in zip(sft_logs, want_sft, strict=True):
+            for key in (*LOGGED, *SFT_METRICS):
+                assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), (key, got, ref)
+        for key in ("loss", *SFT_METRICS):
+            got, ref = sft_eval[f"eval_{key}"], want_sft_eval[f"eval_{key}"]
+            assert got == pytest.approx(ref, rel=1e-5, abs=1e-7), (key, got, ref)
         assert per_device == 2 and len(logs) == len(want) == 4
         for step, (got, ref) in enumerate(zip(logs, want, strict=True)):
             for key in LOGGED:
