@@ -22,6 +22,7 @@ __all__ = [
     "ROOT",
     "Phase",
     "SpinBarrier",
+    "check_losses",
     "llama_and_batch",
     "llama_config",
     "machine",
@@ -221,3 +222,18 @@ class SpinBarrier:
         page[self._rank] = self._count % 256
         while any(page[r] == previous for r in range(self._world)):
             os.sched_yield()
+
+
+def check_losses(layouts: dict, baseline: str, rtol_first: float, rtol_per_step: float) -> float:
+    """Every layout's per-step ``losses`` against ``baseline``'s: step ``i`` within ``rtol_first
+    + i * rtol_per_step`` (float rounding before the first optimizer step, then AdamW's drift
+    per step); the largest relative difference."""
+    want = layouts[baseline]["losses"]
+    worst = 0.0
+    for name, row in layouts.items():
+        for i, (a, b) in enumerate(zip(row["losses"], want, strict=True)):
+            rel = abs(a - b) / abs(b)
+            worst = max(worst, rel)
+            tol = rtol_first + i * rtol_per_step
+            assert rel <= tol, f"{name}: step {i} loss {a} against {baseline}'s {b} ({rel:.2e})"
+    return worst

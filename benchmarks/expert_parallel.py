@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 
-from _common import run_ranks, save, state_bytes, token_batch
+from _common import check_losses, run_ranks, save, state_bytes, token_batch
 
 # (name, mesh shape, mesh dim names, options).
 LAYOUTS = [
@@ -206,20 +206,6 @@ def _rank(rank, world, args, path: str, layout):
     }
 
 
-def _check_losses(layouts: dict) -> float:
-    """Every layout's losses against ``replicated``'s, per step; the largest relative
-    difference."""
-    want = layouts["replicated"]["losses"]
-    worst = 0.0
-    for name, row in layouts.items():
-        for i, (a, b) in enumerate(zip(row["losses"], want, strict=True)):
-            rel = abs(a - b) / abs(b)
-            worst = max(worst, rel)
-            tol = LOSS_RTOL_FIRST + i * LOSS_RTOL_PER_STEP
-            assert rel <= tol, f"{name}: step {i} loss {a} against replicated's {b} ({rel:.2e})"
-    return worst
-
-
 def _row(layout, per_rank: list[dict], steps: int) -> dict:
     mib = lambda key: [round(r[key] / 2**20, 2) for r in per_rank]  # noqa: E731
     timed = [max(r["step_s"][i] for r in per_rank) for i in range(steps)]
@@ -262,7 +248,7 @@ def main() -> None:
         for layout in LAYOUTS:
             per_rank = run_ranks(4, _rank, args, path, layout, timeout=1800, pg_timeout=300)
             layouts[layout[0]] = _row(layout, per_rank, args.steps)
-    worst = _check_losses(layouts)
+    worst = check_losses(layouts, "replicated", LOSS_RTOL_FIRST, LOSS_RTOL_PER_STEP)
     print(f"losses equal over {args.warmup + args.steps + 1} steps (max rel diff {worst:.2e})")
     for name, row in layouts.items():
         print(

@@ -38,6 +38,7 @@ import time
 
 from _common import (
     Phase,
+    check_losses,
     llama_config,
     proc_memory,
     run_ranks,
@@ -168,19 +169,6 @@ def _rank(rank, world, args, path: str, layout):
     }
 
 
-def _check_losses(layouts: dict) -> float:
-    """Every layout's losses against pp=4's, per step; returns the largest relative difference."""
-    want = layouts["pp=4"]["losses"]
-    worst = 0.0
-    for name, row in layouts.items():
-        for i, (a, b) in enumerate(zip(row["losses"], want, strict=True)):
-            rel = abs(a - b) / abs(b)
-            worst = max(worst, rel)
-            tol = LOSS_RTOL_FIRST + i * LOSS_RTOL_PER_STEP
-            assert rel <= tol, f"{name}: step {i} loss {a} against pp=4's {b} (rel {rel:.2e})"
-    return worst
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=8)
@@ -221,7 +209,7 @@ def main() -> None:
             # Every rank of a layout reports the same loss (a pipeline's from its last stage).
             for r in per_rank:
                 assert r["losses"] == per_rank[0]["losses"], f"{name}: ranks' losses differ"
-    worst = _check_losses(layouts)
+    worst = check_losses(layouts, "pp=4", LOSS_RTOL_FIRST, LOSS_RTOL_PER_STEP)
     print(f"losses equal over {args.warmup + args.steps} steps (max rel diff {worst:.2e})")
     for name, row in layouts.items():
         print(
