@@ -232,12 +232,13 @@ def _mesh_run(rank, world, directory):
 
 
 def _mesh_sft_args(out: str, replicas: int):
-    """TRL's ``SFTConfig`` for 2 steps in fp32, the global batch of 4 rows (eval 8) over
-    ``replicas``."""
+    """TRL's ``SFTConfig`` for 1 step in fp32 without checkpointing, the global batch of 4 rows
+    (eval 8) over ``replicas``."""
     from trl import SFTConfig
 
     rows = dict(per_device_train_batch_size=4 // replicas, per_device_eval_batch_size=8 // replicas)
-    return SFTConfig(**_options(out, max_steps=2, bf16=False, **rows))
+    steps = dict(max_steps=1, warmup_steps=0, gradient_checkpointing=False)
+    return SFTConfig(**_options(out, bf16=False, **steps, **rows))
 
 
 def _sft_eval():
@@ -252,7 +253,7 @@ def test_pipeline_trainer_on_a_data_x_pipeline_mesh_trains_as_one_process_with_t
     gives a DDP rank; the logs, the eval loss and ``compute_metrics`` (batches of 8 and 4 rows,
     each replica's logits gathered) and the saved weights equal the Trainer's in one process with
     the global batch (2 rows per replica: 4). A loss of the trainer's own (label smoothing) is
-    refused on the mesh, in one line. TRL's ``SFTTrainer`` (fp32, 2 steps) on the same mesh logs
+    refused on the mesh, in one line. TRL's ``SFTTrainer`` (fp32, 1 step) on the same mesh logs
     TRL's losses and metrics (``entropy``, ``mean_token_accuracy``, ``num_tokens``: the replicas'
     token sums added up), in training and evaluation."""
     from transformers import AutoModelForCausalLM
