@@ -445,11 +445,7 @@ class _PackedRows:
     """TRL's padding-free collator (``packing=True``) made to give rows (see [Note: the
     Trainer's loop on a pipeline]): each example a row, padded, with its ``position_ids``
     restarting at every packed document, no ``attention_mask``, and the label of every
-    document's first token ignored, as the padding-free batch has them; and under
-    :attr:`TOKENS` the count of its tokens (the padding-free row's length, which TRL logs)."""
-
-    TOKENS = "pippy_xla_packed_tokens"
-    """The key of the batch's token count, which the steps take out of it."""
+    document's first token ignored, as the padding-free batch has them."""
 
     def __init__(self, collator) -> None:
         if not dataclasses.is_dataclass(collator) or not hasattr(collator, "return_position_ids"):
@@ -462,10 +458,18 @@ class _PackedRows:
 
     def __call__(self, examples: list) -> dict:
         batch = self.collator(examples)
-        # HF's masks then follow the positions: one block per document
-        batch[self.TOKENS] = batch.pop("attention_mask").sum()
+        del batch["attention_mask"]  # HF's masks then follow the positions: one block per document
         batch["labels"][batch["position_ids"] == 0] = -100
         return batch
+
+    def tokens(self, batch: dict) -> int:
+        """The count of a batch's tokens (the padding-free row's length, which TRL logs): each
+        row's up to its last that is not padding (at position 0, the pad token; a row's last
+        document, were it one pad token, would not count)."""
+        pad = self.collator.pad_token_id
+        real = (batch["position_ids"] != 0) | (batch["input_ids"] != pad)
+        ends = real * torch.arange(1, real.shape[1] + 1, device=real.device)
+        return int(ends.amax(1).sum())
 
 
 def _checkpoint_every_layer(model, layer_cls, config):
@@ -628,7 +632,6 @@ def _check_inputs(self, inputs, first: str) -> None:
 def _training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
     """``pipe.run_train`` over the batch, its loss divided by HF's count for the window; for a
     trainer's own loss, the wrapped class's step, then its gradients through the pipeline."""
-    tokens = inputs.pop(_PackedRows.TOKENS, None) if isinstance(inputs, dict) else None
     if self._calls is not None:
         with _one_process(self):
             loss = self._pipelined.training_step(self, model, inputs, num_items_in_batch)
@@ -646,7 +649,7 @@ def _training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor
     ):
         loss = self.pipe.run_train(**batch)
     if self._sft_metrics:
-        _log_sft_metrics(self, "train", inputs, tokens)
+        _log_sft_metrics(self, "train", inputs)
     return loss.detach().to(self.args.device)
 
 
@@ -667,18 +670,20 @@ def _sft_sums(self):
         self.pipe.token_sums = None
 
 
-def _log_sft_metrics(self, mode: str, inputs: dict, packed_tokens) -> None:
+def _log_sft_metrics(self, mode: str, inputs: dict) -> None:
     """What TRL's ``SFTTrainer.compute_loss`` adds to its metrics from a step, made from the
     step's token sums (the global batch's, on every rank): ``entropy`` and
     ``mean_token_accuracy`` over the label tokens, and in training the running count of input
-    tokens ``num_tokens`` (the attention mask's, or ``packed_tokens``: a packed batch's)."""
+    tokens ``num_tokens`` (the attention mask's, or a packed batch's: ``_PackedRows.tokens``)."""
     sums, metrics = self.pipe.last_token_sums, self._metrics[mode]
     valid = sums["label_mask"]
     metrics["entropy"].append(sums["entropy"] / valid if valid > 0 else 0.0)
     metrics["mean_token_accuracy"].append(sums["is_top1"] / valid if valid > 0 else 0.0)
     if mode == "train":
-        mask = inputs.get("attention_mask")
-        tokens = int(packed_tokens if packed_tokens is not None else mask.sum())
+        packed = isinstance(self.data_collator, _PackedRows)
+        tokens = (
+            self.data_collator.tokens(inputs) if packed else int(inputs["attention_mask"].sum())
+        )
         self._total_train_tokens += tokens // self._tp_size
     metrics["num_tokens"] = [self._total_train_tokens]
 
@@ -692,8 +697,6 @@ def _prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None
     # (HF resets gather_function after each loop, so it is set at every step), and the loss is
     # one copy per replica, which HF repeats per_device_eval_batch_size times: a row each.
     self.gather_function = functools.partial(_one_process_gather, self.accelerator.gradient_state)
-    if isinstance(inputs, dict):
-        inputs.pop(_PackedRows.TOKENS, None)
     if self._calls is not None:
         with _one_process(self):
             return self._pipelined.prediction_step(
@@ -704,7 +707,7 @@ def _prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None
     with _divided_by(self, count, 1), _sft_sums(self), self.accelerator.autocast():
         out = self.pipe.run_eval(**batch)
     if self._sft_metrics and out.loss is not None:
-        _log_sft_metrics(self, "eval", inputs, None)
+        _log_sft_metrics(self, "eval", inputs)
     loss = None if out.loss is None else out.loss.detach().to(self.args.device)
     loss = None if loss is None else loss.expand(self.pipe.dp_size)
     if prediction_loss_only:
