@@ -135,13 +135,14 @@ logs the entropy and the accuracy of the next-token distribution over the label 
 logits, which only the last stage holds, microbatch by microbatch. ``StepRunner.token_sums``
 (``PipelineModel.token_sums``; ``None`` by default) names functions of one microbatch's logits and
 its next-token labels, each a sum over the microbatch's tokens; the last stage computes them
-after the loss of each microbatch, without autograd, on the whole logits (a vocabulary-parallel
-head's gathered), with HF's causal shift (or the labels context parallelism shifted on the whole
-row). Their sums over the microbatches travel with the loss in its broadcast and are summed with
-it over the cp ranks and the replicas, so every rank reads the global batch's sums
-(``last_token_sums``) after ``run_train`` or ``run_eval``. Sums, not means: they add up over
-microbatches, cp shares and replicas; a trainer divides them as it defines its metric. Without
-``token_sums`` the step computes nothing more and the broadcast is the loss's alone.
+with each microbatch's loss (its ``loss_fn`` wrapped), without autograd, on the whole logits (a
+vocabulary-parallel head's gathered), with HF's causal shift (or the labels context parallelism
+shifted on the whole row). Their sums over the microbatches travel with the loss in its
+broadcast and are summed with it over the cp ranks and the replicas, so every rank reads the
+global batch's sums (``last_token_sums``) after ``run_train`` or ``run_eval``. Sums, not
+means: they add up over microbatches, cp shares and replicas; a trainer divides them as it
+defines its metric. Without ``token_sums`` the step computes nothing more and the broadcast is
+the loss's alone.
 """
 
 
