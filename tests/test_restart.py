@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from pippy_xla.testing import _free_port
@@ -21,28 +23,54 @@ TINY = (
 
 
 def _two_node_job(directory: Path, *flags: str) -> list[subprocess.Popen]:
-    """Starts the two torchrun agents of one job (node ranks 0 and 1, 2 ranks each)."""
-    port = _free_port()
+    """Starts the two torchrun agents of one job (node ranks 0 and 1, 2 ranks each): node 0's
+    first, hosting the rendezvous store (``is_host``), and node 1's once that store serves. A
+    port taken by another process between :func:`_free_port` and node 0's bind (the other job's
+    workers' store, another test's) left both agents clients of a store nobody served, each
+    failing after 60 s (once in a fresh CI run): node 0 then exits at once, and the job starts
+    again on another port."""
+    for _ in range(3):
+        port = _free_port()
+        host = _agent(0, port, directory, flags)
+        if _serving(host, port):
+            return [host, _agent(1, port, directory, flags)]
+        host.kill()
+        host.communicate()
+    raise AssertionError("no port for the rendezvous store in 3 tries")
+
+
+def _agent(node: int, port: int, directory: Path, flags) -> subprocess.Popen:
     # A new store per attempt, as docs/checkpoints.md launches it: the agent's store, which torch
     # shares by default, keeps the killed attempt's gloo addresses, and restarted ranks read them
     # ([Note: torchrun's store across restarts]).
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    agents = []
-    for node in (0, 1):
-        cmd = [
-            *(sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"),
-            *("--nproc-per-node", "2", "--node-rank", str(node), "--rdzv-backend", "c10d"),
-            *("--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "1"),
-            *(str(ROOT / "examples" / "train_llama.py"), *TINY),
-            *("--resume", str(directory), "--save-every", "1", *flags),
-        ]
-        agents.append(
-            subprocess.Popen(
-                cmd, env=env, cwd=directory.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-            )
-        )
-    return agents
+    cmd = [
+        *(sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"),
+        *("--nproc-per-node", "2", "--node-rank", str(node), "--rdzv-backend", "c10d"),
+        *("--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", f"is_host={int(node == 0)}"),
+        *("--max-restarts", "1", str(ROOT / "examples" / "train_llama.py"), *TINY),
+        *("--resume", str(directory), "--save-every", "1", *flags),
+    ]
+    return subprocess.Popen(
+        cmd, env=env, cwd=directory.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+
+
+def _serving(host: subprocess.Popen, port: int, seconds: float = 120) -> bool:
+    """Whether ``host``'s rendezvous store accepts connections on ``port`` (``False`` once the
+    agent has exited: it could not bind the port; a listener that is another process's is told
+    apart by the agent exiting within a second of its failed bind)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and host.poll() is None:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        except OSError:
+            time.sleep(0.2)
+            continue
+        time.sleep(1)
+        return host.poll() is None
+    return False
 
 
 def _finish(agents: list[subprocess.Popen]) -> str:
