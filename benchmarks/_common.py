@@ -31,6 +31,7 @@ __all__ = [
     "save",
     "state_bytes",
     "summarize",
+    "timed_step",
     "token_batch",
 ]
 
@@ -237,3 +238,17 @@ def check_losses(layouts: dict, baseline: str, rtol_first: float, rtol_per_step:
             tol = rtol_first + i * rtol_per_step
             assert rel <= tol, f"{name}: step {i} loss {a} against {baseline}'s {b} ({rel:.2e})"
     return worst
+
+
+def timed_step(pipe, opt, batch: dict) -> tuple[float, float]:
+    """One training step of ``pipe`` and an ``opt`` step between two barriers of every rank:
+    its seconds and its loss."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    loss = pipe.run_train(**batch)
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    dist.barrier()
+    return time.perf_counter() - t0, float(loss)

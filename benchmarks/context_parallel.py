@@ -26,10 +26,10 @@ benchmarks/context_parallel.py [--lengths 8192 16384 32768]``; results in
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
-import time
 
-from _common import check_losses, run_ranks, save, state_bytes, token_batch
+from _common import check_losses, run_ranks, save, state_bytes, timed_step, token_batch
 
 # (name, mesh shape, mesh dim names); the ranks of every layout: 4.
 LAYOUTS = [
@@ -60,7 +60,6 @@ def _model(args):
 
 def _rank(rank, world, args, seq: int, layout):
     import torch
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     import pippy_xla as px
@@ -77,15 +76,7 @@ def _rank(rank, world, args, seq: int, layout):
     opt = torch.optim.AdamW(params, lr=1e-3)
     batch = token_batch(1, seq, args.vocab)
 
-    def step():
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss = pipe.run_train(**batch)
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-        dist.barrier()
-        return time.perf_counter() - t0, float(loss)
-
+    step = functools.partial(timed_step, pipe, opt, batch)
     warm = [step() for _ in range(args.warmup)]
     _C.memory_reset_peak()
     timed = [step() for _ in range(args.steps)]

@@ -36,12 +36,12 @@ machine only. Run: ``python benchmarks/expert_parallel.py``; results in
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import tempfile
-import time
 
-from _common import check_losses, run_ranks, save, state_bytes, token_batch
+from _common import check_losses, run_ranks, save, state_bytes, timed_step, token_batch
 
 # (name, mesh shape, mesh dim names, options).
 LAYOUTS = [
@@ -171,7 +171,6 @@ def _build(args, path: str, layout):
 
 def _rank(rank, world, args, path: str, layout):
     import torch
-    import torch.distributed as dist
     import torch.distributed.tensor  # noqa: F401  (imported before the baseline)
 
     from pippy_xla import _C
@@ -182,15 +181,7 @@ def _rank(rank, world, args, path: str, layout):
     params = list(pipe.parameters())
     opt = torch.optim.AdamW(params, lr=args.lr)
 
-    def step():
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss = pipe.run_train(**batch)
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-        dist.barrier()
-        return time.perf_counter() - t0, float(loss)
-
+    step = functools.partial(timed_step, pipe, opt, batch)
     warm = [step() for _ in range(args.warmup)]
     _C.memory_reset_peak()
     timed = [step() for _ in range(args.steps)]
