@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 from _common import (
     Phase,
@@ -32,6 +31,7 @@ from _common import (
     run_ranks,
     save,
     state_bytes,
+    timed_step,
     token_batch,
 )
 
@@ -68,13 +68,7 @@ def _layout(args, batch, dp: int, pp: int, mode: str | None) -> dict:
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-4)
 
     def step():
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss = pipe.run_train(**batch)
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-        dist.barrier()
-        return time.perf_counter() - t0, float(loss)
+        return timed_step(pipe, opt, batch)
 
     for _ in range(args.warmup):
         step()

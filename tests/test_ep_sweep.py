@@ -14,8 +14,6 @@ table is not compared."""
 
 from __future__ import annotations
 
-import os
-import re
 from pathlib import Path
 
 import torch
@@ -23,7 +21,7 @@ import transformers
 from models import full, grads_of, hidden_loss, labeled, make_batch, on_first_rank, reference_step
 from test_expert_parallel import HF_EXPERT_PARALLEL
 from test_moe import TOL
-from test_tp_sweep import NotBuilt, _is_lm, _line, _reference, tiny_model
+from test_tp_sweep import NotBuilt, _is_lm, _line, _reference, check_docs_table, tiny_model
 from transformers import CONFIG_MAPPING
 
 import pippy_xla as px
@@ -284,13 +282,6 @@ def test_every_config_with_an_expert_dispatch_trains_equal_or_is_refused():
         rows.append(ranks[0][:3])
     kinds = {r[2].split(":")[0].split(" (")[0] for r in rows}
     assert kinds <= {"equal", "refused", "not built", "HF's own expert parallelism fails"}, kinds
-    text = DOCS.read_text()
-    begin, end = text.index(TABLE_BEGIN), text.index(TABLE_END) + len(TABLE_END)
-    pinned = re.search(r"config \(transformers ([^)]*)\)", text[begin:end])
-    table = _table(rows)
-    if os.environ.get("PIPPY_WRITE_README") == "1":
-        DOCS.write_text(text[:begin] + table + text[end:])
-    elif pinned is None or pinned.group(1) == transformers.__version__:
-        assert text[begin:end] == table, "the docs' sweep table is stale: PIPPY_WRITE_README=1"
+    check_docs_table(DOCS, TABLE_BEGIN, TABLE_END, _table(rows))
     # 62 of 77 on 5.25: a floor under which a general regression would fall.
     assert sum(r[2].startswith("equal") for r in rows) >= 0.75 * len(rows), rows

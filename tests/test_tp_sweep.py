@@ -354,19 +354,25 @@ def _table(rows) -> str:
     return "\n".join([*lines, "", TABLE_END])
 
 
+def check_docs_table(docs: Path, begin_marker: str, end_marker: str, table: str) -> None:
+    """The sweep's table, between the markers of ``docs``: written there with
+    ``PIPPY_WRITE_README=1``, else equal to it on the release the docs name (not compared on
+    another)."""
+    text = docs.read_text()
+    begin, end = text.index(begin_marker), text.index(end_marker) + len(end_marker)
+    pinned = re.search(r"config \(transformers ([^)]*)\)", text[begin:end])
+    if os.environ.get("PIPPY_WRITE_README") == "1":
+        docs.write_text(text[:begin] + table + text[end:])
+    elif pinned is None or pinned.group(1) == transformers.__version__:
+        assert text[begin:end] == table, "the docs' sweep table is stale: PIPPY_WRITE_README=1"
+
+
 @needs_hf_tensor_parallel
 def test_every_config_with_a_tensor_parallel_plan_trains_equal_or_is_refused():
     rows = _merged(run_ranks(4, _sweep, planned(), timeout=900))
     kinds = {r[2].split(":")[0].split(" (")[0] for r in rows}
     assert kinds <= {"equal", "refused", "not built", "HF's own tensor parallelism fails"}
-    text = DOCS.read_text()
-    begin, end = text.index(TABLE_BEGIN), text.index(TABLE_END) + len(TABLE_END)
-    pinned = re.search(r"config \(transformers ([^)]*)\)", text[begin:end])
-    table = _table(rows)
-    if os.environ.get("PIPPY_WRITE_README") == "1":
-        DOCS.write_text(text[:begin] + table + text[end:])
-    elif pinned is None or pinned.group(1) == transformers.__version__:
-        assert text[begin:end] == table, "the docs' sweep table is stale: PIPPY_WRITE_README=1"
+    check_docs_table(DOCS, TABLE_BEGIN, TABLE_END, _table(rows))
     assert sum(r[2].startswith("equal") for r in rows) >= 0.4 * len(rows), rows
     # Untied heads under HF's colwise_gather_output are sharded by the vocabulary, and train equal.
     assert sum("head by the vocabulary" in r[2] for r in rows) >= 0.2 * len(rows), rows
