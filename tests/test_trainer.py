@@ -212,17 +212,6 @@ def _mesh_run(rank, world, directory):
     trainer.train()
     metrics = trainer.evaluate()
     trainer.save_model(f"{directory}/mesh-model")
-    with pytest.raises(ValueError, match="PipelineTrainer cannot run") as refused:
-        px.PipelineTrainer(
-            model=llama()[0],
-            args=_args(
-                f"{directory}/own", per_device_train_batch_size=2, label_smoothing_factor=0.1
-            ),
-            train_dataset=_Rows(1, seed=0),
-            pipeline=px.PipelineConfig(num_microbatches=2),
-            mesh=mesh,
-        )
-    assert "data-parallel replicas" in str(refused.value) and "\n" not in str(refused.value)
     sft = _pipelined_sft(
         _mesh_sft_args(f"{directory}/mesh-sft", 2), _sft_data(), eval_dataset=_sft_eval(), mesh=mesh
     )
@@ -252,8 +241,8 @@ def test_pipeline_trainer_on_a_data_x_pipeline_mesh_trains_as_one_process_with_t
     """dp=2 x pp=2: each replica takes the share of the global batch that HF's sharded loader
     gives a DDP rank; the logs, the eval loss and ``compute_metrics`` (batches of 8 and 4 rows,
     each replica's logits gathered) and the saved weights equal the Trainer's in one process with
-    the global batch (2 rows per replica: 4). A loss of the trainer's own (label smoothing) is
-    refused on the mesh, in one line. TRL's ``SFTTrainer`` (fp32, 1 step) on the same mesh logs
+    the global batch (2 rows per replica: 4). TRL's ``SFTTrainer`` (fp32, 1 step) on the same
+    mesh logs
     TRL's losses and metrics (``entropy``, ``mean_token_accuracy``, ``num_tokens``: the replicas'
     token sums added up), in training and evaluation."""
     from transformers import AutoModelForCausalLM
@@ -1026,23 +1015,176 @@ def test_trl_trainers_with_their_own_losses_log_as_trl_does(tmp_path):
                     assert got[k] == pytest.approx(ref[k], rel=1e-5, abs=1e-6), (kind, k, got, ref)
 
 
+def _own_loss_class():
+    """A ``Trainer`` with a ``compute_loss`` of its own, written for DDP as HF's is: the label
+    tokens' cross-entropy over HF's count of the window's tokens (every process's) times the
+    processes (DDP averages the gradients), plus a per-row mean of a z-loss (each row's mean of
+    ``logsumexp(logits)^2`` over its labelled tokens: a mean over the process's rows, which
+    DDP's mean over processes of equal rows makes the global batch's)."""
+    from transformers import Trainer
+
+    class OwnLoss(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            labels = inputs.pop("labels")[:, 1:]
+            outputs = model(**inputs)
+            logits = outputs.logits[:, :-1].float()
+            mask = labels != -100
+            nll = torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), labels.flatten(), reduction="sum"
+            )
+            nll = nll / num_items_in_batch * self.accelerator.num_processes
+            z = logits.logsumexp(-1).square().masked_fill(~mask, 0).sum(1)
+            zloss = (z / mask.sum(1).clamp(min=1)).mean()
+            loss = nll + 1e-3 * zloss
+            return (loss, outputs) if return_outputs else loss
+
+    return OwnLoss
+
+
+OWN_ON_REPLICAS = ("dpo", "dft", "smoothing", "own")
+"""The trainers whose loss is their own that ``_own_losses_on_replicas_run`` trains on a
+dp=2 x pp=2 mesh: TRL's DPO with LoRA, TRL's SFT with ``loss_type="dft"``, the Trainer with
+label smoothing, and ``_own_loss_class()``."""
+
+
+def _own_loss_trainer(name: str, directory: str, mesh=None):
+    """``OWN_ON_REPLICAS``'s trainer ``name`` for 2 steps (accumulation 2) on the global batch
+    of 4 rows (eval 8), on the tiny Llama in fp32: through ``px.pipelined`` on ``mesh``, whose
+    replicas share that batch; without a mesh the class itself in this process (the
+    reference)."""
+    from transformers import Trainer
+    from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+
+    replicas = 1 if mesh is None else mesh["dp"].size()
+    rows = dict(per_device_train_batch_size=4 // replicas, per_device_eval_batch_size=8 // replicas)
+    options = _options(f"{directory}/{name}", max_steps=2, **rows)
+    pipelined = {}
+    if mesh is not None:
+        pipelined = dict(layer_cls=llama()[1], pipeline=px.PipelineConfig(num_microbatches=2))
+        pipelined["mesh"] = mesh
+    wrap = px.pipelined if mesh is not None else (lambda cls: cls)
+    torch.manual_seed(0)
+    model, _ = llama()
+    if name == "dpo":
+        return wrap(DPOTrainer)(
+            model=model,
+            args=DPOConfig(**options, bf16=False),
+            train_dataset=_preferences(),
+            processing_class=_tokenizer(),
+            peft_config=_sft_config(),
+            **pipelined,
+        )
+    if name == "dft":
+        args = SFTConfig(**options, bf16=False, loss_type="dft", gradient_checkpointing=False)
+        return wrap(SFTTrainer)(
+            model=model,
+            args=args,
+            train_dataset=_sft_data(),
+            eval_dataset=_sft_eval(),
+            processing_class=_tokenizer(),
+            **pipelined,
+        )
+    cls = Trainer if name == "smoothing" else _own_loss_class()
+    smoothing = dict(label_smoothing_factor=0.1) if name == "smoothing" else {}
+    return wrap(cls)(
+        model=model,
+        args=_args(f"{directory}/{name}", max_steps=2, **rows, **smoothing),
+        train_dataset=_Rows(2, seed=100),
+        eval_dataset=_eval_rows(),
+        **pipelined,
+    )
+
+
+def _own_logged(name: str) -> tuple[str, ...]:
+    return (*OWN_LOGGED.get(name, LOGGED[:2]), "learning_rate")
+
+
+def _own_losses_on_replicas_run(rank, world, directory):
+    from torch.distributed.device_mesh import init_device_mesh
+    from trl import GRPOTrainer
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    runs = {}
+    for name in OWN_ON_REPLICAS:
+        trainer = _own_loss_trainer(name, directory, mesh)
+        trainer.train()
+        metrics = trainer.evaluate() if trainer.eval_dataset is not None else {}
+        trainer.save_model(f"{directory}/{name}-model")
+        runs[name] = _logs(trainer, _own_logged(name)), metrics.get("eval_loss")
+    with pytest.raises(ValueError, match="PipelinedGRPOTrainer cannot run") as refused:
+        _grpo(
+            px.pipelined(GRPOTrainer),
+            f"{directory}/grpo",
+            False,
+            layer_cls=llama()[1],
+            pipeline=px.PipelineConfig(num_microbatches=2),
+            mesh=mesh,
+        )
+    return runs, str(refused.value)
+
+
+@pytest.mark.compat
+def test_own_losses_on_a_data_x_pipeline_mesh_train_as_one_process_with_the_global_batch(
+    tmp_path,
+):
+    """dp=2 x pp=2: each replica runs the trainer's own step as one of two DDP processes (its
+    share of the rows collated alone, accelerate's gathers over the replicas, the gradients
+    averaged over them; see [Note: a trainer's own loss on replicas]). TRL's DPO with LoRA,
+    TRL's SFT with ``loss_type="dft"``, the Trainer with label smoothing and a Trainer
+    subclass with its own ``compute_loss`` log the losses, grad norms and TRL's metrics (DPO's
+    rewards, SFT's entropy and token accuracy: gathered over the replicas), evaluate and save
+    the weights (DPO: the adapter) of the trainer in one process with the global batch. Each of
+    these losses is one whose DDP mean is the global batch's (a token sum over HF's count of
+    every process's tokens times the processes, or a mean over equal rows). GRPO (generation
+    per replica) is refused on the mesh, in one line."""
+    want = {}
+    for name in OWN_ON_REPLICAS:
+        reference = _own_loss_trainer(name, str(tmp_path / "reference"))
+        reference.train()
+        metrics = reference.evaluate() if reference.eval_dataset is not None else {}
+        reference.save_model(str(tmp_path / f"reference-{name}"))
+        want[name] = _logs(reference, _own_logged(name)), metrics.get("eval_loss")
+    assert any(h["rewards/margins"] != 0 for h in want["dpo"][0])
+    for runs, refused in run_ranks(4, _own_losses_on_replicas_run, str(tmp_path), timeout=300):
+        for name, (logs, eval_loss) in runs.items():
+            ref_logs, ref_eval = want[name]
+            assert len(logs) == len(ref_logs) == 2, name
+            for got, ref in zip(logs, ref_logs, strict=True):
+                for k in _own_logged(name):
+                    assert got[k] == pytest.approx(ref[k], rel=1e-5, abs=1e-6), (name, k, got, ref)
+            assert eval_loss == (ref_eval and pytest.approx(ref_eval, rel=1e-5)), name
+        assert "online generation" in refused and "\n" not in refused, refused
+    for name in OWN_ON_REPLICAS:
+        saved, weights = (_saved(tmp_path / d) for d in (f"{name}-model", f"reference-{name}"))
+        assert saved.keys() == weights.keys() and saved, name
+        for key, tensor in saved.items():
+            torch.testing.assert_close(tensor, weights[key], rtol=1e-5, atol=2e-5, msg=key)
+
+
 def _experts_run(rank, world, directory):
-    """Two steps with ``expert_parallel=2`` on dp=2 x pp=2, saving at each; then a new trainer
-    resumed from the checkpoint of step 1 (the experts' shards and their AdamW state through
-    DCP): its step 2 logs what the uninterrupted run logged."""
+    """Two steps with ``expert_parallel=2`` on dp=2 x pp=2 of a Mixtral with its router loss,
+    saving at each, then an evaluation; then a new trainer resumed from the checkpoint of step 1
+    (the experts' shards and their AdamW state through DCP): its step 2 logs what the
+    uninterrupted run logged."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
 
     def trainer(out):
         torch.manual_seed(0)
-        model, layer_cls = mixtral(layers=2)
+        model, layer_cls = mixtral(layers=2, router_loss=True)
         return px.PipelineTrainer(
             model=model,
             args=_args(
-                out, per_device_train_batch_size=2, max_steps=2, save_strategy="steps", save_steps=1
+                out,
+                per_device_train_batch_size=2,
+                per_device_eval_batch_size=4,
+                max_steps=2,
+                save_strategy="steps",
+                save_steps=1,
             ),
             train_dataset=_Rows(2, seed=100),
+            eval_dataset=_eval_rows(),
             layer_cls=layer_cls,
             pipeline=px.PipelineConfig(num_microbatches=2, expert_parallel=2),
             mesh=mesh,

@@ -24,6 +24,38 @@ over the batch) and its code gathers across processes, so a call runs in two pas
 The cost: one more forward of the batch than one process (the first pass keeps no activations),
 and a broadcast of the outputs (``(rows, tokens)`` floats per field; the whole ``(rows, tokens,
 vocab)`` logits for a plain call, whose gradients then travel as the second pass's labels).
+
+[Note: a trainer's own loss on replicas] On a mesh with ``dp`` data-parallel replicas, each
+replica runs the trainer's training step as DDP process ``r`` of ``dp`` runs it in HF's Trainer:
+
+- Its batch is its share of the global batch: the loader's global batch (the same seeded order
+  as one process's) cut into ``dp`` contiguous shares, the rows HF's sharded loader gives DDP
+  process ``r``, collated alone (padded to its own longest row, as each DDP process pads:
+  ``_ReplicaShare`` in ``trainer.py``). HF's token count for the window is counted as DDP counts
+  it (with ``average_tokens_across_devices``, HF's default, summed over the replicas).
+- accelerate's state during the step is DDP process ``r``'s (``num_processes=dp``,
+  ``process_index=r``), and ``torch.distributed``'s collectives called without a group
+  (accelerate's ``gather``, ``gather_for_metrics``, ``reduce``, ``broadcast``; TRL's own) run
+  over this rank's ``dp`` group, the ranks of the other replicas at the same place in theirs
+  (``_as_processes``, ``_collectives_over``): the metrics TRL gathers are the global batch's, on
+  every rank.
+- A call of the model runs on the replica's own pipeline: the pipeline's step takes a global
+  batch and runs replica ``r``'s contiguous share of it, so a call's rows go in as ``dp`` copies
+  of themselves, of which each replica runs its own (:func:`_copies`). The replicas' calls may
+  differ in length (their batches are padded apart), not in number: each call is a step of
+  every replica's pipeline together, as DDP's processes call their models alike.
+- Gradients: the second pass takes each output's gradient divided by ``dp``, and the pipeline
+  sums the replicas' parameter gradients (FSDP2's reduction, divide factor 1): DDP's mean.
+  HF's logged loss is its mean over the job's processes (every rank of every replica: each
+  replica's loss counted equally), the grad norm the reduced gradient's, as under DDP.
+- Evaluation is one process's on every replica (``_one_process``: each replica's pipeline runs
+  the whole global batch, ``dp`` copies of it going in), so the eval loss and metrics are the
+  trainer's in one process; it costs each replica a forward of every row.
+
+So a loss that DDP makes the global batch's (a token sum over HF's count of every process's
+tokens times the processes, as HF's and TRL's SFT losses and label smoothing are; a mean over
+the process's rows, equal in number, as DPO's) trains as one process with the global batch; any
+other trains as DDP's mean of the replicas' losses.
 """
 
 from __future__ import annotations
@@ -91,7 +123,8 @@ class ModelCalls:
 
     def __init__(self, pipe, model, temperature: float) -> None:
         self.pipe = pipe
-        """A pipeline without replicas (the Trainer refuses a mesh with them at construction)."""
+        """The pipeline; on a mesh with replicas, each replica's calls are its own (see [Note: a
+        trainer's own loss on replicas])."""
         self.model = model
         """The HF model (its ``loss_function`` for a plain call given labels)."""
         self.temperature = temperature
@@ -143,7 +176,7 @@ class ModelCalls:
         index = torch.arange(rows).unsqueeze(1)
         tagged = torch.cat([labels.cpu() if fused else index, index], dim=1)
         with _loss(runner, collect), torch.no_grad():
-            runner.evaluate({**batch, "labels": tagged}, keep_logits=False)
+            runner.evaluate(_copies({**batch, "labels": tagged}, pipe.dp_size), keep_logits=False)
         outputs = None
         if pipe.is_last:
             outputs = {k: torch.stack([got[r][k] for r in range(rows)]) for k in got[0]}
@@ -171,15 +204,18 @@ class ModelCalls:
         on the pipeline]): the gradients the trainer's backward left on the outputs, through
         the pipeline into its parameters."""
         pending, self.pending = self.pending, []
+        replicas = self.pipe.dp_size
         for batch, labels, fused, leaves, rng, (autocast, dtype) in pending:
-            grads = {k: leaf.grad for k, leaf in leaves.items() if leaf.grad is not None}
+            # DDP's mean over the replicas: the pipeline sums their gradients.
+            grads = {k: leaf.grad / replicas for k, leaf in leaves.items() if leaf.grad is not None}
             if not grads:
                 continue
             packed, loss_fn = self._surrogate(labels, fused, grads)
             set_random_state(self.pipe.device, rng)
             device = self.pipe.device.type
+            inputs = _copies({**batch, "labels": packed.to(self.pipe.device)}, replicas)
             with _loss(self.pipe._runner, loss_fn), torch.autocast(device, dtype, autocast):
-                self.pipe.run_train(**batch, labels=packed.to(self.pipe.device))
+                self.pipe.run_train(**inputs)
 
     def _surrogate(self, labels, fused: bool, grads: dict[str, torch.Tensor]):
         """The second pass's labels and loss: ``sum(outputs(logits) * grads)`` per microbatch.
@@ -196,6 +232,15 @@ class ModelCalls:
             return sum((outs[k] * packed[:, 1:, 1 + i].float()).sum() for i, k in enumerate(names))
 
         return torch.stack(parts, dim=-1), loss_fn
+
+
+def _copies(batch: dict[str, torch.Tensor], replicas: int) -> dict[str, torch.Tensor]:
+    """``batch`` as the pipeline's step takes a replica's rows: a global batch of ``replicas``
+    copies of it, of which each replica runs its own (the copy at its place). See [Note: a
+    trainer's own loss on replicas]."""
+    if replicas == 1:
+        return batch
+    return {k: torch.cat([v] * replicas) for k, v in batch.items()}
 
 
 @contextlib.contextmanager

@@ -25,7 +25,9 @@ HF's; ``PipelineTrainer`` is ``pipelined(Trainer)``.
   rank's random state (the trainer draws from it next: TRL shuffles the completions), a trainer
   that seeded per process (TRL's ``set_seed(seed, device_specific=True)``) is seeded per replica
   (``_seed_per_replica``), and TRL's generation batch is counted over the replicas
-  (``_generation_batch_per_replica``). Without data-parallel replicas for now.
+  (``_generation_batch_per_replica``). On a mesh with data-parallel replicas each replica runs
+  the step as one of ``dp`` DDP processes (``_as_processes``, ``_ReplicaShare``; see [Note: a
+  trainer's own loss on replicas]); online generation (GRPO) there is refused for now.
 - TRL's ``SFTTrainer`` with the model's own loss logs TRL's metrics (``entropy``,
   ``mean_token_accuracy``, ``num_tokens``) from sums its pipeline's last stage computes beside
   the loss (``_sft_sums``, ``_log_sft_metrics``; see [Note: token sums beside the loss]).
@@ -158,10 +160,10 @@ class _Stages(nn.Module):
 def _check_args(trainer, config, mesh) -> None:
     """One line for each option the pipeline cannot honour (see the note above)."""
     args, problems = trainer.args, []
-    if _replicas(mesh) > 1 and not _own_loss(trainer):
+    if _replicas(mesh) > 1 and getattr(args, "steps_per_generation", None) is not None:
         problems.append(
-            "a loss of its own (its compute_loss, compute_loss_func or label smoothing) on a "
-            "mesh with data-parallel replicas (not supported yet: pass mesh=None)"
+            "online generation (TRL's GRPOConfig, RLOOConfig) on a mesh with data-parallel "
+            "replicas (not supported yet: pass mesh=None)"
         )
     if getattr(args, "deepspeed", None):
         problems.append("deepspeed (the pipeline partitions the model itself)")
@@ -245,6 +247,7 @@ def pipelined(trainer_cls: type) -> type:
             "_prepare_loaders_unsharded": _prepare_loaders_unsharded,
             "_get_dataloader": _get_dataloader,
             "get_total_train_batch_size": _get_total_train_batch_size,
+            "_get_num_items_in_batch": _get_num_items_in_batch,
             "_move_model_to_device": _move_model_to_device,
             "_wrap_model": _wrap_model,
             "create_optimizer": _create_optimizer,
@@ -312,6 +315,7 @@ def _init(self, *args, layer_cls=None, pipeline=None, mesh=None, **kwargs) -> No
     if self.args.gradient_checkpointing:  # TRL's SFTConfig turns it on by default
         config = _checkpoint_every_layer(self.model, layer_cls, config)
         self.args.gradient_checkpointing = False  # the pipeline's, not HF's on the whole model
+    self._average_tokens = self.args.average_tokens_across_devices  # HF's, for a step on replicas
     self.args.average_tokens_across_devices = False  # the ranks hold one batch, not shards of it
     if getattr(self.data_collator, "padding_free", False):  # TRL's packing
         self.data_collator = _PackedRows(self.data_collator)
@@ -421,24 +425,117 @@ def _seed_per_replica(trainer) -> None:
 
 @contextlib.contextmanager
 def _one_process(trainer):
-    """accelerate's state made one process's while a trainer's own step code runs (its gathers
-    and reductions over the job, its process index in the generation batch): the pipeline's
-    ranks hold one process's data. Only without replicas (refused at construction)."""
-    from accelerate.state import AcceleratorState, PartialState
+    """accelerate's state made one process's while a trainer's own code runs on the whole batch
+    (its gathers and reductions over the job, its process index in the generation batch): the
+    pipeline's ranks, and on a mesh every replica, hold one process's data."""
     from accelerate.utils import DistributedType
 
     one = dict(
         distributed_type=DistributedType.NO, num_processes=1, process_index=0, local_process_index=0
     )
+    with _accelerate_state(one):
+        yield
+
+
+@contextlib.contextmanager
+def _as_processes(trainer):
+    """accelerate's state made that of the processes a trainer's own step code would run in
+    under DDP, while it runs: without replicas one process (:func:`_one_process`); with ``dp``
+    replicas, replica ``r`` is DDP process ``r`` of ``dp`` (``num_processes``,
+    ``process_index``), its collectives (accelerate's ``gather``, ``reduce``, ``broadcast``,
+    TRL's own) run over the replicas (:func:`_collectives_over` this rank's ``dp`` group: the
+    ranks of the other replicas at the same place in theirs), and HF's
+    ``average_tokens_across_devices`` is the caller's (the pipeline turns it off for its own
+    loss, whose ranks hold one batch). See [Note: a trainer's own loss on replicas]."""
+    pipe = trainer.pipe
+    if pipe.dp_size == 1:
+        with _one_process(trainer):
+            yield
+        return
+    replica = dict(
+        num_processes=pipe.dp_size, process_index=pipe.dp_rank, local_process_index=pipe.dp_rank
+    )
+    args, average = trainer.args, trainer.args.average_tokens_across_devices
+    args.average_tokens_across_devices = trainer._average_tokens
+    try:
+        with _accelerate_state(replica), _collectives_over(pipe._place.mesh.dp_group):
+            yield
+    finally:
+        args.average_tokens_across_devices = average
+
+
+@contextlib.contextmanager
+def _accelerate_state(values: dict):
+    """accelerate's shared state (``PartialState``'s and ``AcceleratorState``'s) with
+    ``values``, restored after."""
+    from accelerate.state import AcceleratorState, PartialState
+
     states = [PartialState._shared_state, AcceleratorState._shared_state]
-    saved = [{k: s[k] for k in one if k in s} for s in states]
+    saved = [{k: s[k] for k in values if k in s} for s in states]
     for s in states:
-        s.update(one)
+        s.update(values)
     try:
         yield
     finally:
         for s, old in zip(states, saved, strict=True):
             s.update(old)
+
+
+COLLECTIVES = (
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_gather_object",
+    "all_reduce",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "reduce",
+    "reduce_scatter_tensor",
+    "scatter",
+    "scatter_object_list",
+)
+"""``torch.distributed``'s collectives that :func:`_collectives_over` sends to a group."""
+
+
+@contextlib.contextmanager
+def _collectives_over(group):
+    """``torch.distributed``'s collectives called without a group (accelerate's and TRL's: the
+    job's processes) run over ``group`` instead, a source or destination rank read as an index
+    in it (accelerate passes process indices); a call that names its group is left as it is
+    (the pipeline's, FSDP's)."""
+    import inspect
+
+    import torch.distributed as dist
+
+    saved = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+
+    def over(fn):
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(*args, **kwargs)
+            given = bound.arguments
+            if given.get("group") is None:
+                given["group"] = group
+                for end in ("src", "dst"):
+                    if given.get(end) is not None:
+                        given[f"group_{end}"], given[end] = given[end], None
+            return fn(*bound.args, **bound.kwargs)
+
+        return call
+
+    for name, fn in saved.items():
+        setattr(dist, name, over(fn))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
 
 
 class _PackedRows:
@@ -512,11 +609,44 @@ def _prepare_loaders_unsharded(self) -> None:
 
 
 def _get_dataloader(self, dataset, description, batch_size, *args, **kwargs):
-    """The wrapped class's loader, of the global batch: ``batch_size`` rows per replica."""
+    """The wrapped class's loader, of the global batch: ``batch_size`` rows per replica; for a
+    trainer's own loss on replicas, the training loader's batch is this replica's share of it,
+    collated alone (``_ReplicaShare``), as HF's sharded loader gives a DDP process its rows."""
     dp = self.pipe.dp_size if self.pipe is not None else 1
-    return self._pipelined._get_dataloader(
-        self, dataset, description, batch_size * dp, *args, **kwargs
-    )
+    collator = self.data_collator
+    if dp > 1 and getattr(self, "_calls", None) is not None and kwargs.get("is_training"):
+        self.data_collator = _ReplicaShare(collator, self.pipe.dp_rank, dp)
+    try:
+        return self._pipelined._get_dataloader(
+            self, dataset, description, batch_size * dp, *args, **kwargs
+        )
+    finally:
+        self.data_collator = collator
+
+
+class _ReplicaShare:
+    """A collator that collates replica ``rank``'s share of the examples of a global batch (its
+    contiguous ``1 / replicas``, the rows HF's sharded loader gives DDP process ``rank``: the
+    same seeded order, cut the same way), alone: padded to its own longest row, as each DDP
+    process pads its batch. A short last batch is cut as evenly as it goes (accelerate's
+    ``even_batches`` would instead repeat the dataset's first examples)."""
+
+    def __init__(self, collator, rank: int, replicas: int) -> None:
+        self.collator, self.rank, self.replicas = collator, rank, replicas
+
+    def __call__(self, examples: list):
+        n, r = len(examples), self.rank
+        return self.collator(examples[n * r // self.replicas : n * (r + 1) // self.replicas])
+
+
+def _get_num_items_in_batch(self, batch_samples: list, device):
+    """HF's count of the window's label tokens. For a trainer's own loss on replicas each
+    replica's batches are its shares: counted as a DDP process counts them (with
+    ``average_tokens_across_devices``, summed over the replicas)."""
+    if getattr(self, "_calls", None) is None or self.pipe.dp_size == 1:
+        return self._pipelined._get_num_items_in_batch(self, batch_samples, device)
+    with _as_processes(self):
+        return self._pipelined._get_num_items_in_batch(self, batch_samples, device)
 
 
 def _get_total_train_batch_size(self, args) -> int:
@@ -633,7 +763,7 @@ def _training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor
     """``pipe.run_train`` over the batch, its loss divided by HF's count for the window; for a
     trainer's own loss, the wrapped class's step, then its gradients through the pipeline."""
     if self._calls is not None:
-        with _one_process(self):
+        with _as_processes(self):
             loss = self._pipelined.training_step(self, model, inputs, num_items_in_batch)
         self._calls.flush()
         return loss
@@ -697,11 +827,12 @@ def _prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None
     # (HF resets gather_function after each loop, so it is set at every step), and the loss is
     # one copy per replica, which HF repeats per_device_eval_batch_size times: a row each.
     self.gather_function = functools.partial(_one_process_gather, self.accelerator.gradient_state)
-    if self._calls is not None:
+    if self._calls is not None:  # the whole batch on every replica, as one process runs it
         with _one_process(self):
-            return self._pipelined.prediction_step(
+            loss, logits, labels = self._pipelined.prediction_step(
                 self, model, inputs, prediction_loss_only, ignore_keys=ignore_keys
             )
+        return None if loss is None else loss.expand(self.pipe.dp_size), logits, labels
     count = self._get_num_items_in_batch([inputs], self.args.device) if "labels" in inputs else None
     batch = _batch(self, inputs)
     with _divided_by(self, count, 1), _sft_sums(self), self.accelerator.autocast():
