@@ -452,6 +452,24 @@ class PipelineModel:
     def token_sums(self, fns: dict[str, TokenSum] | None) -> None:
         self._runner.token_sums = dict(fns) if fns else None
 
+    @property
+    def added_over_batch(self) -> bool:
+        """Whether what the model adds to its loss (an MoE router's load-balancing loss) is
+        computed over the whole batch (the global batch, with a mesh), as one process computes
+        it on that batch, rather than per microbatch (``False``, the default: see [Note: added
+        loss terms per microbatch] in ``runtime/_step.py``). ``True`` costs each step a forward
+        of the batch without gradients first (only where there are several microbatches or
+        replicas). Assignable between steps, on every rank alike; raises ``ValueError`` where the
+        model's terms cannot be so computed. See [Note: added terms over the whole batch] in
+        ``split/hf.py``."""
+        return self._runner.added_over_batch
+
+    @added_over_batch.setter
+    def added_over_batch(self, value: bool) -> None:
+        if value:
+            self._runner.check_added_over_batch()
+        self._runner.added_over_batch = bool(value)
+
     def run_train(self, **batch: torch.Tensor) -> torch.Tensor:
         """Runs forward and backward over the batch, microbatch by microbatch.
 

@@ -194,7 +194,9 @@ def _expert_rows(p) -> slice | None:
 
 def _trains_equal(model_type: str, mesh, router: bool) -> tuple[str, int]:
     """One step of the pipeline equal to one process's (``"equal"``), or the refusal; and the
-    expert parameters this rank holds."""
+    expert parameters this rank holds. With ``router``, the router's loss is the global batch's
+    (``added_over_batch``, as HF's Trainer computes it), against one process's loss of the whole
+    batch."""
     ref, model = _model(model_type, router), _model(model_type, router)
     try:
         pipe = px.PipelineModel(
@@ -208,9 +210,12 @@ def _trains_equal(model_type: str, mesh, router: bool) -> tuple[str, int]:
     except (px.UnsupportedModelError, NotImplementedError, ValueError) as e:
         assert "\n" not in str(e), f"{model_type}: a refusal of more than one line: {e}"
         return f"refused: {_line(e)}", 0
+    pipe.added_over_batch = router
     batch = _batch()
     loss = pipe.run_train(**batch)
-    ref_loss, ref_aux, grads = on_first_rank(_one_process, ref, batch, MICROBATCHES)
+    ref_loss, ref_aux, grads = on_first_rank(
+        _one_process, ref, batch, 1 if router else MICROBATCHES
+    )
     torch.testing.assert_close(loss, ref_loss, **TOL["loss"], msg=f"{model_type}: loss")
     aux = pipe.last_losses.get("aux", 0.0)
     assert (aux != 0.0) == (ref_aux != 0.0), f"{model_type}: router loss {aux} against {ref_aux}"

@@ -67,6 +67,7 @@ def _case(
     clip=None,
     save=None,
     ep=EP,
+    over_batch=False,
 ):
     """``steps`` AdamW steps of the pipeline against :func:`reference_step` on the global batch
     (``mbs`` microbatches per replica); with ``uneven``, the router of the first layer sends
@@ -75,7 +76,9 @@ def _case(
     gradients are clipped to that global norm before each step; with ``save``, the model is
     written there in HF's layout after the steps and loaded back; on a mesh with a ``tp`` dim,
     the decoder layers are sharded by the model's tp plan too, the experts by ``ep`` of the
-    stage's dp x tp ranks. Returns the losses."""
+    stage's dp x tp ranks; with ``over_batch``, the router's loss is the global batch's
+    (``pipe.added_over_batch``), against one process's loss of the whole batch. Returns the
+    losses."""
     dp_size = mesh["dp"].size()
     dp_rank = mesh["dp"].get_local_rank()
     tp = mesh["tp"].size() if "tp" in mesh.mesh_dim_names else 1
@@ -100,6 +103,7 @@ def _case(
         timeout=60,
         **options,
     )
+    pipe.added_over_batch = over_batch
     named = dict(pipe.named_parameters())
     experts = [n for n in named if _experts_of(n, ep_rank, ep) is not None]
     assert experts, f"{family}: no experts on this rank"
@@ -111,11 +115,11 @@ def _case(
     for step in range(steps):
         where = (
             f"{family} {schedule} {mode} dp={dp_rank}/{dp_size} tp={tp_rank}/{tp} ep={ep} "
-            f"uneven={uneven} step={step}"
+            f"uneven={uneven} over_batch={over_batch} step={step}"
         )
         batch = make_batch(seed=step, batch=8)
         loss = pipe.run_train(**batch)
-        ref_loss, ref_aux = reference_step(ref, batch, mbs * dp_size)
+        ref_loss, ref_aux = reference_step(ref, batch, 1 if over_batch else mbs * dp_size)
         _close(loss, ref_loss, "loss", where)
         aux = pipe.last_losses["aux"]
         assert aux > 0, where
@@ -299,21 +303,36 @@ def _cases(rank, world, cases, efsdp_cases, tp_cases, save):
     if not HF_EXPERT_PARALLEL:  # transformers before 5.23: refused in one line
         return [_refused(lambda: _case(mesh, *cases[0]), "transformers>=5.23")]
     out = [_checkpoints(mesh, f"{save}-dcp")]
-    out += [_case(mesh, *case, save=save if i == 0 else None) for i, case in enumerate(cases)]
+    out += [
+        _case(mesh, *_args(case), save=save if i == 0 else None, **_keywords(case))
+        for i, case in enumerate(cases)
+    ]
     wide = _mesh(4, 1)  # 4 replicas, expert groups of 2: two copies of each expert
     out += [_case(wide, *case) for case in efsdp_cases]
     with_tp = _mesh(2, 1, 2)  # 2 replicas x 2 tp ranks of one stage
-    out += [_case(with_tp, *case[:-1], ep=case[-1]) for case in tp_cases]
+    out += [_case(with_tp, *case[:-2], ep=case[-2], **case[-1]) for case in tp_cases]
     return out + _refusals(mesh, with_tp)
+
+
+def _args(case: tuple) -> tuple:
+    """A case's positional arguments of :func:`_case` (those before a trailing dict)."""
+    return case[:-1] if isinstance(case[-1], dict) else case
+
+
+def _keywords(case: tuple) -> dict:
+    """A case's keyword arguments of :func:`_case`: its trailing dict, if any."""
+    return case[-1] if isinstance(case[-1], dict) else {}
 
 
 # Every kind of schedule: 1f1b, zero-bubble with the backward split (an expert's weight
 # gradient in W, its all-to-alls in B), two stages per rank (interleaved, zbv's V); dense
-# weights replicated or sharded over the replicas; tied embeddings (Qwen3-MoE's).
+# weights replicated or sharded over the replicas; tied embeddings (Qwen3-MoE's). The router's
+# loss per microbatch, or over the global batch (``over_batch``: one process's loss of the
+# whole batch, as HF's Trainer computes it).
 CASES = [
     ("qwen3_moe_router_loss", "1f1b", "replicate", 2, 2, 2, False, 0.05),
-    ("mixtral_router_loss", "zbh1", "shard"),
-    ("mixtral_router_loss", "interleaved", "replicate", 4),
+    ("mixtral_router_loss", "zbh1", "shard", {"over_batch": True}),
+    ("mixtral_router_loss", "interleaved", "replicate", 4, {"over_batch": True}),
     ("qwen3_moe_router_loss", "zbv", "shard", 4, 1),
     ("mixtral_router_loss", "gpipe", "replicate", 2, 1, 2, True),
 ]
@@ -327,8 +346,8 @@ EFSDP_CASES = [("mixtral_router_loss", "1f1b", "shard", 2, 2, 2, False, 0.05)]
 # (HF's rule: ep a multiple of tp dividing dp x tp), the batch sliced over each tp group by HF's
 # dispatch; ep=2 (each tp group an expert group, two copies of each expert) and ep=4 (one).
 TP_CASES = [
-    ("qwen3_moe_router_loss", "1f1b", "replicate", 2, 2, 2, False, 0.05, None, 2),
-    ("mixtral_router_loss", "1f1b", "shard", 2, 1, 2, False, None, None, 4),
+    ("qwen3_moe_router_loss", "1f1b", "replicate", 2, 2, 2, False, 0.05, None, 2, {}),
+    ("mixtral_router_loss", "1f1b", "shard", 2, 1, 2, False, None, None, 4, {"over_batch": True}),
 ]
 
 

@@ -1193,32 +1193,37 @@ def _experts_run(rank, world, directory):
     whole = trainer(f"{directory}/experts")
     whole.train()
     whole.save_model(f"{directory}/experts-model")
+    eval_loss = whole.evaluate()["eval_loss"]
     again = trainer(f"{directory}/again")
     again.train(resume_from_checkpoint=f"{directory}/experts/checkpoint-1")
     assert _logs(again) == _logs(whole), (_logs(again), _logs(whole))
-    return _logs(whole)
+    return _logs(whole), eval_loss
 
 
 def test_pipeline_trainer_with_expert_parallel_trains_as_one_process(tmp_path):
     """dp=2 x pp=2 with ``expert_parallel=2`` (each stage's experts sharded over its two
-    replicas): the logs (loss, clipped gradient norm, learning rate) and the saved weights equal
-    the Trainer's in one process with the global batch; resuming from its checkpoint logs the
+    replicas), a Mixtral with its router's loss: the logs (loss, clipped gradient norm, learning
+    rate), the eval loss and the saved weights equal the Trainer's in one process with the
+    global batch (the router's loss over the Trainer's whole batch, not per microbatch or
+    replica: see [Note: added terms over the whole batch]); resuming from its checkpoint logs the
     same."""
     from transformers import AutoModelForCausalLM, Trainer
 
     torch.manual_seed(0)
     reference = Trainer(
-        model=mixtral(layers=2)[0],
+        model=mixtral(layers=2, router_loss=True)[0],
         args=_args(str(tmp_path / "reference"), max_steps=2),
         train_dataset=_Rows(2, seed=100),
+        eval_dataset=_eval_rows(),
     )
     reference.train()
-    want = _logs(reference)
-    for logs in run_ranks(4, _experts_run, str(tmp_path), timeout=300):
+    want, want_eval = _logs(reference), reference.evaluate()["eval_loss"]
+    for logs, eval_loss in run_ranks(4, _experts_run, str(tmp_path), timeout=300):
         assert len(logs) == len(want) == 2 and all(g["grad_norm"] for g in logs)
         for step, (got, ref) in enumerate(zip(logs, want, strict=True)):
             for key in LOGGED:
                 assert got[key] == pytest.approx(ref[key], rel=2e-6, abs=1e-7), (step, key)
+        assert eval_loss == pytest.approx(want_eval, rel=2e-6), (eval_loss, want_eval)
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "experts-model")
     trained = dict(reference.model.named_parameters())
     for name, p in saved.named_parameters():

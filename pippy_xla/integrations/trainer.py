@@ -322,6 +322,8 @@ def _init(self, *args, layer_cls=None, pipeline=None, mesh=None, **kwargs) -> No
         names = tuple(n for n in config.input_names if n != "attention_mask")
         config = dataclasses.replace(config, input_names=(*names, "position_ids"))
     self.pipe = PipelineModel(self.model, layer_cls=layer_cls, config=config, mesh=mesh)
+    # HF's Trainer adds the model's own extra terms (an MoE router's loss) over each batch.
+    self.pipe.added_over_batch = _own_loss(self)
     _check_optimizer(self)
     self._calls = None
     self._sft_metrics = _own_loss(self) and _is_sft(type(self).compute_loss)

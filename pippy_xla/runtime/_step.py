@@ -30,6 +30,7 @@ from pippy_xla.runtime._ties import add_back_grads, combine_among, set_aside_gra
 from pippy_xla.runtime.data_parallel import local_tensor
 from pippy_xla.runtime.failures import FailureState
 from pippy_xla.runtime.tensor_parallel import vocabulary_parallel_loss, whole_tensor
+from pippy_xla.split import hf
 from pippy_xla.split.partition import StageGraph
 
 if TYPE_CHECKING:  # the runtime reads the config it is given; config.py sits above the wings
@@ -63,6 +64,7 @@ def stage_forward(
     watch: RecompileWatch | None = None,
     added_losses: dict[int, torch.Tensor] | None = None,
     added_scale: float = 1.0,
+    added_grad_scale: float | None = None,
 ) -> StageForward:
     """The callable the engine runs for each forward action of one step.
 
@@ -79,6 +81,8 @@ def stage_forward(
         added_losses: filled on the last stage with the detached terms the model adds to its
             loss, scaled (see [Note: added loss terms per microbatch]).
         added_scale: the added terms' weight in a microbatch's loss.
+        added_grad_scale: the weight of their gradient, where it is not ``added_scale`` (see
+            [Note: added terms over the whole batch] in ``split/hf.py``).
     """
     last = len(stages) - 1
     # Each local stage's batch arguments, per microbatch, made in one pass before the step (see
@@ -102,6 +106,8 @@ def stage_forward(
         loss = loss_fn(out[0], labels[mb], num_items)
         if stages[last].added_loss:
             added = out[1] * added_scale
+            if added_grad_scale is not None:  # the value's weight, the gradient's own
+                added = added + (out[1] - out[1].detach()) * (added_grad_scale - added_scale)
             loss = loss + added
             if added_losses is not None:
                 added_losses[mb] = added.detach()
@@ -248,6 +254,57 @@ skipped without ties, and the loss sums stack the microbatch losses once.
 """
 
 
+class _BatchTerms:
+    """One step's handler of :func:`hf.batch_term` (see [Note: added terms over the whole
+    batch]): first it keeps each marked value per stage and microbatch, then, after
+    :meth:`gather`, it puts the running microbatch's value among every replica's others."""
+
+    def __init__(self, num_microbatches: int, replica: int) -> None:
+        self.num_microbatches, self.replica = num_microbatches, replica
+        self.at = (0, 0)
+        """The running forward's ``(stage, microbatch)``."""
+        self.kept: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+        self.whole: dict[tuple[int, str], list[torch.Tensor]] | None = None
+        """Per marked value, every replica's microbatches' values, replica by replica."""
+
+    def tracking(self, forward: StageForward) -> StageForward:
+        """``forward``, telling this handler which stage and microbatch run."""
+
+        def tracked(stage: int, mb: int, inputs: list[torch.Tensor]):
+            self.at = (stage, mb)
+            return forward(stage, mb, inputs)
+
+        return tracked
+
+    def __call__(self, value: torch.Tensor, key: str) -> torch.Tensor:
+        stage, mb = self.at
+        if self.whole is None:
+            self.kept.setdefault((stage, key), {})[mb] = value.detach()
+            return value
+        parts = list(self.whole[(stage, key)])
+        parts[self.replica * self.num_microbatches + mb] = value
+        return torch.cat(parts)
+
+    def gather(self, dp) -> None:
+        """Every replica's kept values (``dp``: the replicas, or ``None``), in one all_reduce
+        each: the replicas' values placed side by side in zeros and summed (exact)."""
+        self.whole = {}
+        for key in sorted(self.kept):
+            mine = [self.kept[key][mb] for mb in range(self.num_microbatches)]
+            if dp is None:
+                self.whole[key] = mine
+                continue
+            what = f"added-loss inputs {key[1]} of stage {key[0]}"
+            everyone = dp.all_gather_ints([int(v.shape[0]) for v in mine], what)
+            local = torch.cat(mine)
+            summed = local.to(torch.int64) if local.dtype == torch.bool else local
+            start = sum(sum(rows) for rows in everyone[: self.replica])
+            whole = summed.new_zeros((sum(map(sum, everyone)), *local.shape[1:]))
+            whole[start : start + local.shape[0]] = summed
+            whole = dp.all_reduce_sum(whole, what).to(local.dtype)
+            self.whole[key] = list(whole.split([r for rows in everyone for r in rows]))
+
+
 class StepRunner:
     """Runs one rank's training and evaluation steps of a built pipeline."""
 
@@ -282,6 +339,11 @@ class StepRunner:
         self.added_weight = 1.0
         """The weight of what the model adds to ``loss_fn``'s loss (an MoE router's loss):
         0 where a loss of one's own leaves it out (assignable between steps)."""
+        self.added_over_batch = False
+        """Whether what the model adds to its loss is computed over the whole (global) batch, as
+        one process computes it on that batch, rather than per microbatch: see [Note: added
+        terms over the whole batch] in ``split/hf.py`` (assignable between steps; the model's
+        terms must allow it, :meth:`check_added_over_batch`)."""
         self.ragged = built.ragged
         """The rows' shares of the batch inputs whose dim 0 is not the rows (or ``None``)."""
         self._own_loss = built.loss_fn if built.label_rows is not None else None
@@ -322,11 +384,13 @@ class StepRunner:
         losses: dict[int, torch.Tensor] = {}
         added: dict[int, torch.Tensor] = {}
         sums: list[torch.Tensor] = []
-        forward = self._forward(batch, microbatches, losses, added, sums, logits=None)
+        terms = self._batch_terms(batch, microbatches, signature)
+        forward = self._forward(batch, microbatches, losses, added, sums, None, terms)
         earlier = set_aside_grads(self.ties)  # [Note: tied gradients accumulate once]
         partial = self.tp.set_aside_partial() if self.tp is not None else None
         try:
-            end = self._run(self.train_engine, forward, signature, start)
+            with hf.batch_terms_handled(terms) if terms is not None else nullcontext():
+                end = self._run(self.train_engine, forward, signature, start)
             if partial is not None:  # [Note: pipeline x tensor parallel]
                 self.failures.watched(
                     "tensor-parallel gradient sum", self.tp.reduce_partial_grads, partial
@@ -352,8 +416,10 @@ class StepRunner:
         added: dict[int, torch.Tensor] = {}
         sums: list[torch.Tensor] = []
         logits: dict[int, torch.Tensor] | None = {} if keep_logits else None
-        forward = self._forward(batch, microbatches, losses, added, sums, logits)
-        end = self._run(self.eval_engine, forward, signature, start)
+        terms = self._batch_terms(batch, microbatches, signature) if "labels" in batch else None
+        forward = self._forward(batch, microbatches, losses, added, sums, logits, terms)
+        with hf.batch_terms_handled(terms) if terms is not None else nullcontext():
+            end = self._run(self.eval_engine, forward, signature, start)
         if self.dp is not None:
             self.dp.after_eval()
         is_last = self.place.rank == self.last_rank
@@ -593,7 +659,48 @@ class StepRunner:
         """The :meth:`checked_gather` check of the tp ranks of this rank's stages."""
         return (self.tp, "tensor-parallel", _TP_CAUSE)
 
-    def _forward(self, batch, microbatches, losses, added, sums, logits) -> StageForward:
+    def check_added_over_batch(self) -> None:
+        """Raises ``ValueError`` where :attr:`added_over_batch` cannot hold (see [Note: added
+        terms over the whole batch])."""
+        last = self.stages[-1]
+        if last.added_loss and not last.added_over_batch:
+            raise ValueError(
+                "the terms this model adds to its loss read a value of its parameters alone, so "
+                "they cannot be computed over the whole batch: only per microbatch"
+            )
+        if last.added_loss and self.cp is not None:
+            raise ValueError(
+                "the terms the model adds to its loss (an MoE router's loss) cannot be computed "
+                "over the whole batch under context parallelism yet: only per microbatch"
+            )
+
+    def _batch_terms(self, batch, microbatches, signature) -> _BatchTerms | None:
+        """Where :attr:`added_over_batch` asks for it, the batch's forward without gradients and
+        without labels, keeping what enters the added terms; then every replica's, gathered:
+        the handler of the step's own forward. See [Note: added terms over the whole batch]."""
+        mbs, place = self.config.num_microbatches, self.place
+        if not (
+            self.added_over_batch
+            and self.added_weight
+            and self.stages[-1].added_loss
+            and mbs * place.dp_size > 1
+        ):
+            return None
+        self.check_added_over_batch()
+        terms = _BatchTerms(mbs, place.dp_rank)
+        no_labels = {k: v for k, v in microbatches.items() if k != "labels"}
+        forward = terms.tracking(self._forward(batch, no_labels, {}, {}, [], None))
+        if self.dp is not None and self.dp.sharded:
+            self.failures.watched("data-parallel all-gather", self.dp.unshard)
+        with torch.no_grad(), hf.batch_terms_handled(terms):
+            self.failures.run_step(self.eval_engine, signature, forward)
+        what = "added-loss inputs all_gather over replicas"
+        self.failures.watched(what, terms.gather, self.dp)
+        return terms
+
+    def _forward(
+        self, batch, microbatches, losses, added, sums, logits, terms=None
+    ) -> StageForward:
         labels = batch.get("labels")
         num_items = None
         if labels is not None and self._holds_last:  # only the loss needs the token count
@@ -612,7 +719,10 @@ class StepRunner:
             watch=self.watch,
             added_losses=added,
             added_scale=self.added_weight / (self.config.num_microbatches * self.place.dp_size),
+            added_grad_scale=None if terms is None else self.added_weight,
         )
+        if terms is not None:
+            forward = terms.tracking(forward)
         if self.cp is None:
             return forward
         cp = self.cp

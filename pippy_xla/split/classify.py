@@ -23,6 +23,7 @@ __all__ = [
     "is_parameter",
     "keeps_self_meta",
     "layer_target",
+    "mark_batch_terms",
     "producers",
 ]
 
@@ -294,6 +295,51 @@ the ``(cos, sin)`` tuple of a rotary leaf) are rejected at partition time. Prolo
 normally replicated (see [Note: replicated prologue]), so in practice only layer outputs and
 values computed after a layer cross.
 """
+
+
+def mark_batch_terms(root: nn.Module, graph: fx.Graph) -> bool:
+    """Marks each value that enters the computation of the terms the model adds to its loss from
+    outside it with a call of :func:`hf.batch_term`; whether those terms can be computed over the
+    whole batch (none of their inputs is a value of parameters alone, whose gradient every
+    microbatch would then add). See [Note: added terms over the whole batch]."""
+    output = next(iter(reversed(graph.nodes)))
+    logits, added = output.args[0]
+
+    def ancestors(node: fx.Node) -> dict[fx.Node, None]:
+        seen: dict[fx.Node, None] = {}
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if n not in seen:
+                seen[n] = None
+                stack.extend(n.all_input_nodes)
+        return seen
+
+    of_logits = ancestors(logits)
+    region = {n: None for n in ancestors(added) if n not in of_logits and n.op != "placeholder"}
+    for n in list(region):  # an item of a layer's outputs (its router logits) enters as a value
+        if n.target is operator.getitem and _value_kind(root, n.args[0]) == "tuple":
+            if n.args[0] not in region:
+                del region[n]
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    entries: dict[fx.Node, list[fx.Node]] = {}
+    for n in sorted(region, key=order.__getitem__):
+        for u in n.all_input_nodes:
+            if u not in region:
+                entries.setdefault(u, []).append(n)
+    whole = True
+    for u, users in entries.items():
+        if _value_kind(root, u) != "tensor" or all(_value_kind(root, n) == "meta" for n in users):
+            continue  # metadata, or read for it: the same for the batch as for a microbatch
+        upstream = ancestors(u)
+        if not any(a.op == "placeholder" for a in upstream):
+            whole = whole and not any(a.op == "get_attr" for a in upstream)
+            continue  # a constant, or a value of parameters alone
+        with graph.inserting_before(users[0]):
+            marked = graph.call_function(hf.batch_term, (u, u.name))
+        for user in users:
+            user.replace_input_with(u, marked)
+    return whole
 
 
 def _value_kind(root: nn.Module, node: fx.Node) -> str:

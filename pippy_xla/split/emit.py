@@ -55,6 +55,9 @@ class StageGraph:
     added_loss: bool = False
     """The last stage returns ``(logits, added)``: the terms the model adds to its loss function's
     result (see [Note: terms added to the loss])."""
+    added_over_batch: bool = False
+    """The added terms can be computed over the whole batch rather than each microbatch (see
+    [Note: added terms over the whole batch])."""
     index_limits: dict[str, int] = field(default_factory=dict)
     """Batch input -> the rows of the embedding table it indexes (the model's, every stage the
     same): the step checks its values against them before any transfer."""

@@ -44,6 +44,8 @@ __all__ = [
     "call_positions",
     "ragged_inputs",
     "cat_features",
+    "batch_term",
+    "batch_terms_handled",
     "call_recording",
     "deliver",
     "encoder_children",
@@ -393,6 +395,47 @@ pipeline computes the marker's part, the loss function's, with ``loss_fn`` per m
 model whose Python cannot be traced with labels is traced without them (no added terms); one whose
 loss is not the marker plus terms is refused (``trace.separate_added_loss``).
 """
+
+
+"""[Note: added terms over the whole batch]
+
+A term the model adds to its loss is a function of the microbatch it sees: HF's load-balancing
+loss multiplies the routers' assignment counts by their probabilities, each summed over every
+token and layer, so the mean of the microbatches' terms is not the term of the whole batch that
+one process (HF's ``Trainer``) computes. The partitioner marks every value that enters the added
+terms' computation from outside it (a batch input such as the attention mask, or an output a layer
+records such as its router logits; their dim 0 runs over the microbatch's rows or tokens) with a
+call of :func:`batch_term`, the identity unless a step installs a handler
+(:func:`batch_terms_handled`). The step then runs the batch's forward once without gradients with
+a handler that keeps each marked value per microbatch (every replica's, gathered), and trains with
+one that puts a microbatch's live value among the others, concatenated along dim 0 in the global
+batch's order: each microbatch's terms are then the whole batch's, with gradients through its own
+rows only, so their gradients add up to the whole batch's (the step weighs their values so that
+they add up to it once; ``_step.py``). Terms that read a value of parameters alone cannot be
+computed so (each microbatch would add that value's whole gradient): ``StageGraph.added_over_batch``
+is ``False`` for them.
+"""
+
+
+_batch_terms: Callable[[torch.Tensor, str], torch.Tensor] | None = None
+
+
+def batch_term(value: torch.Tensor, key: str) -> torch.Tensor:
+    """``value``, an input of the added loss terms marked ``key``; what the step's handler makes
+    of it while one is installed. See [Note: added terms over the whole batch]."""
+    handler = _batch_terms
+    return value if handler is None else handler(value, key)
+
+
+@contextlib.contextmanager
+def batch_terms_handled(handler: Callable[[torch.Tensor, str], torch.Tensor]) -> Iterator[None]:
+    """Every :func:`batch_term` call inside the block is ``handler(value, key)``."""
+    global _batch_terms
+    saved, _batch_terms = _batch_terms, handler
+    try:
+        yield
+    finally:
+        _batch_terms = saved
 
 
 class LossMarker(nn.Module):

@@ -25,7 +25,7 @@ from typing import Any
 from torch import nn
 
 from pippy_xla._native import _C
-from pippy_xla.split.classify import classify, index_limits
+from pippy_xla.split.classify import classify, index_limits, mark_batch_terms
 from pippy_xla.split.emit import StageGraph, emit_stage
 from pippy_xla.split.trace import UnsupportedModelError, separate_added_loss, traced_root
 
@@ -297,12 +297,14 @@ def partition(
     if output.op != "output":
         raise ValueError("traced graph does not end in an output node")
     added_loss = separate_added_loss(graph, output, type(model).__name__)
+    over_batch = added_loss and mark_batch_terms(root, graph)
     classified = classify(root, graph, layer_names, layer_ranges)
     limits = index_limits(root, graph)
     stages = [
         emit_stage(s, classified, input_names, layer_range, checkpoint_set, added_loss)
         for s, layer_range in enumerate(layer_ranges)
     ]
+    stages[-1].added_over_batch = over_batch
     for st in stages:
         st.index_limits = dict(limits)
         _log_stage(st)
