@@ -72,6 +72,8 @@ class Checkpointable(Protocol):
     def checkpoint_group(self) -> dist.ProcessGroup | None: ...
     @property
     def tp_rank(self) -> int: ...
+    @property
+    def cp_rank(self) -> int: ...
 
     config: Any
     generation_config: Any
@@ -473,7 +475,8 @@ def save_pretrained(
     ``"2GB"``); the first rank writes the index naming them and the model's config, so
     ``AutoModelForCausalLM.from_pretrained(path)`` loads the trained model. A tied weight is
     written once, under its first name in the model (as HF does), by the lowest rank holding it.
-    On a mesh, the first replica writes (sharded tensors are gathered over the replicas first).
+    On a mesh, the first replica writes (sharded tensors are gathered over the replicas first;
+    with context parallelism, cp rank 0: the cp ranks hold equal copies).
     A failure on one rank is a ``PipelineError`` on every rank (see [Note: watched
     collectives]).
     """
@@ -488,6 +491,13 @@ def whole_state(pipe: Checkpointable) -> dict[str, torch.Tensor]:
     return {
         k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in pipe.state_dict().items()
     }
+
+
+def writes_whole(pipe: Checkpointable) -> bool:
+    """Whether this rank's pipeline is the one that writes a model in HF's layout (PEFT's too):
+    the first replica's, at tp rank 0 and cp rank 0, which holds every tensor whole (the other
+    replicas and cp ranks hold equal copies, the other tp ranks shards gathered before)."""
+    return pipe.dp_rank == 0 and pipe.tp_rank == 0 and pipe.cp_rank == 0
 
 
 def save_hf_layout(
@@ -506,9 +516,8 @@ def save_hf_layout(
     max_bytes = None if max_shard_size is None else parse_bytes(max_shard_size)
     local = whole_state(pipe) if local is None else local
     rename = rename or (lambda name: name)
-    if pipe.dp_rank != 0 or pipe.tp_rank != 0:
-        # Until the first replica's tp rank 0 pipeline has written (it holds every tensor whole).
-        dist.barrier(group=pipe.checkpoint_group)
+    if not writes_whole(pipe):
+        dist.barrier(group=pipe.checkpoint_group)  # until the pipeline that writes has written
         return
     everyone: list = [None] * pipe.num_ranks
     dist.all_gather_object(everyone, sorted(local), group=pipe.group)

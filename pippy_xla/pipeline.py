@@ -383,7 +383,6 @@ class PipelineModel:
         PEFT ``PeftModel`` writes what ``PeftModel.save_pretrained`` writes (the adapters only),
         or with ``merge_adapters=True`` the base model with the adapters merged, in HF's layout
         (see [Note: PEFT models in the pipeline] in ``integrations/peft.py``)."""
-        self._refuse_under_cp("save_pretrained")
         if self._wrapper is not None:
             self._wrapper.save(self, path, max_shard_size, merge_adapters)
         elif merge_adapters:

@@ -23,6 +23,21 @@ from models import (
     tiny,
 )
 from test_moe import TOL
+from test_trainer import (
+    LOGGED,
+    SFT_METRICS,
+    _args,
+    _documents,
+    _eval_rows,
+    _logs,
+    _metrics_options,
+    _options,
+    _pipelined_sft,
+    _reference,
+    _Rows,
+    _sft_config,
+    _sft_reference,
+)
 
 import pippy_xla as px
 from pippy_xla.runtime.context_parallel import zigzag_index
@@ -196,6 +211,62 @@ def _checkpoint_case(cp_pp, directory, worst):
     return steps
 
 
+def _trainer_case(cp_pp, directory):
+    """``px.PipelineTrainer`` on cp=2 x pp=2 with test_trainer's arguments (padded rows,
+    accumulation over 2 batches, clipping, a cosine schedule), then ``evaluate`` with
+    ``compute_metrics`` (the logits of every token, gathered from the cp ranks) and
+    ``save_model``: the logs and metrics, for the Trainer's in one process."""
+    torch.manual_seed(0)
+    model, layer_cls = llama()
+    trainer = px.PipelineTrainer(
+        model=model,
+        args=_args(f"{directory}/trainer"),
+        train_dataset=_Rows(4, seed=100),
+        eval_dataset=_eval_rows(),
+        layer_cls=layer_cls,
+        pipeline=px.PipelineConfig(num_microbatches=2),
+        mesh=cp_pp,
+        **_metrics_options(),
+    )
+    trainer.train()
+    metrics = trainer.evaluate()
+    trainer.save_model(f"{directory}/trainer-model")
+    refused = _refusal(
+        lambda: px.PipelineTrainer(
+            model=llama()[0],
+            args=_args(f"{directory}/own", label_smoothing_factor=0.1),
+            train_dataset=_Rows(1, seed=0),
+            pipeline=px.PipelineConfig(num_microbatches=2),
+            mesh=cp_pp,
+        )
+    )
+    keep = ("eval_loss", "eval_accuracy", "eval_rows")
+    return _logs(trainer), {k: metrics[k] for k in keep}, refused
+
+
+def _sft_args(out: str):
+    """TRL's packing (rows of up to 14 tokens, lengthened to 16 for cp=2's 4 chunks), fp32,
+    with its gradient checkpointing."""
+    from trl import SFTConfig
+
+    return SFTConfig(**_options(out, max_steps=2, bf16=False, packing=True, max_length=14))
+
+
+def _sft_case(cp_pp, directory):
+    """TRL's ``SFTTrainer`` with ``packing=True`` and LoRA (``peft_config=``) on cp=2 x pp=2:
+    rows of several documents, positions restarting per document and no attention mask, split
+    head-tail; the logs, then the adapter ``save_model`` writes and the model merged
+    (``save_pretrained(merge_adapters=True)``)."""
+    trainer = _pipelined_sft(
+        _sft_args(f"{directory}/sft"), _documents(), peft_config=_sft_config(), mesh=cp_pp
+    )
+    batch = next(iter(trainer.get_train_dataloader()))
+    trainer.train()
+    trainer.save_model(f"{directory}/sft-adapter")
+    trainer.pipe.save_pretrained(f"{directory}/sft-merged", merge_adapters=True)
+    return _logs(trainer, (*LOGGED, *SFT_METRICS)), tuple(batch["input_ids"].shape)
+
+
 def _cases(rank, world, directory):
     cp_pp = _mesh((2, 2), ("cp", "pp"))
     worst: dict[str, float] = {}
@@ -225,7 +296,9 @@ def _cases(rank, world, directory):
     # A ("cp",) mesh: one stage, every token's attention over 4 shares (4 key/value heads).
     cp4 = _mesh((4,), ("cp",))
     out["llama cp=4"] = _case(cp4, _llama_kv4, "1f1b", worst, steps=1)
-    out["checkpoint"] = _checkpoint_case(cp_pp, directory, worst)
+    out["checkpoint"] = _checkpoint_case(cp_pp, f"{directory}/ckpt", worst)
+    out["trainer"] = _trainer_case(cp_pp, directory)
+    out["sft"] = _sft_case(cp_pp, directory)
     out["refused"] = _refusals(cp_pp)
     torch.distributed.barrier()  # no rank leaves (and takes the store with it) before the others
     return out, worst
@@ -238,10 +311,84 @@ def _llama_kv4(**kw):
     return type(model)(cfg), layer_cls
 
 
+def _references(directory):
+    """In this process: HF's ``Trainer`` (test_trainer's reference, evaluated) and TRL's
+    ``SFTTrainer`` with packing and LoRA (its adapter saved, and its model merged), for
+    :func:`_trainer_case` and :func:`_sft_case`."""
+    trainer = _reference(f"{directory}/trainer", **_metrics_options())
+    metrics = trainer.evaluate()
+    sft = _sft_reference(_sft_args(f"{directory}/sft"), _documents(), peft_config=_sft_config())
+    sft.train()
+    sft.save_model(f"{directory}/sft-adapter")
+    merged = copy.deepcopy(sft.model).merge_and_unload().state_dict()
+    return trainer, metrics, _logs(sft, (*LOGGED, *SFT_METRICS)), merged
+
+
+def _logs_close(logs, want, rel, worst):
+    """Each step's logged values within ``rel`` of one process's; the largest differences kept."""
+    assert len(logs) == len(want) and want
+    for step, (got, expected) in enumerate(zip(logs, want, strict=True)):
+        for key, value in expected.items():
+            assert got[key] == pytest.approx(value, rel=rel, abs=1e-7), (step, key, got, expected)
+            worst[key] = max(worst.get(key, 0.0), abs(got[key] - value))
+
+
+def _weights_close(saved: dict, want: dict, what: str, worst) -> None:
+    """Saved tensors against one process's (test_trainer's tolerances)."""
+    assert saved.keys() == want.keys() and saved, what
+    for name, t in saved.items():
+        torch.testing.assert_close(t, want[name], rtol=1e-5, atol=2e-5, msg=name)
+        worst[what] = max(worst.get(what, 0.0), float((t - want[name]).abs().max()))
+
+
+def _trainer_checks(result, reference, directory, worst):
+    """The cp run's Trainer against HF's in one process (test_trainer's tolerances)."""
+    from transformers import AutoModelForCausalLM
+
+    logs, metrics, refused = result
+    ref, ref_metrics = reference
+    _logs_close(logs, _logs(ref), 2e-6, worst)
+    assert len(logs) == 4
+    assert metrics["eval_loss"] == pytest.approx(ref_metrics["eval_loss"], rel=2e-6)
+    worst["eval_loss"] = abs(metrics["eval_loss"] - ref_metrics["eval_loss"])
+    assert metrics["eval_rows"] == ref_metrics["eval_rows"] == 12
+    assert metrics["eval_accuracy"] == ref_metrics["eval_accuracy"] > 0
+    assert "a loss of its own" in refused and "context parallelism ('cp'" in refused
+    saved = AutoModelForCausalLM.from_pretrained(f"{directory}/trainer-model").state_dict()
+    trained = {k: v.detach() for k, v in ref.model.state_dict().items()}
+    _weights_close(saved, trained, "saved", worst)
+
+
+def _sft_checks(result, want, merged, directory, ref_directory, worst):
+    """The cp run's packed LoRA SFT against TRL in one process: the logs, the adapter, the
+    merged model."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    logs, shape = result
+    assert shape[1] % 4, shape  # lengthened to whole chunks by the trainer
+    _logs_close(logs, want, 1e-5, worst)
+    ours = load_file(f"{directory}/sft-adapter/adapter_model.safetensors")
+    theirs = load_file(f"{ref_directory}/sft-adapter/adapter_model.safetensors")
+    _weights_close(ours, theirs, "adapter", worst)
+    saved = AutoModelForCausalLM.from_pretrained(f"{directory}/sft-merged").state_dict()
+    _weights_close(saved, merged, "merged", worst)
+
+
 def test_context_parallel_equals_one_process(tmp_path):
-    out = run_ranks(4, _cases, str(tmp_path / "ckpt"), timeout=300)
+    """Every case of :func:`_cases` on 4 ranks against one process; the trainers' references
+    (HF's ``Trainer``, TRL's ``SFTTrainer``) run here first."""
+    trainer, metrics, want_sft, merged = _references(str(tmp_path / "reference"))
+    directory = tmp_path / "cp"
+    out = run_ranks(4, _cases, str(directory), timeout=300)
     results = [o[0] for o in out]
     assert all(r == results[0] for r in results)  # every rank the same losses and refusals
+    worst: dict[str, float] = {}
+    _trainer_checks(results[0]["trainer"], (trainer, metrics), directory, worst)
+    print("trainer", worst)
+    worst = {}
+    _sft_checks(results[0]["sft"], want_sft, merged, directory, tmp_path / "reference", worst)
+    print("sft", worst)
     assert results[0]["checkpoint"] == [1, 1]
     refused = results[0]["refused"]
     assert "2 x cp = 4 equal chunks, but the batch's rows have 18 tokens" in refused[0]

@@ -242,7 +242,7 @@ class PeftAdapters:
 
     def _save_adapters(self, pipe, path: str | os.PathLike) -> None:
         mine = self._adapter_state(pipe)
-        if pipe.dp_rank != 0 or pipe.tp_rank != 0:
+        if not checkpoint.writes_whole(pipe):
             dist.barrier(group=pipe.checkpoint_group)
             return
         everyone: list = [None] * pipe.num_ranks

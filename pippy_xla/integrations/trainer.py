@@ -80,9 +80,16 @@ HF's; ``PipelineTrainer`` is ``pipelined(Trainer)``.
 - A batch with too few rows for the microbatches (an epoch's short last batch, a packed
   dataset's) gets rows that copy its last one, every label ignored (``_batch``): nothing changes
   in the loss or the gradients (an MoE router's loss would see the extra rows).
+- On a mesh with context parallelism (``cp``: every row's tokens shared head-tail over the cp
+  ranks, see [Note: pipeline x context parallel]) a batch's rows are lengthened at their end to
+  a multiple of ``2 cp`` tokens (``_whole_chunks``: labels ignored, attention mask 0, positions
+  going on), which under the causal mask changes no other token's output, the loss or the token
+  count; packed rows keep their per-document masks, which HF's mask factories build from the
+  whole row's positions on every cp rank. ``evaluate``'s logits are every token's (gathered
+  over ``cp`` by ``run_eval``), cut back to the batch's length.
 - What the pipeline cannot honour is refused at construction, in one line: DeepSpeed, FSDP,
   ``torch_compile`` (``compile=True`` there), a batch size not divisible by the microbatches,
-  fp16, ``model_init``, ``save_only_model``.
+  fp16, ``model_init``, ``save_only_model``, a loss of the trainer's own on a cp mesh.
 - ``compute_metrics`` gets the batch's logits and labels on every rank: each replica's last
   stage runs ``preprocess_logits_for_metrics`` on its share (HF's loop would run it on every
   rank, after the logits left the last stage), which goes to the replica's ranks, then to every
@@ -164,6 +171,12 @@ def _check_args(trainer, config, mesh) -> None:
         problems.append(
             "online generation (TRL's GRPOConfig, RLOOConfig) on a mesh with data-parallel "
             "replicas (not supported yet: pass mesh=None)"
+        )
+    if config.cp_dim in _dims(mesh) and not _own_loss(trainer):
+        problems.append(
+            "a loss of its own (its compute_loss, compute_loss_func or label smoothing) on a "
+            f"mesh with context parallelism ({config.cp_dim!r}; not supported yet: the "
+            "model's own causal-LM loss only)"
         )
     if getattr(args, "deepspeed", None):
         problems.append("deepspeed (the pipeline partitions the model itself)")
@@ -398,10 +411,14 @@ def _generation_batch_per_replica(args, mesh) -> None:
         args.generation_batch_size = per_process * _replicas(mesh)
 
 
+def _dims(mesh) -> tuple[str, ...]:
+    """A ``PipelineModel`` mesh's dimension names (none without a mesh)."""
+    return () if mesh is None else tuple(mesh.mesh_dim_names or ())
+
+
 def _replicas(mesh) -> int:
     """The data-parallel replicas of a ``PipelineModel`` mesh (its ``"dp"`` dimension)."""
-    names = () if mesh is None else mesh.mesh_dim_names or ()
-    return mesh["dp"].size() if "dp" in names else 1
+    return mesh["dp"].size() if "dp" in _dims(mesh) else 1
 
 
 def _seed_per_replica(trainer) -> None:
@@ -727,7 +744,34 @@ def _batch(self, inputs: dict) -> dict:
     if extra and "labels" in batch:
         batch = {k: torch.cat([v, v[-1:].expand(extra, *v.shape[1:])]) for k, v in batch.items()}
         batch["labels"][-extra:] = -100
-    return batch
+    return _whole_chunks(batch, self.pipe.cp_size)
+
+
+def _whole_chunks(batch: dict, cp: int) -> dict:
+    """Under context parallelism over ``cp`` ranks, the rows lengthened at their end to a
+    multiple of ``2 cp`` tokens, which the head-tail layout cuts them into (see [Note: pipeline
+    x context parallel]): labels -100, attention mask 0, positions going on from each row's
+    last, any other input its last token repeated. Under the causal mask no earlier token
+    attends to the added ones and their labels are ignored (the last token's shifted label is
+    -100 as before): the loss, the token count and the gradients are the batch's."""
+    length = batch["input_ids"].shape[1] if cp > 1 and "input_ids" in batch else 0
+    extra = -length % (2 * cp)
+    if not extra:
+        return batch
+
+    def lengthened(key: str, v: torch.Tensor) -> torch.Tensor:
+        if key == "position_ids":
+            added = v[:, -1:] + torch.arange(1, extra + 1, device=v.device)
+        elif key in ("labels", "attention_mask"):
+            added = v.new_full((v.shape[0], extra), -100 if key == "labels" else 0)
+        else:
+            added = v[:, -1:].expand(v.shape[0], extra)
+        return torch.cat([v, added], dim=1)
+
+    return {
+        k: lengthened(k, v) if v.dim() == 2 and v.shape[1] == length else v
+        for k, v in batch.items()
+    }
 
 
 @contextlib.contextmanager
@@ -845,19 +889,23 @@ def _prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None
     loss = None if loss is None else loss.expand(self.pipe.dp_size)
     if prediction_loss_only:
         return loss, None, None
-    rows = inputs[self.pipe.pipeline_config.input_names[0]].shape[0]
+    first = inputs[self.pipe.pipeline_config.input_names[0]]
+    rows, length = first.shape[0], first.shape[1] if self.pipe.cp_size > 1 else None
     labels = inputs.get("labels")
-    return loss, _logits_everywhere(self, out.logits, batch.get("labels"), rows), labels
+    return loss, _logits_everywhere(self, out.logits, batch.get("labels"), rows, length), labels
 
 
-def _logits_everywhere(self, logits, labels, rows: int):
+def _logits_everywhere(self, logits, labels, rows: int, length: int | None):
     """The batch's logits on every rank: each replica's last stage holds those of its share of
-    the rows, which go through ``preprocess_logits_for_metrics`` there, to the replica's ranks,
-    then from every replica to every other; the rows ``_batch`` added are dropped."""
+    the rows (every token's, with context parallelism), which go through
+    ``preprocess_logits_for_metrics`` there, to the replica's ranks, then from every replica to
+    every other; the rows and tokens (``length``: under context parallelism) ``_batch`` added
+    are dropped."""
     import torch.distributed as dist
 
     pipe = self.pipe
     if pipe.is_last:
+        logits, labels = logits[:, :length], None if labels is None else labels[:, :length]
         if self._preprocess_on_last is not None:
             share = labels.chunk(pipe.dp_size)[pipe.dp_rank] if labels is not None else None
             logits = self._preprocess_on_last(logits, share)

@@ -211,7 +211,8 @@ class EvalOutput:
     """The batch's mean loss on every rank, if labels were given."""
     logits: torch.Tensor | None
     """The whole batch's logits on the last stage's rank, ``None`` elsewhere (with a mesh: the
-    logits of this replica's share of the batch)."""
+    logits of this replica's share of the batch; with context parallelism, of every token of
+    its rows, on each cp rank's last stage)."""
 
 
 """[Note: added loss terms per microbatch]
@@ -388,6 +389,10 @@ class StepRunner:
         forward = self._forward(batch, microbatches, losses, added, sums, None, terms)
         earlier = set_aside_grads(self.ties)  # [Note: tied gradients accumulate once]
         partial = self.tp.set_aside_partial() if self.tp is not None else None
+        if self.cp is not None:  # summed over cp without the window's earlier steps'
+            local = (p for i in self.runners for p in self.stages[i].module.parameters())
+            params = list({id(p): p for p in local}.values())
+            cp_earlier = self.cp.set_aside_grads(params)
         try:
             with hf.batch_terms_handled(terms) if terms is not None else nullcontext():
                 end = self._run(self.train_engine, forward, signature, start)
@@ -398,8 +403,9 @@ class StepRunner:
             if self.ties:
                 self.failures.watched("tied-weight gradient sum", self._sum_tied_grads)
             if self.cp is not None:  # [Note: pipeline x context parallel]
-                params = [p for i in self.runners for p in self.stages[i].module.parameters()]
-                self.failures.watched("context-parallel gradient sum", self.cp.reduce_grads, params)
+                self.failures.watched(
+                    "context-parallel gradient sum", self.cp.reduce_grads, params, cp_earlier
+                )
         finally:
             add_back_grads(self.ties, earlier)
         loss = self._reduce_loss(losses, added, sums)
@@ -425,6 +431,9 @@ class StepRunner:
         is_last = self.place.rank == self.last_rank
         keep = is_last and logits is not None
         all_logits = torch.cat([logits[mb] for mb in sorted(logits)]) if keep else None
+        if keep and self.cp is not None:  # every token's, from the cp ranks' last stages
+            what = f"[rank {self.place.rank}] context-parallel logits"
+            all_logits = self.failures.watched(what, self.cp.whole_tokens, all_logits, what)
         loss = self._reduce_loss(losses, added, sums) if "labels" in batch else None
         self.step_spans.append(("POST", -1, -1, end, time.time_ns()))
         return EvalOutput(loss=loss, logits=all_logits)

@@ -36,8 +36,13 @@ parallelism, on its rows. Every rank is given the same whole batch.
 - Gradients: every weight is replicated over ``cp`` (the cp ranks start from cp rank 0's
   values); each rank's gradient is its tokens' share, and the shares are summed over ``cp`` once
   per step, after the engine's last backward (one all-reduce of the stage's gradients
-  flattened). With replicas, FSDP2 first reduces over ``dp`` as each stage completes (see
-  [Note: pipeline x data parallel]); the cp sum then adds the reduced shards: both are sums.
+  flattened). The step's own only: gradients from before it (an accumulation window's earlier
+  steps, summed already) are set aside during the step and added back after the sum. With
+  replicas, FSDP2 first reduces over ``dp`` as each stage completes (see [Note: pipeline x data
+  parallel]); the cp sum then adds the reduced shards: both are sums.
+- Outputs: ``run_eval``'s logits are every token's, in natural order, on each cp rank's last
+  stage (each rank's share put in its place among zeros, summed over ``cp``); the loss is
+  summed over ``cp`` with the step's token sums.
 - Failures: the all-to-alls and the cp sum are the cp group's collectives, not watched ones (a
   cp peer that dies there fails the step at the process group's timeout); the pipelines of a
   ``(cp, pp)`` mesh fail fast each over its own pipeline group.
@@ -357,17 +362,42 @@ class ContextParallel:
             index = zigzag_index(parts[0].shape[1], self.rank, self.size).to(parts[0].device)
             microbatches[k] = tuple(p.index_select(1, index) for p in parts)
 
-    def reduce_grads(self, params: Sequence[nn.Parameter]) -> None:
-        """Sums the parameters' gradients over the cp ranks (one all-reduce, flattened)."""
-        grads = [
-            local_tensor(p.grad) for p in {id(p): p for p in params}.values() if p.grad is not None
-        ]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        total = self.all_reduce_sum(flat, "context-parallel gradient sum")
-        for g, part in zip(grads, total.split([g.numel() for g in grads]), strict=True):
-            g.copy_(part.view_as(g))
+    def whole_tokens(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        """``t`` of this rank's tokens, ``[rows, S / cp, ...]`` (its head-tail share), made
+        ``[rows, S, ...]``: every token in natural order, on every cp rank (a collective: each
+        rank's tokens put in their places among zeros, summed over cp, exactly)."""
+        rows, share, *rest = t.shape
+        length = share * self.size
+        whole = t.new_zeros(rows, length, *rest)
+        whole.index_copy_(1, zigzag_index(length, self.rank, self.size).to(t.device), t)
+        return self.all_reduce_sum(whole, what)
+
+    @staticmethod
+    def set_aside_grads(params: Sequence[nn.Parameter]) -> list[torch.Tensor | None]:
+        """The parameters' gradients from before the step (an accumulation window's earlier
+        steps', summed over cp already), taken off them: :meth:`reduce_grads` sums the step's
+        own alone, then adds them back."""
+        earlier = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        return earlier
+
+    def reduce_grads(
+        self, params: Sequence[nn.Parameter], earlier: Sequence[torch.Tensor | None]
+    ) -> None:
+        """Sums the step's gradients of ``params`` (each listed once) over the cp ranks (one
+        all-reduce, flattened), then adds back the ``earlier`` ones
+        (:meth:`set_aside_grads`)."""
+        grads = [local_tensor(p.grad) for p in params if p.grad is not None]
+        if grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            total = self.all_reduce_sum(flat, "context-parallel gradient sum")
+            for g, part in zip(grads, total.split([g.numel() for g in grads]), strict=True):
+                g.copy_(part.view_as(g))
+        with torch.no_grad():
+            for p, before in zip(params, earlier, strict=True):
+                if before is not None:
+                    p.grad = before if p.grad is None else before.add_(p.grad)
 
     def all_reduce_sum(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
         return _C.all_reduce_sum_copy(tensor, self.group_name, self._timeout_ms, what)
