@@ -296,14 +296,37 @@ def _losses(stdout: str) -> dict[int, float]:
     }
 
 
-def test_readme_main_job_learns():
-    """The README's main job, run as the README runs it (torchrun, 2 ranks), with tiny flags:
-    the first loss is near ln(vocab) and the last is below 70% of it."""
-    vocab = 128
-    losses = list(_losses(run_example(2, "--steps", "20", *TINY)).values())
-    assert len(losses) >= 2, losses
+def test_readme_main_job_learns_saves_resumes_on_four_ranks_and_exports(tmp_path):
+    """The README's main job, run as the README runs it (torchrun, 2 ranks), with tiny flags: the
+    first loss is near ln(vocab) and the last is below 70% of it. Then the checkpoint commands of
+    docs/checkpoints.md: that run saved every 10 steps; a 4-rank run resumes from its step-20
+    checkpoint and exports; it continues the 2-rank run's losses and HF loads the export. (One
+    run for both: each torchrun launch costs its ranks' imports, some 4 CPU-seconds a rank.)"""
+    from transformers import AutoModelForCausalLM
+
+    vocab, tiny = 128, (*TINY, "--layers", "4")  # 4 layers: one per rank on 4 ranks
+    flags = ("--steps", "30", "--save-every", "10", "--checkpoint-dir", "ck", *tiny)
+    full = _losses(run_example(2, *flags, cwd=tmp_path))
+    losses = list(full.values())
+    assert sorted(full) == [0, 10, 20, 29], full  # printed every 10 steps, and the last
     assert abs(losses[0] - math.log(vocab)) < 0.2 * math.log(vocab), losses
     assert losses[-1] < 0.7 * losses[0], losses
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [
+        "latest",
+        "step-00000010",
+        "step-00000020",
+        "step-00000030",
+    ]
+    resume = ("--resume", "ck/step-00000020", "--export", "hf")
+    out = run_example(4, "--steps", "30", *resume, *tiny, cwd=tmp_path)
+    assert "resumed from ck/step-00000020 at step 20" in out
+    resumed = _losses(out)
+    assert sorted(resumed) == [20, 29], resumed  # it started at step 20
+    for step in (20, 29):
+        assert resumed[step] == pytest.approx(full[step], rel=1e-4), (step, resumed, full)
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert model.config.num_hidden_layers == 4
 
 
 def test_main_job_tunes_a_zero_bubble_schedule():
@@ -319,29 +342,3 @@ def test_main_job_tunes_a_zero_bubble_schedule():
         return re.search(r"^final loss (\S+)$", out, re.M).group(1)
 
     assert final(tuned) == final(published), (tuned, published)
-
-
-def test_readme_checkpoint_round_trip(tmp_path):
-    """The checkpoint commands of docs/checkpoints.md: save every few steps on 2 ranks, resume on
-    4 ranks and export; the resumed run continues the first one's losses and HF loads the export."""
-    from transformers import AutoModelForCausalLM
-
-    tiny = (*TINY, "--layers", "4")  # 4 layers: one per rank on 4 ranks
-    full = _losses(run_example(2, "--steps", "12", *tiny))
-    run_example(
-        2, "--steps", "6", "--save-every", "3", "--checkpoint-dir", "ck", *tiny, cwd=tmp_path
-    )
-    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [
-        "latest",
-        "step-00000003",
-        "step-00000006",
-    ]
-    out = run_example(4, "--steps", "12", "--resume", "ck", "--export", "hf", *tiny, cwd=tmp_path)
-    assert "resumed from ck at step 6" in out
-    resumed = _losses(out)
-    assert min(resumed) == 10 and 11 in resumed  # it started at step 6 (prints every 10)
-    for step in (10, 11):
-        assert resumed[step] == pytest.approx(full[step], rel=1e-4), (step, resumed, full)
-    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    assert model.config.num_hidden_layers == 4
