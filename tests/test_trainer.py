@@ -772,27 +772,13 @@ def test_trl_packed_completion_only_sft_on_the_pipeline_logs_as_trl_does(tmp_pat
                 assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), (key, got, ref)
 
 
-def test_sft_example_learns_saves_and_hf_reloads(tmp_path):
-    """``examples/sft.py`` under torchrun (2 ranks), with few steps: the loss falls, the model
-    directory is HF's, and HF's model loaded from it in one process gives the pipeline's loss."""
-    from test_materialize import ROOT, torchrun
-
-    flags = ("--steps", "16", "--out", str(tmp_path), "--max-chars", "60000", "--seq", "64")
-    out = torchrun(2, ROOT / "examples" / "sft.py", *flags, cwd=tmp_path)
-    losses = [float(x) for x in re.findall(r"^step +\d+ +loss ([\d.]+)", out, re.M)]
-    assert len(losses) >= 2 and losses[-1] < losses[0] - 0.3, out
-    assert (tmp_path / "model" / "model.safetensors.index.json").is_file()
-    pipe_loss, hf_loss = map(
-        float, re.search(r"pipeline ([\d.]+), HF in one process ([\d.]+)", out).groups()
-    )
-    assert abs(pipe_loss - hf_loss) < 1e-4, out
-    assert "greedy continuation" in out
-
-
-def test_sft_example_killed_mid_run_resumes_from_its_checkpoint_bit_for_bit(tmp_path, monkeypatch):
-    """``examples/sft.py`` checkpointing every 2 steps, its last rank killed after step 3 and the
-    job restarted by torchrun (``--max-restarts 1``): it resumes from ``checkpoint-2`` and ends
-    with the uninterrupted run's eval loss and saved weights, bit for bit."""
+def test_sft_example_learns_saves_hf_reloads_and_resumes_bit_for_bit(tmp_path, monkeypatch):
+    """``examples/sft.py`` under torchrun (2 ranks), with few steps, checkpointing every 12: the
+    loss falls, the model directory is HF's, and HF's model loaded from it in one process gives
+    the pipeline's loss. Then the same run with its last rank killed after step 13 and the job
+    restarted by torchrun (``--max-restarts 1``): it resumes from ``checkpoint-12`` and ends with
+    the uninterrupted run's eval loss and saved weights, bit for bit. (The first run is the
+    second's reference: each torchrun launch costs its ranks' imports, TRL's among them.)"""
     from safetensors.torch import load_file
     from test_materialize import ROOT, torchrun
 
@@ -801,17 +787,26 @@ def test_sft_example_killed_mid_run_resumes_from_its_checkpoint_bit_for_bit(tmp_
     # the restart fails ([Note: torchrun's store across restarts]).
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     script = ROOT / "examples" / "sft.py"
-    flags = ("--steps", "6", "--save-every", "2", "--max-chars", "40000", "--seq", "64")
+    flags = ("--steps", "16", "--save-every", "12", "--max-chars", "60000", "--seq", "64")
     whole = torchrun(2, script, *flags, "--out", str(tmp_path / "whole"), cwd=tmp_path)
+    losses = [float(x) for x in re.findall(r"^step +\d+ +loss ([\d.]+)", whole, re.M)]
+    assert len(losses) >= 2 and losses[-1] < losses[0] - 0.3, whole
+    assert (tmp_path / "whole" / "model" / "model.safetensors.index.json").is_file()
+    pipe_loss, hf_loss = map(
+        float, re.search(r"pipeline ([\d.]+), HF in one process ([\d.]+)", whole).groups()
+    )
+    assert abs(pipe_loss - hf_loss) < 1e-4, whole
+    assert "greedy continuation" in whole
+
     killed = torchrun(
         2,
         script,
-        *(*flags, "--out", str(tmp_path / "killed"), "--die-at-step", "3"),
+        *(*flags, "--out", str(tmp_path / "killed"), "--die-at-step", "13"),
         cwd=tmp_path,
         launcher=("--max-restarts", "1"),
     )
-    assert "killing itself after step 3" in killed and "resuming from" not in whole
-    assert re.search(r"resuming from \S+checkpoint-2$", killed, re.M), killed[-2000:]
+    assert "killing itself after step 13" in killed and "resuming from" not in whole
+    assert re.search(r"resuming from \S+checkpoint-12$", killed, re.M), killed[-2000:]
     evals = [re.search(r"^eval loss (\S+);", out, re.M).group(1) for out in (whole, killed)]
     assert evals[0] == evals[1], evals  # every bit of the float's repr
     for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
