@@ -830,13 +830,14 @@ def _prompts():
     return Dataset.from_list([{"prompt": " ".join(f"t{t}" for t in row)} for row in words])
 
 
-def _grpo(trainer_cls, out: str, lora: bool, **options):
+def _grpo(trainer_cls, out: str, lora: bool, replicas: int = 1, **options):
     """TRL's ``GRPOTrainer`` (or its pipelined class) on the tiny Llama in fp32: 4 prompts a
     step, 2 completions each (sampled at temperature 0.8), accumulation 2. The whole model with
     two optimizer iterations per generation (the old log-probabilities come from
     ``self.model``) and ``bnpo`` (divided by the batch's tokens); or LoRA (``peft_config=``,
     adapters not zero at the start) with a KL term to the reference, the base model (PEFT's
-    adapters disabled), and TRL's default ``dapo`` loss."""
+    adapters disabled), and TRL's default ``dapo`` loss. ``replicas``: processes or replicas
+    sharing those rows."""
     from trl import GRPOConfig
 
     torch.manual_seed(0)
@@ -846,7 +847,7 @@ def _grpo(trainer_cls, out: str, lora: bool, **options):
         variant = dict(beta=0.1)
         options["peft_config"] = _sft_config()
     args = GRPOConfig(
-        **_options(out, max_steps=3, per_device_eval_batch_size=4, bf16=False),
+        **_options(out, max_steps=3, bf16=False, **_rows(4 // replicas, 4 // replicas)),
         num_generations=2,
         max_completion_length=5,
         temperature=0.8,
@@ -861,6 +862,10 @@ def _grpo(trainer_cls, out: str, lora: bool, **options):
         processing_class=_tokenizer(),
         **options,
     )
+
+
+def _rows(train: int, evaluation: int) -> dict:
+    return dict(per_device_train_batch_size=train, per_device_eval_batch_size=evaluation)
 
 
 GRPO_LOGGED = ("loss", "grad_norm", "learning_rate", "reward", "reward_std", "entropy", "kl")
@@ -1106,32 +1111,48 @@ def _own_losses_on_replicas_run(rank, world, directory):
         metrics = trainer.evaluate() if trainer.eval_dataset is not None else {}
         trainer.save_model(f"{directory}/{name}-model")
         runs[name] = _logs(trainer, _own_logged(name)), metrics.get("eval_loss")
-    with pytest.raises(ValueError, match="PipelinedGRPOTrainer cannot run") as refused:
-        _grpo(
-            px.pipelined(GRPOTrainer),
-            f"{directory}/grpo",
-            False,
-            layer_cls=llama()[1],
-            pipeline=px.PipelineConfig(num_microbatches=2),
-            mesh=mesh,
-        )
-    return runs, str(refused.value)
+    grpo = _grpo(
+        px.pipelined(GRPOTrainer),
+        f"{directory}/grpo",
+        False,
+        replicas=2,
+        layer_cls=llama()[1],
+        pipeline=px.PipelineConfig(num_microbatches=2),
+        mesh=mesh,
+    )
+    grpo.train()
+    grpo.save_model(f"{directory}/grpo-model")
+    return runs, (_logs(grpo, GRPO_LOGGED), grpo.evaluate())
+
+
+def _grpo_ddp_run(rank, world, directory):
+    """TRL's ``GRPOTrainer`` itself as 2 DDP processes (accelerate's, over gloo): the
+    reference for GRPO on 2 replicas (TRL samples per process, from a seed per process)."""
+    from trl import GRPOTrainer
+
+    trainer = _grpo(GRPOTrainer, f"{directory}/grpo-ddp", False, replicas=2)
+    assert trainer.accelerator.num_processes == 2, trainer.accelerator.state
+    trainer.train()
+    assert type(trainer.model_wrapped).__name__ == "DistributedDataParallel"
+    trainer.save_model(f"{directory}/reference-grpo")
+    return _logs(trainer, GRPO_LOGGED), trainer.evaluate()
 
 
 @pytest.mark.compat
-def test_own_losses_on_a_data_x_pipeline_mesh_train_as_one_process_with_the_global_batch(
-    tmp_path,
-):
+def test_own_losses_and_grpo_on_a_data_x_pipeline_mesh_train_as_ddp_processes(tmp_path):
     """dp=2 x pp=2: each replica runs the trainer's own step as one of two DDP processes (its
     share of the rows collated alone, accelerate's gathers over the replicas, the gradients
     averaged over them; see [Note: a trainer's own loss on replicas]). TRL's DPO with LoRA,
     TRL's SFT with ``loss_type="dft"``, the Trainer with label smoothing and a Trainer
     subclass with its own ``compute_loss`` log the losses, grad norms and TRL's metrics (DPO's
     rewards, SFT's entropy and token accuracy: gathered over the replicas), evaluate and save
-    the weights (DPO: the adapter) of the trainer in one process with the global batch. Each of
+    the weights (DPO: the adapter) of the trainer in one process with the global batch: each of
     these losses is one whose DDP mean is the global batch's (a token sum over HF's count of
-    every process's tokens times the processes, or a mean over equal rows). GRPO (generation
-    per replica) is refused on the mesh, in one line."""
+    every process's tokens times the processes, or a mean over equal rows). TRL's GRPO, each
+    replica generating its share of the prompts with ``pipe.generate`` from its own random
+    state, samples per process as TRL does, so its reference is TRL itself as 2 DDP processes
+    (accelerate over gloo, the same seeds): the same rewards (the same sampled tokens), losses,
+    grad norms, entropies and saved weights."""
     want = {}
     for name in OWN_ON_REPLICAS:
         reference = _own_loss_trainer(name, str(tmp_path / "reference"))
@@ -1140,7 +1161,21 @@ def test_own_losses_on_a_data_x_pipeline_mesh_train_as_one_process_with_the_glob
         reference.save_model(str(tmp_path / f"reference-{name}"))
         want[name] = _logs(reference, _own_logged(name)), metrics.get("eval_loss")
     assert any(h["rewards/margins"] != 0 for h in want["dpo"][0])
-    for runs, refused in run_ranks(4, _own_losses_on_replicas_run, str(tmp_path), timeout=300):
+    want_grpo = run_ranks(2, _grpo_ddp_run, str(tmp_path), timeout=300)
+    assert want_grpo[0][0] == want_grpo[1][0]  # every DDP process logs the gathered values
+    for runs, (grpo, grpo_eval) in run_ranks(
+        4, _own_losses_on_replicas_run, str(tmp_path), timeout=300
+    ):
+        ref_eval = want_grpo[0][1]
+        assert grpo_eval["eval_reward"] == ref_eval["eval_reward"], (grpo_eval, ref_eval)
+        eval_loss = pytest.approx(ref_eval["eval_loss"], rel=1e-4, abs=1e-7)
+        assert grpo_eval["eval_loss"] == eval_loss, (grpo_eval, ref_eval)
+        assert len(grpo) == len(want_grpo[0][0]) == 3
+        for got, ref in zip(grpo, want_grpo[0][0], strict=True):
+            assert (got["reward"], got["reward_std"]) == (ref["reward"], ref["reward_std"])
+            for k in ("loss", "grad_norm", "entropy", "learning_rate"):
+                want_k = pytest.approx(ref[k], rel=1e-4, abs=1e-7)
+                assert got[k] == want_k, ("grpo", k, got, ref)
         for name, (logs, eval_loss) in runs.items():
             ref_logs, ref_eval = want[name]
             assert len(logs) == len(ref_logs) == 2, name
@@ -1148,12 +1183,12 @@ def test_own_losses_on_a_data_x_pipeline_mesh_train_as_one_process_with_the_glob
                 for k in _own_logged(name):
                     assert got[k] == pytest.approx(ref[k], rel=1e-5, abs=1e-6), (name, k, got, ref)
             assert eval_loss == (ref_eval and pytest.approx(ref_eval, rel=1e-5)), name
-        assert "online generation" in refused and "\n" not in refused, refused
-    for name in OWN_ON_REPLICAS:
+    for name in (*OWN_ON_REPLICAS, "grpo"):
         saved, weights = (_saved(tmp_path / d) for d in (f"{name}-model", f"reference-{name}"))
         assert saved.keys() == weights.keys() and saved, name
+        rtol, atol = (1e-4, 1e-5) if name == "grpo" else (1e-5, 2e-5)  # the GRPO test's
         for key, tensor in saved.items():
-            torch.testing.assert_close(tensor, weights[key], rtol=1e-5, atol=2e-5, msg=key)
+            torch.testing.assert_close(tensor, weights[key], rtol=rtol, atol=atol, msg=key)
 
 
 def _experts_run(rank, world, directory):

@@ -48,14 +48,23 @@ replica runs the trainer's training step as DDP process ``r`` of ``dp`` runs it 
   sums the replicas' parameter gradients (FSDP2's reduction, divide factor 1): DDP's mean.
   HF's logged loss is its mean over the job's processes (every rank of every replica: each
   replica's loss counted equally), the grad norm the reduced gradient's, as under DDP.
+- Generation (TRL's GRPO completions) in a replica's step: the replicas' prompts, left-padded
+  to the longest, make the global batch of ``pipe.generate``, which has each replica generate
+  its own share from its own random state (seeded per replica as TRL seeds per process); each
+  replica keeps its rows, cut to what a DDP process's ``generate`` returns (its own prompt
+  padding, its rows' length: ``_Stages._generate_share`` in ``trainer.py``). So the sampled
+  tokens are those of TRL as ``dp`` DDP processes with the same seeds, not those of one process
+  (which draws every row from one generator).
 - Evaluation is one process's on every replica (``_one_process``: each replica's pipeline runs
-  the whole global batch, ``dp`` copies of it going in), so the eval loss and metrics are the
-  trainer's in one process; it costs each replica a forward of every row.
+  the whole global batch, ``dp`` copies of it going in; ``pipe.generate`` still samples each
+  replica's share from its own state), so the eval loss and metrics are the trainer's in one
+  process (GRPO's: DDP's); it costs each replica a forward of every row.
 
 So a loss that DDP makes the global batch's (a token sum over HF's count of every process's
 tokens times the processes, as HF's and TRL's SFT losses and label smoothing are; a mean over
-the process's rows, equal in number, as DPO's) trains as one process with the global batch; any
-other trains as DDP's mean of the replicas' losses.
+the process's rows, equal in number, as DPO's; GRPO's over the gathered token count) trains as
+one process with the global batch, or for GRPO as TRL under DDP; any other trains as DDP's mean
+of the replicas' losses.
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ HF's; ``PipelineTrainer`` is ``pipelined(Trainer)``.
   that seeded per process (TRL's ``set_seed(seed, device_specific=True)``) is seeded per replica
   (``_seed_per_replica``), and TRL's generation batch is counted over the replicas
   (``_generation_batch_per_replica``). On a mesh with data-parallel replicas each replica runs
-  the step as one of ``dp`` DDP processes (``_as_processes``, ``_ReplicaShare``; see [Note: a
-  trainer's own loss on replicas]); online generation (GRPO) there is refused for now.
+  the step as one of ``dp`` DDP processes (``_as_processes``, ``_ReplicaShare``; its
+  ``generate``, ``_Stages._generate_share``: see [Note: a trainer's own loss on replicas]).
 - TRL's ``SFTTrainer`` with the model's own loss logs TRL's metrics (``entropy``,
   ``mean_token_accuracy``, ``num_tokens``) from sums its pipeline's last stage computes beside
   the loss (``_sft_sums``, ``_log_sft_metrics``; see [Note: token sums beside the loss]).
@@ -118,6 +118,9 @@ class _Stages(nn.Module):
     ``train`` and ``eval`` set the pipeline's mode and the HF model's flag, which trainers read."""
 
     is_gradient_checkpointing = False  # the pipeline's own checkpointing, not HF's (TRL reads it)
+    replica_step = False
+    """Whether a replica's own step runs (``_as_processes`` on a mesh with replicas): its
+    ``generate`` calls bring the replica's own prompts, not the global batch."""
 
     def __init__(self, pipe, model, calls) -> None:
         super().__init__()
@@ -153,11 +156,57 @@ class _Stages(nn.Module):
         shuffles the completions), the same on every rank."""
         import torch.distributed as dist
 
-        out = self.pipe.generate(input_ids, attention_mask, generation_config, **kwargs)
+        if self.replica_step:
+            out = self._generate_share(input_ids, attention_mask, generation_config, **kwargs)
+        else:
+            out = self.pipe.generate(input_ids, attention_mask, generation_config, **kwargs)
         state = [random_state(self.pipe.device)]
         dist.broadcast_object_list(state, group_src=self.pipe.last_rank, group=self.pipe.group)
         set_random_state(self.pipe.device, state[0])
         return out
+
+    def _generate_share(self, input_ids, attention_mask, generation_config, **kwargs):
+        """``pipe.generate`` of a replica's own prompts, as a DDP process's ``generate`` returns
+        them: the replicas' prompts, left-padded to the longest, make the global batch (in
+        replica order: each replica generates its own share, from its own random state), and
+        of the whole batch each replica keeps its rows, without the padding it did not add and
+        ending where its rows' sequences end (HF's ``generate`` stops when every row has
+        reached an end-of-sequence token, or at its length limit)."""
+        import torch.distributed as dist
+        import torch.nn.functional as F
+
+        pipe, group = self.pipe, self.pipe._place.mesh.dp_group
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        config = (
+            generation_config if generation_config is not None else self.model.generation_config
+        )
+        pad = kwargs.get("pad_token_id", config.pad_token_id)
+        pad = pad if pad is not None else 0
+        rows, length = input_ids.shape
+        shares: list = [None] * pipe.dp_size
+        mine = (input_ids.detach().cpu(), mask.detach().cpu())
+        dist.all_gather_object(shares, mine, group=group)
+        if len({ids.shape[0] for ids, _ in shares}) > 1:  # every rank alike
+            raise ValueError(
+                f"the replicas generated for {[ids.shape[0] for ids, _ in shares]} prompts: "
+                "pipe.generate gives each replica an equal share of the rows (a dataset whose "
+                "size is a multiple of the global batch, or dataloader_drop_last=True)"
+            )
+        longest = max(ids.shape[1] for ids, _ in shares)
+        ids = torch.cat([F.pad(i, (longest - i.shape[1], 0), value=pad) for i, _ in shares])
+        masks = torch.cat([F.pad(m, (longest - m.shape[1], 0), value=0) for _, m in shares])
+        device = input_ids.device
+        out = pipe.generate(ids.to(device), masks.to(device), generation_config, **kwargs)
+        start = sum(i.shape[0] for i, _ in shares[: pipe.dp_rank])
+        out = out[start : start + rows, longest - length :]
+        eos = kwargs.get("eos_token_id", config.eos_token_id)
+        if eos is None:
+            return out
+        new = out[:, length:]
+        ends = torch.isin(new, torch.as_tensor(eos, device=new.device).reshape(-1))
+        if not bool(ends.any(1).all()):
+            return out  # a row went on to the length limit
+        return out[:, : length + int(ends.int().argmax(1).max()) + 1]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.pipe.parameters():
@@ -167,11 +216,6 @@ class _Stages(nn.Module):
 def _check_args(trainer, config, mesh) -> None:
     """One line for each option the pipeline cannot honour (see the note above)."""
     args, problems = trainer.args, []
-    if _replicas(mesh) > 1 and getattr(args, "steps_per_generation", None) is not None:
-        problems.append(
-            "online generation (TRL's GRPOConfig, RLOOConfig) on a mesh with data-parallel "
-            "replicas (not supported yet: pass mesh=None)"
-        )
     if config.cp_dim in _dims(mesh) and not _own_loss(trainer):
         problems.append(
             "a loss of its own (its compute_loss, compute_loss_func or label smoothing) on a "
@@ -476,11 +520,13 @@ def _as_processes(trainer):
     )
     args, average = trainer.args, trainer.args.average_tokens_across_devices
     args.average_tokens_across_devices = trainer._average_tokens
+    trainer._stages.replica_step = True
     try:
         with _accelerate_state(replica), _collectives_over(pipe._place.mesh.dp_group):
             yield
     finally:
         args.average_tokens_across_devices = average
+        trainer._stages.replica_step = False
 
 
 @contextlib.contextmanager
