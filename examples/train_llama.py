@@ -59,7 +59,10 @@ def batches(steps, batch, seq, vocab, seed=0):
         yield {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """The job, on this process's rank (``argv``: the flags, by default the command line's). A
+    process group already initialized (ranks started by something other than torchrun, a
+    test's) is used as it is."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--batch", type=int, default=16)
@@ -107,7 +110,7 @@ def main() -> None:
     p.add_argument("--die-rank", type=int, default=-1, help="which rank --die-at-step kills")
     p.add_argument("--timeout", type=float, default=120, help="seconds any wait on a peer may take")
     p.add_argument("--export", metavar="DIR", help="write the trained model as a HF checkpoint")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.tune_after >= 0:
         try:
             tunable = px.schedule_info(args.schedule).list_scheduled
@@ -119,7 +122,8 @@ def main() -> None:
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     backend = "nccl" if args.device == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     checkpoint_dir = args.checkpoint_dir or args.resume or "checkpoints"
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
