@@ -203,6 +203,13 @@ def _refusals(mesh, tp_mesh) -> list[str]:
         model.ep_plan = {**model.ep_plan, kept: "replicated_with_grad_allreduce"}
         return build(model=model, mesh=tp_mesh, tensor_parallel="auto")
 
+    def lora_on_experts():  # PEFT's update covers every expert, its lora_B interleaves them
+        from peft import LoraConfig, get_peft_model
+
+        model, _ = MODELS["mixtral"](layers=2)
+        config = LoraConfig(r=2, target_modules=[], target_parameters=_EXPERT_PARAMS)
+        return build(model=get_peft_model(model, config))
+
     def without_plan():
         model, _ = MODELS["qwen3_moe"](layers=2)
         model.ep_plan = {}
@@ -213,6 +220,7 @@ def _refusals(mesh, tp_mesh) -> list[str]:
         _refused(lambda: build(num_experts=3), "3 experts", "expert_parallel=2"),
         _refused(lambda: build("llama"), "LlamaForCausalLM has no HF expert-parallel plan"),
         _refused(without_plan, "no HF expert-parallel plan"),
+        _refused(lora_on_experts, "PEFT adapts", "mlp.experts", "target_parameters"),
         _refused(odd_style, "['rowwise']", "does not apply"),
         _refused(dense_beside_tp, "experts.down_proj whole", "beside tensor parallelism"),
         _refused(lambda: build(mesh=None), "needs mesh="),
@@ -298,11 +306,65 @@ def _checkpoints(mesh, tmp: str) -> list[str]:
     return checked
 
 
+def _peft(mesh, tmp: str) -> list[str]:
+    """PEFT's LoRA on the dp=2 x pp=2 mesh: on the attention (``target_modules``) with
+    ``expert_parallel=2``, and on the experts themselves (PEFT's ``target_parameters``) with the
+    experts replicated (beside expert parallelism it is refused, :func:`_refusals`): two AdamW
+    steps of the adapters (one for the experts') against PEFT in one process on the global batch,
+    the router's loss over it; the adapter ``save_pretrained`` writes equal to PEFT's own.
+    Returns what was checked."""
+    from peft import LoraConfig, get_peft_model
+    from test_peft import _same_adapter_files
+
+    checked = []
+    for name, ep, steps, targets in (
+        ("attention", EP, 2, {"target_modules": ["q_proj", "v_proj"]}),
+        ("experts", None, 1, {"target_modules": [], "target_parameters": _EXPERT_PARAMS}),
+    ):
+        torch.manual_seed(0)
+        model, layer_cls = MODELS["mixtral_router_loss"](layers=2)
+        peft_model = get_peft_model(model, LoraConfig(r=2, init_lora_weights=False, **targets))
+        ref = copy.deepcopy(peft_model)
+        options = {} if ep is None else {"expert_parallel": ep}
+        pipe = px.PipelineModel(
+            peft_model, layer_cls=layer_cls, num_microbatches=2, mesh=mesh, timeout=60, **options
+        )
+        pipe.added_over_batch = True
+        trained = {n: p for n, p in pipe.named_parameters() if p.requires_grad}
+        assert trained and all("lora_" in n for n in trained), sorted(trained)
+        opt = torch.optim.AdamW(trained.values(), lr=1e-3, eps=1e-6)
+        ref_opt = torch.optim.AdamW(
+            [p for p in ref.parameters() if p.requires_grad], lr=1e-3, eps=1e-6
+        )
+        for step in range(steps):
+            where = f"LoRA on the {name}, step {step}"
+            batch = make_batch(seed=step, batch=8)
+            loss = pipe.run_train(**batch)
+            ref_loss = ref(**batch, use_cache=False).loss
+            ref_loss.backward()
+            _close(loss, ref_loss.detach(), "loss", where)
+            for n, p in trained.items():
+                _close(full(p.grad), ref.get_parameter(n).grad, "grad", f"{where}: {n}")
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+        pipe.save_pretrained(f"{tmp}-{name}")
+        if torch.distributed.get_rank() == 0:
+            _same_adapter_files(f"{tmp}-{name}", ref, f"{tmp}-{name}-peft", **TOL["param"])
+        checked.append(name)
+    return checked
+
+
+_EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+"""The tiny Mixtral's experts' parameters, as PEFT's ``target_parameters`` names them."""
+
+
 def _cases(rank, world, cases, efsdp_cases, tp_cases, save):
     mesh = _mesh()
     if not HF_EXPERT_PARALLEL:  # transformers before 5.23: refused in one line
         return [_refused(lambda: _case(mesh, *cases[0]), "transformers>=5.23")]
-    out = [_checkpoints(mesh, f"{save}-dcp")]
+    out = [_checkpoints(mesh, f"{save}-dcp"), _peft(mesh, f"{save}-peft")]
     out += [
         _case(mesh, *_args(case), save=save if i == 0 else None, **_keywords(case))
         for i, case in enumerate(cases)

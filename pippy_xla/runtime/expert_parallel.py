@@ -48,8 +48,12 @@ expert ranks are borrowed from the dense ones.
   whose dense group it does not divide, a model without an expert plan (or none that dispatches
   experts inside its decoder layers), a style of the plan the pipeline does not apply, a number
   of experts it does not divide, HSDP and compiled stages (not yet), a ``tp`` dim beside a
-  parameter left dense (not yet), and a transformers release without HF's all-to-all expert
+  parameter left dense (not yet), PEFT's tuner layers on an experts module the plan shards
+  (:func:`_refuse_adapted_experts`), and a transformers release without HF's all-to-all expert
   parallelism (before 5.23).
+- PEFT: a ``PeftModel`` forwards ``ep_plan`` to the HF model inside it, whose names the plan's
+  keys are; the rules are expanded on that model and prefixed with its path
+  (:func:`plan_owner`), so that they name the pipelined model's modules.
 - Parameters of an experts module that the plan keeps whole (:data:`LEFT_DENSE`) stay dense:
   data parallelism holds them and sums their gradients over ``dp``, which is the sum over every
   rank that computed some of the stage's (token, expert) pairs. Under a ``tp`` dim HF's dispatch
@@ -100,15 +104,27 @@ all-reduce (see [Note: pipeline x expert parallel]); HF's own style, which all-r
 expert group, is not installed."""
 
 
+def plan_owner(model: nn.Module) -> tuple[nn.Module, str]:
+    """The module whose class defines HF's ``ep_plan`` (the outermost), whose names the plan's
+    keys are, and the prefix of its names in ``model``: ``(model, "")``, or the HF model inside a
+    wrapper (PEFT's ``PeftModel``, which only forwards the attribute: ``"base_model.model."``)."""
+    for name, module in model.named_modules():
+        if any("ep_plan" in vars(c) for c in type(module).__mro__):
+            return module, f"{name}." if name else ""
+    return model, ""
+
+
 def expert_rules(
     model: nn.Module, prefixes: tuple[str, ...], skip: Sequence[str] = ()
 ) -> dict[str, str]:
-    """The model's expert-parallel rules (``model.ep_plan``, expanded) inside the decoder layers
-    (``prefixes``) that belong to an experts module (an ``ep_dispatch_experts`` rule) on which no
-    key of ``skip`` (another plan's keys, with ``*``) sets a rule: none at the module, under it
-    or above it. Their styles are not checked here."""
+    """The model's expert-parallel rules (``model.ep_plan``, expanded, named in ``model``: see
+    :func:`plan_owner`) inside the decoder layers (``prefixes``) that belong to an experts
+    module (an ``ep_dispatch_experts`` rule) on which no key of ``skip`` (another plan's keys,
+    with ``*``) sets a rule: none at the module, under it or above it. Their styles are not
+    checked here."""
     hf = expert_parallel_api()
-    ep = hf.ep_plan(model)
+    owner, at = plan_owner(model)
+    ep = hf.ep_plan(owner)
 
     def related(key: str, root: str) -> bool:
         return key == root or key.startswith(f"{root}.") or root.startswith(f"{key}.")
@@ -118,7 +134,8 @@ def expert_rules(
     rules = {k: v for k, v in ep.items() if any(k == r or k.startswith(f"{r}.") for r in free)}
     if not rules:
         return {}
-    return {k: v for k, v in hf.expand_plan(model, rules).items() if k.startswith(prefixes)}
+    expanded = {f"{at}{k}": v for k, v in hf.expand_plan(owner, rules).items()}
+    return {k: v for k, v in expanded.items() if k.startswith(prefixes)}
 
 
 def layer_ep_plan(
@@ -140,7 +157,7 @@ def layer_ep_plan(
             f"(dp x tp, tp={tp_size}); HF's rule: ep a multiple of tp that divides dp x tp; "
             "choose such an expert_parallel"
         )
-    own = expert_parallel_api().ep_plan(model)
+    own = expert_parallel_api().ep_plan(plan_owner(model)[0])
     if not own:
         raise UnsupportedModelError(
             f"{label}: {name} has no HF expert-parallel plan (config.base_model_ep_plan is "
@@ -161,6 +178,7 @@ def layer_ep_plan(
             f"{label}: {name}'s expert-parallel plan uses style(s) {odd} (e.g. {where}), which "
             f"the pipeline does not apply yet; covered: {[*EXPERT_STYLES, *LEFT_DENSE]}"
         )
+    _refuse_adapted_experts(model, rules, label)
     dense = next((k for k, v in rules.items() if v in LEFT_DENSE), None)
     if dense is not None and tp_size > 1:
         raise UnsupportedModelError(
@@ -178,6 +196,28 @@ def layer_ep_plan(
                 "experts"
             )
     return rules
+
+
+def _refuse_adapted_experts(model: nn.Module, rules: dict[str, str], label: str) -> None:
+    """Refuses, in one line, a PEFT tuner layer on an experts module the plan shards (LoRA's
+    ``target_parameters`` on the experts' parameters): PEFT's ``ParamWrapper`` forms the LoRA
+    update of every expert and adds it to the whole parameter through a parametrization, and its
+    ``lora_B`` holds the experts interleaved in its columns (``r x E``, expert inner), so no shard
+    of it holds whole experts as HF's plan shards them."""
+    named = dict(model.named_modules())
+    for key, style in rules.items():
+        module = named.get(key) if style == _DISPATCH else None
+        if module is None:
+            continue
+        adapted = [n for n, m in module.named_modules() if hasattr(m, "get_base_layer")]
+        if adapted:
+            where = f"{key}.{adapted[0]}".rstrip(".")
+            raise NotImplementedError(
+                f"{label}: PEFT adapts {where}, an experts module that HF's expert plan shards "
+                "by expert (LoRA on the experts' parameters, target_parameters): not supported "
+                "beside expert parallelism (PEFT's update covers every expert, its lora_B holds "
+                "them interleaved); adapt other modules (target_modules) or drop expert_parallel"
+            )
 
 
 @dataclass(frozen=True, slots=True)
