@@ -5,8 +5,6 @@ as an uninterrupted run. The multi-node launch of docs/checkpoints.md, as it sho
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import re
 import socket
@@ -15,7 +13,9 @@ import sys
 import time
 from pathlib import Path
 
-from pippy_xla.testing import _free_port, run_ranks
+from test_materialize import run_example_forked
+
+from pippy_xla.testing import _free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = (
@@ -97,23 +97,12 @@ def _final_loss(stdout: str) -> str:
     return found[0]
 
 
-def _uninterrupted(rank: int, world: int, directory: str) -> str:
-    """The example's job on this rank of 4 (the interrupted job's world, one stage a rank),
-    uninterrupted: its stdout. In ranks forked from the test's preloaded server rather than a
-    second torchrun job: its 4 ranks' and 2 agents' interpreter start-ups (importing torch and
-    transformers, some 20 CPU-seconds) bought nothing the comparison needs."""
-    sys.path.insert(0, str(ROOT / "examples"))
-    import train_llama
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        train_llama.main([*TINY, "--resume", directory, "--save-every", "1"])
-    return out.getvalue()
-
-
 def test_a_killed_rank_restarts_the_two_node_job_from_its_checkpoint(tmp_path):
     interrupted = _two_node_job(tmp_path / "ckpt", "--die-at-step", "3")
-    reference = run_ranks(4, _uninterrupted, str(tmp_path / "ckpt-uninterrupted"), timeout=180)[0]
+    # The uninterrupted job: the same 4 ranks' world (one stage a rank) in forked ranks, not a
+    # second two-node job (its interpreters' start-ups: 4 ranks' and 2 agents').
+    flags = (*TINY, "--resume", str(tmp_path / "ckpt-uninterrupted"), "--save-every", "1")
+    reference = run_example_forked(4, *flags, cwd=tmp_path)
     out = _finish(interrupted)
     assert "rank 3: killing itself at step 3" in out, out[-2000:]
     # The first attempt saved steps 1-3; the restarted one resumed at step 3.
