@@ -1045,6 +1045,9 @@ OWN_ON_REPLICAS = ("dpo", "dft", "smoothing", "own")
 """The trainers whose loss is their own that ``_own_losses_on_replicas_run`` trains on a
 dp=2 x pp=2 mesh: TRL's DPO with LoRA, TRL's SFT with ``loss_type="dft"``, the Trainer with
 label smoothing, and ``_own_loss_class()``."""
+OWN_ON_TENSOR_PARALLEL = ("dft", "own")
+"""Those it also trains on dp=2 x pp=1 x tp=2 (``tensor_parallel="auto"``; not DPO: its LoRA
+adapters are refused beside tensor parallelism)."""
 
 
 def _own_loss_trainer(name: str, directory: str, mesh=None):
@@ -1060,7 +1063,9 @@ def _own_loss_trainer(name: str, directory: str, mesh=None):
     options = _options(f"{directory}/{name}", max_steps=2, **rows)
     pipelined = {}
     if mesh is not None:
-        pipelined = dict(layer_cls=llama()[1], pipeline=px.PipelineConfig(num_microbatches=2))
+        tp = "auto" if "tp" in mesh.mesh_dim_names else None
+        config = px.PipelineConfig(num_microbatches=2, tensor_parallel=tp)
+        pipelined = dict(layer_cls=llama()[1], pipeline=config)
         pipelined["mesh"] = mesh
     wrap = px.pipelined if mesh is not None else (lambda cls: cls)
     torch.manual_seed(0)
@@ -1111,6 +1116,12 @@ def _own_losses_on_replicas_run(rank, world, directory):
         metrics = trainer.evaluate() if trainer.eval_dataset is not None else {}
         trainer.save_model(f"{directory}/{name}-model")
         runs[name] = _logs(trainer, _own_logged(name)), metrics.get("eval_loss")
+    tp_mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp", "pp", "tp"))
+    tp_runs = {}
+    for name in OWN_ON_TENSOR_PARALLEL:
+        trainer = _own_loss_trainer(name, f"{directory}/tp", tp_mesh)
+        trainer.train()
+        tp_runs[name] = _logs(trainer, _own_logged(name))
     grpo = _grpo(
         px.pipelined(GRPOTrainer),
         f"{directory}/grpo",
@@ -1122,7 +1133,7 @@ def _own_losses_on_replicas_run(rank, world, directory):
     )
     grpo.train()
     grpo.save_model(f"{directory}/grpo-model")
-    return runs, (_logs(grpo, GRPO_LOGGED), grpo.evaluate())
+    return runs, tp_runs, (_logs(grpo, GRPO_LOGGED), grpo.evaluate())
 
 
 def _grpo_ddp_run(rank, world, directory):
@@ -1138,7 +1149,6 @@ def _grpo_ddp_run(rank, world, directory):
     return _logs(trainer, GRPO_LOGGED), trainer.evaluate()
 
 
-@pytest.mark.compat
 def test_own_losses_and_grpo_on_a_data_x_pipeline_mesh_train_as_ddp_processes(tmp_path):
     """dp=2 x pp=2: each replica runs the trainer's own step as one of two DDP processes (its
     share of the rows collated alone, accelerate's gathers over the replicas, the gradients
@@ -1148,7 +1158,9 @@ def test_own_losses_and_grpo_on_a_data_x_pipeline_mesh_train_as_ddp_processes(tm
     rewards, SFT's entropy and token accuracy: gathered over the replicas), evaluate and save
     the weights (DPO: the adapter) of the trainer in one process with the global batch: each of
     these losses is one whose DDP mean is the global batch's (a token sum over HF's count of
-    every process's tokens times the processes, or a mean over equal rows). TRL's GRPO, each
+    every process's tokens times the processes, or a mean over equal rows). SFT ``dft`` and the
+    subclass on dp=2 x tp=2 log the same (each tp rank of a replica in its DDP process). TRL's
+    GRPO, each
     replica generating its share of the prompts with ``pipe.generate`` from its own random
     state, samples per process as TRL does, so its reference is TRL itself as 2 DDP processes
     (accelerate over gloo, the same seeds): the same rewards (the same sampled tokens), losses,
@@ -1163,9 +1175,14 @@ def test_own_losses_and_grpo_on_a_data_x_pipeline_mesh_train_as_ddp_processes(tm
     assert any(h["rewards/margins"] != 0 for h in want["dpo"][0])
     want_grpo = run_ranks(2, _grpo_ddp_run, str(tmp_path), timeout=300)
     assert want_grpo[0][0] == want_grpo[1][0]  # every DDP process logs the gathered values
-    for runs, (grpo, grpo_eval) in run_ranks(
+    for runs, tp_runs, (grpo, grpo_eval) in run_ranks(
         4, _own_losses_on_replicas_run, str(tmp_path), timeout=300
     ):
+        for name, logs in tp_runs.items():
+            assert len(logs) == len(want[name][0]) == 2, name
+            for got, ref in zip(logs, want[name][0], strict=True):
+                for k in _own_logged(name):
+                    assert got[k] == pytest.approx(ref[k], rel=1e-5, abs=1e-6), (name, k, got, ref)
         ref_eval = want_grpo[0][1]
         assert grpo_eval["eval_reward"] == ref_eval["eval_reward"], (grpo_eval, ref_eval)
         eval_loss = pytest.approx(ref_eval["eval_loss"], rel=1e-4, abs=1e-7)
