@@ -220,7 +220,9 @@ def export(pipe, tokenizer, args, rank: int, eos: int) -> None:
         print(tok.decode(out[0]), flush=True)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """The job, on this process's rank (``argv``: the flags, by default the command line's). A
+    process group already initialized (ranks started by something other than torchrun) is used."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--text", help="a UTF-8 text file (default: the standard library's sources)")
     p.add_argument("--max-chars", type=int, default=3_000_000)
@@ -241,10 +243,11 @@ def main() -> None:
     p.add_argument("--prompt", default="def ", help="the generation prompt")
     p.add_argument("--sample-tokens", type=int, default=32, help="new tokens of each sample")
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     rank = dist.get_rank()
     data = prepare(args, rank)
     tokenizer, ids = data["tokenizer"], data["ids"]

@@ -291,24 +291,26 @@ def torchrun(
     return out.stdout
 
 
-def _example_main(rank: int, world: int, flags: tuple[str, ...], cwd: str) -> str:
-    """``examples/train_llama.py``'s ``main(flags)`` on this rank, in ``cwd``: its stdout."""
-    sys.path.insert(0, str(ROOT / "examples"))
-    import train_llama
+def _example_main(rank: int, world: int, script: str, flags: tuple[str, ...], cwd: str) -> str:
+    """``examples/<script>``'s ``main(flags)`` on this rank, in ``cwd``: its stdout."""
+    import importlib
 
+    sys.path.insert(0, str(ROOT / "examples"))
     os.chdir(cwd)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        train_llama.main(list(flags))
+        importlib.import_module(Path(script).stem).main(list(flags))
     return out.getvalue()
 
 
-def run_example_forked(ranks: int, *flags: str, cwd: Path = ROOT) -> str:
+def run_example_forked(
+    ranks: int, *flags: str, cwd: Path = ROOT, script: str = "train_llama.py"
+) -> str:
     """What :func:`run_example` prints (rank 0's stdout), from ranks forked from the tests'
     preloaded server instead of a torchrun job: for a run that is only another run's reference,
     without the ranks' interpreter start-ups (importing torch and transformers, some 4
     CPU-seconds a rank)."""
-    return run_ranks(ranks, _example_main, flags, str(cwd), timeout=300)[0]
+    return run_ranks(ranks, _example_main, script, flags, str(cwd), timeout=300)[0]
 
 
 def _losses(stdout: str) -> dict[int, float]:

@@ -9,7 +9,7 @@ import math
 import re
 
 import pytest
-from test_materialize import run_example
+from test_materialize import run_example, run_example_forked
 
 TINY = (
     *("--max-chars", "300000", "--vocab", "512", "--seq", "32", "--batch", "8"),
@@ -66,8 +66,9 @@ def test_train_text_beats_unigram_exports_and_resumes(tmp_path):
     assert "pipe.generate, sampled: " in out
 
     # Resuming from the export: its first evaluation is where the export ended, far below the
-    # first run's start (the tokenizer is the export's, so the ids are the same).
-    resumed = run_example(
+    # first run's start (the tokenizer is the export's, so the ids are the same). In forked ranks:
+    # the first run was the torchrun launch.
+    resumed = run_example_forked(
         2,
         *TINY,
         "--steps",
