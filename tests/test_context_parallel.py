@@ -215,8 +215,9 @@ def _trainer_case(cp_pp, dp_cp, directory):
     """``px.PipelineTrainer`` on cp=2 x pp=2 and on dp=2 x cp=2 x pp=1 (2 rows per replica: the
     same global batch) with test_trainer's arguments (padded rows, accumulation over 2
     batches, clipping, a cosine schedule), then ``evaluate`` with ``compute_metrics`` (the
-    logits of every token, gathered from the cp ranks) and ``save_model``: the logs and
-    metrics of each, for the Trainer's in one process; a loss of the trainer's own, refused."""
+    logits of every token, gathered from the cp ranks), again without it (the loss alone) and
+    ``save_model``: the logs and metrics of each, for the Trainer's in one process; a loss of
+    the trainer's own, refused."""
     out = {}
     for name, mesh, rows in (("cp_pp", cp_pp, 4), ("dp_cp", dp_cp, 2)):
         torch.manual_seed(0)
@@ -237,8 +238,10 @@ def _trainer_case(cp_pp, dp_cp, directory):
         )
         trainer.train()
         metrics = trainer.evaluate()
+        trainer.compute_metrics = None  # the loss alone: no logits kept, none gathered
+        metrics["loss_only"] = trainer.evaluate()["eval_loss"]
         trainer.save_model(f"{directory}/{name}-model")
-        keep = ("eval_loss", "eval_accuracy", "eval_rows")
+        keep = ("eval_loss", "eval_accuracy", "eval_rows", "loss_only")
         out[name] = _logs(trainer), {k: metrics[k] for k in keep}
     refused = _refusal(
         lambda: px.PipelineTrainer(
@@ -360,6 +363,7 @@ def _trainer_checks(result, reference, directory, worst):
         _logs_close(logs, _logs(ref), 2e-6, worst)
         assert len(logs) == 4, name
         assert metrics["eval_loss"] == pytest.approx(ref_metrics["eval_loss"], rel=2e-6), name
+        assert metrics["loss_only"] == metrics["eval_loss"], name
         diff = abs(metrics["eval_loss"] - ref_metrics["eval_loss"])
         worst["eval_loss"] = max(worst.get("eval_loss", 0.0), diff)
         assert metrics["eval_rows"] == ref_metrics["eval_rows"] == 12, name

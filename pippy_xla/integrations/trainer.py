@@ -928,7 +928,9 @@ def _prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None
     count = self._get_num_items_in_batch([inputs], self.args.device) if "labels" in inputs else None
     batch = _batch(self, inputs)
     with _divided_by(self, count, 1), _sft_sums(self), self.accelerator.autocast():
-        out = self.pipe.run_eval(**batch)
+        # pipe.run_eval's, keeping the logits only where they are returned (under context
+        # parallelism they are gathered: every token's on each cp rank's last stage)
+        out = self.pipe._runner.evaluate(batch, keep_logits=not prediction_loss_only)
     if self._sft_metrics and out.loss is not None:
         _log_sft_metrics(self, "eval", inputs)
     loss = None if out.loss is None else out.loss.detach().to(self.args.device)
