@@ -13,6 +13,7 @@ import pytest
 import torch
 from models import MODELS, TINY_FAMILIES, full, make_batch, reference_step, tiny
 from test_moe import TOL
+from transformers import MixtralForCausalLM
 
 import pippy_xla as px
 from pippy_xla.hf_compat import expert_parallel_api
@@ -159,6 +160,18 @@ def _case(
     return losses
 
 
+class _WithWeightPenalty(MixtralForCausalLM):
+    """A Mixtral that adds a term of its parameters alone to its loss."""
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+        out = super().forward(
+            input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs
+        )
+        if labels is not None:
+            out.loss = out.loss + 1e-3 * self.lm_head.weight.square().sum()
+        return out
+
+
 def _refused(build, *expected: str) -> str:
     """The one-line message ``build()`` raises, checked to say ``expected``."""
     with pytest.raises((ValueError, NotImplementedError)) as e:
@@ -210,6 +223,10 @@ def _refusals(mesh, tp_mesh) -> list[str]:
         config = LoraConfig(r=2, target_modules=[], target_parameters=_EXPERT_PARAMS)
         return build(model=get_peft_model(model, config))
 
+    def parameter_term():  # its gradient would be added once per microbatch
+        model = _WithWeightPenalty(MODELS["mixtral"](layers=2)[0].config)
+        build(model=model).added_over_batch = True
+
     def without_plan():
         model, _ = MODELS["qwen3_moe"](layers=2)
         model.ep_plan = {}
@@ -221,6 +238,7 @@ def _refusals(mesh, tp_mesh) -> list[str]:
         _refused(lambda: build("llama"), "LlamaForCausalLM has no HF expert-parallel plan"),
         _refused(without_plan, "no HF expert-parallel plan"),
         _refused(lora_on_experts, "PEFT adapts", "mlp.experts", "target_parameters"),
+        _refused(parameter_term, "parameters alone", "over the whole batch"),
         _refused(odd_style, "['rowwise']", "does not apply"),
         _refused(dense_beside_tp, "experts.down_proj whole", "beside tensor parallelism"),
         _refused(lambda: build(mesh=None), "needs mesh="),

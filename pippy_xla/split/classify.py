@@ -301,7 +301,8 @@ def mark_batch_terms(root: nn.Module, graph: fx.Graph) -> bool:
     """Marks each value that enters the computation of the terms the model adds to its loss from
     outside it with a call of :func:`hf.batch_term`; whether those terms can be computed over the
     whole batch (none of their inputs is a value of parameters alone, whose gradient every
-    microbatch would then add). See [Note: added terms over the whole batch]."""
+    microbatch would then add; buffers and constants may be). See [Note: added terms over the
+    whole batch]."""
     output = next(iter(reversed(graph.nodes)))
     logits, added = output.args[0]
 
@@ -316,7 +317,8 @@ def mark_batch_terms(root: nn.Module, graph: fx.Graph) -> bool:
         return seen
 
     of_logits = ancestors(logits)
-    region = {n: None for n in ancestors(added) if n not in of_logits and n.op != "placeholder"}
+    sources = ("placeholder", "get_attr")  # the batch's inputs, the model's tensors
+    region = {n: None for n in ancestors(added) if n not in of_logits and n.op not in sources}
     for n in list(region):  # an item of a layer's outputs (its router logits) enters as a value
         if n.target is operator.getitem and _value_kind(root, n.args[0]) == "tuple":
             if n.args[0] not in region:
@@ -333,7 +335,7 @@ def mark_batch_terms(root: nn.Module, graph: fx.Graph) -> bool:
             continue  # metadata, or read for it: the same for the batch as for a microbatch
         upstream = ancestors(u)
         if not any(a.op == "placeholder" for a in upstream):
-            whole = whole and not any(a.op == "get_attr" for a in upstream)
+            whole = whole and not any(is_parameter(root, a) for a in upstream)
             continue  # a constant, or a value of parameters alone
         with graph.inserting_before(users[0]):
             marked = graph.call_function(hf.batch_term, (u, u.name))
