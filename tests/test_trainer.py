@@ -1047,29 +1047,32 @@ dp=2 x pp=2 mesh: TRL's DPO with LoRA, TRL's SFT with ``loss_type="dft"``, the T
 label smoothing, and ``_own_loss_class()``."""
 OWN_ON_TENSOR_PARALLEL = ("dft", "own")
 """Those it also trains on dp=2 x pp=1 x tp=2 (``tensor_parallel="auto"``; not DPO: its LoRA
-adapters are refused beside tensor parallelism)."""
+adapters are refused beside tensor parallelism); and ``"experts"``: ``_own_loss_class()`` on a
+Mixtral with ``expert_parallel=2`` on dp=2 x pp=2 (its loss without the router's, as in one
+process: the subclass's, from the logits)."""
 
 
-def _own_loss_trainer(name: str, directory: str, mesh=None):
+def _own_loss_trainer(name: str, directory: str, mesh=None, experts: int | None = None):
     """``OWN_ON_REPLICAS``'s trainer ``name`` for 2 steps (accumulation 2) on the global batch
-    of 4 rows (eval 8), on the tiny Llama in fp32: through ``px.pipelined`` on ``mesh``, whose
-    replicas share that batch; without a mesh the class itself in this process (the
-    reference)."""
+    of 4 rows (eval 8), on the tiny Llama in fp32 (with ``experts``, a 2-layer Mixtral with its
+    router's loss, its experts sharded over that many replicas): through ``px.pipelined`` on
+    ``mesh``, whose replicas share that batch; without a mesh the class itself in this process
+    (the reference)."""
     from transformers import Trainer
     from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
     replicas = 1 if mesh is None else mesh["dp"].size()
     rows = dict(per_device_train_batch_size=4 // replicas, per_device_eval_batch_size=8 // replicas)
     options = _options(f"{directory}/{name}", max_steps=2, **rows)
+    torch.manual_seed(0)
+    model, layer_cls = mixtral(layers=2, router_loss=True) if experts else llama()
     pipelined = {}
     if mesh is not None:
         tp = "auto" if "tp" in mesh.mesh_dim_names else None
-        config = px.PipelineConfig(num_microbatches=2, tensor_parallel=tp)
-        pipelined = dict(layer_cls=llama()[1], pipeline=config)
+        config = px.PipelineConfig(num_microbatches=2, tensor_parallel=tp, expert_parallel=experts)
+        pipelined = dict(layer_cls=layer_cls, pipeline=config)
         pipelined["mesh"] = mesh
     wrap = px.pipelined if mesh is not None else (lambda cls: cls)
-    torch.manual_seed(0)
-    model, _ = llama()
     if name == "dpo":
         return wrap(DPOTrainer)(
             model=model,
@@ -1122,6 +1125,9 @@ def _own_losses_on_replicas_run(rank, world, directory):
         trainer = _own_loss_trainer(name, f"{directory}/tp", tp_mesh)
         trainer.train()
         tp_runs[name] = _logs(trainer, _own_logged(name))
+    trainer = _own_loss_trainer("own", f"{directory}/experts", mesh, experts=2)
+    trainer.train()
+    tp_runs["experts"] = _logs(trainer)
     grpo = _grpo(
         px.pipelined(GRPOTrainer),
         f"{directory}/grpo",
@@ -1159,7 +1165,8 @@ def test_own_losses_and_grpo_on_a_data_x_pipeline_mesh_train_as_ddp_processes(tm
     the weights (DPO: the adapter) of the trainer in one process with the global batch: each of
     these losses is one whose DDP mean is the global batch's (a token sum over HF's count of
     every process's tokens times the processes, or a mean over equal rows). SFT ``dft`` and the
-    subclass on dp=2 x tp=2 log the same (each tp rank of a replica in its DDP process). TRL's
+    subclass on dp=2 x tp=2 log the same (each tp rank of a replica in its DDP process), and
+    the subclass on a Mixtral with ``expert_parallel=2`` (experts sharded over the replicas). TRL's
     GRPO, each
     replica generating its share of the prompts with ``pipe.generate`` from its own random
     state, samples per process as TRL does, so its reference is TRL itself as 2 DDP processes
@@ -1172,6 +1179,9 @@ def test_own_losses_and_grpo_on_a_data_x_pipeline_mesh_train_as_ddp_processes(tm
         metrics = reference.evaluate() if reference.eval_dataset is not None else {}
         reference.save_model(str(tmp_path / f"reference-{name}"))
         want[name] = _logs(reference, _own_logged(name)), metrics.get("eval_loss")
+    experts = _own_loss_trainer("own", str(tmp_path / "reference-experts"), experts=2)
+    experts.train()
+    want["experts"] = _logs(experts), None
     assert any(h["rewards/margins"] != 0 for h in want["dpo"][0])
     want_grpo = run_ranks(2, _grpo_ddp_run, str(tmp_path), timeout=300)
     assert want_grpo[0][0] == want_grpo[1][0]  # every DDP process logs the gathered values
@@ -1181,7 +1191,7 @@ def test_own_losses_and_grpo_on_a_data_x_pipeline_mesh_train_as_ddp_processes(tm
         for name, logs in tp_runs.items():
             assert len(logs) == len(want[name][0]) == 2, name
             for got, ref in zip(logs, want[name][0], strict=True):
-                for k in _own_logged(name):
+                for k in _own_logged("own" if name == "experts" else name):
                     assert got[k] == pytest.approx(ref[k], rel=1e-5, abs=1e-6), (name, k, got, ref)
         ref_eval = want_grpo[0][1]
         assert grpo_eval["eval_reward"] == ref_eval["eval_reward"], (grpo_eval, ref_eval)
