@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
+import os
 import subprocess
 import sys
 import textwrap
@@ -241,7 +243,7 @@ def test_compiled_stage_that_mutates_a_buffer_falls_back_with_a_warning():
 
 _PRINT_FINGERPRINTS = textwrap.dedent(
     """
-    import sys, torch
+    import hashlib, sys, torch
     sys.path.insert(0, "tests")
     from models import MODELS
     import pippy_xla as px
@@ -249,22 +251,32 @@ _PRINT_FINGERPRINTS = textwrap.dedent(
     model, cls = MODELS["llama"]()
     for st in px.partition(model, cls, [(0, 1), (1, 3), (3, 4)]):
         print(px.fingerprint(st).to_json())
+    model, cls = MODELS["olmo3"]()
+    stages = px.partition(model, cls, [(0, 2), (2, 4)])
+    print(hashlib.sha256("".join(st.code for st in stages).encode()).hexdigest())
     """
 )
 
 
-def test_fingerprints_identical_across_processes_and_seeds():
+def test_fingerprints_and_traces_identical_across_processes_and_seeds():
+    """Two processes, each with its own torch seed and hash seed (as torchrun's ranks have), and
+    this one: Llama's stage fingerprints are the same, and so is the code of Olmo 3's stages,
+    which builds its rotary tables iterating over a set of layer types: without canonical graphs
+    the order of its nodes follows the hash seed (see [Note: canonical graphs])."""
     runs = [
         subprocess.run(
             [sys.executable, "-c", _PRINT_FINGERPRINTS, str(seed)],
             capture_output=True,
             text=True,
             check=True,
+            env={**os.environ, "PYTHONHASHSEED": hash_seed},
         ).stdout
-        for seed in (0, 1)
+        for seed, hash_seed in ((0, "1"), (1, "2"))
     ]
     assert runs[0] == runs[1]
-    prints = [px.Fingerprint.from_json(line) for line in runs[0].splitlines()]
+    *lines, digest = runs[0].splitlines()
+    assert len(digest) == len(hashlib.sha256().hexdigest()), digest
+    prints = [px.Fingerprint.from_json(line) for line in lines]
     assert len(prints) == 3 and len({p.digest for p in prints}) == 3
     model, cls = MODELS["llama"]()
     here = [px.fingerprint(st) for st in px.partition(model, cls, [(0, 1), (1, 3), (3, 4)])]
