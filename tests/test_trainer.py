@@ -1128,31 +1128,38 @@ def _own_losses_on_replicas_run(rank, world, directory):
     trainer = _own_loss_trainer("own", f"{directory}/experts", mesh, experts=2)
     trainer.train()
     tp_runs["experts"] = _logs(trainer)
-    grpo = _grpo(
-        px.pipelined(GRPOTrainer),
-        f"{directory}/grpo",
-        False,
-        replicas=2,
-        layer_cls=llama()[1],
-        pipeline=px.PipelineConfig(num_microbatches=2),
-        mesh=mesh,
-    )
-    grpo.train()
-    grpo.save_model(f"{directory}/grpo-model")
-    return runs, tp_runs, (_logs(grpo, GRPO_LOGGED), grpo.evaluate())
+    grpo = {}
+    for lora in (False, True):
+        trainer = _grpo(
+            px.pipelined(GRPOTrainer),
+            f"{directory}/grpo{lora}",
+            lora,
+            replicas=2,
+            layer_cls=llama()[1],
+            pipeline=px.PipelineConfig(num_microbatches=2),
+            mesh=mesh,
+        )
+        trainer.train()
+        trainer.save_model(f"{directory}/grpo{lora}-model")
+        grpo[lora] = _logs(trainer, GRPO_LOGGED), trainer.evaluate()
+    return runs, tp_runs, grpo
 
 
 def _grpo_ddp_run(rank, world, directory):
-    """TRL's ``GRPOTrainer`` itself as 2 DDP processes (accelerate's, over gloo): the
-    reference for GRPO on 2 replicas (TRL samples per process, from a seed per process)."""
+    """TRL's ``GRPOTrainer`` itself as 2 DDP processes (accelerate's, over gloo), the whole
+    model and LoRA with a KL term (``_grpo``): the reference for GRPO on 2 replicas (TRL
+    samples per process, from a seed per process)."""
     from trl import GRPOTrainer
 
-    trainer = _grpo(GRPOTrainer, f"{directory}/grpo-ddp", False, replicas=2)
-    assert trainer.accelerator.num_processes == 2, trainer.accelerator.state
-    trainer.train()
-    assert type(trainer.model_wrapped).__name__ == "DistributedDataParallel"
-    trainer.save_model(f"{directory}/reference-grpo")
-    return _logs(trainer, GRPO_LOGGED), trainer.evaluate()
+    runs = {}
+    for lora in (False, True):
+        trainer = _grpo(GRPOTrainer, f"{directory}/grpo-ddp{lora}", lora, replicas=2)
+        assert trainer.accelerator.num_processes == 2, trainer.accelerator.state
+        trainer.train()
+        assert type(trainer.model_wrapped).__name__ == "DistributedDataParallel"
+        trainer.save_model(f"{directory}/reference-grpo{lora}")
+        runs[lora] = _logs(trainer, GRPO_LOGGED), trainer.evaluate()
+    return runs
 
 
 def test_own_losses_and_grpo_on_a_data_x_pipeline_mesh_train_as_ddp_processes(tmp_path):
@@ -1170,8 +1177,9 @@ def test_own_losses_and_grpo_on_a_data_x_pipeline_mesh_train_as_ddp_processes(tm
     GRPO, each
     replica generating its share of the prompts with ``pipe.generate`` from its own random
     state, samples per process as TRL does, so its reference is TRL itself as 2 DDP processes
-    (accelerate over gloo, the same seeds): the same rewards (the same sampled tokens), losses,
-    grad norms, entropies and saved weights."""
+    (accelerate over gloo, the same seeds), the whole model and LoRA with a KL term: the same
+    rewards (the same sampled tokens), losses, grad norms, entropies, KL values, eval reward and
+    loss, and saved weights (adapter)."""
     want = {}
     for name in OWN_ON_REPLICAS:
         reference = _own_loss_trainer(name, str(tmp_path / "reference"))
@@ -1183,9 +1191,11 @@ def test_own_losses_and_grpo_on_a_data_x_pipeline_mesh_train_as_ddp_processes(tm
     experts.train()
     want["experts"] = _logs(experts), None
     assert any(h["rewards/margins"] != 0 for h in want["dpo"][0])
-    want_grpo = run_ranks(2, _grpo_ddp_run, str(tmp_path), timeout=300)
-    assert want_grpo[0][0] == want_grpo[1][0]  # every DDP process logs the gathered values
-    for runs, tp_runs, (grpo, grpo_eval) in run_ranks(
+    want_grpo, other = run_ranks(2, _grpo_ddp_run, str(tmp_path), timeout=300)
+    for lora in (False, True):  # every DDP process logs the gathered values
+        assert want_grpo[lora][0] == other[lora][0], lora
+    assert all((ref["kl"] or 0) > 0 for ref in want_grpo[True][0])
+    for runs, tp_runs, grpo_runs in run_ranks(
         4, _own_losses_on_replicas_run, str(tmp_path), timeout=300
     ):
         for name, logs in tp_runs.items():
@@ -1193,16 +1203,17 @@ def test_own_losses_and_grpo_on_a_data_x_pipeline_mesh_train_as_ddp_processes(tm
             for got, ref in zip(logs, want[name][0], strict=True):
                 for k in _own_logged("own" if name == "experts" else name):
                     assert got[k] == pytest.approx(ref[k], rel=1e-5, abs=1e-6), (name, k, got, ref)
-        ref_eval = want_grpo[0][1]
-        assert grpo_eval["eval_reward"] == ref_eval["eval_reward"], (grpo_eval, ref_eval)
-        eval_loss = pytest.approx(ref_eval["eval_loss"], rel=1e-4, abs=1e-7)
-        assert grpo_eval["eval_loss"] == eval_loss, (grpo_eval, ref_eval)
-        assert len(grpo) == len(want_grpo[0][0]) == 3
-        for got, ref in zip(grpo, want_grpo[0][0], strict=True):
-            assert (got["reward"], got["reward_std"]) == (ref["reward"], ref["reward_std"])
-            for k in ("loss", "grad_norm", "entropy", "learning_rate"):
-                want_k = pytest.approx(ref[k], rel=1e-4, abs=1e-7)
-                assert got[k] == want_k, ("grpo", k, got, ref)
+        for lora, (grpo, grpo_eval) in grpo_runs.items():
+            ref_logs, ref_eval = want_grpo[lora]
+            assert grpo_eval["eval_reward"] == ref_eval["eval_reward"], (grpo_eval, ref_eval)
+            eval_loss = pytest.approx(ref_eval["eval_loss"], rel=1e-4, abs=1e-7)
+            assert grpo_eval["eval_loss"] == eval_loss, (grpo_eval, ref_eval)
+            assert len(grpo) == len(ref_logs) == 3
+            for got, ref in zip(grpo, ref_logs, strict=True):
+                assert (got["reward"], got["reward_std"]) == (ref["reward"], ref["reward_std"])
+                for k in ("loss", "grad_norm", "entropy", "kl", "learning_rate"):
+                    want_k = ref[k] if ref[k] is None else pytest.approx(ref[k], rel=1e-4, abs=1e-7)
+                    assert got[k] == want_k, ("grpo", lora, k, got, ref)
         for name, (logs, eval_loss) in runs.items():
             ref_logs, ref_eval = want[name]
             assert len(logs) == len(ref_logs) == 2, name
@@ -1210,10 +1221,10 @@ def test_own_losses_and_grpo_on_a_data_x_pipeline_mesh_train_as_ddp_processes(tm
                 for k in _own_logged(name):
                     assert got[k] == pytest.approx(ref[k], rel=1e-5, abs=1e-6), (name, k, got, ref)
             assert eval_loss == (ref_eval and pytest.approx(ref_eval, rel=1e-5)), name
-    for name in (*OWN_ON_REPLICAS, "grpo"):
+    for name in (*OWN_ON_REPLICAS, "grpoFalse", "grpoTrue"):
         saved, weights = (_saved(tmp_path / d) for d in (f"{name}-model", f"reference-{name}"))
         assert saved.keys() == weights.keys() and saved, name
-        rtol, atol = (1e-4, 1e-5) if name == "grpo" else (1e-5, 2e-5)  # the GRPO test's
+        rtol, atol = (1e-4, 1e-5) if "grpo" in name else (1e-5, 2e-5)  # the GRPO test's
         for key, tensor in saved.items():
             torch.testing.assert_close(tensor, weights[key], rtol=rtol, atol=atol, msg=key)
 
