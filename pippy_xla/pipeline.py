@@ -139,6 +139,9 @@ class PipelineModel:
         release_at_exit(self._failures, "mesh")
         if fresh:
             self._wrapper.init_fresh(self, fresh)
+            if self._place.cp is not None:  # each rank's own draws: cp rank 0's kept
+                local = sorted(self.state_dict(keep_vars=True).items())
+                self._place.cp.copy_from_first_rank([(n, t) for n, t in local if n in fresh])
         self.config = getattr(model, "config", None)
         """The model's config (written by :meth:`save_pretrained`), if it has one."""
         self.generation_config = getattr(model, "generation_config", None)

@@ -278,6 +278,33 @@ def _sft_case(cp_pp, directory):
     return _logs(trainer, (*LOGGED, *SFT_METRICS)), tuple(batch["input_ids"].shape)
 
 
+def _fresh_adapters_case(cp_pp, rank: int) -> bool:
+    """A PEFT model of a base built on ``meta``, each rank's random state its own: PEFT's new
+    adapters, made after the build, start from cp rank 0's on every cp rank."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model, layer_cls = llama(layers=2)
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(model.config)
+    torch.manual_seed(rank)
+    pipe = px.PipelineModel(
+        get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"])),
+        layer_cls=layer_cls,
+        num_microbatches=2,
+        mesh=cp_pp,
+        timeout=60,
+    )
+    mine = {n: t.detach() for n, t in pipe.state_dict().items() if "lora_A" in n}
+    peers = [None] * pipe.cp_size
+    torch.distributed.all_gather_object(peers, mine, group=cp_pp.get_group("cp"))
+    return bool(mine) and all(
+        p.keys() == mine.keys() and all(torch.equal(p[n], t) for n, t in mine.items())
+        for p in peers
+    )
+
+
 def _cases(rank, world, directory):
     cp_pp = _mesh((2, 2), ("cp", "pp"))
     worst: dict[str, float] = {}
@@ -310,6 +337,7 @@ def _cases(rank, world, directory):
     out["checkpoint"] = _checkpoint_case(cp_pp, f"{directory}/ckpt", worst)
     out["trainer"] = _trainer_case(cp_pp, dp_cp, directory)
     out["sft"] = _sft_case(cp_pp, directory)
+    out["fresh adapters equal"] = _fresh_adapters_case(cp_pp, rank)
     out["refused"] = _refusals(cp_pp)
     torch.distributed.barrier()  # no rank leaves (and takes the store with it) before the others
     return out, worst
@@ -405,6 +433,7 @@ def test_context_parallel_equals_one_process(tmp_path):
     _sft_checks(results[0]["sft"], want_sft, merged, directory, tmp_path / "reference", worst)
     print("sft", worst)
     assert results[0]["checkpoint"] == [1, 1]
+    assert results[0]["fresh adapters equal"]
     refused = results[0]["refused"]
     assert "2 x cp = 4 equal chunks, but the batch's rows have 18 tokens" in refused[0]
     assert "4 query and 2 key/value heads: both must divide by cp" in refused[1]

@@ -27,8 +27,9 @@ is the checkpoints, and they go through PEFT:
   the ``PeftModel`` (``set_peft_model_state_dict``): each rank's own stages take their values,
   the other stages' tensors are on ``meta`` (a copy does nothing) or unused on this rank.
 - A base built on ``meta``: new adapters are initialized by PEFT after the build
-  (:meth:`PeftAdapters.init_fresh`); an adapter ``PeftModel.from_pretrained`` meant to load is
-  refused (:meth:`PeftAdapters.fresh_adapters`).
+  (:meth:`PeftAdapters.init_fresh`; on a cp mesh the cp ranks then take cp rank 0's); an
+  adapter ``PeftModel.from_pretrained`` meant to load is refused
+  (:meth:`PeftAdapters.fresh_adapters`).
 """
 
 from __future__ import annotations

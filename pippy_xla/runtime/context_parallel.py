@@ -33,13 +33,13 @@ parallelism, on its rows. Every rank is given the same whole batch.
   output back all-to-all. Its backward is the same two exchanges reversed (autograd through
   torch's functional ``all_to_all_single``, waited on at once); every cp rank of a stage runs
   the same schedule, so the collectives pair up microbatch by microbatch.
-- Gradients: every weight is replicated over ``cp`` (the cp ranks start from cp rank 0's
-  values); each rank's gradient is its tokens' share, and the shares are summed over ``cp`` once
-  per step, after the engine's last backward (one all-reduce of the stage's gradients
-  flattened). The step's own only: gradients from before it (an accumulation window's earlier
-  steps, summed already) are set aside during the step and added back after the sum. With
-  replicas, FSDP2 first reduces over ``dp`` as each stage completes (see [Note: pipeline x data
-  parallel]); the cp sum then adds the reduced shards: both are sums.
+- Gradients: every weight is replicated over ``cp`` (the cp ranks start from cp rank 0's values,
+  PEFT's adapters made after the build too); each rank's gradient is its tokens' share, and the
+  shares are summed over ``cp`` once per step, after the engine's last backward (one all-reduce of
+  the stage's gradients flattened). The step's own only: gradients from before it (an accumulation
+  window's earlier steps, summed already) are set aside during the step and added back after the
+  sum. With replicas, FSDP2 first reduces over ``dp`` as each stage completes (see
+  [Note: pipeline x data parallel]); the cp sum then adds the reduced shards: both are sums.
 - Outputs: ``run_eval``'s logits are every token's, in natural order, on each cp rank's last
   stage (each rank's share put in its place among zeros, summed over ``cp``); the loss is
   summed over ``cp`` with the step's token sums.
@@ -227,7 +227,9 @@ class ContextParallel:
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[impl])
         for config in {id(c): c for c in _configs(model, PretrainedConfig)}.values():
             config._attn_implementation = name
-        self._copy_from_first_rank(stage_modules)
+        self.copy_from_first_rank(
+            [t for m in stage_modules for t in [*m.named_parameters(), *m.named_buffers()]]
+        )
         leaves = {id(m): m for s in stage_modules for m in s.modules() if isinstance(m, MaskLeaf)}
         for leaf in leaves.values():
             leaf.register_forward_pre_hook(self._whole_sequence_mask, with_kwargs=True)
@@ -249,15 +251,16 @@ class ContextParallel:
 
         return loss_fn
 
-    def _copy_from_first_rank(self, stage_modules: Sequence[nn.Module]) -> None:
-        """The cp ranks start from cp rank 0's weights and buffers (as the replicas of data
-        parallelism do), so a model initialized differently per rank trains as one."""
+    def copy_from_first_rank(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """The cp ranks start from cp rank 0's values of ``named`` (the stages' weights and
+        buffers at build, as the replicas of data parallelism do; PEFT's new adapters made
+        after it), so a model initialized differently per rank trains as one; a broadcast
+        each, in the order given (the same on every cp rank: they hold the same stages)."""
         with torch.no_grad():
-            for module in stage_modules:
-                for name, t in [*module.named_parameters(), *module.named_buffers()]:
-                    what = f"context-parallel start: broadcast of {name}"
-                    t = local_tensor(t.detach())  # a data-parallel shard: this rank's part
-                    t.copy_(_C.broadcast_copy(t, 0, self.group_name, self._timeout_ms, what))
+            for name, t in named:
+                what = f"context-parallel start: broadcast of {name}"
+                t = local_tensor(t.detach())  # a data-parallel shard: this rank's part
+                t.copy_(_C.broadcast_copy(t, 0, self.group_name, self._timeout_ms, what))
 
     def _attention_function(self, impl: str):
         def attention(module, query, key, value, attention_mask, **kwargs):
