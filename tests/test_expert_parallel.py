@@ -438,6 +438,38 @@ def test_expert_parallel_equals_one_process(tmp_path):
     assert all(o == out[0] for o in out)  # every rank the same losses and refusals
 
 
+def _failure_before_dispatch(rank, world):
+    """Rank 2 raises before its first expert layer's all-to-all; rank 0, its expert peer, waits
+    in that all-to-all: the pipeline's timeout (3 s) ends the wait, not the process group's."""
+    torch.manual_seed(0)
+    model, layer_cls = MODELS["mixtral"](layers=2)
+    pipe = px.PipelineModel(
+        model, layer_cls=layer_cls, num_microbatches=2, mesh=_mesh(), expert_parallel=EP, timeout=3
+    )
+    if rank == 2:
+
+        def fail(*_):
+            raise RuntimeError("injected failure before the expert all-to-all")
+
+        model.model.layers[0].mlp.experts.register_forward_pre_hook(fail)
+    with pytest.raises(px.PipelineError) as e:
+        pipe.run_train(**make_batch(seed=0, batch=8))
+    return e.value.failed_rank, e.value.stage, e.value.microbatch, str(e.value)
+
+
+def test_a_peer_failing_before_the_expert_all_to_all_ends_it_within_the_timeout():
+    """HF's all-to-alls wait at most the pipeline's ``timeout`` (see the Failures of [Note:
+    pipeline x expert parallel]): rank 0, waiting in the all-to-all of a peer that raised and
+    lives on, fails its step within it (before, at the process group's timeout, here 120 s,
+    past the test's own 100 s), naming its stage, microbatch and action and the rank that
+    failed."""
+    out = run_ranks(4, _failure_before_dispatch, pg_timeout=120, timeout=100)
+    assert all(failed == 2 for failed, *_ in out), out
+    _, stage, microbatch, msg = out[0]
+    assert (stage, microbatch) == (0, 0), out[0]
+    assert msg.startswith("[rank 0 stage 0] F microbatch 0 aborted: rank 2 failed"), msg
+
+
 @pytest.mark.parametrize("bad", [0, -2, 2.0, True, "2"])
 def test_expert_parallel_must_be_a_positive_int(bad):
     with pytest.raises(ValueError, match="expert_parallel must be None or a positive int"):

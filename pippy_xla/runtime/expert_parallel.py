@@ -51,6 +51,16 @@ expert ranks are borrowed from the dense ones.
   parameter left dense (not yet), PEFT's tuner layers on an experts module the plan shards
   (:func:`_refuse_adapted_experts`), and a transformers release without HF's all-to-all expert
   parallelism (before 5.23).
+- Failures: HF's all-to-alls (the split sizes' exchange, the tokens' dispatch and combine, and
+  their backward) run on the expert group's process group, inside a stage's forward and
+  backward, where the engine's abort of [Note: failing fast] cannot reach them and gloo has no
+  abort that ends a pending collective (``ProcessGroup.abort`` and ``shutdown`` leave its
+  sockets open: a peer waits until the failed rank's process exits). So the expert group and
+  the tp ranks sharing a batch wait at most the pipeline's ``timeout``
+  (``ProcessGroup.set_timeout``), as every other wait of the pipeline, not the process group's
+  (30 minutes by default): a peer that raised before its all-to-all and lives on fails the
+  waiting ranks' step within ``timeout``, the engine's record naming their rank, stage,
+  microbatch and action; a peer that dies fails them at once (its sockets close).
 - PEFT: a ``PeftModel`` forwards ``ep_plan`` to the HF model inside it, whose names the plan's
   keys are; the rules are expanded on that model and prefixed with its path
   (:func:`plan_owner`), so that they name the pipelined model's modules.
@@ -72,6 +82,7 @@ import contextlib
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 from torch import nn
@@ -308,6 +319,10 @@ class ExpertParallel:
             dims = (*groups.dp_mesh.mesh_dim_names, *groups.tp_mesh.mesh_dim_names)
             dense = groups.mesh[dims]._flatten()
         self.layout = expert_layout(dense, ep, groups.tp_size)
+        for mesh in (self.layout.ep_mesh, self.layout.batch_mesh):  # see the note's Failures
+            set_timeout = getattr(mesh.get_group(), "set_timeout", None)  # torch 2.x has it
+            if mesh.size() > 1 and set_timeout is not None:
+                set_timeout(timedelta(milliseconds=timeout_ms))
         named = dict(model.named_modules())
         self._experts: dict[int, list[nn.Module]] = {}
         """Each local stage's experts modules."""
