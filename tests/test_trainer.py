@@ -1229,6 +1229,27 @@ def test_own_losses_and_grpo_on_a_data_x_pipeline_mesh_train_as_ddp_processes(tm
             torch.testing.assert_close(tensor, weights[key], rtol=rtol, atol=atol, msg=key)
 
 
+def test_replica_shares_are_the_examples_accelerate_gives_each_ddp_process():
+    """``_ReplicaShare`` over the global batches of an order (two epochs of it) gives each
+    replica the examples accelerate's ``BatchSamplerShard`` gives its DDP process from the same
+    order, an epoch's short last batch completed from the epoch's first examples
+    (``even_batches``), cycled where the dataset is smaller than a global batch."""
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.utils.data import BatchSampler
+
+    from pippy_xla.integrations.trainer import _ReplicaShare
+
+    for size, rows, replicas in ((12, 2, 2), (10, 2, 2), (11, 3, 2), (5, 2, 3), (3, 2, 2)):
+        for rank in range(replicas):
+            per_process = BatchSampler(range(size), rows, drop_last=False)
+            want = list(BatchSamplerShard(per_process, replicas, rank, even_batches=True))
+            share = _ReplicaShare(lambda examples: examples, rank, replicas, rows)
+            whole = BatchSampler(range(size), rows * replicas, drop_last=False)
+            for epoch in range(2):
+                got = [share(batch) for batch in whole]
+                assert got == want, (size, rows, replicas, rank, epoch, got, want)
+
+
 def _experts_run(rank, world, directory):
     """Two steps with ``expert_parallel=2`` on dp=2 x pp=2 of a Mixtral with its router loss,
     saving at each, then an evaluation; then a new trainer resumed from the checkpoint of step 1

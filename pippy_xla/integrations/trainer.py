@@ -680,7 +680,7 @@ def _get_dataloader(self, dataset, description, batch_size, *args, **kwargs):
     dp = self.pipe.dp_size if self.pipe is not None else 1
     collator = self.data_collator
     if dp > 1 and getattr(self, "_calls", None) is not None and kwargs.get("is_training"):
-        self.data_collator = _ReplicaShare(collator, self.pipe.dp_rank, dp)
+        self.data_collator = _ReplicaShare(collator, self.pipe.dp_rank, dp, batch_size)
     try:
         return self._pipelined._get_dataloader(
             self, dataset, description, batch_size * dp, *args, **kwargs
@@ -690,18 +690,31 @@ def _get_dataloader(self, dataset, description, batch_size, *args, **kwargs):
 
 
 class _ReplicaShare:
-    """A collator that collates replica ``rank``'s share of the examples of a global batch (its
-    contiguous ``1 / replicas``, the rows HF's sharded loader gives DDP process ``rank``: the
-    same seeded order, cut the same way), alone: padded to its own longest row, as each DDP
-    process pads its batch. A short last batch is cut as evenly as it goes (accelerate's
-    ``even_batches`` would instead repeat the dataset's first examples)."""
+    """A collator that collates replica ``rank``'s share of the examples of a global batch (the
+    ``rank``-th of ``replicas`` contiguous runs of ``rows``: what HF's sharded loader gives DDP
+    process ``rank``, from the same seeded order), alone: padded to its own longest row, as each
+    DDP process pads its batch. An epoch's short last batch is completed as accelerate's
+    ``BatchSamplerShard`` completes it (``even_batches``, its default): with the epoch's first
+    examples, cycled, so that every replica gets ``rows``. It keeps the epoch's first batch for
+    that: a loader with workers (``dataloader_num_workers``), each with its own copy, would
+    complete it from another batch."""
 
-    def __init__(self, collator, rank: int, replicas: int) -> None:
-        self.collator, self.rank, self.replicas = collator, rank, replicas
+    def __init__(self, collator, rank: int, replicas: int, rows: int) -> None:
+        self.collator, self.rank, self.replicas, self.rows = collator, rank, replicas, rows
+        self.first: list | None = None
+        """The epoch's first batch of examples (``None`` before an epoch starts)."""
 
     def __call__(self, examples: list):
-        n, r = len(examples), self.rank
-        return self.collator(examples[n * r // self.replicas : n * (r + 1) // self.replicas])
+        examples = list(examples)
+        if self.first is None:
+            self.first = examples
+        if len(examples) < self.rows * self.replicas:  # the epoch's last batch
+            first, self.first = self.first, None
+            while len(first) < self.rows * self.replicas:
+                first = first + first
+            examples = examples + first[: self.rows * self.replicas - len(examples)]
+        rows = self.rows
+        return self.collator(examples[rows * self.rank : rows * (self.rank + 1)])
 
 
 def _get_num_items_in_batch(self, batch_samples: list, device):
