@@ -32,8 +32,9 @@ replica runs the trainer's training step as DDP process ``r`` of ``dp`` runs it 
   as one process's) cut into ``dp`` contiguous shares, the rows HF's sharded loader gives DDP
   process ``r``, collated alone (padded to its own longest row, as each DDP process pads; an
   epoch's short last batch completed with its first examples, as accelerate's
-  ``even_batches`` does: ``_ReplicaShare`` in ``trainer.py``). HF's token count for the window is counted as DDP counts
-  it (with ``average_tokens_across_devices``, HF's default, summed over the replicas).
+  ``even_batches`` does: ``_ReplicaShare`` in ``trainer.py``). HF's token count for the window
+  is counted as DDP counts it (with ``average_tokens_across_devices``, HF's default, summed
+  over the replicas).
 - accelerate's state during the step is DDP process ``r``'s (``num_processes=dp``,
   ``process_index=r``), and ``torch.distributed``'s collectives called without a group
   (accelerate's ``gather``, ``gather_for_metrics``, ``reduce``, ``broadcast``; TRL's own) run

@@ -51,7 +51,9 @@ HF's; ``PipelineTrainer`` is ``pipelined(Trainer)``.
   loader's batch is the global one, ``per_device_*_batch_size`` rows per data-parallel replica,
   of which ``run_train`` gives each replica its share: replica ``r`` trains on the rows that HF's
   sharded loader gives DDP rank ``r`` (the same seeded order, cut the same way), and the loss,
-  the token count and the gradients are the global batch's.
+  the token count and the gradients are the global batch's. For a trainer's own loss on
+  replicas the training loader's batch is the replica's share itself (``_ReplicaShare``: see
+  [Note: a trainer's own loss on replicas]).
 - ``evaluate`` runs ``pipe.run_eval`` per batch (the loss of the whole global batch on every
   rank, divided by HF's count); the loop gathers as one process does, without communication
   (every rank already holds every batch's result; accelerate's gather across all the processes
@@ -696,8 +698,9 @@ class _ReplicaShare:
     DDP process pads its batch. An epoch's short last batch is completed as accelerate's
     ``BatchSamplerShard`` completes it (``even_batches``, its default): with the epoch's first
     examples, cycled, so that every replica gets ``rows``. It keeps the epoch's first batch for
-    that: a loader with workers (``dataloader_num_workers``), each with its own copy, would
-    complete it from another batch."""
+    that: a loader with workers (``dataloader_num_workers``), each with its own copy, or a run
+    resumed in the middle of an epoch (HF skips the batches before it) would complete it from
+    another batch."""
 
     def __init__(self, collator, rank: int, replicas: int, rows: int) -> None:
         self.collator, self.rank, self.replicas, self.rows = collator, rank, replicas, rows
