@@ -1103,8 +1103,18 @@ def _own_loss_trainer(name: str, directory: str, mesh=None, experts: int | None 
     )
 
 
+DPO_METRICS = (
+    *("rewards/chosen", "rewards/rejected", "logps/rejected", "logits/chosen", "logits/rejected"),
+    *("entropy", "mean_token_accuracy", "num_tokens"),
+)
+"""The rest of what TRL's ``DPOTrainer`` logs (besides ``OWN_LOGGED["dpo"]``): on replicas,
+each gathered over them."""
+
+
 def _own_logged(name: str) -> tuple[str, ...]:
-    return (*OWN_LOGGED.get(name, LOGGED[:2]), "learning_rate")
+    """What ``_own_losses_on_replicas_run`` compares of ``name``'s logs."""
+    more = {"dpo": DPO_METRICS, "dft": ("num_tokens",)}.get(name, ())
+    return (*OWN_LOGGED.get(name, LOGGED[:2]), "learning_rate", *more)
 
 
 def _own_losses_on_replicas_run(rank, world, directory):
