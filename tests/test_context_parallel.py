@@ -278,11 +278,14 @@ def _sft_case(cp_pp, directory):
     return _logs(trainer, (*LOGGED, *SFT_METRICS)), tuple(batch["input_ids"].shape)
 
 
-def _fresh_adapters_case(cp_pp, rank: int) -> bool:
+def _fresh_adapters_case(mesh, rank: int) -> bool:
     """A PEFT model of a base built on ``meta``, each rank's random state its own: PEFT's new
-    adapters, made after the build, start from cp rank 0's on every cp rank."""
+    adapters, made after the build, are equal on every rank that holds them (the cp ranks take
+    cp rank 0's, the replicas the first one's)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
+
+    from pippy_xla.runtime.data_parallel import local_tensor
 
     torch.manual_seed(0)
     model, layer_cls = llama(layers=2)
@@ -293,16 +296,15 @@ def _fresh_adapters_case(cp_pp, rank: int) -> bool:
         get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"])),
         layer_cls=layer_cls,
         num_microbatches=2,
-        mesh=cp_pp,
+        mesh=mesh,
         timeout=60,
     )
-    mine = {n: t.detach() for n, t in pipe.state_dict().items() if "lora_A" in n}
-    peers = [None] * pipe.cp_size
-    torch.distributed.all_gather_object(peers, mine, group=cp_pp.get_group("cp"))
-    return bool(mine) and all(
-        p.keys() == mine.keys() and all(torch.equal(p[n], t) for n, t in mine.items())
-        for p in peers
-    )
+    mine = {n: local_tensor(t.detach()) for n, t in pipe.state_dict().items() if "lora_A" in n}
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, mine)
+    same = [o for o in everyone if o.keys() == mine.keys()]
+    assert len(same) == 4 // pipe.num_ranks, (len(same), pipe.num_ranks)
+    return bool(mine) and all(torch.equal(o[n], t) for o in same for n, t in mine.items())
 
 
 def _cases(rank, world, directory):
@@ -337,7 +339,7 @@ def _cases(rank, world, directory):
     out["checkpoint"] = _checkpoint_case(cp_pp, f"{directory}/ckpt", worst)
     out["trainer"] = _trainer_case(cp_pp, dp_cp, directory)
     out["sft"] = _sft_case(cp_pp, directory)
-    out["fresh adapters equal"] = _fresh_adapters_case(cp_pp, rank)
+    out["fresh adapters equal"] = [_fresh_adapters_case(m, rank) for m in (cp_pp, dp_cp)]
     out["refused"] = _refusals(cp_pp)
     torch.distributed.barrier()  # no rank leaves (and takes the store with it) before the others
     return out, worst
@@ -433,7 +435,7 @@ def test_context_parallel_equals_one_process(tmp_path):
     _sft_checks(results[0]["sft"], want_sft, merged, directory, tmp_path / "reference", worst)
     print("sft", worst)
     assert results[0]["checkpoint"] == [1, 1]
-    assert results[0]["fresh adapters equal"]
+    assert results[0]["fresh adapters equal"] == [True, True]
     refused = results[0]["refused"]
     assert "2 x cp = 4 equal chunks, but the batch's rows have 18 tokens" in refused[0]
     assert "4 query and 2 key/value heads: both must divide by cp" in refused[1]

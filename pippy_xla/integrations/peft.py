@@ -27,9 +27,9 @@ is the checkpoints, and they go through PEFT:
   the ``PeftModel`` (``set_peft_model_state_dict``): each rank's own stages take their values,
   the other stages' tensors are on ``meta`` (a copy does nothing) or unused on this rank.
 - A base built on ``meta``: new adapters are initialized by PEFT after the build
-  (:meth:`PeftAdapters.init_fresh`; on a cp mesh the cp ranks then take cp rank 0's); an
-  adapter ``PeftModel.from_pretrained`` meant to load is refused
-  (:meth:`PeftAdapters.fresh_adapters`).
+  (:meth:`PeftAdapters.init_fresh`), each rank from its own random state: the data-parallel
+  replicas take the first one's (sharded or not), the cp ranks cp rank 0's; an adapter
+  ``PeftModel.from_pretrained`` meant to load is refused (:meth:`PeftAdapters.fresh_adapters`).
 """
 
 from __future__ import annotations
@@ -148,7 +148,8 @@ class PeftAdapters:
     def init_fresh(self, pipe, fresh: set[str]) -> None:
         """Initializes this rank's adapter tensors that were on ``meta`` (``fresh``) as PEFT
         initializes a new adapter: PEFT adds the adapter to a copy of each tuner layer's base
-        module (``inject_adapter_in_model``), whose new tensors are copied in."""
+        module (``inject_adapter_in_model``), whose new tensors are copied in (the data-parallel
+        replicas' from the first replica's: each rank drew its own)."""
         from peft import inject_adapter_in_model
         from peft.tuners.tuners_utils import BaseTunerLayer
 
@@ -192,7 +193,7 @@ class PeftAdapters:
                         f"PEFT's new adapter {adapter!r} has no tensor {n} of shape "
                         f"{tuple(t.shape)} here; build the base on a real device instead"
                     )
-                assign(t, made[n])
+                assign(t, made[n], from_first=True)  # the replicas' draws: the first's
 
     def base_name(self, name: str) -> str | None:
         """The base model's name of the pipeline's tensor ``name``, or ``None`` for an adapter's

@@ -294,9 +294,11 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def assign(target: torch.Tensor, source: torch.Tensor) -> None:
+def assign(target: torch.Tensor, source: torch.Tensor, from_first: bool = False) -> None:
     """Copies the full tensor ``source`` into ``target``, which may be a DTensor: its local
-    shard gets the matching slice (no communication)."""
+    shard gets the matching slice (no communication). ``from_first``: where each rank's
+    ``source`` may differ (a random draw), a DTensor takes the first rank's on each dimension
+    of its mesh instead (torch's broadcast or scatter from it: a collective over the mesh)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     if isinstance(target, DTensor):
@@ -304,7 +306,7 @@ def assign(target: torch.Tensor, source: torch.Tensor) -> None:
             source.to(target.device, target.dtype),
             target.device_mesh,
             target.placements,
-            src_data_rank=None,
+            src_data_rank=0 if from_first else None,
         )
         target.to_local().copy_(part.to_local())
     else:
