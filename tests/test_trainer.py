@@ -1152,6 +1152,17 @@ def _own_losses_on_replicas_run(rank, world, directory):
         trainer.train()
         trainer.save_model(f"{directory}/grpo{lora}-model")
         grpo[lora] = _logs(trainer, GRPO_LOGGED), trainer.evaluate()
+    trainer = _grpo(
+        px.pipelined(GRPOTrainer),
+        f"{directory}/grpo-tp",
+        False,
+        replicas=2,
+        layer_cls=llama()[1],
+        pipeline=px.PipelineConfig(num_microbatches=2, tensor_parallel="auto"),
+        mesh=tp_mesh,
+    )
+    trainer.train()
+    tp_runs["grpo"] = _logs(trainer, GRPO_LOGGED)
     return runs, tp_runs, grpo
 
 
@@ -1189,7 +1200,7 @@ def test_own_losses_and_grpo_on_a_data_x_pipeline_mesh_train_as_ddp_processes(tm
     state, samples per process as TRL does, so its reference is TRL itself as 2 DDP processes
     (accelerate over gloo, the same seeds), the whole model and LoRA with a KL term: the same
     rewards (the same sampled tokens), losses, grad norms, entropies, KL values, eval reward and
-    loss, and saved weights (adapter)."""
+    loss, and saved weights (adapter); the whole model's logs on dp=2 x tp=2 too."""
     want = {}
     for name in OWN_ON_REPLICAS:
         reference = _own_loss_trainer(name, str(tmp_path / "reference"))
@@ -1208,22 +1219,28 @@ def test_own_losses_and_grpo_on_a_data_x_pipeline_mesh_train_as_ddp_processes(tm
     for runs, tp_runs, grpo_runs in run_ranks(
         4, _own_losses_on_replicas_run, str(tmp_path), timeout=300
     ):
+        # GRPO, whole and LoRA, on dp=2 x pp=2; whole on dp=2 x tp=2: as TRL's DDP runs
+        grpo_runs = {
+            "whole": (grpo_runs[False], want_grpo[False]),
+            "lora": (grpo_runs[True], want_grpo[True]),
+            "tp": ((tp_runs.pop("grpo"), None), want_grpo[False]),
+        }
         for name, logs in tp_runs.items():
             assert len(logs) == len(want[name][0]) == 2, name
             for got, ref in zip(logs, want[name][0], strict=True):
                 for k in _own_logged("own" if name == "experts" else name):
                     assert got[k] == pytest.approx(ref[k], rel=1e-5, abs=1e-6), (name, k, got, ref)
-        for lora, (grpo, grpo_eval) in grpo_runs.items():
-            ref_logs, ref_eval = want_grpo[lora]
-            assert grpo_eval["eval_reward"] == ref_eval["eval_reward"], (grpo_eval, ref_eval)
-            eval_loss = pytest.approx(ref_eval["eval_loss"], rel=1e-4, abs=1e-7)
-            assert grpo_eval["eval_loss"] == eval_loss, (grpo_eval, ref_eval)
+        for kind, ((grpo, grpo_eval), (ref_logs, ref_eval)) in grpo_runs.items():
+            if grpo_eval is not None:
+                assert grpo_eval["eval_reward"] == ref_eval["eval_reward"], (grpo_eval, ref_eval)
+                eval_loss = pytest.approx(ref_eval["eval_loss"], rel=1e-4, abs=1e-7)
+                assert grpo_eval["eval_loss"] == eval_loss, (grpo_eval, ref_eval)
             assert len(grpo) == len(ref_logs) == 3
             for got, ref in zip(grpo, ref_logs, strict=True):
                 assert (got["reward"], got["reward_std"]) == (ref["reward"], ref["reward_std"])
                 for k in ("loss", "grad_norm", "entropy", "kl", "learning_rate"):
                     want_k = ref[k] if ref[k] is None else pytest.approx(ref[k], rel=1e-4, abs=1e-7)
-                    assert got[k] == want_k, ("grpo", lora, k, got, ref)
+                    assert got[k] == want_k, ("grpo", kind, k, got, ref)
         for name, (logs, eval_loss) in runs.items():
             ref_logs, ref_eval = want[name]
             assert len(logs) == len(ref_logs) == 2, name
