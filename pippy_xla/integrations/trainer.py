@@ -568,20 +568,26 @@ COLLECTIVES = (
 """``torch.distributed``'s collectives that :func:`_collectives_over` sends to a group."""
 
 
+@functools.cache
+def _signature(fn):
+    """``inspect.signature(fn)``, once per function (``_collectives_over`` runs every step)."""
+    import inspect
+
+    return inspect.signature(fn)
+
+
 @contextlib.contextmanager
 def _collectives_over(group):
     """``torch.distributed``'s collectives called without a group (accelerate's and TRL's: the
     job's processes) run over ``group`` instead, a source or destination rank read as an index
     in it (accelerate passes process indices); a call that names its group is left as it is
     (the pipeline's, FSDP's)."""
-    import inspect
-
     import torch.distributed as dist
 
     saved = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
 
     def over(fn):
-        signature = inspect.signature(fn)
+        signature = _signature(fn)
 
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
