@@ -287,23 +287,34 @@ class _BatchTerms:
         return torch.cat(parts)
 
     def gather(self, dp) -> None:
-        """Every replica's kept values (``dp``: the replicas, or ``None``), in one all_reduce
-        each: the replicas' values placed side by side in zeros and summed (exact)."""
+        """Every replica's kept values (``dp``: the replicas, or ``None``): one all_gather of
+        their row counts, then one all_reduce per dtype, of every value of that dtype placed at
+        its replica's rows in zeros (a sum with zeros: exact)."""
+        keys = sorted(self.kept)
+        mine = {k: [self.kept[k][mb] for mb in range(self.num_microbatches)] for k in keys}
+        if dp is None:
+            self.whole = mine
+            return
+        what = "added-loss inputs"
+        rows = dp.all_gather_ints([int(v.shape[0]) for k in keys for v in mine[k]], what)
+        mbs = self.num_microbatches
+        counts = {k: [r[i * mbs : (i + 1) * mbs] for r in rows] for i, k in enumerate(keys)}
         self.whole = {}
-        for key in sorted(self.kept):
-            mine = [self.kept[key][mb] for mb in range(self.num_microbatches)]
-            if dp is None:
-                self.whole[key] = mine
-                continue
-            what = f"added-loss inputs {key[1]} of stage {key[0]}"
-            everyone = dp.all_gather_ints([int(v.shape[0]) for v in mine], what)
-            local = torch.cat(mine)
-            summed = local.to(torch.int64) if local.dtype == torch.bool else local
-            start = sum(sum(rows) for rows in everyone[: self.replica])
-            whole = summed.new_zeros((sum(map(sum, everyone)), *local.shape[1:]))
-            whole[start : start + local.shape[0]] = summed
-            whole = dp.all_reduce_sum(whole, what).to(local.dtype)
-            self.whole[key] = list(whole.split([r for rows in everyone for r in rows]))
+        for dtype in sorted({mine[k][0].dtype for k in keys}, key=str):
+            group = [k for k in keys if mine[k][0].dtype == dtype]
+            parts = []  # per key: its whole [rows, ...] buffer, this replica's rows filled
+            for k in group:
+                local = torch.cat(mine[k])
+                local = local.to(torch.int64) if dtype == torch.bool else local
+                at = sum(sum(c) for c in counts[k][: self.replica])
+                whole = local.new_zeros((sum(map(sum, counts[k])), *local.shape[1:]))
+                whole[at : at + local.shape[0]] = local
+                parts.append(whole)
+            summed = dp.all_reduce_sum(torch.cat([t.reshape(-1) for t in parts]), what)
+            flats = summed.split([t.numel() for t in parts])
+            for k, t, flat in zip(group, parts, flats, strict=True):
+                whole = flat.view(t.shape).to(dtype)
+                self.whole[k] = list(whole.split([r for c in counts[k] for r in c]))
 
 
 class StepRunner:
@@ -412,10 +423,11 @@ class StepRunner:
         self.step_spans.append(("POST", -1, -1, end, time.time_ns()))
         return loss
 
+    @torch.no_grad()  # the eval engine's boundary specs are agreed without requires_grad
     def evaluate(self, batch: dict[str, torch.Tensor], keep_logits: bool = True) -> EvalOutput:
-        """Forward only: the logits on the last stage's rank (unless not ``keep_logits``: the
-        loss function then sees each microbatch's and nothing keeps them) and, given labels,
-        the loss."""
+        """Forward only, without autograd: the logits on the last stage's rank (unless not
+        ``keep_logits``: the loss function then sees each microbatch's and nothing keeps them)
+        and, given labels, the loss."""
         start = self._begin_step()
         batch, microbatches, signature = self._prepare(batch, "eval")
         losses: dict[int, torch.Tensor] = {}
