@@ -470,6 +470,21 @@ def test_a_peer_failing_before_the_expert_all_to_all_ends_it_within_the_timeout(
     assert msg.startswith("[rank 0 stage 0] F microbatch 0 aborted: rank 2 failed"), msg
 
 
+def test_the_router_loss_over_the_batch_is_refused_beside_context_parallelism():
+    """``added_over_batch`` (which ``PipelineTrainer`` sets) refuses a model with a router loss
+    on a runner with context parallelism, in one line (the check alone, on the stage graphs: a
+    cp mesh is not needed to reach it)."""
+    from pippy_xla.runtime._step import StepRunner
+    from pippy_xla.split import partition
+
+    model, layer_cls = MODELS["mixtral_router_loss"](layers=2)
+    runner = StepRunner.__new__(StepRunner)  # what the check reads: the stages and cp
+    runner.stages, runner.cp = partition(model, layer_cls, [(0, 1), (1, 2)]), object()
+    with pytest.raises(ValueError, match="under context parallelism") as e:
+        runner.check_added_over_batch()
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("bad", [0, -2, 2.0, True, "2"])
 def test_expert_parallel_must_be_a_positive_int(bad):
     with pytest.raises(ValueError, match="expert_parallel must be None or a positive int"):
