@@ -28,8 +28,8 @@ from test_trainer import (
     SFT_METRICS,
     _args,
     _documents,
-    _eval_rows,
     _logs,
+    _mesh_trainer,
     _metrics_options,
     _options,
     _pipelined_sft,
@@ -219,23 +219,8 @@ def _trainer_case(cp_pp, dp_cp, directory):
     ``save_model``: the logs and metrics of each, for the Trainer's in one process; a loss of
     the trainer's own, refused."""
     out = {}
-    for name, mesh, rows in (("cp_pp", cp_pp, 4), ("dp_cp", dp_cp, 2)):
-        torch.manual_seed(0)
-        model, layer_cls = llama()
-        trainer = px.PipelineTrainer(
-            model=model,
-            args=_args(
-                f"{directory}/{name}",
-                per_device_train_batch_size=rows,
-                per_device_eval_batch_size=2 * rows,
-            ),
-            train_dataset=_Rows(4, seed=100),
-            eval_dataset=_eval_rows(),
-            layer_cls=layer_cls,
-            pipeline=px.PipelineConfig(num_microbatches=2),
-            mesh=mesh,
-            **_metrics_options(),
-        )
+    for name, mesh, replicas in (("cp_pp", cp_pp, 1), ("dp_cp", dp_cp, 2)):
+        trainer = _mesh_trainer(f"{directory}/{name}", mesh, replicas)
         trainer.train()
         metrics = trainer.evaluate()
         trainer.compute_metrics = None  # the loss alone: no logits kept, none gathered

@@ -194,21 +194,8 @@ def test_pipeline_trainer_logs_evaluates_and_saves_as_the_trainer_in_one_process
 def _mesh_run(rank, world, directory):
     from torch.distributed.device_mesh import init_device_mesh
 
-    torch.manual_seed(0)
-    model, layer_cls = llama()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
-    trainer = px.PipelineTrainer(
-        model=model,
-        args=_args(
-            f"{directory}/mesh", per_device_train_batch_size=2, per_device_eval_batch_size=4
-        ),
-        train_dataset=_Rows(4, seed=100),
-        eval_dataset=_eval_rows(),
-        layer_cls=layer_cls,
-        pipeline=px.PipelineConfig(num_microbatches=2),
-        mesh=mesh,
-        **_metrics_options(),
-    )
+    trainer = _mesh_trainer(f"{directory}/mesh", mesh, replicas=2)
     trainer.train()
     metrics = trainer.evaluate()
     trainer.save_model(f"{directory}/mesh-model")
@@ -218,6 +205,24 @@ def _mesh_run(rank, world, directory):
     sft.train()
     sft_logs = _logs(sft, (*LOGGED, *SFT_METRICS)), sft.evaluate()
     return _logs(trainer), metrics, trainer.state.train_batch_size, sft_logs
+
+
+def _mesh_trainer(out: str, mesh, replicas: int):
+    """``px.PipelineTrainer`` on ``mesh`` with :func:`_reference`'s model, data and arguments,
+    its global batch of 4 rows (eval 8) over ``replicas``, with ``compute_metrics``."""
+    torch.manual_seed(0)
+    model, layer_cls = llama()
+    rows = dict(per_device_train_batch_size=4 // replicas, per_device_eval_batch_size=8 // replicas)
+    return px.PipelineTrainer(
+        model=model,
+        args=_args(out, **rows),
+        train_dataset=_Rows(4, seed=100),
+        eval_dataset=_eval_rows(),
+        layer_cls=layer_cls,
+        pipeline=px.PipelineConfig(num_microbatches=2),
+        mesh=mesh,
+        **_metrics_options(),
+    )
 
 
 def _mesh_sft_args(out: str, replicas: int):
