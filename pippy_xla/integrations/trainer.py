@@ -975,7 +975,8 @@ def _logits_everywhere(self, logits, labels, rows: int, length: int | None):
 
     pipe = self.pipe
     if pipe.is_last:
-        logits, labels = logits[:, :length], None if labels is None else labels[:, :length]
+        if length is not None:  # the tokens _whole_chunks added, dropped
+            logits, labels = logits[:, :length], None if labels is None else labels[:, :length]
         if self._preprocess_on_last is not None:
             share = labels.chunk(pipe.dp_size)[pipe.dp_rank] if labels is not None else None
             logits = self._preprocess_on_last(logits, share)
