@@ -17,7 +17,8 @@ if ! command -v cmake >/dev/null; then
 fi
 build=build/cmake
 torch_prefix="$(python -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')"
-cmake -S . -B "$build" -DCMAKE_PREFIX_PATH="$torch_prefix" -DCMAKE_BUILD_TYPE=Release >/dev/null
+# Debug: unoptimized, assertions on; a third less compiling than Release (docs/cpp.md).
+cmake -S . -B "$build" -DCMAKE_PREFIX_PATH="$torch_prefix" -DCMAKE_BUILD_TYPE=Debug >/dev/null
 if ! grep -q "^PIPPY_XLA_HAVE_GTEST:INTERNAL=\(1\|TRUE\|ON\)$" "$build/CMakeCache.txt"; then
   echo "C++ tests skipped: GoogleTest is not installed (Debian: apt-get install libgtest-dev)"
   exit 0
