@@ -28,13 +28,25 @@ if _isa and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     )
 
 
+TRAINER_MODULES = (
+    "transformers.trainer",
+    "trl.trainer.sft_trainer",
+    "trl.trainer.grpo_trainer",
+    "trl.trainer.dpo_trainer",
+)
+"""HF's Trainer and TRL's trainers, which the Trainer tests' ranks build: 1.2 CPU-s of imports a
+process, paid once by the forkserver instead of by each of some 60 ranks."""
+
+
 def pytest_collection_finish(session):
     """The ranks' forkserver imports the tests' helpers and every collected test module once,
-    before its first fork, instead of each rank importing them (``pippy_xla.testing.preload``)."""
+    before its first fork, instead of each rank importing them (``pippy_xla.testing.preload``);
+    the trainers' modules too where the Trainer's tests are collected."""
     from pippy_xla.testing import preload
 
-    modules = {getattr(item, "module", None) for item in session.items}
-    preload("models", "inductor_warm", *sorted(m.__name__ for m in modules if m is not None))
+    names = sorted({item.module.__name__ for item in session.items if hasattr(item, "module")})
+    trainers = TRAINER_MODULES if "test_trainer" in names else ()
+    preload("models", "inductor_warm", *trainers, *names)
 
 
 def pytest_report_header(config):
