@@ -105,16 +105,29 @@ def stage_forward(
             return []
         loss = loss_fn(out[0], labels[mb], num_items)
         if stages[last].added_loss:
-            added = out[1] * added_scale
-            if added_grad_scale is not None:  # the value's weight, the gradient's own
-                added = added + (out[1] - out[1].detach()) * (added_grad_scale - added_scale)
-            loss = loss + added
-            if added_losses is not None:
-                added_losses[mb] = added.detach()
+            loss = loss + _added(out[1], added_scale, added_grad_scale, added_losses, mb)
         losses[mb] = loss.detach()
         return [loss]
 
     return forward
+
+
+def _added(
+    term: torch.Tensor,
+    scale: float,
+    grad_scale: float | None,
+    added_losses: dict[int, torch.Tensor] | None,
+    mb: int,
+) -> torch.Tensor:
+    """The model's added ``term`` weighted ``scale`` in microbatch ``mb``'s loss, its gradient
+    weighted ``grad_scale`` where given (see :func:`stage_forward`), recorded detached in
+    ``added_losses``."""
+    added = term * scale
+    if grad_scale is not None:  # the value's weight, the gradient's own
+        added = added + (term - term.detach()) * (grad_scale - scale)
+    if added_losses is not None:
+        added_losses[mb] = added.detach()
+    return added
 
 
 TokenSum = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -326,18 +339,10 @@ class StepRunner:
     def __init__(
         self, built: BuiltPipeline, config: PipelineConfig, failures: FailureState
     ) -> None:
-        self.place = built.place
-        self.config = config
-        self.failures = failures
-        self.stages = built.stages
-        self.runners = built.runners
-        self.train_engine = built.train_engine
-        self.eval_engine = built.eval_engine
-        self.ties = built.ties
-        self.dp = built.dp
-        self.tp = built.tp
-        self.ep = built.ep
-        self.cp = built.place.cp
+        self.place, self.config, self.failures = built.place, config, failures
+        self.stages, self.runners, self.ties = built.stages, built.runners, built.ties
+        self.train_engine, self.eval_engine = built.train_engine, built.eval_engine
+        self.dp, self.tp, self.ep, self.cp = built.dp, built.tp, built.ep, built.place.cp
         if self.cp is not None:  # [Note: pipeline x context parallel]
             self.cp.attach([self.stages[i].module for i in self.runners])
         self.watch = built.compile_watch

@@ -301,19 +301,7 @@ class ExpertParallel:
         self._device = str(device)
         self._dp_group_name = groups.dp_group.group_name
         self._dp_rank, self._dp_size = groups.dp_rank, groups.dp_size
-        everyone = _C.all_gather_int64(
-            [build_key],
-            self._dp_group_name,
-            self._device,
-            timeout_ms,
-            f"[replica {groups.dp_rank}] expert-parallel build handshake",
-        )
-        if any(k != [build_key] for k in everyone):
-            raise RuntimeError(
-                f"[replica {groups.dp_rank}] the pipeline replicas built different pipelines "
-                "(model, layer ranges, schedule, microbatches, inputs or expert_parallel "
-                "differ); every rank must wrap the same model with the same arguments"
-            )
+        self._agree_on(build_key)
         dense = groups.dp_mesh
         if groups.tp_mesh is not None:  # the stage's dp x tp ranks, tp inner
             dims = (*groups.dp_mesh.mesh_dim_names, *groups.tp_mesh.mesh_dim_names)
@@ -345,6 +333,23 @@ class ExpertParallel:
                 model, self.layout.ep_mesh, mine, self.layout.batch_mesh
             )
         self._efsdp_name = self.layout.efsdp_mesh.get_group().group_name
+
+    def _agree_on(self, build_key: int) -> None:
+        """Checks that every replica built the same pipeline (``build_key``, its digest), before
+        any expert is exchanged."""
+        everyone = _C.all_gather_int64(
+            [build_key],
+            self._dp_group_name,
+            self._device,
+            self._timeout_ms,
+            f"[replica {self._dp_rank}] expert-parallel build handshake",
+        )
+        if any(k != [build_key] for k in everyone):
+            raise RuntimeError(
+                f"[replica {self._dp_rank}] the pipeline replicas built different pipelines "
+                "(model, layer ranges, schedule, microbatches, inputs or expert_parallel "
+                "differ); every rank must wrap the same model with the same arguments"
+            )
 
     def _start(self, experts: Sequence[nn.Module]) -> None:
         """Every replica cuts its experts out of the first replica's (see the note's Start): the
