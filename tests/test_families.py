@@ -1,7 +1,8 @@
 """Every model family of the test registry trains equal to one process (loss and every gradient,
 two AdamW steps), on 2 ranks and on 4, with each rank under its own ``PYTHONHASHSEED`` (as under
-torchrun); the families table of docs/families.md is this test's output. Traces do not depend on
-the hash seed (Olmo 3 iterates over a set)."""
+torchrun); the families table of docs/families.md is this test's output. That traces do not
+depend on the hash seed (Olmo 3 iterates over a set) is also checked in processes of their own
+(``test_compile.test_fingerprints_and_traces_identical_across_processes_and_seeds``)."""
 
 from __future__ import annotations
 
