@@ -40,6 +40,21 @@ def test_the_declared_range_is_the_tested_range():
     assert all(v in spec for v in compat), (compat, spec)
 
 
+@pytest.mark.parametrize("package", ["peft", "trl"])
+def test_peft_and_trl_are_declared_up_to_the_release_ci_tests(package):
+    """Every requirement of ``package`` in ``pyproject.toml``'s extras admits the release
+    ``scripts/setup.sh`` installs, and no later minor release (PEFT 0.22 came out untested)."""
+    (pinned,) = re.findall(rf'"{package}==([\d.]+)"', (ROOT / "scripts" / "setup.sh").read_text())
+    pinned = Version(pinned)
+    found = re.findall(rf'"({package}[<>=!~][^"]*)"', (ROOT / "pyproject.toml").read_text())
+    assert found, package
+    for dep in found:
+        spec = Requirement(dep).specifier
+        upper = [Version(s.version) for s in spec if s.operator == "<"]
+        assert pinned in spec and upper, (dep, pinned)
+        assert upper[0].release[:2] == (pinned.major, pinned.minor + 1), (dep, pinned)
+
+
 def test_the_installed_metadata_declares_that_range():
     assert hf_compat.tested_releases() == str(_declared())
 
