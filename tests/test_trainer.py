@@ -876,8 +876,33 @@ def _rows(train: int, evaluation: int) -> dict:
 GRPO_LOGGED = ("loss", "grad_norm", "learning_rate", "reward", "reward_std", "entropy", "kl")
 
 
+def _rloo(trainer_cls, out: str, **options):
+    """TRL's ``RLOOTrainer`` (or its pipelined class) on the tiny Llama in fp32, as
+    :func:`_grpo`'s whole model: 4 prompts a step, 2 completions each, accumulation 2; without
+    a KL term (``beta=0``: TRL would load the reference from the model's hub id)."""
+    from trl import RLOOConfig
+
+    torch.manual_seed(0)
+    model, _ = llama()
+    args = RLOOConfig(
+        **_options(out, max_steps=3, bf16=False, **_rows(4, 4)),
+        num_generations=2,
+        max_completion_length=5,
+        temperature=0.8,
+        beta=0.0,
+    )
+    return trainer_cls(
+        model=model,
+        reward_funcs=_even_tokens,
+        args=args,
+        train_dataset=_prompts(),
+        processing_class=_tokenizer(),
+        **options,
+    )
+
+
 def _grpo_run(rank, world, directory):
-    from trl import GRPOTrainer
+    from trl import GRPOTrainer, RLOOTrainer
 
     runs = {}
     for lora in (False, True):
@@ -892,7 +917,10 @@ def _grpo_run(rank, world, directory):
         metrics = trainer.evaluate()
         trainer.save_model(f"{directory}/model{lora}")
         runs[lora] = _logs(trainer, GRPO_LOGGED), metrics
-    return runs
+    options = dict(layer_cls=llama()[1], pipeline=px.PipelineConfig(num_microbatches=2))
+    rloo = _rloo(px.pipelined(RLOOTrainer), f"{directory}/rloo", **options)
+    rloo.train()
+    return runs, _logs(rloo, GRPO_LOGGED[:5])
 
 
 def _saved(directory) -> dict:
@@ -910,8 +938,10 @@ def test_trl_grpo_generates_on_the_pipeline_and_trains_as_trl_in_one_process(tmp
     on the pipeline that trains, rewarded, and its loss (computed outside the model) trained
     through the pipeline in a second pass (see [Note: a trainer's own loss on the pipeline]):
     the same rewards (the same sampled tokens), losses, grad norms, KL to the reference, eval
-    loss and saved weights (or adapter) as TRL in one process with the same seed."""
-    from trl import GRPOTrainer
+    loss and saved weights (or adapter) as TRL in one process with the same seed. TRL's
+    ``RLOOTrainer`` too (issue 73 item 5), in the same ranks: its rewards, losses and grad
+    norms."""
+    from trl import GRPOTrainer, RLOOTrainer
 
     want = {}
     for lora in (False, True):
@@ -919,7 +949,15 @@ def test_trl_grpo_generates_on_the_pipeline_and_trains_as_trl_in_one_process(tmp
         reference.train()
         want[lora] = _logs(reference, GRPO_LOGGED), reference.evaluate()
         reference.save_model(str(tmp_path / f"reference{lora}"))
-    for runs in run_ranks(2, _grpo_run, str(tmp_path), timeout=300):
+    rloo = _rloo(RLOOTrainer, str(tmp_path / "rloo_reference"))
+    rloo.train()
+    rloo_want = _logs(rloo, GRPO_LOGGED[:5])
+    assert len(rloo_want) == 3 and all(ref["grad_norm"] > 0 for ref in rloo_want)
+    for runs, rloo_logs in run_ranks(2, _grpo_run, str(tmp_path), timeout=300):
+        assert [got["reward"] for got in rloo_logs] == [ref["reward"] for ref in rloo_want]
+        for got, ref in zip(rloo_logs, rloo_want, strict=True):
+            for k in ("loss", "grad_norm", "learning_rate", "reward_std"):
+                assert got[k] == pytest.approx(ref[k], rel=1e-4, abs=1e-7), (k, got, ref)
         for lora, (logs, metrics) in runs.items():
             ref_logs, ref_metrics = want[lora]
             assert len(logs) == len(ref_logs) == 3
