@@ -1015,25 +1015,75 @@ def _dpo(trainer_cls, out: str, **options):
     )
 
 
+def _kto(trainer_cls, out: str, **options):
+    """TRL's ``KTOTrainer`` with LoRA: :func:`_preferences`' completions unpaired, each chosen
+    one desirable and each rejected one not."""
+    from datasets import Dataset
+    from trl import KTOConfig
+
+    torch.manual_seed(0)
+    model, _ = llama()
+    rows = [
+        {"prompt": r["prompt"], "completion": r[kind], "label": kind == "chosen"}
+        for r in _preferences()
+        for kind in ("chosen", "rejected")
+    ]
+    return trainer_cls(
+        model=model,
+        args=KTOConfig(**_options(out, max_steps=3, bf16=False)),
+        train_dataset=Dataset.from_list(rows),
+        processing_class=_tokenizer(),
+        peft_config=_sft_config(),
+        **options,
+    )
+
+
+def _reward(trainer_cls, out: str, **options):
+    """TRL's ``RewardTrainer`` on the tiny Llama as a sequence classifier of one label (its
+    own loss, HF's, is not the pipeline's: the trainer's is computed from the rewards)."""
+    from transformers import LlamaForSequenceClassification
+    from trl import RewardConfig
+
+    config = llama()[0].config
+    config.num_labels, config.pad_token_id = 1, _tokenizer().pad_token_id
+    torch.manual_seed(0)
+    return trainer_cls(
+        model=LlamaForSequenceClassification(config),
+        args=RewardConfig(**_options(out, max_steps=3, bf16=False)),
+        train_dataset=_preferences(),
+        processing_class=_tokenizer(),
+        **options,
+    )
+
+
 OWN_LOGGED = {
     "dft": ("loss", "grad_norm", "entropy", "mean_token_accuracy"),
     "dpo": ("loss", "grad_norm", "rewards/margins", "rewards/accuracies", "logps/chosen"),
+    "kto": ("loss", "grad_norm", "learning_rate"),
+    "reward": ("loss", "grad_norm", "learning_rate"),
 }
+TRAINERS = {
+    "dpo": (_dpo, "DPOTrainer"),
+    "kto": (_kto, "KTOTrainer"),
+    "reward": (_reward, "RewardTrainer"),
+}
+"""TRL's trainers with their own losses that the test runs beside SFT's ``dft``."""
 
 
 def _own_losses_run(rank, world, directory):
-    from trl import DPOTrainer
+    import trl
 
-    dft = _pipelined_sft(_dft_args(f"{directory}/dft"), _sft_data())
-    dpo = _dpo(
-        px.pipelined(DPOTrainer),
-        f"{directory}/dpo",
-        layer_cls=llama()[1],
-        pipeline=px.PipelineConfig(num_microbatches=2),
-    )
-    for trainer in (dft, dpo):
+    trainers = {"dft": _pipelined_sft(_dft_args(f"{directory}/dft"), _sft_data())}
+    for kind, (make, name) in TRAINERS.items():
+        trainers[kind] = make(
+            px.pipelined(getattr(trl, name)),
+            f"{directory}/{kind}",
+            layer_cls=llama()[1],
+            pipeline=px.PipelineConfig(num_microbatches=2),
+        )
+    for trainer in trainers.values():
         trainer.train()
-    return {"dft": _logs(dft, OWN_LOGGED["dft"]), "dpo": _logs(dpo, OWN_LOGGED["dpo"])}
+    return {kind: _logs(trainer, OWN_LOGGED[kind]) for kind, trainer in trainers.items()}
 
 
 def test_trl_trainers_with_their_own_losses_log_as_trl_does(tmp_path):
@@ -1041,15 +1091,19 @@ def test_trl_trainers_with_their_own_losses_log_as_trl_does(tmp_path):
     weighted by its probability) and ``DPOTrainer`` with LoRA run TRL's ``compute_loss`` on the
     pipeline's outputs (see [Note: a trainer's own loss on the pipeline]): the same losses,
     grad norms and TRL's metrics (entropy, token accuracy; DPO's reward margins and accuracies,
-    the chosen completions' log-probabilities) as TRL in one process."""
-    from trl import DPOTrainer
+    the chosen completions' log-probabilities) as TRL in one process. TRL's ``KTOTrainer`` with
+    LoRA and ``RewardTrainer`` (a sequence classifier) too (issue 73 item 5): losses and grad
+    norms."""
+    import trl
 
-    dft = _sft_reference(_dft_args(str(tmp_path / "dft")), _sft_data())
-    dpo = _dpo(DPOTrainer, str(tmp_path / "dpo"))
-    for reference in (dft, dpo):
+    references = {"dft": _sft_reference(_dft_args(str(tmp_path / "dft")), _sft_data())}
+    for kind, (make, name) in TRAINERS.items():
+        references[kind] = make(getattr(trl, name), str(tmp_path / kind))
+    for reference in references.values():
         reference.train()
-    want = {"dft": _logs(dft, OWN_LOGGED["dft"]), "dpo": _logs(dpo, OWN_LOGGED["dpo"])}
+    want = {kind: _logs(ref, OWN_LOGGED[kind]) for kind, ref in references.items()}
     assert any(h["rewards/margins"] != 0 for h in want["dpo"])
+    assert all(h["grad_norm"] > 0 for kind in ("kto", "reward") for h in want[kind])
     for runs in run_ranks(2, _own_losses_run, str(tmp_path), timeout=300):
         for kind, logs in runs.items():
             assert len(logs) == len(want[kind]) == 3

@@ -380,6 +380,11 @@ def _init(self, *args, layer_cls=None, pipeline=None, mesh=None, **kwargs) -> No
         self.data_collator = _PackedRows(self.data_collator)
         names = tuple(n for n in config.input_names if n != "attention_mask")
         config = dataclasses.replace(config, input_names=(*names, "position_ids"))
+    if not _own_loss(self) and config.loss_fn is None:
+        # The trainer's loss is computed from the model's outputs, each step's through
+        # ModelCalls: the model's own loss is never the pipeline's, so a model whose own loss the
+        # pipeline does not take (a sequence classifier's: TRL's RewardTrainer) builds too.
+        config = dataclasses.replace(config, loss_fn=_no_loss, num_items_fn=_no_loss)
     self.pipe = PipelineModel(self.model, layer_cls=layer_cls, config=config, mesh=mesh)
     # HF's Trainer adds the model's own extra terms (an MoE router's loss) over each batch.
     self.pipe.added_over_batch = _own_loss(self)
@@ -392,6 +397,12 @@ def _init(self, *args, layer_cls=None, pipeline=None, mesh=None, **kwargs) -> No
     self._stages = _Stages(self.pipe, self.model, self._calls)
     self._prepare_loaders_unsharded()
     _seed_per_replica(self)
+
+
+def _no_loss(*_: Any) -> torch.Tensor:
+    """The pipeline's loss for a trainer whose loss is its own: never run (each step's loss is
+    the one :class:`ModelCalls` sets)."""
+    raise RuntimeError("a trainer with its own loss ran the pipeline without ModelCalls' loss")
 
 
 def _own_loss(trainer) -> bool:
