@@ -845,25 +845,32 @@ def _grpo(trainer_cls, out: str, lora: bool, replicas: int = 1, **options):
     sharing those rows."""
     from trl import GRPOConfig
 
-    torch.manual_seed(0)
-    model, _ = llama()
     variant = dict(num_iterations=2, loss_type="bnpo")
     if lora:
         variant = dict(beta=0.1)
         options["peft_config"] = _sft_config()
-    args = GRPOConfig(
-        **_options(out, max_steps=3, bf16=False, **_rows(4 // replicas, 4 // replicas)),
-        num_generations=2,
-        max_completion_length=5,
-        temperature=0.8,
-        **variant,
-    )
+    rows = _rows(4 // replicas, 4 // replicas)
+    options["eval_dataset"] = _prompts().select(range(4))
+    return _sampling(trainer_cls, GRPOConfig(**_sampled(out, rows), **variant), **options)
+
+
+def _sampled(out: str, rows: dict) -> dict:
+    """The arguments of :func:`_grpo` and :func:`_rloo`: 3 steps in fp32, 2 completions of 5
+    tokens per prompt, sampled at temperature 0.8."""
+    options = _options(out, max_steps=3, bf16=False, **rows)
+    return dict(options, num_generations=2, max_completion_length=5, temperature=0.8)
+
+
+def _sampling(trainer_cls, args, **options):
+    """``trainer_cls`` (TRL's ``GRPOTrainer`` or ``RLOOTrainer``, or its pipelined class) on the
+    tiny Llama, rewarded by :func:`_even_tokens` on :func:`_prompts`."""
+    torch.manual_seed(0)
+    model, _ = llama()
     return trainer_cls(
         model=model,
         reward_funcs=_even_tokens,
         args=args,
         train_dataset=_prompts(),
-        eval_dataset=_prompts().select(range(4)),
         processing_class=_tokenizer(),
         **options,
     )
@@ -882,23 +889,7 @@ def _rloo(trainer_cls, out: str, **options):
     a KL term (``beta=0``: TRL would load the reference from the model's hub id)."""
     from trl import RLOOConfig
 
-    torch.manual_seed(0)
-    model, _ = llama()
-    args = RLOOConfig(
-        **_options(out, max_steps=3, bf16=False, **_rows(4, 4)),
-        num_generations=2,
-        max_completion_length=5,
-        temperature=0.8,
-        beta=0.0,
-    )
-    return trainer_cls(
-        model=model,
-        reward_funcs=_even_tokens,
-        args=args,
-        train_dataset=_prompts(),
-        processing_class=_tokenizer(),
-        **options,
-    )
+    return _sampling(trainer_cls, RLOOConfig(**_sampled(out, _rows(4, 4)), beta=0.0), **options)
 
 
 def _grpo_run(rank, world, directory):
