@@ -33,6 +33,9 @@ TRAINER_MODULES = (
     "trl.trainer.sft_trainer",
     "trl.trainer.grpo_trainer",
     "trl.trainer.dpo_trainer",
+    "trl.trainer.rloo_trainer",
+    "trl.trainer.kto_trainer",
+    "trl.trainer.reward_trainer",
 )
 """HF's Trainer and TRL's trainers, which the Trainer tests' ranks build: 1.2 CPU-s of imports a
 process, paid once by the forkserver instead of by each of some 60 ranks."""
